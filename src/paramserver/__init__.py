@@ -1,0 +1,44 @@
+"""paramserver: parameter-server training for PyTorch.
+
+Public API::
+
+    ctx = paramserver.init()                       # join the cluster (or run one in-process)
+    opt = paramserver.optim.Adam(model.parameters(), lr=1e-3)
+    paramserver.Trainer(model, opt, loss_fn).fit(loader, epochs=5)
+
+Torch-dependent names load on first use, so a PS process never imports torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from .config import ClusterSpec, NodeConfig, Options, Task
+from .errors import (ConfigError, DeadlineExceededError, FailedPreconditionError, InvalidArgumentError,
+                     MalformedFrameError, NotFoundError, NotInitializedError, ParamServerError,
+                     ProtocolVersionError, UnavailableError)
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "init": ("paramserver.worker.context", "init"),
+    "Context": ("paramserver.worker.context", "Context"),
+    "current_context": ("paramserver.worker.context", "current_context"),
+    "Trainer": ("paramserver.worker.trainer", "Trainer"),
+    "EpochMetrics": ("paramserver.worker.trainer", "EpochMetrics"),
+    "optim": ("paramserver.optim", None),
+}
+
+__all__ = ["init", "Context", "current_context", "Trainer", "EpochMetrics", "optim", "ClusterSpec",
+           "NodeConfig", "Options", "Task", "ParamServerError", "InvalidArgumentError", "MalformedFrameError",
+           "NotFoundError", "FailedPreconditionError", "ProtocolVersionError", "UnavailableError",
+           "DeadlineExceededError", "ConfigError", "NotInitializedError"]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'paramserver' has no attribute {name!r}")
+    module_name, attr = _LAZY[name]
+    module = importlib.import_module(module_name)
+    return module if attr is None else getattr(module, attr)

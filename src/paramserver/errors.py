@@ -1,0 +1,81 @@
+"""Typed errors of paramserver and their mapping to gRPC status codes.
+
+Every error a caller can see is a subclass of :class:`ParamServerError`. Each class
+carries the gRPC status code it travels as, so that a client rebuilds the same class
+from the status code alone (never from the message text).
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class ParamServerError(Exception):
+    """Base class of every paramserver error."""
+
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+
+class InvalidArgumentError(ParamServerError):
+    """A request is wrong in itself: bad shape, dtype, non-finite value, bad option."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class MalformedFrameError(InvalidArgumentError):
+    """A binary frame could not be decoded."""
+
+
+class NotFoundError(ParamServerError):
+    """A named variable or table does not exist on the shard."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class FailedPreconditionError(ParamServerError):
+    """The request conflicts with the shard's state (e.g. a variable registered with another shape)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class ProtocolVersionError(FailedPreconditionError):
+    """The peer speaks a protocol version this node does not understand."""
+
+
+class UnavailableError(ParamServerError):
+    """A parameter server cannot be reached."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class DeadlineExceededError(UnavailableError):
+    """A call did not complete before its deadline."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class ConfigError(ParamServerError):
+    """The cluster or node configuration is invalid. Raised before any node starts."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class NotInitializedError(ParamServerError):
+    """An API that needs a cluster was used before :func:`paramserver.init`."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+_BY_CODE: dict[grpc.StatusCode, type[ParamServerError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
+    grpc.StatusCode.NOT_FOUND: NotFoundError,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPreconditionError,
+    grpc.StatusCode.UNAVAILABLE: UnavailableError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
+}
+
+
+def error_for_status(code: grpc.StatusCode, message: str) -> ParamServerError:
+    """The typed error a client raises for a failed call with this status code."""
+    cls = _BY_CODE.get(code, ParamServerError)
+    return cls(f"{message} [{code.name}]")

@@ -1,0 +1,93 @@
+"""The progress channel between a worker and `paramserver run`.
+
+A worker writes JSON lines to a file descriptor the launcher gave it:
+``{"worker": i, "steps": n, "examples": n, "loss": x, "t": unix_time}`` at most every
+`interval` seconds, and ``{"worker": i, "result": {...}}`` once, for the run's final JSON line.
+The launcher's ProgressBoard aggregates the lines of all workers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from typing import Any
+
+
+class ProgressWriter:
+    """Worker side. Not thread-safe: the training loop calls it. A writer with fd -1 does nothing."""
+
+    def __init__(self, fd: int, worker: int, interval: float = 0.5) -> None:
+        self._file = os.fdopen(fd, "w", buffering=1) if fd >= 0 else None
+        self.worker = worker
+        self.interval = interval
+        self.steps = 0
+        self.examples = 0
+        self.loss: float | None = None
+        self._last_write = 0.0
+
+    def update(self, steps: int = 0, examples: int = 0, loss: float | None = None) -> None:
+        self.steps += steps
+        self.examples += examples
+        if loss is not None:
+            self.loss = loss
+        if self._file and time.monotonic() - self._last_write >= self.interval:
+            self.flush()
+
+    def flush(self) -> None:
+        self._write({"steps": self.steps, "examples": self.examples, "loss": self.loss, "t": time.time()})
+        self._last_write = time.monotonic()
+
+    def result(self, values: dict[str, Any]) -> None:
+        self.flush()
+        self._write({"result": values})
+
+    def _write(self, record: dict[str, Any]) -> None:
+        if self._file:
+            try:
+                self._file.write(json.dumps({"worker": self.worker, **record}) + "\n")
+            except (OSError, ValueError):  # the launcher went away; training goes on
+                self._file = None
+
+
+class ProgressBoard:
+    """Launcher side: the latest line of each worker, and their results. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._latest: dict[int, dict[str, Any]] = {}
+        self._first_t: float | None = None
+        self.results: dict[int, dict[str, Any]] = {}
+        self._window = (time.time(), 0)
+
+    def feed(self, line: str) -> None:
+        try:
+            record = json.loads(line)
+            worker = int(record["worker"])
+        except (ValueError, KeyError, TypeError):
+            return
+        with self._lock:
+            if "result" in record:
+                self.results[worker] = record["result"]
+            else:
+                self._latest[worker] = record
+                if self._first_t is None:
+                    self._first_t = record["t"]
+
+    def totals(self) -> dict[str, Any]:
+        """Summed steps and examples, mean last loss, and examples/s since the previous call."""
+        with self._lock:
+            latest = list(self._latest.values())
+            first_t = self._first_t
+        steps = sum(r["steps"] for r in latest)
+        examples = sum(r["examples"] for r in latest)
+        losses = [r["loss"] for r in latest if r.get("loss") is not None]
+        now = time.time()
+        since, before = self._window
+        self._window = (now, examples)
+        last_t = max((r["t"] for r in latest), default=now)
+        return {"steps": steps, "examples": examples,
+                "loss": sum(losses) / len(losses) if losses else None,
+                "recent_examples_per_s": (examples - before) / max(now - since, 1e-9),
+                "examples_per_s": examples / (last_t - first_t) if first_t and last_t > first_t else 0.0}

@@ -1,0 +1,58 @@
+"""A PS node: one shard served over gRPC, from start until SIGTERM / SIGINT.
+
+On start it prints one line ``PARAMSERVER_READY ps <index> <host:port>`` to stdout; the
+local launcher reads it to learn the port when binding port 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+import time
+
+from ..config import Options
+from ..server.service import ShardService
+from ..server.shard import Shard
+from ..transport.grpc_transport import GrpcServer
+
+log = logging.getLogger(__name__)
+READY_PREFIX = "PARAMSERVER_READY"
+
+
+class PSNode:
+    """Lifecycle: `start()` once, then `stop(grace)` once. `stop` may be called from any thread."""
+
+    def __init__(self, bind: str, index: int, options: Options) -> None:
+        self.index = index
+        self.shard = Shard(index)
+        self.server = GrpcServer(ShardService(self.shard), bind, options.max_message_bytes, options.ps_threads)
+        self.address: str | None = None
+
+    def start(self) -> str:
+        port = self.server.start()
+        host = self.server.bind.rsplit(":", 1)[0]
+        self.address = f"{'127.0.0.1' if host in ('', '[::]', '0.0.0.0') else host}:{port}"
+        log.info("ps %d serving on %s", self.index, self.address)
+        return self.address
+
+    def stop(self, grace: float) -> None:
+        started = time.monotonic()
+        self.server.stop(grace)
+        log.info("ps %d stopped after %d pushes (%.2fs)", self.index, self.shard.version, time.monotonic() - started)
+
+
+def run_ps_node(bind: str, index: int, options: Options, grace: float = 2.0) -> int:
+    """Serve until SIGTERM or SIGINT; returns the process exit code. Call from the main thread."""
+    stopping = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stopping.set())
+    node = PSNode(bind, index, options)
+    address = node.start()
+    print(f"{READY_PREFIX} ps {index} {address}", flush=True)
+    while not stopping.wait(1.0):
+        pass
+    node.stop(grace)
+    sys.stdout.flush()
+    return 0

@@ -1,0 +1,70 @@
+"""The shard service: decode a request frame, call the Shard, encode the reply frame.
+
+Transport-neutral (bytes in, bytes out): the gRPC servicer and the in-process transport
+both call it, so every request crosses the same codec. Errors are raised as typed
+ParamServerError subclasses; the transport turns them into status codes.
+
+Methods (request meta -> reply meta; tensors as named):
+- ``Hello``: {} -> {"shard", "protocol", "version"}
+- ``Register``: {"group", "optimizer"} + initial values -> {"version"} + current values
+- ``PushPull``: {"lr"?: {group: lr}, "pull"?: [names]} + gradients -> {"version"} + values of
+  the pulled names (default: the pushed names). With no gradients it is a plain pull.
+Thread-safe.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from ..errors import MalformedFrameError, NotFoundError
+from ..transport import codec
+from .shard import Shard
+
+
+class ShardService:
+    """Serves one Shard over any transport."""
+
+    def __init__(self, shard: Shard) -> None:
+        self.shard = shard
+        self.methods: dict[str, Callable[[bytes], bytes]] = {
+            "Hello": self.hello, "Register": self.register, "PushPull": self.push_pull}
+
+    def call(self, method: str, payload: bytes) -> bytes:
+        handler = self.methods.get(method)
+        if handler is None:
+            raise NotFoundError(f"shard service has no method {method!r}")
+        return handler(payload)
+
+    def hello(self, payload: bytes) -> bytes:
+        codec.decode(payload)
+        meta = {"shard": self.shard.index, "protocol": [codec.PROTOCOL_MAJOR, codec.PROTOCOL_MINOR],
+                "version": self.shard.version}
+        return codec.encode(meta)
+
+    def register(self, payload: bytes) -> bytes:
+        frame = codec.decode(payload)
+        group = _field(frame.meta, "group", str)
+        optimizer = _field(frame.meta, "optimizer", dict)
+        self.shard.register(group, optimizer, frame.tensors)
+        return self.shard.pull(frame.tensors, _reply)
+
+    def push_pull(self, payload: bytes) -> bytes:
+        frame = codec.decode(payload)
+        lrs = frame.meta.get("lr") or {}
+        names = frame.meta.get("pull")
+        if not isinstance(lrs, dict) or not (names is None or isinstance(names, list)):
+            raise MalformedFrameError("PushPull meta: 'lr' must be an object and 'pull' a list of names")
+        if frame.tensors:
+            self.shard.push(frame.tensors, lrs)
+        return self.shard.pull(frame.tensors if names is None else names, _reply)
+
+
+def _reply(version: int, values: list) -> bytes:
+    return codec.encode({"version": version}, values)
+
+
+def _field(meta: dict[str, Any], key: str, kind: type) -> Any:
+    value = meta.get(key)
+    if not isinstance(value, kind):
+        raise MalformedFrameError(f"request meta needs {key!r} as {kind.__name__}, got {value!r}")
+    return value

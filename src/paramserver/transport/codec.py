@@ -1,0 +1,112 @@
+"""The binary frame every request and reply travels in.
+
+Layout (all integers little-endian)::
+
+    offset 0   4 bytes   magic b"PSFR"
+    offset 4   u16       protocol major version
+    offset 6   u16       protocol minor version
+    offset 8   u32       header length H
+    offset 12  H bytes   header: UTF-8 JSON {"meta": {...}, "tensors": [[name, dtype, shape, offset, nbytes], ...]}
+    then       padding to a multiple of 8, then the data section; each tensor's raw bytes
+               (C order) start at its offset inside the data section, aligned to 8 bytes.
+
+Tensors are never pickled: a decoder only ever builds read-only numpy views over the
+received bytes. A peer with another major version is refused with ProtocolVersionError.
+Stateless and thread-safe.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import numpy as np
+
+from ..errors import MalformedFrameError, ProtocolVersionError
+
+MAGIC = b"PSFR"
+PROTOCOL_MAJOR = 1
+PROTOCOL_MINOR = 0
+_PREFIX = struct.Struct("<4sHHI")
+_ALIGN = 8
+# The dtypes a frame may carry, by their numpy names.
+DTYPES = frozenset({"float32", "float64", "float16", "int64", "int32", "uint8", "bool"})
+
+
+@dataclass
+class Frame:
+    """A decoded frame: free-form metadata plus named read-only arrays."""
+
+    meta: dict[str, Any] = field(default_factory=dict)
+    tensors: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+def _pad(n: int) -> int:
+    return (-n) % _ALIGN
+
+
+def encode(meta: dict[str, Any], tensors: Iterable[tuple[str, np.ndarray]] = (),
+           major: int = PROTOCOL_MAJOR) -> bytes:
+    """Encode metadata and (name, array) pairs into one frame. Arrays are copied once."""
+    entries, buffers, offset = [], [], 0
+    for name, array in tensors:
+        array = np.ascontiguousarray(array)
+        nbytes = array.nbytes
+        entries.append([name, array.dtype.name, list(array.shape), offset, nbytes])
+        buffers.append(memoryview(array).cast("B") if nbytes else b"")
+        pad = _pad(nbytes)
+        if pad:
+            buffers.append(b"\0" * pad)
+        offset += nbytes + pad
+    header = json.dumps({"meta": meta, "tensors": entries}, separators=(",", ":")).encode()
+    prefix = _PREFIX.pack(MAGIC, major, PROTOCOL_MINOR, len(header))
+    head_pad = b"\0" * _pad(len(prefix) + len(header))
+    return b"".join([prefix, header, head_pad, *buffers])
+
+
+def decode(payload: bytes) -> Frame:
+    """Decode a frame, validating every length and dtype. Raises MalformedFrameError."""
+    if len(payload) < _PREFIX.size:
+        raise MalformedFrameError(f"frame of {len(payload)} bytes is shorter than its {_PREFIX.size}-byte prefix")
+    magic, major, _minor, header_len = _PREFIX.unpack_from(payload)
+    if magic != MAGIC:
+        raise MalformedFrameError(f"frame does not start with {MAGIC!r} (got {magic!r})")
+    if major != PROTOCOL_MAJOR:
+        raise ProtocolVersionError(
+            f"peer speaks protocol {major}.x, this node speaks {PROTOCOL_MAJOR}.{PROTOCOL_MINOR}")
+    header_end = _PREFIX.size + header_len
+    if header_end > len(payload):
+        raise MalformedFrameError(f"header length {header_len} runs past the frame's {len(payload)} bytes")
+    try:
+        header = json.loads(bytes(payload[_PREFIX.size:header_end]))
+        meta, entries = header["meta"], header["tensors"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise MalformedFrameError(f"frame header is not valid: {exc}") from None
+    if not isinstance(meta, dict) or not isinstance(entries, list):
+        raise MalformedFrameError("frame header must hold a 'meta' object and a 'tensors' list")
+    data = memoryview(payload)[header_end + _pad(header_end):]
+    return Frame(meta, {entry[0]: _tensor(entry, data) for entry in map(_check_entry, entries)})
+
+
+def _check_entry(entry: Any) -> list:
+    ok = (isinstance(entry, list) and len(entry) == 5 and isinstance(entry[0], str)
+          and entry[1] in DTYPES and isinstance(entry[2], list)
+          and all(isinstance(d, int) and d >= 0 for d in entry[2])
+          and all(isinstance(v, int) and v >= 0 for v in entry[3:5]))
+    if not ok:
+        raise MalformedFrameError(f"bad tensor entry in frame header: {str(entry)[:200]}")
+    return entry
+
+
+def _tensor(entry: list, data: memoryview) -> np.ndarray:
+    name, dtype_name, shape, offset, nbytes = entry
+    dtype = np.dtype(dtype_name)
+    if math.prod(shape) * dtype.itemsize != nbytes:
+        raise MalformedFrameError(f"tensor {name!r}: shape {shape} of {dtype_name} is not {nbytes} bytes")
+    if offset + nbytes > len(data):
+        raise MalformedFrameError(f"tensor {name!r}: bytes {offset}..{offset + nbytes} run past the frame")
+    array = np.frombuffer(data, dtype=dtype, count=math.prod(shape), offset=offset)
+    return array.reshape(shape)

@@ -1,0 +1,97 @@
+"""gRPC glue: serve a ShardService, and call one with deadlines and typed errors.
+
+Payloads are raw frame bytes (no protobuf), sent through gRPC's generic handlers under
+the service name ``paramserver.Shard``.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent import futures
+from concurrent.futures import Future
+
+import grpc
+
+from ..errors import ParamServerError, UnavailableError, error_for_status
+from ..server.service import ShardService
+from .channel import CallHandle
+
+log = logging.getLogger(__name__)
+SERVICE = "paramserver.Shard"
+
+
+def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes)]
+
+
+class GrpcServer:
+    """A gRPC server exposing one ShardService.
+
+    Lifecycle: `start()` binds and returns the port, then `stop(grace)` once.
+    """
+
+    def __init__(self, service: ShardService, bind: str, max_message_bytes: int, threads: int = 8) -> None:
+        self.service = service
+        self.bind = bind
+        self.port: int | None = None
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ps-rpc"),
+            options=channel_options(max_message_bytes))
+        handlers = {name: grpc.unary_unary_rpc_method_handler(self._handler(name)) for name in service.methods}
+        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+
+    def _handler(self, method: str):
+        def handle(request: bytes, context: grpc.ServicerContext) -> bytes:
+            try:
+                return self.service.call(method, request)
+            except ParamServerError as exc:
+                log.warning("%s refused from %s: %s", method, context.peer(), exc)
+                context.abort(exc.code, str(exc))
+            except Exception:  # a bug: report it to the caller and keep serving
+                log.exception("%s failed", method)
+                context.abort(grpc.StatusCode.INTERNAL, f"{method} failed on the server; see its log")
+        return handle
+
+    def start(self) -> int:
+        self.port = self._server.add_insecure_port(self.bind)
+        if not self.port:
+            raise UnavailableError(f"cannot bind {self.bind}")
+        self._server.start()
+        return self.port
+
+    def stop(self, grace: float) -> None:
+        self._server.stop(grace).wait(grace + 1)
+
+
+class GrpcChannel:
+    """A ShardChannel over gRPC to `address` ("host:port"). Thread-safe."""
+
+    def __init__(self, address: str, max_message_bytes: int) -> None:
+        self.address = address
+        self._channel = grpc.insecure_channel(address, options=channel_options(max_message_bytes))
+        self._methods: dict[str, grpc.UnaryUnaryMultiCallable] = {}
+
+    def call(self, method: str, payload: bytes, timeout: float) -> CallHandle:
+        stub = self._methods.get(method)
+        if stub is None:
+            stub = self._methods[method] = self._channel.unary_unary(f"/{SERVICE}/{method}")
+        result: Future = Future()
+        call = stub.future(payload, timeout=timeout)
+        call.add_done_callback(lambda done: self._settle(done, result, method))
+        return CallHandle(result, f"{self.address} {method}")
+
+    def _settle(self, call: grpc.Future, result: Future, method: str) -> None:
+        try:
+            result.set_result(call.result())
+        except grpc.RpcError as exc:
+            result.set_exception(error_for_status(exc.code(), f"{self.address} {method}: {exc.details()}"))
+
+    def wait_ready(self, timeout: float) -> None:
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            raise UnavailableError(f"parameter server {self.address} not reachable within {timeout:.1f}s") from None
+
+    def close(self) -> None:
+        self._channel.close()

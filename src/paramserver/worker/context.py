@@ -1,0 +1,123 @@
+"""`paramserver.init()`: join the cluster this process belongs to, and the Context it returns.
+
+Where the configuration comes from, in order: the argument; the config of the
+`paramserver node` command running this script; TF_CONFIG in the environment; and, when
+there is none, an in-process cluster (shards in this process, no network) so that a plain
+`python script.py` runs and can be stepped through in a debugger.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .. import config as config_mod
+from ..client.ps_client import PSClient
+from ..config import NodeConfig, Options
+from ..errors import NotInitializedError
+from ..progress import ProgressWriter
+from ..server.service import ShardService
+from ..server.shard import Shard
+from ..transport.grpc_transport import GrpcChannel
+from ..transport.inprocess import InProcessChannel
+
+log = logging.getLogger(__name__)
+_current: "Context | None" = None
+_launched: NodeConfig | None = None  # set by `paramserver node` before it runs the script
+
+
+@dataclass
+class Context:
+    """This worker's view of the cluster. Use from the training thread."""
+
+    worker_index: int
+    num_workers: int
+    num_ps: int
+    client: PSClient
+    options: Options
+    in_process: bool
+    progress: ProgressWriter
+    _optimizers: int = field(default=0, repr=False)
+
+    @property
+    def is_chief(self) -> bool:
+        """True on the worker that does once-per-job work (worker 0)."""
+        return self.worker_index == 0
+
+    def report(self, examples: int = 0, loss: float | None = None) -> None:
+        """Tell the launcher's progress line about examples trained and the latest loss."""
+        self.progress.update(examples=examples, loss=loss)
+
+    def report_result(self, **values: Any) -> None:
+        """Hand final figures to `paramserver run`, which prints them in its closing JSON line."""
+        self.progress.result(values)
+
+    def next_optimizer_name(self) -> str:
+        """A name for the next optimizer, equal on every worker that creates optimizers in the same order."""
+        name = f"opt{self._optimizers}"
+        self._optimizers += 1
+        return name
+
+    def shutdown(self) -> None:
+        global _current
+        self.progress.flush()
+        self.client.close()
+        if _current is self:
+            _current = None
+
+
+def set_launched_config(config: NodeConfig) -> None:
+    """Called by `paramserver node` so that `init()` in the script uses the node's config."""
+    global _launched
+    _launched = config
+
+
+def current_context() -> Context:
+    if _current is None:
+        raise NotInitializedError("call paramserver.init() before creating a paramserver optimizer")
+    return _current
+
+
+def init(config: NodeConfig | None = None, *, num_ps: int = 1) -> Context:
+    """Join the cluster and return this worker's Context (see the module doc for the sources).
+
+    On a PS task this serves the shard until the node is stopped and then exits the process,
+    so one script can be started unchanged on every node. `num_ps` sets the number of shards
+    of the in-process cluster only.
+    """
+    global _current
+    if _current is not None:
+        return _current
+    config = config or _launched or config_mod.config_from_environ(os.environ)
+    if config is None:
+        _current = _in_process_context(num_ps)
+    elif config.task.type == "ps":
+        from ..server.node import run_ps_node
+        raise SystemExit(run_ps_node(config.address, config.task.index, config.options))
+    else:
+        _current = _cluster_context(config)
+    return _current
+
+
+def _in_process_context(num_ps: int) -> Context:
+    options = Options()
+    channels = [InProcessChannel(ShardService(Shard(i))) for i in range(num_ps)]
+    client = PSClient(channels, options.rpc_timeout_s, options.split_bytes)
+    log.info("no cluster configured: running an in-process cluster with %d shard(s)", num_ps)
+    return Context(0, 1, num_ps, client, options, True, ProgressWriter(-1, 0))
+
+
+def _cluster_context(config: NodeConfig) -> Context:
+    options = config.options
+    if options.torch_threads > 0:
+        torch.set_num_threads(options.torch_threads)
+    channels = [GrpcChannel(address, options.max_message_bytes) for address in config.cluster.ps]
+    client = PSClient(channels, options.rpc_timeout_s, options.split_bytes)
+    client.connect(options.connect_timeout_s)
+    log.info("worker %d of %d joined %d PS", config.worker_index, config.cluster.num_workers, len(channels))
+    return Context(config.worker_index, config.cluster.num_workers, len(channels), client, options, False,
+                   ProgressWriter(options.progress_fd, config.worker_index))

@@ -1,0 +1,159 @@
+"""PS-backed optimizers: drop-in replacements for torch.optim.SGD, Adagrad, Adam and AdamW.
+
+Creating one registers the parameters on the PS (the first worker's initial values win and
+every worker adopts them); `step()` pushes this worker's gradients and writes the PS's new
+values into the parameters, in one round trip per shard. The math runs on the PS
+(paramserver.server.optimizers) and matches torch.optim's.
+
+Not thread-safe: use an optimizer from one training thread, as with torch.optim.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, ClassVar, Iterable
+
+import numpy as np
+import torch
+
+from ..errors import InvalidArgumentError
+from ..server.optimizers import OPTIMIZERS, build_optimizer
+from .context import Context, current_context
+
+log = logging.getLogger(__name__)
+
+
+class PSOptimizer(torch.optim.Optimizer):
+    """Base of the PS-backed optimizers. Subclasses set `kind` (a server optimizer name)."""
+
+    kind: ClassVar[str]
+
+    def __init__(self, params: Iterable, defaults: dict[str, Any], context: Context | None = None) -> None:
+        super().__init__(params, defaults)
+        self.context = context or current_context()
+        self.name = self.context.next_optimizer_name()
+        self._vars: list[tuple[str, torch.Tensor]] = []
+        self._sent_lr: dict[str, float] = {}
+        started = time.monotonic()
+        handles = [self._register_group(i, group) for i, group in enumerate(self.param_groups)]
+        for handle in handles:
+            self._write(handle.wait(self.context.options.rpc_timeout_s)[1])
+        log.info("%s: %d parameters registered on %d PS in %.2fs", self.name, len(self._vars),
+                 self.context.num_ps, time.monotonic() - started)
+
+    def _group_name(self, index: int) -> str:
+        return f"{self.name}.group{index}"
+
+    def _register_group(self, index: int, group: dict[str, Any]):
+        hyper = {k: v for k, v in group.items() if k in OPTIMIZERS[self.kind].defaults}
+        spec = {"name": self.kind, "hyper": hyper}
+        build_optimizer(spec)  # refuse bad arguments here, before anything reaches a PS
+        names = group.get("param_names") or [f"param{len(self._vars) + j}" for j in range(len(group["params"]))]
+        values = {}
+        for name, param in zip(names, group["params"]):
+            if param.dtype != torch.float32:
+                raise InvalidArgumentError(f"parameter {name!r} is {param.dtype}; PS variables are float32")
+            var = f"{self.name}.{name}"
+            values[var] = param.detach().cpu().numpy()
+            self._vars.append((var, param))
+        self._sent_lr[self._group_name(index)] = group["lr"]
+        return self.context.client.register(self._group_name(index), spec, values)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Push the gradients of parameters that have one, then load the PS's current values."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grads = {}
+        for var, param in self._vars:
+            if param.grad is not None:
+                if param.grad.is_sparse:
+                    raise InvalidArgumentError(f"{var}: sparse gradients are not supported for dense variables")
+                grads[var] = param.grad.detach().cpu().numpy()
+        handle = self.context.client.push_pull(grads, [var for var, _ in self._vars], self._changed_lrs())
+        self._write(handle.wait(self.context.options.rpc_timeout_s)[1])
+        self.context.progress.update(steps=1)
+        return loss
+
+    @torch.no_grad()
+    def pull(self) -> None:
+        """Load the PS's current values into the local parameters (before evaluating or saving)."""
+        handle = self.context.client.push_pull({}, [var for var, _ in self._vars])
+        self._write(handle.wait(self.context.options.rpc_timeout_s)[1])
+
+    def _changed_lrs(self) -> dict[str, float]:
+        """Learning rates changed locally (e.g. by an LR scheduler) since they were last sent."""
+        changed = {}
+        for index, group in enumerate(self.param_groups):
+            name = self._group_name(index)
+            if group["lr"] != self._sent_lr[name]:
+                changed[name] = self._sent_lr[name] = group["lr"]
+        return changed
+
+    def _write(self, values) -> None:
+        params = dict(self._vars)
+        for part, array in values:
+            param = params[part.var]
+            target = param.data if part.whole else param.data[part.lo:part.hi]
+            if target.device.type == "cpu":
+                np.copyto(target.numpy(), array)
+            else:
+                target.copy_(torch.from_numpy(np.array(array)), non_blocking=False)
+
+
+class SGD(PSOptimizer):
+    """torch.optim.SGD's arguments and math, applied on the PS."""
+
+    kind = "sgd"
+
+    def __init__(self, params, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
+                 weight_decay: float = 0.0, nesterov: bool = False, *, maximize: bool = False,
+                 foreach: bool | None = None, differentiable: bool = False, fused: bool | None = None,
+                 context: Context | None = None) -> None:
+        super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                                      nesterov=nesterov, maximize=maximize), context)
+
+
+class Adagrad(PSOptimizer):
+    """torch.optim.Adagrad's arguments and math, applied on the PS."""
+
+    kind = "adagrad"
+
+    def __init__(self, params, lr: float = 1e-2, lr_decay: float = 0.0, weight_decay: float = 0.0,
+                 initial_accumulator_value: float = 0.0, eps: float = 1e-10, foreach: bool | None = None, *,
+                 maximize: bool = False, differentiable: bool = False, fused: bool | None = None,
+                 context: Context | None = None) -> None:
+        super().__init__(params, dict(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay, eps=eps,
+                                      initial_accumulator_value=initial_accumulator_value, maximize=maximize),
+                         context)
+
+
+class Adam(PSOptimizer):
+    """torch.optim.Adam's arguments and math, applied on the PS."""
+
+    kind = "adam"
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, amsgrad: bool = False, *, foreach: bool | None = None,
+                 maximize: bool = False, capturable: bool = False, differentiable: bool = False,
+                 fused: bool | None = None, decoupled_weight_decay: bool = False,
+                 context: Context | None = None) -> None:
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                                      amsgrad=amsgrad, maximize=maximize,
+                                      decoupled_weight_decay=decoupled_weight_decay), context)
+
+
+class AdamW(PSOptimizer):
+    """torch.optim.AdamW's arguments and math, applied on the PS."""
+
+    kind = "adamw"
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
+                 foreach: bool | None = None, capturable: bool = False, differentiable: bool = False,
+                 fused: bool | None = None, context: Context | None = None) -> None:
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                                      amsgrad=amsgrad, maximize=maximize), context)

@@ -1,0 +1,91 @@
+"""`Trainer`: a Keras-style `fit` / `evaluate` loop over a PS-backed optimizer."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+
+from .context import Context, current_context
+from .optim import PSOptimizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EpochMetrics:
+    """What one epoch of `fit` did, on this worker."""
+
+    epoch: int
+    steps: int
+    examples: int
+    loss: float
+    wall_s: float
+
+    @property
+    def examples_per_s(self) -> float:
+        return self.examples / self.wall_s if self.wall_s > 0 else 0.0
+
+
+class Trainer:
+    """Runs the training loop of one worker. Not thread-safe; call `fit` from the training thread."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: PSOptimizer,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 context: Context | None = None, verbose: bool = True) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.context = context or current_context()
+        self.verbose = verbose
+        self.steps = 0
+
+    def fit(self, loader: Iterable, epochs: int = 1, steps_per_epoch: int | None = None) -> list[EpochMetrics]:
+        """Train for `epochs`; with `steps_per_epoch`, each epoch takes that many batches, cycling `loader`."""
+        history = []
+        batches = itertools.cycle(loader) if steps_per_epoch else None
+        self.model.train()
+        for epoch in range(1, epochs + 1):
+            source = itertools.islice(batches, steps_per_epoch) if batches else loader
+            history.append(self._epoch(epoch, source))
+            if self.verbose:
+                m = history[-1]
+                print(f"epoch {epoch}/{epochs}: loss={m.loss:.4f} steps={m.steps} "
+                      f"examples/s={m.examples_per_s:,.0f} wall_s={m.wall_s:.2f}", flush=True)
+        return history
+
+    def _epoch(self, epoch: int, batches: Iterable) -> EpochMetrics:
+        started = time.perf_counter()
+        steps = examples = 0
+        loss_sum = 0.0
+        for x, y in batches:
+            self.optimizer.zero_grad()
+            loss = self.loss_fn(self.model(x), y)
+            loss.backward()
+            self.optimizer.step()
+            value = loss.item()
+            steps, examples, loss_sum = steps + 1, examples + len(x), loss_sum + value
+            self.context.report(examples=len(x), loss=value)
+        self.steps += steps
+        return EpochMetrics(epoch, steps, examples, loss_sum / max(steps, 1), time.perf_counter() - started)
+
+    @torch.no_grad()
+    def evaluate(self, loader: Iterable, pull: bool = True) -> dict[str, Any]:
+        """Mean loss and accuracy (for class-index targets) over `loader`, on the PS's current values."""
+        if pull:
+            self.optimizer.pull()
+        self.model.eval()
+        total = correct = 0
+        loss_sum = 0.0
+        for x, y in loader:
+            out = self.model(x)
+            loss_sum += self.loss_fn(out, y).item() * len(x)
+            if out.dim() == 2 and y.dim() == 1:
+                correct += (out.argmax(dim=1) == y).sum().item()
+            total += len(x)
+        self.model.train()
+        return {"loss": loss_sum / max(total, 1), "accuracy": correct / max(total, 1), "examples": total}
