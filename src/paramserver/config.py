@@ -75,7 +75,10 @@ class Options:
     connect_timeout_s: float = 120.0  # how long a worker waits for all PS at start
     max_message_bytes: int = 1 << 30  # largest gRPC message sent or received
     split_bytes: int = 256 * 1024  # variables this large are split along axis 0 across PS
-    ps_threads: int = 8  # request threads of a PS
+    ps_threads: int = 8  # gRPC request threads of a PS
+    stream_port: int = 0  # TCP port of a PS's tensor stream; 0 picks a free one (announced in Hello)
+    use_stream: int = 1  # 1: pushes and pulls travel on the tensor stream; 0: on gRPC
+    shared_memory: int = 1  # 1: a worker on the PS's host passes tensors through shared memory
     torch_threads: int = 0  # intra-op threads of a worker's torch; 0 keeps torch's default
     progress_fd: int = -1  # file descriptor a worker writes progress lines to; -1: none
 

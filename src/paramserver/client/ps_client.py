@@ -34,8 +34,17 @@ class PushPullHandle:
     def done(self) -> bool:
         return all(call.done() for _, call in self.calls)
 
+    def wait_sent(self, timeout: float) -> None:
+        """Return once every request was copied out: the pushed arrays may then change."""
+        deadline = time.monotonic() + timeout
+        for _, call in self.calls:
+            call.wait_sent(max(0.0, deadline - time.monotonic()))
+
     def wait(self, timeout: float) -> tuple[dict[int, int], list[tuple[Part, np.ndarray]]]:
-        """Block until every shard replied; returns ({shard: version}, [(part, values)])."""
+        """Block until every shard replied; returns ({shard: version}, [(part, values)]).
+
+        The values may view transport buffers: consume them before the next call on this client.
+        """
         deadline = time.monotonic() + timeout
         versions, values = {}, []
         for shard, call in self.calls:
@@ -62,12 +71,10 @@ class PSClient:
         return len(self.channels)
 
     def connect(self, timeout: float) -> None:
-        """Wait until every shard answers Hello (this also checks the protocol version)."""
+        """Wait until every shard answered Hello (which also checks the protocol version)."""
         deadline = time.monotonic() + timeout
         for channel in self.channels:
             channel.wait_ready(max(0.1, deadline - time.monotonic()))
-        for call in [c.call("Hello", codec.encode({}), self.rpc_timeout_s) for c in self.channels]:
-            call.wait(self.rpc_timeout_s)
 
     def register(self, group: str, optimizer_spec: dict, values: dict[str, np.ndarray]):
         """Place and register a group of variables; returns the handle of the shards' current values."""
@@ -83,7 +90,7 @@ class PSClient:
         for shard in by_shard:
             self._groups_on.setdefault(shard, set()).add(group)
         calls = [(shard, self.channels[shard].call(
-            "Register", codec.encode({"group": group, "optimizer": optimizer_spec}, tensors), self.rpc_timeout_s))
+            "Register", codec.encode_parts({"group": group, "optimizer": optimizer_spec}, tensors), self.rpc_timeout_s))
             for shard, tensors in sorted(by_shard.items())]
         return PushPullHandle(calls, self._part_by_name)
 
@@ -104,7 +111,7 @@ class PSClient:
             shard_lrs = {g: lr for g, lr in (lrs or {}).items() if g in self._groups_on.get(shard, ())}
             if shard_lrs:
                 meta["lr"] = shard_lrs
-            payload = codec.encode(meta, pushed.get(shard, ()))
+            payload = codec.encode_parts(meta, pushed.get(shard, ()))
             calls.append((shard, self.channels[shard].call("PushPull", payload, self.rpc_timeout_s)))
         return PushPullHandle(calls, self._part_by_name)
 

@@ -16,6 +16,7 @@ from ..config import Options
 from ..server.service import ShardService
 from ..server.shard import Shard
 from ..transport.grpc_transport import GrpcServer
+from ..transport.stream import StreamServer, host_id
 
 log = logging.getLogger(__name__)
 READY_PREFIX = "PARAMSERVER_READY"
@@ -27,19 +28,24 @@ class PSNode:
     def __init__(self, bind: str, index: int, options: Options) -> None:
         self.index = index
         self.shard = Shard(index)
-        self.server = GrpcServer(ShardService(self.shard), bind, options.max_message_bytes, options.ps_threads)
+        self.service = ShardService(self.shard)
+        self.server = GrpcServer(self.service, bind, options.max_message_bytes, options.ps_threads)
+        host = bind.rsplit(":", 1)[0].strip("[]")
+        self.stream = StreamServer(self.service, host, options.stream_port, options.max_message_bytes)
         self.address: str | None = None
 
     def start(self) -> str:
+        self.service.announce.update(stream_port=self.stream.start(), host_id=host_id())
         port = self.server.start()
         host = self.server.bind.rsplit(":", 1)[0]
         self.address = f"{'127.0.0.1' if host in ('', '[::]', '0.0.0.0') else host}:{port}"
-        log.info("ps %d serving on %s", self.index, self.address)
+        log.info("ps %d serving on %s (tensor stream on port %d)", self.index, self.address, self.stream.port)
         return self.address
 
     def stop(self, grace: float) -> None:
         started = time.monotonic()
         self.server.stop(grace)
+        self.stream.stop()
         log.info("ps %d stopped after %d pushes (%.2fs)", self.index, self.shard.version, time.monotonic() - started)
 
 

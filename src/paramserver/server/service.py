@@ -1,11 +1,14 @@
 """The shard service: decode a request frame, call the Shard, encode the reply frame.
 
-Transport-neutral (bytes in, bytes out): the gRPC servicer and the in-process transport
-both call it, so every request crosses the same codec. Errors are raised as typed
-ParamServerError subclasses; the transport turns them into status codes.
+Transport-neutral (bytes in, bytes out): the gRPC servicer, the tensor stream and the
+in-process transport all call it, so every request crosses the same codec. A transport
+may pass a `sink` that receives the reply's parts while the shard is locked (the parts
+view live values) and writes them where the reply must go, e.g. into shared memory;
+the default joins them into bytes. Errors are raised as typed ParamServerError
+subclasses; the transport turns them into status codes.
 
 Methods (request meta -> reply meta; tensors as named):
-- ``Hello``: {} -> {"shard", "protocol", "version"}
+- ``Hello``: {} -> {"shard", "protocol", "version", "stream_port"?}
 - ``Register``: {"group", "optimizer"} + initial values -> {"version"} + current values
 - ``PushPull``: {"lr"?: {group: lr}, "pull"?: [names]} + gradients -> {"version"} + values of
   the pulled names (default: the pushed names). With no gradients it is a plain pull.
@@ -20,35 +23,39 @@ from ..errors import MalformedFrameError, NotFoundError
 from ..transport import codec
 from .shard import Shard
 
+Sink = Callable[[list], Any]
+
 
 class ShardService:
     """Serves one Shard over any transport."""
 
     def __init__(self, shard: Shard) -> None:
         self.shard = shard
-        self.methods: dict[str, Callable[[bytes], bytes]] = {
+        self.announce: dict[str, Any] = {}  # extra Hello fields, e.g. the node's stream port
+        self.methods: dict[str, Callable[[bytes, Sink], Any]] = {
             "Hello": self.hello, "Register": self.register, "PushPull": self.push_pull}
 
-    def call(self, method: str, payload: bytes) -> bytes:
+    def call(self, method: str, payload: bytes, sink: Sink = b"".join) -> Any:
+        """Handle one request; returns what `sink` made of the reply (by default, its bytes)."""
         handler = self.methods.get(method)
         if handler is None:
             raise NotFoundError(f"shard service has no method {method!r}")
-        return handler(payload)
+        return handler(payload, sink)
 
-    def hello(self, payload: bytes) -> bytes:
+    def hello(self, payload: bytes, sink: Sink) -> Any:
         codec.decode(payload)
         meta = {"shard": self.shard.index, "protocol": [codec.PROTOCOL_MAJOR, codec.PROTOCOL_MINOR],
-                "version": self.shard.version}
-        return codec.encode(meta)
+                "version": self.shard.version, **self.announce}
+        return sink(codec.encode_parts(meta))
 
-    def register(self, payload: bytes) -> bytes:
+    def register(self, payload: bytes, sink: Sink) -> Any:
         frame = codec.decode(payload)
         group = _field(frame.meta, "group", str)
         optimizer = _field(frame.meta, "optimizer", dict)
         self.shard.register(group, optimizer, frame.tensors)
-        return self.shard.pull(frame.tensors, _reply)
+        return self.shard.pull(frame.tensors, _reply(sink))
 
-    def push_pull(self, payload: bytes) -> bytes:
+    def push_pull(self, payload: bytes, sink: Sink) -> Any:
         frame = codec.decode(payload)
         lrs = frame.meta.get("lr") or {}
         names = frame.meta.get("pull")
@@ -56,11 +63,11 @@ class ShardService:
             raise MalformedFrameError("PushPull meta: 'lr' must be an object and 'pull' a list of names")
         if frame.tensors:
             self.shard.push(frame.tensors, lrs)
-        return self.shard.pull(frame.tensors if names is None else names, _reply)
+        return self.shard.pull(frame.tensors if names is None else names, _reply(sink))
 
 
-def _reply(version: int, values: list) -> bytes:
-    return codec.encode({"version": version}, values)
+def _reply(sink: Sink) -> Callable[[int, list], Any]:
+    return lambda version, values: sink(codec.encode_parts({"version": version}, values))
 
 
 def _field(meta: dict[str, Any], key: str, kind: type) -> Any:

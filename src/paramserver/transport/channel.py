@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future
 from typing import Protocol
 
@@ -9,14 +10,24 @@ from ..errors import DeadlineExceededError
 
 
 class CallHandle:
-    """A call in flight. `wait(timeout)` returns the reply bytes or raises a ParamServerError."""
+    """A call in flight. `wait(timeout)` returns the reply or raises a ParamServerError.
 
-    def __init__(self, future: Future, describe: str) -> None:
+    The reply may be a view that is valid only until the next call on the same channel.
+    `wait_sent(timeout)` returns once the request's buffers were copied out, after which
+    the caller may reuse them.
+    """
+
+    def __init__(self, future: Future, describe: str, sent: threading.Event | None = None) -> None:
         self._future = future
         self._describe = describe
+        self._sent = sent
 
     def done(self) -> bool:
         return self._future.done()
+
+    def wait_sent(self, timeout: float) -> None:
+        if self._sent is not None and not self._sent.wait(timeout) and not self._future.done():
+            raise DeadlineExceededError(f"{self._describe}: request not sent within {timeout:.1f}s")
 
     def wait(self, timeout: float) -> bytes:
         try:
@@ -30,11 +41,11 @@ class ShardChannel(Protocol):
 
     address: str
 
-    def call(self, method: str, payload: bytes, timeout: float) -> CallHandle:
-        """Start `method` with `payload`; the call fails after `timeout` seconds."""
+    def call(self, method: str, payload: bytes | list, timeout: float) -> CallHandle:
+        """Start `method` with `payload` (a frame, or its parts from codec.encode_parts); fails after `timeout` s."""
 
     def wait_ready(self, timeout: float) -> None:
-        """Return once the shard can be called; raise UnavailableError after `timeout` seconds."""
+        """Say Hello once the shard can be called; raise UnavailableError after `timeout` seconds."""
 
     def close(self) -> None:
         """Release the connection; calls in flight fail."""

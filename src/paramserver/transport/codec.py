@@ -48,15 +48,19 @@ def _pad(n: int) -> int:
     return (-n) % _ALIGN
 
 
-def encode(meta: dict[str, Any], tensors: Iterable[tuple[str, np.ndarray]] = (),
-           major: int = PROTOCOL_MAJOR) -> bytes:
-    """Encode metadata and (name, array) pairs into one frame. Arrays are copied once."""
+def encode_parts(meta: dict[str, Any], tensors: Iterable[tuple[str, np.ndarray]] = (),
+                 major: int = PROTOCOL_MAJOR) -> list:
+    """The frame as a list of buffers (prefix+header, then each tensor's bytes), copying nothing.
+
+    A transport joins them or writes them straight into shared memory. The arrays must stay
+    unchanged until the parts are sent.
+    """
     entries, buffers, offset = [], [], 0
     for name, array in tensors:
         array = np.ascontiguousarray(array)
         nbytes = array.nbytes
         entries.append([name, array.dtype.name, list(array.shape), offset, nbytes])
-        buffers.append(memoryview(array).cast("B") if nbytes else b"")
+        buffers.append(memoryview(array.reshape(-1)).cast("B") if nbytes else b"")
         pad = _pad(nbytes)
         if pad:
             buffers.append(b"\0" * pad)
@@ -64,7 +68,17 @@ def encode(meta: dict[str, Any], tensors: Iterable[tuple[str, np.ndarray]] = (),
     header = json.dumps({"meta": meta, "tensors": entries}, separators=(",", ":")).encode()
     prefix = _PREFIX.pack(MAGIC, major, PROTOCOL_MINOR, len(header))
     head_pad = b"\0" * _pad(len(prefix) + len(header))
-    return b"".join([prefix, header, head_pad, *buffers])
+    return [prefix + header + head_pad, *buffers]
+
+
+def encode(meta: dict[str, Any], tensors: Iterable[tuple[str, np.ndarray]] = (),
+           major: int = PROTOCOL_MAJOR) -> bytes:
+    """Encode metadata and (name, array) pairs into one frame. Arrays are copied once."""
+    return b"".join(encode_parts(meta, tensors, major))
+
+
+def parts_size(parts: list) -> int:
+    return sum(len(memoryview(part).cast("B")) for part in parts)
 
 
 def decode(payload: bytes) -> Frame:

@@ -7,6 +7,7 @@ the service name ``paramserver.Shard``.
 from __future__ import annotations
 
 import logging
+import time
 from concurrent import futures
 from concurrent.futures import Future
 
@@ -14,15 +15,22 @@ import grpc
 
 from ..errors import ParamServerError, UnavailableError, error_for_status
 from ..server.service import ShardService
+from . import codec
 from .channel import CallHandle
+from .stream import METHODS as STREAM_METHODS
+from .stream import StreamClient, host_id
 
 log = logging.getLogger(__name__)
 SERVICE = "paramserver.Shard"
 
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    # Large HTTP/2 frames and write buffers: a push or pull is megabytes, and gRPC's defaults
+    # (16 KiB frames) cost more CPU per byte than the optimizer itself (docs/performance.md).
     return [("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.max_receive_message_length", max_message_bytes)]
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.http2.max_frame_size", 16 * 1024 * 1024 - 1),
+            ("grpc.http2.write_buffer_size", 64 * 1024 * 1024)]
 
 
 class GrpcServer:
@@ -65,19 +73,32 @@ class GrpcServer:
 
 
 class GrpcChannel:
-    """A ShardChannel over gRPC to `address` ("host:port"). Thread-safe."""
+    """A ShardChannel to `address` ("host:port"): gRPC for control, the tensor stream for bulk calls.
 
-    def __init__(self, address: str, max_message_bytes: int) -> None:
+    `wait_ready` must succeed before `call`; it says Hello over gRPC (which checks the protocol
+    version) and learns the shard's stream port and host. With `use_stream=False` every call goes
+    over gRPC; with `use_shared_memory=False` the stream never uses shared memory.
+    Thread-safe.
+    """
+
+    def __init__(self, address: str, max_message_bytes: int, use_stream: bool = True,
+                 use_shared_memory: bool = True) -> None:
         self.address = address
+        self.use_shared_memory = use_shared_memory
+        self.max_message_bytes = max_message_bytes
+        self.use_stream = use_stream
         self._channel = grpc.insecure_channel(address, options=channel_options(max_message_bytes))
         self._methods: dict[str, grpc.UnaryUnaryMultiCallable] = {}
+        self._stream: StreamClient | None = None
 
     def call(self, method: str, payload: bytes, timeout: float) -> CallHandle:
+        if self._stream is not None and method in STREAM_METHODS:
+            return self._stream.call(method, payload, timeout)
         stub = self._methods.get(method)
         if stub is None:
             stub = self._methods[method] = self._channel.unary_unary(f"/{SERVICE}/{method}")
         result: Future = Future()
-        call = stub.future(payload, timeout=timeout)
+        call = stub.future(payload if isinstance(payload, bytes) else b"".join(payload), timeout=timeout)
         call.add_done_callback(lambda done: self._settle(done, result, method))
         return CallHandle(result, f"{self.address} {method}")
 
@@ -88,10 +109,20 @@ class GrpcChannel:
             result.set_exception(error_for_status(exc.code(), f"{self.address} {method}: {exc.details()}"))
 
     def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
         try:
             grpc.channel_ready_future(self._channel).result(timeout=timeout)
         except grpc.FutureTimeoutError:
             raise UnavailableError(f"parameter server {self.address} not reachable within {timeout:.1f}s") from None
+        reply = codec.decode(self.call("Hello", codec.encode({}), max(0.1, deadline - time.monotonic()))
+                             .wait(max(0.1, deadline - time.monotonic())))
+        port = reply.meta.get("stream_port")
+        if self.use_stream and port and self._stream is None:
+            host = self.address.rsplit(":", 1)[0]
+            same_host = self.use_shared_memory and reply.meta.get("host_id") == host_id()
+            self._stream = StreamClient(host, int(port), self.max_message_bytes, self.address, same_host)
 
     def close(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
         self._channel.close()

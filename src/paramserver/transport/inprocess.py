@@ -10,6 +10,7 @@ from concurrent.futures import Future
 
 from ..errors import ParamServerError
 from ..server.service import ShardService
+from . import codec
 from .channel import CallHandle
 
 
@@ -23,13 +24,14 @@ class InProcessChannel:
     def call(self, method: str, payload: bytes, timeout: float) -> CallHandle:
         future: Future = Future()
         try:
-            future.set_result(self.service.call(method, bytes(payload)))
+            future.set_result(self.service.call(method, payload if isinstance(payload, bytes) else b"".join(payload)))
         except ParamServerError as exc:
             future.set_exception(exc)
         return CallHandle(future, f"{self.address} {method}")
 
     def wait_ready(self, timeout: float) -> None:
-        return None
+        """Say Hello, as a remote channel does (this checks the protocol version)."""
+        self.call("Hello", codec.encode({}), timeout).wait(timeout)
 
     def close(self) -> None:
         return None

@@ -107,6 +107,7 @@ def _in_process_context(num_ps: int) -> Context:
     options = Options()
     channels = [InProcessChannel(ShardService(Shard(i))) for i in range(num_ps)]
     client = PSClient(channels, options.rpc_timeout_s, options.split_bytes)
+    client.connect(options.connect_timeout_s)
     log.info("no cluster configured: running an in-process cluster with %d shard(s)", num_ps)
     return Context(0, 1, num_ps, client, options, True, ProgressWriter(-1, 0))
 
@@ -115,7 +116,8 @@ def _cluster_context(config: NodeConfig) -> Context:
     options = config.options
     if options.torch_threads > 0:
         torch.set_num_threads(options.torch_threads)
-    channels = [GrpcChannel(address, options.max_message_bytes) for address in config.cluster.ps]
+    channels = [GrpcChannel(address, options.max_message_bytes, bool(options.use_stream), bool(options.shared_memory))
+                for address in config.cluster.ps]
     client = PSClient(channels, options.rpc_timeout_s, options.split_bytes)
     client.connect(options.connect_timeout_s)
     log.info("worker %d of %d joined %d PS", config.worker_index, config.cluster.num_workers, len(channels))

@@ -5,6 +5,11 @@ every worker adopts them); `step()` pushes this worker's gradients and writes th
 values into the parameters, in one round trip per shard. The math runs on the PS
 (paramserver.server.optimizers) and matches torch.optim's.
 
+With `overlap=True`, `step()` returns as soon as the gradients are sent, and the PS's reply
+is loaded at the start of the next `step()` (or by `pull()` / `synchronize()`): the next
+forward and backward run while the PS applies the update, at the price of computing each
+gradient on parameters one update older (staleness 1, like one more async worker).
+
 Not thread-safe: use an optimizer from one training thread, as with torch.optim.
 """
 
@@ -19,6 +24,7 @@ import torch
 
 from ..errors import InvalidArgumentError
 from ..server.optimizers import OPTIMIZERS, build_optimizer
+from ..client.ps_client import PushPullHandle
 from .context import Context, current_context
 
 log = logging.getLogger(__name__)
@@ -29,9 +35,12 @@ class PSOptimizer(torch.optim.Optimizer):
 
     kind: ClassVar[str]
 
-    def __init__(self, params: Iterable, defaults: dict[str, Any], context: Context | None = None) -> None:
+    def __init__(self, params: Iterable, defaults: dict[str, Any], overlap: bool = False,
+                 context: Context | None = None) -> None:
         super().__init__(params, defaults)
+        self.overlap = overlap
         self.context = context or current_context()
+        self._pending: PushPullHandle | None = None
         self.name = self.context.next_optimizer_name()
         self._vars: list[tuple[str, torch.Tensor]] = []
         self._sent_lr: dict[str, float] = {}
@@ -73,14 +82,27 @@ class PSOptimizer(torch.optim.Optimizer):
                 if param.grad.is_sparse:
                     raise InvalidArgumentError(f"{var}: sparse gradients are not supported for dense variables")
                 grads[var] = param.grad.detach().cpu().numpy()
+        self.synchronize()
         handle = self.context.client.push_pull(grads, [var for var, _ in self._vars], self._changed_lrs())
-        self._write(handle.wait(self.context.options.rpc_timeout_s)[1])
+        if self.overlap:
+            handle.wait_sent(self.context.options.rpc_timeout_s)  # the gradients may now be freed
+            self._pending = handle
+        else:
+            self._write(handle.wait(self.context.options.rpc_timeout_s)[1])
         self.context.progress.update(steps=1)
         return loss
 
     @torch.no_grad()
+    def synchronize(self) -> None:
+        """Load the reply of a step still in flight (overlap mode); a no-op otherwise."""
+        if self._pending is not None:
+            handle, self._pending = self._pending, None
+            self._write(handle.wait(self.context.options.rpc_timeout_s)[1])
+
+    @torch.no_grad()
     def pull(self) -> None:
         """Load the PS's current values into the local parameters (before evaluating or saving)."""
+        self.synchronize()
         handle = self.context.client.push_pull({}, [var for var, _ in self._vars])
         self._write(handle.wait(self.context.options.rpc_timeout_s)[1])
 
@@ -112,9 +134,9 @@ class SGD(PSOptimizer):
     def __init__(self, params, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False, *, maximize: bool = False,
                  foreach: bool | None = None, differentiable: bool = False, fused: bool | None = None,
-                 context: Context | None = None) -> None:
+                 overlap: bool = False, context: Context | None = None) -> None:
         super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-                                      nesterov=nesterov, maximize=maximize), context)
+                                      nesterov=nesterov, maximize=maximize), overlap, context)
 
 
 class Adagrad(PSOptimizer):
@@ -125,10 +147,10 @@ class Adagrad(PSOptimizer):
     def __init__(self, params, lr: float = 1e-2, lr_decay: float = 0.0, weight_decay: float = 0.0,
                  initial_accumulator_value: float = 0.0, eps: float = 1e-10, foreach: bool | None = None, *,
                  maximize: bool = False, differentiable: bool = False, fused: bool | None = None,
-                 context: Context | None = None) -> None:
+                 overlap: bool = False, context: Context | None = None) -> None:
         super().__init__(params, dict(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay, eps=eps,
                                       initial_accumulator_value=initial_accumulator_value, maximize=maximize),
-                         context)
+                         overlap, context)
 
 
 class Adam(PSOptimizer):
@@ -140,10 +162,10 @@ class Adam(PSOptimizer):
                  weight_decay: float = 0.0, amsgrad: bool = False, *, foreach: bool | None = None,
                  maximize: bool = False, capturable: bool = False, differentiable: bool = False,
                  fused: bool | None = None, decoupled_weight_decay: bool = False,
-                 context: Context | None = None) -> None:
+                 overlap: bool = False, context: Context | None = None) -> None:
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                                       amsgrad=amsgrad, maximize=maximize,
-                                      decoupled_weight_decay=decoupled_weight_decay), context)
+                                      decoupled_weight_decay=decoupled_weight_decay), overlap, context)
 
 
 class AdamW(PSOptimizer):
@@ -154,6 +176,6 @@ class AdamW(PSOptimizer):
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
                  foreach: bool | None = None, capturable: bool = False, differentiable: bool = False,
-                 fused: bool | None = None, context: Context | None = None) -> None:
+                 fused: bool | None = None, overlap: bool = False, context: Context | None = None) -> None:
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                                      amsgrad=amsgrad, maximize=maximize), context)
+                                      amsgrad=amsgrad, maximize=maximize), overlap, context)

@@ -1,0 +1,77 @@
+"""Dense throughput: the seed MLP (784-1024-512-10, Adam, batch 64 per worker) on synthetic data.
+
+Runs a real local cluster (separate PS and worker processes, gRPC on 127.0.0.1) for each
+topology and prints one JSON line per topology: steady-state examples/s summed over the
+workers (after a warm-up), and peak RSS per role. `--plot FILE.png` also draws them.
+
+    python bench/dense.py [--seconds 10] [--topologies 1x1,1x2,2x2] [--plot bench/out/dense.png]
+"""
+
+import argparse
+import io
+import json
+import sys
+from pathlib import Path
+
+from paramserver.config import Options
+from paramserver.launch.local import LocalCluster
+
+WORKER = str(Path(__file__).with_name("dense_worker.py"))
+
+
+def run_topology(num_ps: int, num_workers: int, seconds: float, batch_size: int, overlap: bool,
+                 torch_threads: int) -> dict:
+    args = ["--seconds", str(seconds), "--batch-size", str(batch_size)] + (["--overlap"] if overlap else [])
+    options = Options(torch_threads=torch_threads) if torch_threads else None
+    cluster = LocalCluster(num_ps, num_workers, WORKER, args, options, out=io.StringIO(), progress_every=0,
+                           log_level="WARNING")
+    code = cluster.run()
+    if code != 0:
+        raise SystemExit(f"topology {num_ps} PS x {num_workers} workers failed with code {code}:\n"
+                         f"{cluster._lines.out.getvalue()[-3000:]}")
+    summary = cluster.summary()
+    rates = [summary[f"worker{i}_examples_per_s"] for i in range(num_workers)]
+    return {"bench": "dense", "ps": num_ps, "workers": num_workers, "batch_size": batch_size, "overlap": overlap,
+            "torch_threads": cluster.options.torch_threads,
+            "examples_per_s": round(sum(rates), 1), "per_worker_examples_per_s": [round(r, 1) for r in rates],
+            "peak_rss_mb": summary["peak_rss_mb"]}
+
+
+def plot(results: list[dict], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['ps']}x{r['workers']}{' overlap' if r['overlap'] else ''}" for r in results]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.bar(labels, [r["examples_per_s"] for r in results])
+    ax.set_ylabel("examples/s")
+    ax.set_title("seed MLP, batch 64 per worker")
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, bbox_inches="tight")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=10.0, help="timed seconds per topology, after warm-up")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--topologies", default="1x1,1x2,2x2", help="comma-separated PSxWORKERS")
+    parser.add_argument("--overlap", choices=["on", "off", "both"], default="both",
+                        help="optimizer overlap mode(s) to measure (default both)")
+    parser.add_argument("--torch-threads", type=int, default=0, help="torch threads per worker (default: launcher's)")
+    parser.add_argument("--plot", help="write a PNG bar chart here (needs matplotlib)")
+    args = parser.parse_args()
+    results = []
+    modes = {"on": [True], "off": [False], "both": [False, True]}[args.overlap]
+    for topology in args.topologies.split(","):
+        num_ps, num_workers = (int(n) for n in topology.split("x"))
+        for overlap in modes:
+            results.append(run_topology(num_ps, num_workers, args.seconds, args.batch_size, overlap,
+                                        args.torch_threads))
+            print(json.dumps(results[-1]), flush=True)
+    if args.plot:
+        plot(results, args.plot)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

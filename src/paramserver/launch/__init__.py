@@ -1,0 +1,1 @@
+"""Launch surfaces: the `paramserver` command, the local cluster, and single nodes."""

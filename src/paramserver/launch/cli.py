@@ -1,0 +1,103 @@
+"""The `paramserver` command: run, node, demo. See docs/cli.md."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from ..config import Options
+from ..errors import ParamServerError
+
+log = logging.getLogger(__name__)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="paramserver", description="Parameter-server training for PyTorch.")
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default INFO)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="start a whole cluster on this machine and run SCRIPT on every worker")
+    _add_cluster_flags(run)
+    run.add_argument("script", help="training script, run on every worker")
+    run.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+
+    node = sub.add_parser("node", help="run one node from TF_CONFIG or --cluster/--role/--index")
+    node.add_argument("--cluster", help="JSON file with the cluster spec ({'ps': [...], 'worker': [...]})")
+    node.add_argument("--role", choices=["ps", "worker", "chief"], help="this node's role (with --cluster)")
+    node.add_argument("--index", type=int, help="this node's index within its role (default 0)")
+    node.add_argument("--bind", help="PS only: listen address HOST:PORT (default: from the cluster spec)")
+    node.add_argument("script", nargs="?", help="training script (workers and chief)")
+    node.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+
+    demo = sub.add_parser("demo", help="train the digits classifier on a local cluster and print one JSON line")
+    _add_cluster_flags(demo, ps=2, workers=2)
+    demo.add_argument("--epochs", type=int, default=20, help="training epochs (default 20)")
+    return parser
+
+
+def _add_cluster_flags(parser: argparse.ArgumentParser, ps: int = 1, workers: int = 1) -> None:
+    parser.add_argument("--ps", type=int, default=ps, help=f"number of PS processes (default {ps})")
+    parser.add_argument("--workers", type=int, default=workers, help=f"number of worker processes (default {workers})")
+    parser.add_argument("--torch-threads", type=int, default=0,
+                        help="torch intra-op threads per worker (default: cores / workers)")
+    parser.add_argument("--rpc-timeout", type=float, default=Options.rpc_timeout_s,
+                        help=f"deadline in seconds of each call to a PS (default {Options.rpc_timeout_s})")
+    parser.add_argument("--progress-every", type=float, default=2.0,
+                        help="seconds between progress lines; 0 turns them off (default 2)")
+
+
+def _run_local(args: argparse.Namespace, script: str, script_args: list[str]) -> int:
+    from .local import LocalCluster
+
+    threads = args.torch_threads or max(1, (os.cpu_count() or 1) // max(args.workers, 1))
+    options = Options(rpc_timeout_s=args.rpc_timeout, torch_threads=threads)
+    cluster = LocalCluster(args.ps, args.workers, script, script_args, options,
+                           progress_every=args.progress_every, log_level=args.log_level)
+    code = cluster.run()
+    print(json.dumps(cluster.summary()), flush=True)
+    return code
+
+
+def _demo_script() -> Path:
+    script = Path(__file__).resolve().parents[3] / "examples" / "digits.py"
+    if not script.is_file():
+        raise ParamServerError(f"the demo needs the examples/ folder of a source checkout; not found: {script}")
+    return script
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # SIGTERM stops a launcher as cleanly as Ctrl-C does.
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        if args.command == "run":
+            return _run_local(args, args.script, _strip_dashes(args.args))
+        if args.command == "demo":
+            return _run_local(args, str(_demo_script()), ["--epochs", str(args.epochs)])
+        from .node import run_node
+        script_args = _strip_dashes(args.args)
+        return run_node(args.cluster, args.role, args.index, args.bind, args.script, script_args)
+    except ParamServerError as exc:
+        print(f"paramserver: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _strip_dashes(args: list[str]) -> list[str]:
+    return args[1:] if args[:1] == ["--"] else args
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+"""`paramserver run`: a whole cluster of separate processes on this machine.
+
+PS processes start first on 127.0.0.1 port 0 and announce their ports; then the workers
+start with a TF_CONFIG naming those ports and run the script. Every output line is
+prefixed with its node ("[ps0] ...", "[worker1] ..."); a progress line sums the
+workers' steps, examples/s and loss. The run ends when every worker has exited: with 0 if
+all succeeded, else with the first failing worker's code, and no child left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from dataclasses import replace
+from typing import Any, TextIO
+
+import psutil
+
+from ..config import OPTIONS_ENV, TF_CONFIG_ENV, Options
+from ..errors import UnavailableError
+from ..progress import ProgressBoard
+from ..server.node import READY_PREFIX
+from .processes import Child, LineWriter, wait_any
+
+log = logging.getLogger(__name__)
+
+
+class LocalCluster:
+    """N PS and M worker processes running one script.
+
+    Lifecycle: `start(timeout)` (PS up, then workers started), `wait()` (exit code), and
+    `stop(grace)` (idempotent, callable from any thread, also after a failed start).
+    """
+
+    def __init__(self, num_ps: int, num_workers: int, script: str, args: list[str] | None = None,
+                 options: Options | None = None, out: TextIO | None = None, progress_every: float = 2.0,
+                 log_level: str = "INFO") -> None:
+        if num_ps < 1 or num_workers < 1:
+            raise ValueError(f"need at least 1 PS and 1 worker, got ps={num_ps} workers={num_workers}")
+        self.num_ps, self.num_workers = num_ps, num_workers
+        self.script, self.args = script, list(args or [])
+        self.options = options or Options(torch_threads=max(1, (os.cpu_count() or 1) // num_workers))
+        self.progress_every = progress_every
+        self.log_level = log_level
+        self.board = ProgressBoard()
+        self.peak_rss: dict[str, int] = {"ps": 0, "worker": 0}
+        self.ps: list[Child] = []
+        self.workers: list[Child] = []
+        self.ps_addresses: list[str | None] = [None] * num_ps
+        self._ps_ready = threading.Condition()
+        self._lines = LineWriter(out or sys.stdout)
+        self._stopped = threading.Event()
+        self._started_at = 0.0
+        self.wall_s = 0.0
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def start(self, timeout: float = 120.0) -> None:
+        """Start the PS, wait until each announced its address, then start the workers."""
+        self._started_at = time.monotonic()
+        for i in range(self.num_ps):
+            argv = self._node_argv("--role", "ps", "--index", str(i), "--bind", "127.0.0.1:0")
+            self.ps.append(Child(f"ps{i}", argv, self._env(self.options), self._on_line))
+        self._wait_ps_ready(timeout)
+        threading.Thread(target=self._watch, name="run-watch", daemon=True).start()
+        for i in range(self.num_workers):
+            read_fd, write_fd = os.pipe()
+            env = self._env(replace(self.options, progress_fd=write_fd), self._tf_config(i))
+            self.workers.append(Child(f"worker{i}", self._node_argv(self.script, *self.args), env,
+                                      self._on_line, pass_fds=(write_fd,)))
+            os.close(write_fd)
+            threading.Thread(target=self._read_progress, args=(read_fd,), name=f"progress-worker{i}",
+                             daemon=True).start()
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Block until all workers exited (or one failed, or a PS died); returns the run's exit code."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pending = list(self.workers)
+        while pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            child = wait_any(pending + self.ps, min(left, 1.0) if left is not None else 1.0)
+            if child in self.ps:
+                self._lines.write("run", f"{child.label} exited with code {child.poll()}; stopping the run")
+                return 1
+            if child is not None:
+                pending.remove(child)
+                if child.poll() != 0:
+                    self._lines.write("run", f"{child.label} failed with code {child.poll()}; stopping the run")
+                    return child.poll() or 1
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"workers still running after {timeout}s")
+        return 0
+
+    def stop(self, grace: float = 5.0) -> None:
+        """Stop workers, then PS: SIGTERM, and SIGKILL after `grace` seconds."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        self.wall_s = time.monotonic() - self._started_at if self._started_at else 0.0
+        for child in self.workers + self.ps:
+            child.stop(grace)
+
+    def run(self, timeout: float = 120.0) -> int:
+        """start + wait + stop, turning Ctrl-C into a clean stop (exit code 130)."""
+        try:
+            self.start(timeout)
+            return self.wait()
+        except KeyboardInterrupt:
+            self._lines.write("run", "interrupted; stopping every node")
+            return 130
+        finally:
+            self.stop()
+
+    # ---- results ---------------------------------------------------------------------------
+    def summary(self) -> dict[str, Any]:
+        """One JSON-able record of the run: totals, peak memory per role, and worker 0's result."""
+        totals = self.board.totals()
+        summary = {"ps": self.num_ps, "workers": self.num_workers, "steps": totals["steps"],
+                   "examples": totals["examples"], "examples_per_s": round(totals["examples_per_s"], 1),
+                   "wall_s": round(self.wall_s, 2),
+                   "peak_rss_mb": {role: round(rss / 2**20, 1) for role, rss in self.peak_rss.items()}}
+        for worker in sorted(self.board.results, reverse=True):
+            summary.update(self.board.results[worker])
+        return summary
+
+    # ---- internals -------------------------------------------------------------------------
+    def _node_argv(self, *args: str) -> list[str]:
+        return [sys.executable, "-m", "paramserver", "--log-level", self.log_level, "node", *args]
+
+    def _env(self, options: Options, tf_config: str | None = None) -> dict[str, str]:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env[OPTIONS_ENV] = options.to_json()
+        env.pop(TF_CONFIG_ENV, None)
+        if tf_config:
+            env[TF_CONFIG_ENV] = tf_config
+        return env
+
+    def _tf_config(self, worker: int) -> str:
+        # Workers do not listen on a port yet; their entries only give the cluster its size.
+        cluster = {"ps": self.ps_addresses, "worker": ["127.0.0.1:0"] * self.num_workers}
+        return json.dumps({"cluster": cluster, "task": {"type": "worker", "index": worker}})
+
+    def _on_line(self, label: str, line: str) -> None:
+        if line.startswith(READY_PREFIX):
+            _, _, index, address = line.split()
+            with self._ps_ready:
+                self.ps_addresses[int(index)] = address
+                self._ps_ready.notify_all()
+            return
+        self._lines.write(label, line)
+
+    def _wait_ps_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        with self._ps_ready:
+            while None in self.ps_addresses:
+                dead = [c.label for c in self.ps if c.poll() is not None]
+                if dead or time.monotonic() > deadline:
+                    why = f"{dead} exited" if dead else f"not ready within {timeout}s"
+                    raise UnavailableError(f"parameter servers did not start: {why}")
+                self._ps_ready.wait(0.1)
+
+    def _read_progress(self, fd: int) -> None:
+        with os.fdopen(fd) as stream:
+            for line in stream:
+                self.board.feed(line)
+
+    def _watch(self) -> None:
+        """Sample peak memory per role and print the progress line until stopped."""
+        last_print = time.monotonic()
+        while not self._stopped.wait(0.2):
+            for role, children in (("ps", self.ps), ("worker", self.workers)):
+                for child in list(children):
+                    try:
+                        rss = psutil.Process(child.pid).memory_info().rss
+                    except psutil.Error:
+                        continue
+                    self.peak_rss[role] = max(self.peak_rss[role], rss)
+            if self.progress_every > 0 and time.monotonic() - last_print >= self.progress_every:
+                last_print = time.monotonic()
+                self._print_progress()
+
+    def _print_progress(self) -> None:
+        t = self.board.totals()
+        if t["steps"]:
+            loss = f"{t['loss']:.4f}" if t["loss"] is not None else "-"
+            self._lines.write("run", f"steps={t['steps']:,} examples/s={t['recent_examples_per_s']:,.0f} "
+                                     f"loss={loss}")

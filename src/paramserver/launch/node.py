@@ -1,0 +1,81 @@
+"""`paramserver node`: run one node of a multi-host cluster.
+
+The node's role comes from `--cluster FILE --role R --index I`, or from TF_CONFIG. A PS
+node serves its shard until SIGTERM; a worker (or chief) node runs SCRIPT with ARGS as
+`__main__`, and `paramserver.init()` inside it joins the cluster this node belongs to.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import runpy
+import sys
+from pathlib import Path
+
+from .. import config as config_mod
+from ..config import NodeConfig, Options
+from ..errors import ConfigError
+
+log = logging.getLogger(__name__)
+_LOOPBACK = ("localhost", "127.0.0.1", "[::1]")
+
+
+def resolve(cluster_file: str | None, role: str | None, index: int | None, options: Options) -> NodeConfig | None:
+    """The node's config from flags (a cluster file) or TF_CONFIG; None if neither is given."""
+    if cluster_file:
+        if role is None:
+            raise ConfigError("--cluster needs --role (ps, worker or chief)")
+        return config_mod.load_cluster_file(cluster_file, role, index or 0, options)
+    config = config_mod.config_from_environ(os.environ)
+    if config is not None and role is not None and (role, index or 0) != (config.task.type, config.task.index):
+        raise ConfigError(f"--role {role} --index {index or 0} contradicts TF_CONFIG's task "
+                          f"{config.task.type}:{config.task.index}")
+    return config
+
+
+def bind_address(address: str) -> str:
+    """Where a PS listens for its cluster address: the address itself on loopback, else all interfaces."""
+    host, port = address.rsplit(":", 1)
+    return address if host in _LOOPBACK else f"0.0.0.0:{port}"
+
+
+def run_node(cluster_file: str | None, role: str | None, index: int | None, bind: str | None,
+             script: str | None, args: list[str]) -> int:
+    """Run this node to completion; returns the process exit code."""
+    options = config_mod.options_from_environ(os.environ)
+    config = resolve(cluster_file, role, index, options)
+    role = config.task.type if config else role
+    if role == "ps":
+        from ..server.node import run_ps_node
+        if bind is None and config is None:
+            raise ConfigError("a PS node needs TF_CONFIG, --cluster, or --bind HOST:PORT")
+        return run_ps_node(bind or bind_address(config.address), config.task.index if config else index or 0,
+                           options)
+    if config is None:
+        raise ConfigError("a worker node needs TF_CONFIG or --cluster FILE --role worker --index I")
+    if not script:
+        raise ConfigError(f"a {role} node needs the training SCRIPT to run")
+    return run_script(config, script, args)
+
+
+def run_script(config: NodeConfig, script: str, args: list[str]) -> int:
+    """Run the user's script as __main__ in this process, with `init()` bound to `config`."""
+    from ..worker import context
+
+    path = Path(script)
+    if not path.is_file():
+        raise ConfigError(f"training script {script} does not exist")
+    context.set_launched_config(config)
+    sys.argv = [str(path), *args]
+    sys.path.insert(0, str(path.resolve().parent))
+    log.info("%s %d: running %s", config.task.type, config.task.index, path)
+    try:
+        runpy.run_path(str(path), run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        return code
+    finally:
+        if context._current is not None:
+            context._current.shutdown()
+    return 0

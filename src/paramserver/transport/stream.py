@@ -1,0 +1,338 @@
+"""The tensor stream: a plain TCP connection per (worker, shard) for the bulk calls.
+
+gRPC's Python binding spends 3-4x more CPU per byte than a socket on multi-megabyte
+messages (docs/performance.md), and a push or pull moves megabytes every step. So the
+bulk calls (Register, PushPull) travel on this stream, while gRPC keeps discovery and
+Hello. A PS announces its stream port and host id in its Hello reply.
+
+When worker and PS run on the same host, the worker attaches a shared-memory segment to
+its stream: requests are encoded straight into the segment's first half and replies
+written into its second half, and only 16-byte prefixes cross the socket.
+
+Message = 16-byte prefix ``<4sBBHQ``: magic b"PSTS", kind, status (a gRPC status code
+value, 0 = OK), method id (index in METHODS), payload length; then the payload, unless the
+kind says it lies in shared memory. Kinds: 0 request, 1 reply, 2 request in shared
+memory, 3 reply in shared memory, 4 attach (payload: JSON {"path", "capacity"}). A failed
+reply's payload is the UTF-8 error message.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import mmap
+import os
+import socket
+import struct
+import tempfile
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+
+from ..errors import (DeadlineExceededError, MalformedFrameError, ParamServerError, UnavailableError,
+                      error_for_status)
+from . import codec
+from .channel import CallHandle
+
+log = logging.getLogger(__name__)
+MAGIC = b"PSTS"
+METHODS = ("Hello", "Register", "PushPull")
+_PREFIX = struct.Struct("<4sBBHQ")
+REQUEST, REPLY, REQUEST_SHM, REPLY_SHM, ATTACH = range(5)
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+_SOCKET_BUFFER = 8 * 1024 * 1024
+_SHM_MIN_BYTES = 64 * 1024  # smaller messages go inline: not worth a segment
+_SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def host_id() -> str:
+    """Identifies this host's shared memory: same id, same host (and boot)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = "unknown-boot"
+    return f"{socket.gethostname()}/{boot}"
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        sock.setsockopt(socket.SOL_SOCKET, option, _SOCKET_BUFFER)
+
+
+class _Inbox:
+    """A receive buffer reused across messages (fresh multi-megabyte buffers cost page faults).
+
+    What `receive` returns is valid until the next `receive`. Not thread-safe.
+    """
+
+    def __init__(self) -> None:
+        self._buffer = bytearray(_PREFIX.size)
+
+    def receive(self, sock: socket.socket, size: int) -> memoryview:
+        if len(self._buffer) < size:
+            self._buffer = bytearray(size)
+        view, got = memoryview(self._buffer)[:size], 0
+        while got < size:
+            n = sock.recv_into(view[got:])
+            if n == 0:
+                raise ConnectionError("peer closed the tensor stream")
+            got += n
+        return view
+
+
+def _send(sock: socket.socket, kind: int, status: int, method: int, parts: list, size: int, inline: bool) -> None:
+    sock.sendall(_PREFIX.pack(MAGIC, kind, status, method, size))
+    if inline:
+        for part in parts:
+            sock.sendall(part)
+
+
+def _read_prefix(sock: socket.socket, max_bytes: int) -> tuple[int, int, int, int]:
+    prefix = bytearray(_PREFIX.size)
+    if sock.recv_into(prefix, _PREFIX.size, socket.MSG_WAITALL) != _PREFIX.size:
+        raise ConnectionError("peer closed the tensor stream")
+    magic, kind, status, method, size = _PREFIX.unpack(prefix)
+    if magic != MAGIC:
+        raise MalformedFrameError(f"tensor stream message does not start with {MAGIC!r}")
+    if size > max_bytes:
+        raise MalformedFrameError(f"tensor stream message of {size} bytes exceeds the maximum {max_bytes}")
+    return kind, status, method, size
+
+
+def _write_parts(target: memoryview, parts: list) -> None:
+    offset = 0
+    for part in parts:
+        part = memoryview(part).cast("B")
+        target[offset:offset + len(part)] = part
+        offset += len(part)
+
+
+class _Segment:
+    """A shared-memory segment of two halves: [0, capacity) requests, [capacity, 2*capacity) replies."""
+
+    def __init__(self, path: str, capacity: int, create: bool) -> None:
+        self.path, self.capacity = path, capacity
+        fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, 2 * capacity)
+            self._map = mmap.mmap(fd, 2 * capacity)
+        finally:
+            os.close(fd)
+        self.view = memoryview(self._map)
+        self.requests = self.view[:capacity]
+        self.replies = self.view[capacity:]
+
+    def write(self, parts: list) -> int | None:
+        """Copy a reply's parts into the reply half; None if they do not fit."""
+        size = codec.parts_size(parts)
+        if size > self.capacity:
+            return None
+        _write_parts(self.replies, parts)
+        return size
+
+    def close(self) -> None:
+        try:
+            for view in (self.requests, self.replies, self.view):
+                view.release()
+            self._map.close()
+        except BufferError:  # arrays still view the segment; the mapping goes when they do
+            pass
+
+
+class StreamServer:
+    """Accepts tensor streams and answers each with `service.call`. A thread per connection.
+
+    Lifecycle: `start()` returns the port; `stop()` closes the listener and every connection.
+    """
+
+    def __init__(self, service, host: str, port: int, max_message_bytes: int) -> None:
+        self.service = service
+        self.max_message_bytes = max_message_bytes
+        self._listener = socket.create_server((host, port), backlog=64)
+        self.port = self._listener.getsockname()[1]
+        self._connections: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+
+    def start(self) -> int:
+        threading.Thread(target=self._accept, name="ps-stream-accept", daemon=True).start()
+        return self.port
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._listener.close()
+        with self._lock:
+            for conn in self._connections:
+                conn.close()
+
+    def _accept(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                conn, peer = self._listener.accept()
+            except OSError:
+                return
+            _tune(conn)
+            with self._lock:
+                self._connections.add(conn)
+            threading.Thread(target=self._serve, args=(conn, peer), name=f"ps-stream-{peer[1]}", daemon=True).start()
+
+    def _serve(self, conn: socket.socket, peer) -> None:
+        segment: _Segment | None = None
+        inbox = _Inbox()
+        try:
+            while True:
+                kind, _, method_id, size = _read_prefix(conn, self.max_message_bytes)
+                if kind == ATTACH:
+                    segment = self._attach(conn, inbox.receive(conn, size), segment)
+                    continue
+                if kind == REQUEST_SHM and segment is not None and size <= segment.capacity:
+                    payload = segment.requests[:size]
+                elif kind == REQUEST:
+                    payload = inbox.receive(conn, size)
+                else:
+                    raise MalformedFrameError(f"unexpected tensor stream message kind {kind}")
+                status, reply = self._answer(method_id, payload, peer, segment)
+                if isinstance(reply, int):  # already written into the segment
+                    _send(conn, REPLY_SHM, status, method_id, [], reply, False)
+                else:
+                    _send(conn, REPLY, status, method_id, [reply], len(reply), True)
+        except (OSError, ConnectionError, MalformedFrameError) as exc:
+            if not self._stopping.is_set():
+                log.info("tensor stream from %s closed: %s", peer, exc)
+        finally:
+            with self._lock:
+                self._connections.discard(conn)
+            conn.close()
+            if segment is not None:
+                segment.close()
+
+    def _attach(self, conn: socket.socket, request: memoryview, old: _Segment | None) -> _Segment | None:
+        try:
+            spec = json.loads(bytes(request))
+            segment = _Segment(str(spec["path"]), int(spec["capacity"]), create=False)
+        except (ValueError, KeyError, TypeError, OSError) as exc:
+            message = f"cannot attach shared memory: {exc}".encode()
+            _send(conn, REPLY, grpc.StatusCode.INVALID_ARGUMENT.value[0], 0, [message], len(message), True)
+            return old
+        if old is not None:
+            old.close()
+        _send(conn, REPLY, 0, 0, [], 0, True)
+        return segment
+
+    def _answer(self, method_id: int, payload, peer, segment: _Segment | None) -> tuple[int, bytes | int]:
+        """(status, reply bytes) or, when the reply went into the segment, (0, its size)."""
+        def sink(parts: list) -> bytes | int:
+            size = segment.write(parts) if segment is not None else None
+            return b"".join(parts) if size is None else size
+
+        try:
+            if method_id >= len(METHODS):
+                raise MalformedFrameError(f"unknown tensor stream method id {method_id}")
+            return 0, self.service.call(METHODS[method_id], payload, sink)
+        except ParamServerError as exc:
+            log.warning("%s refused from %s: %s", METHODS[method_id] if method_id < len(METHODS) else method_id,
+                        peer, exc)
+            return exc.code.value[0], str(exc).encode()
+        except Exception:  # a bug: report it to the caller and keep serving
+            log.exception("tensor stream call failed")
+            return grpc.StatusCode.INTERNAL.value[0], b"call failed on the server; see its log"
+
+
+class StreamClient:
+    """One tensor stream to a shard; calls run one at a time on a named thread. Thread-safe.
+
+    With `shared_memory`, bulk messages go through a segment attached to the stream. A broken
+    connection is reopened on the next call; a call never waits past its deadline.
+    """
+
+    def __init__(self, host: str, port: int, max_message_bytes: int, label: str, shared_memory: bool) -> None:
+        self.address = f"{host}:{port}"
+        self._host, self._port = host, port
+        self.max_message_bytes = max_message_bytes
+        self.shared_memory = shared_memory
+        self._sock: socket.socket | None = None
+        self._segment: _Segment | None = None
+        self._inbox = _Inbox()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stream-{label}")
+
+    def call(self, method: str, parts: list, timeout: float) -> CallHandle:
+        deadline, sent = time.monotonic() + timeout, threading.Event()
+        future = self._executor.submit(self._call, METHODS.index(method), parts, deadline, method, sent)
+        return CallHandle(future, f"{self.address} {method}", sent)
+
+    def _call(self, method_id: int, parts: list, deadline: float, method: str,
+              sent: threading.Event) -> memoryview:
+        """The reply, as a view valid until the next call on this client."""
+        size = codec.parts_size(parts)
+        try:
+            sock = self._connect(deadline)
+            segment = self._segment_for(sock, size) if self.shared_memory and size >= _SHM_MIN_BYTES else None
+            if segment is not None:
+                _write_parts(segment.requests, parts)
+            _send(sock, REQUEST_SHM if segment else REQUEST, 0, method_id, parts, size, segment is None)
+            sent.set()
+            kind, status, _, reply_size = _read_prefix(sock, self.max_message_bytes)
+            if kind == REPLY_SHM and self._segment is not None:
+                reply = self._segment.replies[:reply_size]
+            else:
+                reply = self._inbox.receive(sock, reply_size)
+        except socket.timeout:
+            self._drop()
+            raise DeadlineExceededError(f"{self.address} {method}: no reply before the deadline") from None
+        except (OSError, ConnectionError) as exc:
+            self._drop()
+            raise UnavailableError(f"{self.address} {method}: tensor stream failed: {exc}") from None
+        if status:
+            raise error_for_status(_CODES.get(status, grpc.StatusCode.UNKNOWN),
+                                   f"{self.address} {method}: {bytes(reply).decode(errors='replace')}")
+        return reply
+
+    def _connect(self, deadline: float) -> socket.socket:
+        if self._sock is None:
+            sock = socket.create_connection((self._host, self._port), timeout=max(0.001, deadline - time.monotonic()))
+            _tune(sock)
+            self._sock = sock
+        self._sock.settimeout(max(0.001, deadline - time.monotonic()))
+        return self._sock
+
+    def _segment_for(self, sock: socket.socket, size: int) -> _Segment | None:
+        """The attached segment, (re)created with room for `size`; None if the PS cannot attach it."""
+        if self._segment is not None and self._segment.capacity >= size:
+            return self._segment
+        capacity = max(2 * size, 1 << 20)
+        path = os.path.join(_SHM_DIR, f"paramserver-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+        segment = _Segment(path, capacity, create=True)
+        try:
+            spec = json.dumps({"path": path, "capacity": capacity}).encode()
+            _send(sock, ATTACH, 0, 0, [spec], len(spec), True)
+            _, status, _, reply_size = _read_prefix(sock, self.max_message_bytes)
+            reason = bytes(self._inbox.receive(sock, reply_size))
+        finally:
+            os.unlink(path)  # both sides hold a mapping; the memory goes away with the last one
+        if status:
+            log.warning("%s: shared memory refused (%s); sending inline", self.address, reason.decode(errors="replace"))
+            segment.close()
+            self.shared_memory = False
+            return None
+        if self._segment is not None:
+            self._segment.close()
+        self._segment = segment
+        return segment
+
+    def _drop(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        if self._segment is not None:
+            self._segment.close()
+            self._segment = None
+
+    def close(self) -> None:
+        self._executor.submit(self._drop)
+        self._executor.shutdown(wait=True, cancel_futures=True)
