@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import signal
 import sys
 from pathlib import Path
@@ -44,7 +43,7 @@ def _add_cluster_flags(parser: argparse.ArgumentParser, ps: int = 1, workers: in
     parser.add_argument("--ps", type=int, default=ps, help=f"number of PS processes (default {ps})")
     parser.add_argument("--workers", type=int, default=workers, help=f"number of worker processes (default {workers})")
     parser.add_argument("--torch-threads", type=int, default=0,
-                        help="torch intra-op threads per worker (default: cores / workers)")
+                        help="torch intra-op threads per worker (default: cores / (ps + workers), at least 1)")
     parser.add_argument("--rpc-timeout", type=float, default=Options.rpc_timeout_s,
                         help=f"deadline in seconds of each call to a PS (default {Options.rpc_timeout_s})")
     parser.add_argument("--progress-every", type=float, default=2.0,
@@ -52,9 +51,9 @@ def _add_cluster_flags(parser: argparse.ArgumentParser, ps: int = 1, workers: in
 
 
 def _run_local(args: argparse.Namespace, script: str, script_args: list[str]) -> int:
-    from .local import LocalCluster
+    from .local import LocalCluster, default_torch_threads
 
-    threads = args.torch_threads or max(1, (os.cpu_count() or 1) // max(args.workers, 1))
+    threads = args.torch_threads or default_torch_threads(args.ps, args.workers)
     options = Options(rpc_timeout_s=args.rpc_timeout, torch_threads=threads)
     cluster = LocalCluster(args.ps, args.workers, script, script_args, options,
                            progress_every=args.progress_every, log_level=args.log_level)

@@ -29,6 +29,11 @@ from .processes import Child, LineWriter, wait_any
 log = logging.getLogger(__name__)
 
 
+def default_torch_threads(num_ps: int, num_workers: int) -> int:
+    """The cores shared out among all local processes: more threads only steal the PS's core."""
+    return max(1, (os.cpu_count() or 1) // (num_ps + num_workers))
+
+
 class LocalCluster:
     """N PS and M worker processes running one script.
 
@@ -43,7 +48,7 @@ class LocalCluster:
             raise ValueError(f"need at least 1 PS and 1 worker, got ps={num_ps} workers={num_workers}")
         self.num_ps, self.num_workers = num_ps, num_workers
         self.script, self.args = script, list(args or [])
-        self.options = options or Options(torch_threads=max(1, (os.cpu_count() or 1) // num_workers))
+        self.options = options or Options(torch_threads=default_torch_threads(num_ps, num_workers))
         self.progress_every = progress_every
         self.log_level = log_level
         self.board = ProgressBoard()

@@ -1,0 +1,6 @@
+"""Builds the optional C kernels; everything else is in pyproject.toml."""
+
+from setuptools import Extension, setup
+
+setup(ext_modules=[Extension("paramserver.server._kernels", ["src/paramserver/server/_kernels.c"],
+                             extra_compile_args=["-O3", "-fno-math-errno"], optional=True)])
