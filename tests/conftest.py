@@ -1,0 +1,90 @@
+"""Shared fixtures: real PS processes on 127.0.0.1 port 0, and cleanup of everything a test started."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """Kill a process we started and its process group (nodes run in their own session)."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            proc.kill()
+    proc.wait(10)
+
+
+class Procs:
+    """Processes a test started; all are killed at teardown, even when the test failed."""
+
+    def __init__(self) -> None:
+        self.started: list[subprocess.Popen] = []
+        self.tag = uuid.uuid4().hex  # in the environment of everything started, to find leftovers
+
+    def env(self, **extra: str) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "PARAMSERVER_OPTIONS")}
+        env.update(PARAMSERVER_TEST_TAG=self.tag, PYTHONUNBUFFERED="1", **extra)
+        return env
+
+    def start(self, argv: list[str], **kwargs) -> subprocess.Popen:
+        kwargs.setdefault("env", self.env())
+        proc = subprocess.Popen(argv, start_new_session=True, cwd=ROOT, **kwargs)
+        self.started.append(proc)
+        return proc
+
+    def start_ps(self, index: int = 0, bind: str = "127.0.0.1:0", **env: str) -> tuple[subprocess.Popen, str]:
+        """A real PS node process; returns it and its announced address."""
+        proc = self.start([sys.executable, "-m", "paramserver", "--log-level", "WARNING", "node", "--role", "ps",
+                           "--index", str(index), "--bind", bind], stdout=subprocess.PIPE, text=True,
+                          env=self.env(**env))
+        line = proc.stdout.readline()
+        if not line.startswith("PARAMSERVER_READY"):
+            raise RuntimeError(f"PS did not start: {line!r}")
+        return proc, line.split()[-1]
+
+    def leftovers(self) -> list[psutil.Process]:
+        """Live processes (other than this one) carrying this test's tag."""
+        found = []
+        for proc in psutil.process_iter():
+            try:
+                if proc.pid != os.getpid() and proc.environ().get("PARAMSERVER_TEST_TAG") == self.tag:
+                    if proc.status() != psutil.STATUS_ZOMBIE:
+                        found.append(proc)
+            except psutil.Error:
+                continue
+        return found
+
+    def cleanup(self) -> None:
+        for proc in self.started:
+            _kill_tree(proc)
+        for proc in self.leftovers():
+            proc.kill()
+
+
+@pytest.fixture
+def procs():
+    tracker = Procs()
+    yield tracker
+    tracker.cleanup()
+
+
+@pytest.fixture
+def fresh_context():
+    """Leaves no paramserver context behind for the next test."""
+    from paramserver.worker import context
+
+    yield
+    if context._current is not None:
+        context._current.shutdown()
+    context._launched = None
