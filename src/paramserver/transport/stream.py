@@ -261,7 +261,8 @@ class StreamClient:
         self._inbox = _Inbox()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stream-{label}")
 
-    def call(self, method: str, parts: list, timeout: float) -> CallHandle:
+    def call(self, method: str, payload: bytes | list, timeout: float) -> CallHandle:
+        parts = [payload] if isinstance(payload, (bytes, bytearray, memoryview)) else payload
         deadline, sent = time.monotonic() + timeout, threading.Event()
         future = self._executor.submit(self._call, METHODS.index(method), parts, deadline, method, sent)
         return CallHandle(future, f"{self.address} {method}", sent)

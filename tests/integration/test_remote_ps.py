@@ -1,0 +1,135 @@
+"""A real PS process over gRPC and the tensor stream: numbers, bad input, unreachable servers."""
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import paramserver as ps
+from paramserver.client.ps_client import PSClient
+from paramserver.config import ClusterSpec, NodeConfig, Options, Task
+from paramserver.transport import codec
+from paramserver.transport.grpc_transport import GrpcChannel
+from tests.reference import batches, max_relative_error, mlp, train, twin
+
+TRANSPORTS = {"shm": dict(use_stream=1, shared_memory=1), "tcp": dict(use_stream=1, shared_memory=0),
+              "grpc": dict(use_stream=0)}
+
+
+def join(addresses, **options):
+    cluster = ClusterSpec(ps=tuple(addresses), worker=("127.0.0.1:0",))
+    return ps.init(NodeConfig(cluster, Task("worker", 0), Options(connect_timeout_s=20, **options)))
+
+
+@pytest.mark.parametrize("transport", list(TRANSPORTS))
+def test_training_over_two_real_ps_equals_torch(procs, fresh_context, transport):
+    addresses = [procs.start_ps(i)[1] for i in range(2)]
+    join(addresses, split_bytes=4096, **TRANSPORTS[transport])
+    reference = mlp()
+    model = twin(reference)
+    data = batches(100)
+    train(reference, torch.optim.Adam(reference.parameters(), lr=1e-3), data)
+    opt = ps.optim.Adam(model.parameters(), lr=1e-3)
+    train(model, opt, data)
+    assert max_relative_error(model, reference) < 1e-5
+    assert {p.shard for parts in opt.context.client.parts_of.values() for p in parts} == {0, 1}
+
+
+def test_overlap_mode_trains_on_parameters_one_update_old(procs, fresh_context):
+    join([procs.start_ps()[1]])
+    model = mlp()
+    opt = ps.optim.SGD(model.parameters(), lr=0.1, overlap=True)
+    x, y = batches(1)[0]
+    before = [p.detach().clone() for p in model.parameters()]
+    for _ in range(2):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    # after two steps only the first update was loaded; pull() brings in the second
+    after_two = [p.detach().clone() for p in model.parameters()]
+    opt.pull()
+    assert not all(torch.equal(a, b) for a, b in zip(before, after_two))
+    assert not all(torch.equal(a, p) for a, p in zip(after_two, model.parameters()))
+
+
+@pytest.fixture
+def remote(procs):
+    """A real PS with one registered group, and a raw channel to it per transport."""
+    _, address = procs.start_ps()
+    channels = {}
+    for name, opts in TRANSPORTS.items():
+        channel = GrpcChannel(address, 1 << 30, bool(opts["use_stream"]), bool(opts.get("shared_memory", 0)))
+        channel.wait_ready(20)
+        channels[name] = channel
+    initial = {"w": np.arange(6, dtype=np.float32).reshape(3, 2), "b": np.zeros(2, np.float32)}
+    call(channels["grpc"], "Register", codec.encode({"group": "g", "optimizer": {"name": "sgd", "hyper": {"lr": 1}}},
+                                                    initial.items()))
+    yield channels
+    for channel in channels.values():
+        channel.close()
+
+
+def call(channel, method, payload):
+    return codec.decode(channel.call(method, payload, 10).wait(10))
+
+
+def pull(channel):
+    frame = call(channel, "PushPull", codec.encode({"pull": ["w", "b"]}))
+    return frame.meta["version"], {k: v.copy() for k, v in frame.tensors.items()}
+
+
+BAD_PUSHES = [
+    ("wrong shape", codec.encode({}, [("w", np.ones((2, 3), np.float32))]), ps.InvalidArgumentError, "shape"),
+    ("wrong dtype", codec.encode({}, [("w", np.ones((3, 2), np.float64))]), ps.InvalidArgumentError, "dtype"),
+    ("unknown variable", codec.encode({}, [("v", np.ones(2, np.float32))]), ps.NotFoundError, "'v'"),
+    ("NaN", codec.encode({}, [("b", np.array([0, np.nan], np.float32))]), ps.InvalidArgumentError, "NaN"),
+    ("malformed frame", b"PSFR\x01\x00\x00\x00\xff\xff\x00\x00garbage", ps.InvalidArgumentError, "runs past"),
+    ("not a frame", b"hello", ps.InvalidArgumentError, "shorter"),
+    ("newer protocol", codec.encode({}, [("b", np.ones(2, np.float32))], major=codec.PROTOCOL_MAJOR + 1),
+     ps.FailedPreconditionError, "protocol 2"),
+]
+
+
+@pytest.mark.parametrize("transport", list(TRANSPORTS))
+@pytest.mark.parametrize("case, payload, error, fragment", BAD_PUSHES, ids=[c[0] for c in BAD_PUSHES])
+def test_bad_pushes_get_a_clear_error_and_change_nothing(remote, transport, case, payload, error, fragment):
+    channel = remote[transport]
+    version, before = pull(channel)
+    with pytest.raises(error, match=fragment):
+        call(channel, "PushPull", payload)
+    after_version, after = pull(channel)  # the PS still serves, on the same connection
+    assert after_version == version
+    for name in before:
+        np.testing.assert_array_equal(after[name], before[name])
+    good = call(channel, "PushPull", codec.encode({}, [("b", np.ones(2, np.float32))]))
+    assert good.meta["version"] == version + 1
+    np.testing.assert_array_equal(good.tensors["b"], before["b"] - 1)
+
+
+def test_unknown_method_on_grpc_is_a_clear_error(remote):
+    with pytest.raises(ps.ParamServerError):
+        call(remote["grpc"], "Explode", codec.encode({}))
+
+
+def test_unreachable_ps_is_a_typed_error_within_the_deadline(procs):
+    _, address = procs.start_ps()
+    procs.cleanup()  # the PS is gone; nothing listens on its port now
+    client = PSClient([GrpcChannel(address, 1 << 20)], rpc_timeout_s=1)
+    started = time.monotonic()
+    with pytest.raises(ps.UnavailableError, match=address):
+        client.connect(timeout=1.5)
+    assert time.monotonic() - started < 5
+
+
+def test_a_ps_killed_mid_training_is_a_typed_error(procs, fresh_context):
+    proc, address = procs.start_ps()
+    join([address], rpc_timeout_s=3)
+    model = mlp()
+    opt = ps.optim.Adam(model.parameters())
+    data = batches(2)
+    train(model, opt, data[:1])
+    proc.kill()
+    proc.wait()
+    with pytest.raises(ps.UnavailableError):
+        train(model, opt, data[1:])
