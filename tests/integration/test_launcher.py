@@ -10,6 +10,8 @@ import pytest
 
 from tests.conftest import ROOT
 
+pytestmark = pytest.mark.slow  # whole clusters of processes: a minute for this file
+
 SMALL = str(ROOT / "tests" / "integration" / "scripts" / "train_small.py")
 
 
