@@ -1,7 +1,11 @@
 """A real PS process over gRPC and the tensor stream: numbers, bad input, unreachable servers."""
 
+import json
+import socket
+import struct
 import time
 
+import grpc
 import numpy as np
 import pytest
 import torch
@@ -133,3 +137,37 @@ def test_a_ps_killed_mid_training_is_a_typed_error(procs, fresh_context):
     proc.wait()
     with pytest.raises(ps.UnavailableError):
         train(model, opt, data[1:])
+
+
+def _stream_port(address):
+    channel = GrpcChannel(address, 1 << 20, use_stream=False)
+    try:
+        return call(channel, "Hello", codec.encode({})).meta["stream_port"]
+    finally:
+        channel.close()
+
+
+def test_the_stream_refuses_to_attach_files_that_are_not_segments(procs, tmp_path):
+    _, address = procs.start_ps()
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"x" * 4096)
+    with socket.create_connection(("127.0.0.1", _stream_port(address)), timeout=10) as sock:
+        spec = json.dumps({"path": str(victim), "capacity": 1024}).encode()
+        sock.sendall(struct.pack("<4sBBHQ", b"PSTS", 4, 0, 0, len(spec)) + spec)
+        _, kind, status, _, size = struct.unpack("<4sBBHQ", sock.recv(16, socket.MSG_WAITALL))
+        reason = sock.recv(size, socket.MSG_WAITALL).decode()
+    assert status == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "not a paramserver segment" in reason
+    assert victim.read_bytes() == b"x" * 4096
+
+
+def test_garbage_on_the_stream_closes_that_connection_only(remote, procs):
+    address = remote["grpc"].address
+    with socket.create_connection(("127.0.0.1", _stream_port(address)), timeout=10) as sock:
+        sock.sendall(b"GET / HTTP/1.1\r\n\r\n")
+        try:
+            assert sock.recv(16) == b""  # closed by the PS...
+        except ConnectionResetError:
+            pass  # ...or reset, as it closed with our bytes unread
+    version, _ = pull(remote["tcp"])
+    assert call(remote["tcp"], "PushPull", codec.encode({}, [("b", np.ones(2, np.float32))])).meta["version"] == \
+        version + 1

@@ -47,6 +47,7 @@ _CODES = {code.value[0]: code for code in grpc.StatusCode}
 _SOCKET_BUFFER = 8 * 1024 * 1024
 _SHM_MIN_BYTES = 64 * 1024  # smaller messages go inline: not worth a segment
 _SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+_SHM_PREFIX = "paramserver-"
 
 
 def host_id() -> str:
@@ -117,10 +118,12 @@ class _Segment:
 
     def __init__(self, path: str, capacity: int, create: bool) -> None:
         self.path, self.capacity = path, capacity
-        fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
         try:
             if create:
                 os.ftruncate(fd, 2 * capacity)
+            elif os.fstat(fd).st_size < 2 * capacity:
+                raise ValueError(f"segment {path} is smaller than 2 x {capacity} bytes")
             self._map = mmap.mmap(fd, 2 * capacity)
         finally:
             os.close(fd)
@@ -215,7 +218,11 @@ class StreamServer:
     def _attach(self, conn: socket.socket, request: memoryview, old: _Segment | None) -> _Segment | None:
         try:
             spec = json.loads(bytes(request))
-            segment = _Segment(str(spec["path"]), int(spec["capacity"]), create=False)
+            path = str(spec["path"])
+            # only segments a worker made for us: never let a peer point the PS at another file
+            if os.path.dirname(path) != _SHM_DIR or not os.path.basename(path).startswith(_SHM_PREFIX):
+                raise ValueError(f"{path!r} is not a paramserver segment in {_SHM_DIR}")
+            segment = _Segment(path, int(spec["capacity"]), create=False)
         except (ValueError, KeyError, TypeError, OSError) as exc:
             message = f"cannot attach shared memory: {exc}".encode()
             _send(conn, REPLY, grpc.StatusCode.INVALID_ARGUMENT.value[0], 0, [message], len(message), True)
@@ -307,7 +314,7 @@ class StreamClient:
         if self._segment is not None and self._segment.capacity >= size:
             return self._segment
         capacity = max(2 * size, 1 << 20)
-        path = os.path.join(_SHM_DIR, f"paramserver-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+        path = os.path.join(_SHM_DIR, f"{_SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")
         segment = _Segment(path, capacity, create=True)
         try:
             spec = json.dumps({"path": path, "capacity": capacity}).encode()

@@ -6,7 +6,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -31,6 +31,17 @@ class EpochMetrics:
         return self.examples / self.wall_s if self.wall_s > 0 else 0.0
 
 
+def _forever(loader: Iterable) -> Iterator:
+    """The loader's batches, pass after pass (a new iteration each pass, so shuffling reshuffles)."""
+    while True:
+        empty = True
+        for batch in loader:
+            empty = False
+            yield batch
+        if empty:
+            raise ValueError("the loader yielded no batch; steps_per_epoch needs a loader that can be re-iterated")
+
+
 class Trainer:
     """Runs the training loop of one worker. Not thread-safe; call `fit` from the training thread."""
 
@@ -47,7 +58,7 @@ class Trainer:
     def fit(self, loader: Iterable, epochs: int = 1, steps_per_epoch: int | None = None) -> list[EpochMetrics]:
         """Train for `epochs`; with `steps_per_epoch`, each epoch takes that many batches, cycling `loader`."""
         history = []
-        batches = itertools.cycle(loader) if steps_per_epoch else None
+        batches = _forever(loader) if steps_per_epoch else None
         self.model.train()
         for epoch in range(1, epochs + 1):
             source = itertools.islice(batches, steps_per_epoch) if batches else loader
