@@ -59,7 +59,7 @@ class ProgressBoard:
         self._latest: dict[int, dict[str, Any]] = {}
         self._first_t: float | None = None
         self.results: dict[int, dict[str, Any]] = {}
-        self._window = (time.time(), 0)
+        self._window = (time.time(), 0, 0)
 
     def feed(self, line: str) -> None:
         try:
@@ -76,7 +76,7 @@ class ProgressBoard:
                     self._first_t = record["t"]
 
     def totals(self) -> dict[str, Any]:
-        """Summed steps and examples, mean last loss, and examples/s since the previous call."""
+        """Summed steps and examples, mean last loss, and steps/s and examples/s since the previous call."""
         with self._lock:
             latest = list(self._latest.values())
             first_t = self._first_t
@@ -84,10 +84,12 @@ class ProgressBoard:
         examples = sum(r["examples"] for r in latest)
         losses = [r["loss"] for r in latest if r.get("loss") is not None]
         now = time.time()
-        since, before = self._window
-        self._window = (now, examples)
+        since, examples_before, steps_before = self._window
+        self._window = (now, examples, steps)
         last_t = max((r["t"] for r in latest), default=now)
+        elapsed = max(now - since, 1e-9)
         return {"steps": steps, "examples": examples,
                 "loss": sum(losses) / len(losses) if losses else None,
-                "recent_examples_per_s": (examples - before) / max(now - since, 1e-9),
+                "recent_steps_per_s": (steps - steps_before) / elapsed,
+                "recent_examples_per_s": (examples - examples_before) / elapsed,
                 "examples_per_s": examples / (last_t - first_t) if first_t and last_t > first_t else 0.0}

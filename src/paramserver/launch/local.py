@@ -191,5 +191,5 @@ class LocalCluster:
         t = self.board.totals()
         if t["steps"]:
             loss = f"{t['loss']:.4f}" if t["loss"] is not None else "-"
-            self._lines.write("run", f"steps={t['steps']:,} examples/s={t['recent_examples_per_s']:,.0f} "
-                                     f"loss={loss}")
+            self._lines.write("run", f"steps={t['steps']:,} steps/s={t['recent_steps_per_s']:,.1f} "
+                                     f"examples/s={t['recent_examples_per_s']:,.0f} loss={loss}")
