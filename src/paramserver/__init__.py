@@ -25,12 +25,13 @@ _LAZY = {
     "init": ("paramserver.worker.context", "init"),
     "Context": ("paramserver.worker.context", "Context"),
     "current_context": ("paramserver.worker.context", "current_context"),
+    "set_mode": ("paramserver.worker.context", "set_mode"),
     "Trainer": ("paramserver.worker.trainer", "Trainer"),
     "EpochMetrics": ("paramserver.worker.trainer", "EpochMetrics"),
     "optim": ("paramserver.optim", None),
 }
 
-__all__ = ["init", "Context", "current_context", "Trainer", "EpochMetrics", "optim", "ClusterSpec",
+__all__ = ["init", "Context", "current_context", "set_mode", "Trainer", "EpochMetrics", "optim", "ClusterSpec",
            "NodeConfig", "Options", "Task", "ParamServerError", "InvalidArgumentError", "MalformedFrameError",
            "NotFoundError", "FailedPreconditionError", "ProtocolVersionError", "UnavailableError",
            "DeadlineExceededError", "ConfigError", "NotInitializedError"]

@@ -34,7 +34,7 @@ class ClusterSpec:
     def from_dict(cls, spec: Mapping[str, Any]) -> "ClusterSpec":
         if not isinstance(spec, Mapping):
             raise ConfigError(f"cluster spec must be an object of role -> address list, got {spec!r}")
-        unknown = sorted(set(spec) - set(ROLES) - {"evaluator"})
+        unknown = sorted(set(spec) - set(ROLES) - {"evaluator", "options"})
         if unknown:
             raise ConfigError(f"cluster spec has unknown roles {unknown}; known: {list(ROLES)}")
         lists = {}
@@ -81,6 +81,9 @@ class Options:
     shared_memory: int = 1  # 1: a worker on the PS's host passes tensors through shared memory
     torch_threads: int = 0  # intra-op threads of a worker's torch; 0 keeps torch's default
     progress_fd: int = -1  # file descriptor a worker writes progress lines to; -1: none
+    mode: str = "async"  # consistency: async, sync or ssp:K
+    backup_workers: int = 0  # sync only: apply a step once workers - backup_workers gradients arrived
+    mode_schedule: str = ""  # e.g. "async:500,sync": the chief switches modes at those steps
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "Options":
@@ -89,8 +92,9 @@ class Options:
         if unknown:
             raise ConfigError(f"unknown options {unknown}; known: {sorted(known)}")
         for key, value in values.items():
-            if not isinstance(value, (int, float)) or isinstance(value, bool):
-                raise ConfigError(f"option {key!r} must be a number, got {value!r}")
+            kind = str if isinstance(getattr(cls, key), str) else (int, float)
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise ConfigError(f"option {key!r} must be a {'string' if kind is str else 'number'}, got {value!r}")
         return cls(**values)
 
     def to_json(self) -> str:
@@ -137,13 +141,19 @@ def parse_tf_config(text: str, options: Options | None = None) -> NodeConfig:
 
 
 def load_cluster_file(path: str | Path, role: str, index: int, options: Options | None = None) -> NodeConfig:
-    """A NodeConfig from a JSON file holding a cluster spec (or a whole TF_CONFIG-style object)."""
+    """A NodeConfig from a JSON file holding a cluster spec, or {"cluster": ..., "options": {...}}.
+
+    Options in the file (e.g. "mode") override those from the environment.
+    """
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, ValueError) as exc:
         raise ConfigError(f"cannot read cluster file {path}: {exc}") from None
     spec = data.get("cluster", data) if isinstance(data, dict) else data
-    return NodeConfig(ClusterSpec.from_dict(spec), Task(role, index), options or Options())
+    options = options or Options()
+    if isinstance(data, dict) and isinstance(data.get("options"), dict):
+        options = Options.from_dict({**asdict(options), **data["options"]})
+    return NodeConfig(ClusterSpec.from_dict(spec), Task(role, index), options)
 
 
 def options_from_environ(environ: Mapping[str, str] = os.environ) -> Options:

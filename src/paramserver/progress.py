@@ -1,7 +1,7 @@
 """The progress channel between a worker and `paramserver run`.
 
 A worker writes JSON lines to a file descriptor the launcher gave it:
-``{"worker": i, "steps": n, "examples": n, "loss": x, "t": unix_time}`` at most every
+``{"worker": i, "steps": n, "examples": n, "loss": x, "staleness_sum": n, "t": unix_time}`` at most every
 `interval` seconds, and ``{"worker": i, "result": {...}}`` once, for the run's final JSON line.
 The launcher's ProgressBoard aggregates the lines of all workers.
 """
@@ -25,18 +25,21 @@ class ProgressWriter:
         self.steps = 0
         self.examples = 0
         self.loss: float | None = None
+        self.staleness_sum = 0
         self._last_write = 0.0
 
-    def update(self, steps: int = 0, examples: int = 0, loss: float | None = None) -> None:
+    def update(self, steps: int = 0, examples: int = 0, loss: float | None = None, staleness: int = 0) -> None:
         self.steps += steps
         self.examples += examples
+        self.staleness_sum += staleness
         if loss is not None:
             self.loss = loss
         if self._file and time.monotonic() - self._last_write >= self.interval:
             self.flush()
 
     def flush(self) -> None:
-        self._write({"steps": self.steps, "examples": self.examples, "loss": self.loss, "t": time.time()})
+        self._write({"steps": self.steps, "examples": self.examples, "loss": self.loss,
+                     "staleness_sum": self.staleness_sum, "t": time.time()})
         self._last_write = time.monotonic()
 
     def result(self, values: dict[str, Any]) -> None:
@@ -83,6 +86,7 @@ class ProgressBoard:
         steps = sum(r["steps"] for r in latest)
         examples = sum(r["examples"] for r in latest)
         losses = [r["loss"] for r in latest if r.get("loss") is not None]
+        staleness = sum(r.get("staleness_sum", 0) for r in latest)
         now = time.time()
         since, examples_before, steps_before = self._window
         self._window = (now, examples, steps)
@@ -90,6 +94,7 @@ class ProgressBoard:
         elapsed = max(now - since, 1e-9)
         return {"steps": steps, "examples": examples,
                 "loss": sum(losses) / len(losses) if losses else None,
+                "staleness_mean": staleness / steps if steps else 0.0,
                 "recent_steps_per_s": (steps - steps_before) / elapsed,
                 "recent_examples_per_s": (examples - examples_before) / elapsed,
                 "examples_per_s": examples / (last_t - first_t) if first_t and last_t > first_t else 0.0}

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from paramserver.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
-from paramserver.server.shard import Shard
+from paramserver.server.shard import Push, Shard
 
 ADAM = {"name": "adam", "hyper": {"lr": 0.1}}
 
@@ -31,7 +31,7 @@ def test_bad_gradients_are_refused_and_nothing_changes(shard, grads, error, frag
     before = values(shard)
     # a good gradient in the same push must not be applied either
     with pytest.raises(error, match=fragment):
-        shard.push({"b": np.ones(2, np.float32), **grads})
+        shard.push(Push({"b": np.ones(2, np.float32), **grads}))
     after = values(shard)
     assert after[0] == before[0] == 0
     for a, b in zip(after[1], before[1]):
@@ -40,7 +40,7 @@ def test_bad_gradients_are_refused_and_nothing_changes(shard, grads, error, frag
 
 def test_a_bad_learning_rate_is_refused_and_nothing_changes(shard):
     with pytest.raises(InvalidArgumentError, match="lr"):
-        shard.push({"b": np.ones(2, np.float32)}, {"g": float("nan")})
+        shard.push(Push({"b": np.ones(2, np.float32)}, {"g": float("nan")}))
     assert shard.version == 0
 
 
@@ -55,6 +55,6 @@ def test_registering_another_shape_or_optimizer_is_refused(shard):
 
 
 def test_a_good_push_bumps_the_version_and_changes_values(shard):
-    version = shard.push({"w": np.ones((3, 2), np.float32)})
-    assert version == 1
+    outcome = shard.push(Push({"w": np.ones((3, 2), np.float32)}))
+    assert outcome.applied and shard.version == 1
     assert not np.array_equal(values(shard)[1][0], np.ones((3, 2), np.float32))

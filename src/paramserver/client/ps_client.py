@@ -12,10 +12,12 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, ParamServerError
+from ..server.consistency import ConsistencySpec
 from ..transport import codec
 from ..transport.channel import CallHandle, ShardChannel
 from .placement import DEFAULT_SPLIT_BYTES, Part, Placer
@@ -29,6 +31,7 @@ class PushPullHandle:
 
     calls: list[tuple[int, CallHandle]]
     parts: dict[str, Part]
+    on_reply: Callable[[dict[int, dict]], None] | None = None
     started: float = field(default_factory=time.monotonic)
 
     def done(self) -> bool:
@@ -40,26 +43,55 @@ class PushPullHandle:
         for _, call in self.calls:
             call.wait_sent(max(0.0, deadline - time.monotonic()))
 
-    def wait(self, timeout: float) -> tuple[dict[int, int], list[tuple[Part, np.ndarray]]]:
-        """Block until every shard replied; returns ({shard: version}, [(part, values)]).
+    def wait(self, timeout: float) -> tuple[dict[int, dict], list[tuple[Part, np.ndarray]]]:
+        """Block until every shard replied; returns ({shard: reply meta}, [(part, values)]).
 
         The values may view transport buffers: consume them before the next call on this client.
         """
         deadline = time.monotonic() + timeout
-        versions, values = {}, []
+        metas, values = {}, []
         for shard, call in self.calls:
             frame = codec.decode(call.wait(max(0.0, deadline - time.monotonic())))
-            versions[shard] = frame.meta["version"]
+            metas[shard] = frame.meta
             values.extend((self.parts[name], array) for name, array in frame.tensors.items())
-        return versions, values
+        if self.on_reply is not None:
+            self.on_reply(metas)
+        return metas, values
+
+
+@dataclass
+class PushRecord:
+    """What the shards said of this client's pushes: the sync step and staleness."""
+
+    step: int = 0  # the sync step the next push belongs to
+    staleness: int = 0  # of the latest push, the largest over shards
+    staleness_sum: int = 0
+    pushes: int = 0
+    dropped: int = 0  # pushes a shard dropped as late (sync with backup workers)
+    base_versions: dict[int, int] = field(default_factory=dict)
+
+    def note(self, metas: dict[int, dict], pushed: bool) -> None:
+        for shard, meta in metas.items():
+            self.base_versions[shard] = meta["version"]
+        if "step" in next(iter(metas.values()), {}):
+            self.step = max(meta.get("step", 0) for meta in metas.values())
+        if pushed:
+            self.staleness = max(meta.get("staleness", 0) for meta in metas.values())
+            self.staleness_sum += self.staleness
+            self.pushes += 1
+            self.dropped += any(meta.get("applied") is False for meta in metas.values())
 
 
 class PSClient:
-    """Registers variables on the shards, pushes gradients and pulls values."""
+    """Registers variables on the shards, pushes gradients and pulls values, as worker `worker`."""
 
     def __init__(self, channels: list[ShardChannel], rpc_timeout_s: float,
-                 split_bytes: int = DEFAULT_SPLIT_BYTES) -> None:
+                 split_bytes: int = DEFAULT_SPLIT_BYTES, worker: int = 0,
+                 consistency: ConsistencySpec | None = None) -> None:
         self.channels = channels
+        self.worker = worker
+        self.consistency = consistency or ConsistencySpec()
+        self.record = PushRecord()
         self.rpc_timeout_s = rpc_timeout_s
         self.placer = Placer(len(channels), split_bytes)
         self.parts_of: dict[str, list[Part]] = {}
@@ -89,14 +121,19 @@ class PSClient:
                 by_shard.setdefault(part.shard, []).append((part.name, _rows(array, part)))
         for shard in by_shard:
             self._groups_on.setdefault(shard, set()).add(group)
-        calls = [(shard, self.channels[shard].call(
-            "Register", codec.encode_parts({"group": group, "optimizer": optimizer_spec}, tensors), self.rpc_timeout_s))
-            for shard, tensors in sorted(by_shard.items())]
-        return PushPullHandle(calls, self._part_by_name)
+        meta = {"group": group, "optimizer": optimizer_spec, "consistency": self.consistency.to_dict()}
+        calls = [(shard, self.channels[shard].call("Register", codec.encode_parts(meta, tensors), self.rpc_timeout_s))
+                 for shard, tensors in sorted(by_shard.items())]
+        return PushPullHandle(calls, self._part_by_name, lambda metas: self.record.note(metas, False))
 
     def push_pull(self, grads: dict[str, np.ndarray], pull: list[str], lrs: dict[str, float] | None = None,
-                  ) -> PushPullHandle:
-        """Push `grads` (by variable) and pull the variables in `pull`, one request per shard involved."""
+                  base_versions: dict[int, int] | None = None) -> PushPullHandle:
+        """Push `grads` (by variable) and pull the variables in `pull`, one request per shard involved.
+
+        `base_versions` are the shard versions the gradients were computed from (default: the
+        latest replies'), for the shards to measure staleness.
+        """
+        bases = self.record.base_versions if base_versions is None else base_versions
         pushed: dict[int, list[tuple[str, np.ndarray]]] = {}
         for var, grad in grads.items():
             for part in self.parts_of[var]:
@@ -107,13 +144,37 @@ class PSClient:
                 pulled.setdefault(part.shard, []).append(part.name)
         calls = []
         for shard in sorted(set(pushed) | set(pulled)):
-            meta = {"pull": pulled.get(shard, [])}
+            meta = {"pull": pulled.get(shard, []), "worker": self.worker, "step": self.record.step}
+            if shard in bases:
+                meta["base"] = bases[shard]
             shard_lrs = {g: lr for g, lr in (lrs or {}).items() if g in self._groups_on.get(shard, ())}
             if shard_lrs:
                 meta["lr"] = shard_lrs
             payload = codec.encode_parts(meta, pushed.get(shard, ()))
             calls.append((shard, self.channels[shard].call("PushPull", payload, self.rpc_timeout_s)))
-        return PushPullHandle(calls, self._part_by_name)
+        return PushPullHandle(calls, self._part_by_name, lambda metas: self.record.note(metas, bool(grads)))
+
+    def set_mode(self, spec: ConsistencySpec) -> None:
+        """Switch every shard to `spec` now (see Shard.set_mode)."""
+        payload = codec.encode({"consistency": spec.to_dict()})
+        for call in [channel.call("SetMode", payload, self.rpc_timeout_s) for channel in self.channels]:
+            call.wait(self.rpc_timeout_s)
+        self.consistency = spec
+
+    def leave(self, timeout: float) -> None:
+        """Tell every shard this worker is done, so steps stop waiting for it. Best effort."""
+        payload = codec.encode({"worker": self.worker})
+        calls = [channel.call("Leave", payload, timeout) for channel in self.channels]
+        for call in calls:
+            try:
+                call.wait(timeout)
+            except ParamServerError as exc:
+                log.warning("leave: %s", exc)
+
+    def shard_stats(self) -> list[dict]:
+        """Each shard's counters (version, sync step, mode, pushes, late drops, staleness)."""
+        calls = [channel.call("Hello", codec.encode({}), self.rpc_timeout_s) for channel in self.channels]
+        return [dict(codec.decode(call.wait(self.rpc_timeout_s)).meta) for call in calls]
 
     def close(self) -> None:
         for channel in self.channels:

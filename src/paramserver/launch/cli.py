@@ -11,6 +11,8 @@ from pathlib import Path
 
 from ..config import Options
 from ..errors import ParamServerError
+from ..server.consistency import ConsistencySpec
+from ..worker.modes import parse_schedule
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +32,7 @@ def _parser() -> argparse.ArgumentParser:
     node.add_argument("--role", choices=["ps", "worker", "chief"], help="this node's role (with --cluster)")
     node.add_argument("--index", type=int, help="this node's index within its role (default 0)")
     node.add_argument("--bind", help="PS only: listen address HOST:PORT (default: from the cluster spec)")
+    _add_mode_flags(node)
     node.add_argument("script", nargs="?", help="training script (workers and chief)")
     node.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
 
@@ -48,13 +51,28 @@ def _add_cluster_flags(parser: argparse.ArgumentParser, ps: int = 1, workers: in
                         help=f"deadline in seconds of each call to a PS (default {Options.rpc_timeout_s})")
     parser.add_argument("--progress-every", type=float, default=2.0,
                         help="seconds between progress lines; 0 turns them off (default 2)")
+    _add_mode_flags(parser)
+
+
+def _add_mode_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--mode", help="consistency: async (default), sync, or ssp:K (at most K steps ahead)")
+    parser.add_argument("--backup-workers", type=int, help="sync: apply a step without the last B workers")
+    parser.add_argument("--mode-schedule", help="switch modes at the chief's steps, e.g. 'sync@500'")
+
+
+def mode_options(args: argparse.Namespace) -> dict:
+    """The consistency options given on the command line (unset ones left out)."""
+    given = {"mode": args.mode, "backup_workers": args.backup_workers, "mode_schedule": args.mode_schedule}
+    return {key: value for key, value in given.items() if value is not None}
 
 
 def _run_local(args: argparse.Namespace, script: str, script_args: list[str]) -> int:
     from .local import LocalCluster, default_torch_threads
 
     threads = args.torch_threads or default_torch_threads(args.ps, args.workers)
-    options = Options(rpc_timeout_s=args.rpc_timeout, torch_threads=threads)
+    options = Options(rpc_timeout_s=args.rpc_timeout, torch_threads=threads, **mode_options(args))
+    ConsistencySpec.parse(options.mode, args.workers, options.backup_workers)  # refuse a bad mode before starting
+    parse_schedule(options.mode_schedule)
     cluster = LocalCluster(args.ps, args.workers, script, script_args, options,
                            progress_every=args.progress_every, log_level=args.log_level)
     code = cluster.run()
@@ -82,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
             return _run_local(args, str(_demo_script()), ["--epochs", str(args.epochs)])
         from .node import run_node
         script_args = _strip_dashes(args.args)
-        return run_node(args.cluster, args.role, args.index, args.bind, args.script, script_args)
+        return run_node(args.cluster, args.role, args.index, args.bind, args.script, script_args,
+                        mode_options(args))
     except ParamServerError as exc:
         print(f"paramserver: error: {exc}", file=sys.stderr)
         return 2

@@ -125,6 +125,7 @@ class LocalCluster:
         totals = self.board.totals()
         summary = {"ps": self.num_ps, "workers": self.num_workers, "steps": totals["steps"],
                    "examples": totals["examples"], "examples_per_s": round(totals["examples_per_s"], 1),
+                   "staleness_mean": round(totals["staleness_mean"], 3),
                    "wall_s": round(self.wall_s, 2),
                    "peak_rss_mb": {role: round(rss / 2**20, 1) for role, rss in self.peak_rss.items()}}
         for worker in sorted(self.board.results, reverse=True):
@@ -192,4 +193,5 @@ class LocalCluster:
         if t["steps"]:
             loss = f"{t['loss']:.4f}" if t["loss"] is not None else "-"
             self._lines.write("run", f"steps={t['steps']:,} steps/s={t['recent_steps_per_s']:,.1f} "
-                                     f"examples/s={t['recent_examples_per_s']:,.0f} loss={loss}")
+                                     f"examples/s={t['recent_examples_per_s']:,.0f} loss={loss} "
+                                     f"staleness={t['staleness_mean']:.2f}")

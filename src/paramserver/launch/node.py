@@ -7,6 +7,7 @@ node serves its shard until SIGTERM; a worker (or chief) node runs SCRIPT with A
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import runpy
@@ -41,9 +42,11 @@ def bind_address(address: str) -> str:
 
 
 def run_node(cluster_file: str | None, role: str | None, index: int | None, bind: str | None,
-             script: str | None, args: list[str]) -> int:
-    """Run this node to completion; returns the process exit code."""
+             script: str | None, args: list[str], overrides: dict | None = None) -> int:
+    """Run this node to completion; returns the process exit code. `overrides` are options given as flags."""
     options = config_mod.options_from_environ(os.environ)
+    if overrides:
+        options = config_mod.Options.from_dict({**dataclasses.asdict(options), **overrides})
     config = resolve(cluster_file, role, index, options)
     role = config.task.type if config else role
     if role == "ps":

@@ -27,7 +27,7 @@ class PSNode:
 
     def __init__(self, bind: str, index: int, options: Options) -> None:
         self.index = index
-        self.shard = Shard(index)
+        self.shard = Shard(index, wait_timeout_s=options.rpc_timeout_s)
         self.service = ShardService(self.shard)
         self.server = GrpcServer(self.service, bind, options.max_message_bytes, options.ps_threads)
         host = bind.rsplit(":", 1)[0].strip("[]")
@@ -46,7 +46,9 @@ class PSNode:
         started = time.monotonic()
         self.server.stop(grace)
         self.stream.stop()
-        log.info("ps %d stopped after %d pushes (%.2fs)", self.index, self.shard.version, time.monotonic() - started)
+        stats = self.shard.describe()
+        log.info("ps %d stopped after %d updates from %d pushes, %d late pushes dropped (%.2fs)", self.index,
+                 stats["version"], stats["pushes"], stats["dropped_late"], time.monotonic() - started)
 
 
 def run_ps_node(bind: str, index: int, options: Options, grace: float = 2.0) -> int:

@@ -8,10 +8,13 @@ the default joins them into bytes. Errors are raised as typed ParamServerError
 subclasses; the transport turns them into status codes.
 
 Methods (request meta -> reply meta; tensors as named):
-- ``Hello``: {} -> {"shard", "protocol", "version", "stream_port"?}
-- ``Register``: {"group", "optimizer"} + initial values -> {"version"} + current values
-- ``PushPull``: {"lr"?: {group: lr}, "pull"?: [names]} + gradients -> {"version"} + values of
-  the pulled names (default: the pushed names). With no gradients it is a plain pull.
+- ``Hello``: {} -> {"shard", "protocol", "stream_port"?, "host_id"?} + the shard's counters
+- ``Register``: {"group", "optimizer", "consistency"?} + initial values -> {"version"} + current values
+- ``PushPull``: {"lr"?: {group: lr}, "pull"?: [names], "worker"?, "step"?, "base"?} + gradients
+  -> {"version", "step", "staleness", "applied"} + values of the pulled names (default: the
+  pushed names). With no gradients it is a plain pull.
+- ``SetMode``: {"consistency"} -> {"version", "step"}
+- ``Leave``: {"worker"} -> {"version", "step"}: the worker is done; steps stop waiting for it
 Thread-safe.
 """
 
@@ -21,7 +24,8 @@ from typing import Any, Callable
 
 from ..errors import MalformedFrameError, NotFoundError
 from ..transport import codec
-from .shard import Shard
+from .consistency import ConsistencySpec
+from .shard import Push, Shard
 
 Sink = Callable[[list], Any]
 
@@ -33,7 +37,8 @@ class ShardService:
         self.shard = shard
         self.announce: dict[str, Any] = {}  # extra Hello fields, e.g. the node's stream port
         self.methods: dict[str, Callable[[bytes, Sink], Any]] = {
-            "Hello": self.hello, "Register": self.register, "PushPull": self.push_pull}
+            "Hello": self.hello, "Register": self.register, "PushPull": self.push_pull, "SetMode": self.set_mode,
+            "Leave": self.leave}
 
     def call(self, method: str, payload: bytes, sink: Sink = b"".join) -> Any:
         """Handle one request; returns what `sink` made of the reply (by default, its bytes)."""
@@ -45,29 +50,56 @@ class ShardService:
     def hello(self, payload: bytes, sink: Sink) -> Any:
         codec.decode(payload)
         meta = {"shard": self.shard.index, "protocol": [codec.PROTOCOL_MAJOR, codec.PROTOCOL_MINOR],
-                "version": self.shard.version, **self.announce}
+                **self.shard.describe(), **self.announce}
         return sink(codec.encode_parts(meta))
 
     def register(self, payload: bytes, sink: Sink) -> Any:
         frame = codec.decode(payload)
         group = _field(frame.meta, "group", str)
         optimizer = _field(frame.meta, "optimizer", dict)
-        self.shard.register(group, optimizer, frame.tensors)
+        consistency = frame.meta.get("consistency")
+        spec = ConsistencySpec.from_dict(consistency) if isinstance(consistency, dict) else None
+        self.shard.register(group, optimizer, frame.tensors, spec)
         return self.shard.pull(frame.tensors, _reply(sink))
 
     def push_pull(self, payload: bytes, sink: Sink) -> Any:
         frame = codec.decode(payload)
-        lrs = frame.meta.get("lr") or {}
-        names = frame.meta.get("pull")
+        meta = frame.meta
+        lrs = meta.get("lr") or {}
+        names = meta.get("pull")
         if not isinstance(lrs, dict) or not (names is None or isinstance(names, list)):
             raise MalformedFrameError("PushPull meta: 'lr' must be an object and 'pull' a list of names")
+        extra = {"step": self.shard.sync_step, "staleness": 0, "applied": False}
         if frame.tensors:
-            self.shard.push(frame.tensors, lrs)
-        return self.shard.pull(frame.tensors if names is None else names, _reply(sink))
+            push = Push(frame.tensors, lrs, _optional_int(meta, "worker"), _optional_int(meta, "step"),
+                        _optional_int(meta, "base"))
+            outcome = self.shard.push(push)
+            extra = {"step": self.shard.sync_step, "staleness": outcome.staleness, "applied": outcome.applied}
+        return self.shard.pull(frame.tensors if names is None else names, _reply(sink, extra))
+
+    def leave(self, payload: bytes, sink: Sink) -> Any:
+        frame = codec.decode(payload)
+        worker = _optional_int(frame.meta, "worker")
+        if worker is None:
+            raise MalformedFrameError("Leave needs the worker's index")
+        self.shard.leave(worker)
+        return sink(codec.encode_parts({"version": self.shard.version, "step": self.shard.sync_step}))
+
+    def set_mode(self, payload: bytes, sink: Sink) -> Any:
+        frame = codec.decode(payload)
+        self.shard.set_mode(ConsistencySpec.from_dict(_field(frame.meta, "consistency", dict)))
+        return sink(codec.encode_parts({"version": self.shard.version, "step": self.shard.sync_step}))
 
 
-def _reply(sink: Sink) -> Callable[[int, list], Any]:
-    return lambda version, values: sink(codec.encode_parts({"version": version}, values))
+def _reply(sink: Sink, extra: dict | None = None) -> Callable[[int, list], Any]:
+    return lambda version, values: sink(codec.encode_parts({"version": version, **(extra or {})}, values))
+
+
+def _optional_int(meta: dict[str, Any], key: str) -> int | None:
+    value = meta.get(key)
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+        raise MalformedFrameError(f"request meta {key!r} must be an integer, got {value!r}")
+    return value
 
 
 def _field(meta: dict[str, Any], key: str, kind: type) -> Any:

@@ -1,19 +1,22 @@
-"""One parameter-server shard: the variables it holds and the version of their values.
+"""One parameter-server shard: the variables it holds, and when pushes to them are applied.
 
 The domain object behind the shard service; it knows nothing of gRPC or frames.
-Thread-safe: every public method may be called from many request threads at once; pushes
-are applied one at a time, in arrival order (async training).
+Thread-safe: every public method may be called from many request threads at once. A push
+may block its caller (sync and ssp modes) until its step is applied or its worker may go
+on, never longer than `wait_timeout_s`.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass, field
 from typing import Callable, Iterable, TypeVar
 
 import numpy as np
 
-from ..errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
+from ..errors import DeadlineExceededError, FailedPreconditionError, InvalidArgumentError, NotFoundError
+from .consistency import ConsistencySpec, SyncRound
 from .dense import DenseGroup
 from .optimizers import build_optimizer, check_lr
 
@@ -21,27 +24,67 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+@dataclass
+class Push:
+    """One worker's push. `step` matters in sync mode; `base_version` (the shard version its
+    gradients were computed from) measures staleness."""
+
+    grads: dict[str, np.ndarray]
+    lrs: dict[str, float] = field(default_factory=dict)
+    worker: int | None = None
+    step: int | None = None
+    base_version: int | None = None
+
+
+@dataclass
+class PushOutcome:
+    applied: bool  # False: dropped as late (sync with backups), or only gathered so far
+    staleness: int  # versions applied between the gradients' base and this push
+
+
+@dataclass
+class ShardStats:
+    pushes: int = 0
+    dropped_late: int = 0
+    staleness_sum: int = 0
+    staleness_max: int = 0
+
+
 class Shard:
     """Holds dense variable groups and applies pushed gradients with their optimizer."""
 
-    def __init__(self, index: int = 0) -> None:
+    def __init__(self, index: int = 0, wait_timeout_s: float = 60.0) -> None:
         self.index = index
-        self.version = 0  # number of pushes applied
+        self.version = 0  # number of updates applied
+        self.sync_step = 0  # number of sync steps applied; the step a sync push must carry
+        self.spec: ConsistencySpec | None = None
+        self.stats = ShardStats()
+        self.wait_timeout_s = wait_timeout_s
         self._groups: dict[str, DenseGroup] = {}
         self._group_of: dict[str, DenseGroup] = {}
-        self._lock = threading.Lock()
+        self._clocks: dict[int, int] = {}  # pushes applied per worker (ssp)
+        self._left: set[int] = set()  # workers that finished: steps no longer wait for them
+        self._round: SyncRound | None = None
+        self._sums: dict[str, np.ndarray] = {}
+        self._cond = threading.Condition()
 
-    def register(self, group: str, optimizer_spec: dict, initial: dict[str, np.ndarray]) -> int:
+    # ---- variables -------------------------------------------------------------------------
+    def register(self, group: str, optimizer_spec: dict, initial: dict[str, np.ndarray],
+                 consistency: ConsistencySpec | None = None) -> int:
         """Create a group of variables from initial values, or check an existing one matches.
 
-        The first registration wins: later callers (other workers) receive the stored values
-        from `pull`. A mismatched shape or optimizer raises FailedPreconditionError and changes nothing.
+        The first registration wins, for the values and for the consistency mode: later callers
+        (other workers) receive the stored values. A mismatched shape or optimizer raises
+        FailedPreconditionError and changes nothing.
         """
         for name, value in initial.items():
             if value.dtype != np.float32:
                 raise InvalidArgumentError(f"variable {name!r}: dtype {value.dtype} not supported (float32 only)")
         optimizer = build_optimizer(optimizer_spec)
-        with self._lock:
+        with self._cond:
+            if self.spec is None and consistency is not None:
+                self.spec = consistency
+                log.info("shard %d: consistency %s, %d workers", self.index, consistency, consistency.workers)
             existing = self._groups.get(group)
             if existing is None:
                 clash = sorted(set(initial) & set(self._group_of))
@@ -68,33 +111,151 @@ class Shard:
                 raise FailedPreconditionError(
                     f"variable {name!r} was registered with shape {group.slots[name].shape}, not {tuple(value.shape)}")
 
-    def push(self, grads: dict[str, np.ndarray], lrs: dict[str, float] | None = None) -> int:
-        """Validate every gradient, then apply them all; on any error nothing is applied."""
-        by_group: dict[DenseGroup, dict[str, np.ndarray]] = {}
-        for name, grad in grads.items():
-            group = self._lookup(name)
-            self._check_grad(group, name, grad)
-            by_group.setdefault(group, {})[name] = grad
-        for group_name, lr in (lrs or {}).items():
-            if group_name not in self._groups:
-                raise NotFoundError(f"shard {self.index} holds no group {group_name!r}")
-            check_lr(lr)
-        with self._lock:
-            for group_name, lr in (lrs or {}).items():
-                self._groups[group_name].optimizer.set_lr(lr)
-            for group, group_grads in by_group.items():
-                group.apply(group_grads)
-            self.version += 1
-            return self.version
-
     def pull(self, names: Iterable[str], read: Callable[[int, list[tuple[str, np.ndarray]]], T]) -> T:
         """Call `read(version, [(name, live view)])` while no push can change the values.
 
         `read` must copy what it keeps (e.g. encode a reply frame) and must not call back into the shard.
         """
         views = [(name, self._lookup(name)) for name in names]
-        with self._lock:
+        with self._cond:
             return read(self.version, [(name, group.view(name)) for name, group in views])
+
+    # ---- pushes ----------------------------------------------------------------------------
+    def push(self, push: Push) -> PushOutcome:
+        """Validate every gradient, then apply (or gather) them by the consistency mode.
+
+        On any validation error nothing is applied or gathered.
+        """
+        by_group = self._validated(push)
+        with self._cond:
+            spec = self.spec or ConsistencySpec()
+            self._check_worker(spec, push.worker)
+            self._left.discard(push.worker)
+            staleness = max(0, self.version - push.base_version) if push.base_version is not None else 0
+            if spec.mode == "sync":
+                return self._push_sync(spec, push, staleness)
+            self._set_lrs(push.lrs)
+            self._apply(by_group)
+            self._count(staleness)
+            if spec.mode == "ssp":
+                self._clocks[push.worker] = self._clocks.get(push.worker, 0) + 1
+                self._cond.notify_all()
+                self._wait(lambda: self._ssp_may_go(push.worker), f"worker {push.worker} ahead of the slowest")
+            return PushOutcome(True, staleness)
+
+    def leave(self, worker: int) -> None:
+        """Worker `worker` is done: sync steps and ssp bounds stop waiting for it. Its next push
+        (a restarted worker) brings it back."""
+        with self._cond:
+            self._check_worker(self.spec or ConsistencySpec(), worker)
+            self._left.add(worker)
+            if self._round is not None and self._round.contributors and \
+                    len(self._round.contributors) >= self._quorum():
+                self._apply_round()
+            self._cond.notify_all()
+        log.info("shard %d: worker %d left (%d left so far)", self.index, worker, len(self._left))
+
+    def _quorum(self) -> int:
+        spec = self.spec or ConsistencySpec()
+        return max(1, min(spec.quorum, spec.workers - len(self._left)))
+
+    def set_mode(self, spec: ConsistencySpec) -> None:
+        """Switch the consistency mode now. A sync step partly gathered is applied first, so no
+        gathered gradient is lost, and every waiting pusher re-checks under the new mode."""
+        with self._cond:
+            if self._round is not None and self._round.contributors:
+                self._apply_round()
+            self._round = None
+            self.spec = spec
+            self._cond.notify_all()
+        log.info("shard %d: consistency is now %s (at version %d, sync step %d)", self.index, spec,
+                 self.version, self.sync_step)
+
+    def _push_sync(self, spec: ConsistencySpec, push: Push, staleness: int) -> PushOutcome:
+        step = push.step if push.step is not None else self.sync_step
+        if step < self.sync_step:
+            self.stats.dropped_late += 1  # a backup's gradient for a step already applied
+            return PushOutcome(False, self.sync_step - step)
+        if step > self.sync_step:
+            raise FailedPreconditionError(f"worker {push.worker} pushed step {step}, but shard {self.index} "
+                                          f"is at step {self.sync_step}")
+        if self._round is None or self._round.step != step:
+            self._round = SyncRound(step)
+        if push.worker in self._round.contributors:
+            raise InvalidArgumentError(f"worker {push.worker} already pushed step {step}")
+        self._set_lrs(push.lrs)
+        self._round.add(push.worker, push.grads, self._sums)
+        self._count(staleness)
+        if len(self._round.contributors) >= self._quorum():
+            self._apply_round()
+            self._cond.notify_all()
+        else:
+            self._wait(lambda: self.sync_step > step or (self.spec and self.spec.mode != "sync"),
+                       f"step {step} waiting for {self._quorum()} workers")
+        return PushOutcome(True, staleness)
+
+    def describe(self) -> dict:
+        """Counters and mode, for Hello replies and monitoring."""
+        with self._cond:
+            stats = self.stats
+            return {"version": self.version, "sync_step": self.sync_step,
+                    "mode": str(self.spec or ConsistencySpec()), "pushes": stats.pushes,
+                    "dropped_late": stats.dropped_late, "staleness_max": stats.staleness_max,
+                    "staleness_mean": stats.staleness_sum / stats.pushes if stats.pushes else 0.0}
+
+    def _apply_round(self) -> None:
+        averages = self._round.averages(self._sums)
+        by_group: dict[DenseGroup, dict[str, np.ndarray]] = {}
+        for name, grad in averages.items():
+            by_group.setdefault(self._group_of[name], {})[name] = grad
+        self._apply(by_group)
+        self.sync_step += 1
+        self._round = None
+
+    def _apply(self, by_group: dict[DenseGroup, dict[str, np.ndarray]]) -> None:
+        for group, grads in by_group.items():
+            group.apply(grads)
+        self.version += 1
+
+    def _set_lrs(self, lrs: dict[str, float]) -> None:
+        for group_name, lr in lrs.items():
+            self._groups[group_name].optimizer.set_lr(lr)
+
+    def _ssp_may_go(self, worker: int) -> bool:
+        spec = self.spec
+        if spec is None or spec.mode != "ssp":
+            return True
+        active = [w for w in range(spec.workers) if w not in self._left] or [worker]
+        slowest = min(self._clocks.get(w, 0) for w in active)
+        return self._clocks[worker] - slowest <= spec.staleness
+
+    def _wait(self, ready: Callable[[], bool], what: str) -> None:
+        if not self._cond.wait_for(ready, self.wait_timeout_s):
+            raise DeadlineExceededError(f"shard {self.index}: {what} for over {self.wait_timeout_s:.0f}s")
+
+    def _count(self, staleness: int) -> None:
+        self.stats.pushes += 1
+        self.stats.staleness_sum += staleness
+        self.stats.staleness_max = max(self.stats.staleness_max, staleness)
+
+    # ---- validation ------------------------------------------------------------------------
+    def _validated(self, push: Push) -> dict[DenseGroup, dict[str, np.ndarray]]:
+        by_group: dict[DenseGroup, dict[str, np.ndarray]] = {}
+        for name, grad in push.grads.items():
+            group = self._lookup(name)
+            self._check_grad(group, name, grad)
+            by_group.setdefault(group, {})[name] = grad
+        for group_name, lr in push.lrs.items():
+            if group_name not in self._groups:
+                raise NotFoundError(f"shard {self.index} holds no group {group_name!r}")
+            check_lr(lr)
+        return by_group
+
+    def _check_worker(self, spec: ConsistencySpec, worker: int | None) -> None:
+        if spec.mode != "async" and worker is None:
+            raise InvalidArgumentError(f"a push in {spec.mode} mode must name its worker")
+        if worker is not None and spec.workers and not 0 <= worker < spec.workers:
+            raise InvalidArgumentError(f"worker {worker} is outside the cluster's {spec.workers} workers")
 
     def _lookup(self, name: str) -> DenseGroup:
         group = self._group_of.get(name)

@@ -40,7 +40,7 @@ from .channel import CallHandle
 
 log = logging.getLogger(__name__)
 MAGIC = b"PSTS"
-METHODS = ("Hello", "Register", "PushPull")
+METHODS = ("Hello", "Register", "PushPull", "SetMode", "Leave")
 _PREFIX = struct.Struct("<4sBBHQ")
 REQUEST, REPLY, REQUEST_SHM, REPLY_SHM, ATTACH = range(5)
 _CODES = {code.value[0]: code for code in grpc.StatusCode}

@@ -20,10 +20,12 @@ from ..client.ps_client import PSClient
 from ..config import NodeConfig, Options
 from ..errors import NotInitializedError
 from ..progress import ProgressWriter
+from ..server.consistency import ConsistencySpec
 from ..server.service import ShardService
 from ..server.shard import Shard
 from ..transport.grpc_transport import GrpcChannel
 from ..transport.inprocess import InProcessChannel
+from .modes import ModeSwitcher
 
 log = logging.getLogger(__name__)
 _current: "Context | None" = None
@@ -41,6 +43,7 @@ class Context:
     options: Options
     in_process: bool
     progress: ProgressWriter
+    modes: ModeSwitcher
     _optimizers: int = field(default=0, repr=False)
 
     @property
@@ -56,6 +59,29 @@ class Context:
         """Hand final figures to `paramserver run`, which prints them in its closing JSON line."""
         self.progress.result(values)
 
+    def set_mode(self, mode: str, backup_workers: int | None = None) -> ConsistencySpec:
+        """Switch the cluster to "async", "sync" or "ssp:K" now, while training runs (chief only).
+
+        Each shard switches at once; a sync step it had partly gathered is applied first, so no
+        pushed gradient is lost. Returns the new mode.
+        """
+        return self.modes.set_mode(mode, backup_workers)
+
+    def staleness(self) -> dict[str, float]:
+        """This worker's pushes so far: latest and mean staleness (in versions), pushes, late drops."""
+        record = self.client.record
+        return {"last": record.staleness, "mean": record.staleness_sum / record.pushes if record.pushes else 0.0,
+                "pushes": record.pushes, "dropped": record.dropped}
+
+    def shard_stats(self) -> list[dict]:
+        """Each shard's counters: version, sync step, mode, pushes, late drops, staleness."""
+        return self.client.shard_stats()
+
+    def on_step(self, step: int) -> None:
+        """Called by the optimizer after each step: progress, and the mode schedule."""
+        self.progress.update(steps=1, staleness=self.client.record.staleness)
+        self.modes.on_step(step)
+
     def next_optimizer_name(self) -> str:
         """A name for the next optimizer, equal on every worker that creates optimizers in the same order."""
         name = f"opt{self._optimizers}"
@@ -63,8 +89,10 @@ class Context:
         return name
 
     def shutdown(self) -> None:
+        """Leave the cluster (steps stop waiting for this worker) and close the connections."""
         global _current
         self.progress.flush()
+        self.client.leave(timeout=5.0)
         self.client.close()
         if _current is self:
             _current = None
@@ -80,6 +108,11 @@ def current_context() -> Context:
     if _current is None:
         raise NotInitializedError("call paramserver.init() before creating a paramserver optimizer")
     return _current
+
+
+def set_mode(mode: str, backup_workers: int | None = None) -> ConsistencySpec:
+    """Switch the cluster's consistency mode while training runs; see Context.set_mode (chief only)."""
+    return current_context().set_mode(mode, backup_workers)
 
 
 def init(config: NodeConfig | None = None, *, num_ps: int = 1) -> Context:
@@ -109,7 +142,7 @@ def _in_process_context(num_ps: int) -> Context:
     client = PSClient(channels, options.rpc_timeout_s, options.split_bytes)
     client.connect(options.connect_timeout_s)
     log.info("no cluster configured: running an in-process cluster with %d shard(s)", num_ps)
-    return Context(0, 1, num_ps, client, options, True, ProgressWriter(-1, 0))
+    return Context(0, 1, num_ps, client, options, True, ProgressWriter(-1, 0), ModeSwitcher(client, 0, 1))
 
 
 def _cluster_context(config: NodeConfig) -> Context:
@@ -118,8 +151,11 @@ def _cluster_context(config: NodeConfig) -> Context:
         torch.set_num_threads(options.torch_threads)
     channels = [GrpcChannel(address, options.max_message_bytes, bool(options.use_stream), bool(options.shared_memory))
                 for address in config.cluster.ps]
-    client = PSClient(channels, options.rpc_timeout_s, options.split_bytes)
+    workers = config.cluster.num_workers
+    spec = ConsistencySpec.parse(options.mode, workers, options.backup_workers)
+    client = PSClient(channels, options.rpc_timeout_s, options.split_bytes, config.worker_index, spec)
+    modes = ModeSwitcher(client, config.worker_index, workers, options.mode_schedule, options.backup_workers)
     client.connect(options.connect_timeout_s)
-    log.info("worker %d of %d joined %d PS", config.worker_index, config.cluster.num_workers, len(channels))
-    return Context(config.worker_index, config.cluster.num_workers, len(channels), client, options, False,
-                   ProgressWriter(options.progress_fd, config.worker_index))
+    log.info("worker %d of %d joined %d PS (%s)", config.worker_index, workers, len(channels), spec)
+    return Context(config.worker_index, workers, len(channels), client, options, False,
+                   ProgressWriter(options.progress_fd, config.worker_index), modes)

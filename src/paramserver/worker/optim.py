@@ -39,6 +39,7 @@ class PSOptimizer(torch.optim.Optimizer):
                  context: Context | None = None) -> None:
         super().__init__(params, defaults)
         self.overlap = overlap
+        self.steps = 0
         self.context = context or current_context()
         self._pending: PushPullHandle | None = None
         self.name = self.context.next_optimizer_name()
@@ -82,14 +83,16 @@ class PSOptimizer(torch.optim.Optimizer):
                 if param.grad.is_sparse:
                     raise InvalidArgumentError(f"{var}: sparse gradients are not supported for dense variables")
                 grads[var] = param.grad.detach().cpu().numpy()
+        bases = dict(self.context.client.record.base_versions)  # the values these gradients came from
         self.synchronize()
-        handle = self.context.client.push_pull(grads, [var for var, _ in self._vars], self._changed_lrs())
+        handle = self.context.client.push_pull(grads, [var for var, _ in self._vars], self._changed_lrs(), bases)
         if self.overlap:
             handle.wait_sent(self.context.options.rpc_timeout_s)  # the gradients may now be freed
             self._pending = handle
         else:
             self._write(handle.wait(self.context.options.rpc_timeout_s)[1])
-        self.context.progress.update(steps=1)
+        self.steps += 1
+        self.context.on_step(self.steps)
         return loss
 
     @torch.no_grad()

@@ -1,0 +1,139 @@
+"""Consistency modes end to end: real PS processes, workers as threads with their own connections."""
+
+import threading
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import paramserver as ps
+from paramserver.client.ps_client import PSClient
+from paramserver.config import Options
+from paramserver.progress import ProgressWriter
+from paramserver.server.consistency import ConsistencySpec
+from paramserver.transport.grpc_transport import GrpcChannel
+from paramserver.worker.context import Context
+from paramserver.worker.modes import ModeSwitcher
+from tests.reference import batches, max_relative_error, mlp, twin
+
+
+def worker_context(addresses, index, workers, mode, backups=0, schedule=""):
+    options = Options(rpc_timeout_s=30, split_bytes=4096)
+    spec = ConsistencySpec.parse(mode, workers, backups)
+    channels = [GrpcChannel(address, options.max_message_bytes) for address in addresses]
+    client = PSClient(channels, options.rpc_timeout_s, options.split_bytes, index, spec)
+    client.connect(20)
+    return Context(index, workers, len(addresses), client, options, False, ProgressWriter(-1, index),
+                   ModeSwitcher(client, index, workers, schedule, backups))
+
+
+def run_workers(contexts, body):
+    """Run body(ctx) on a thread per worker; re-raise the first failure."""
+    errors = []
+
+    def run(ctx):
+        try:
+            body(ctx)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test below
+            errors.append(exc)
+        finally:
+            ctx.shutdown()  # as a worker process does when its script ends
+    threads = [threading.Thread(target=run, args=(ctx,), name=f"test-worker{ctx.worker_index}") for ctx in contexts]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    if errors:
+        raise errors[0]
+
+
+@pytest.mark.parametrize("name, kwargs", [("SGD", dict(lr=0.05, momentum=0.9)), ("Adam", dict(lr=1e-3)),
+                                          ("Adagrad", dict(lr=0.05))])
+def test_sync_equals_single_process_training_on_the_summed_batch(procs, name, kwargs):
+    workers, batch, steps = 2, 8, 50
+    addresses = [procs.start_ps(i)[1] for i in range(2)]
+    reference = mlp()
+    models = [twin(reference) for _ in range(workers)]
+    data = batches(steps, batch=workers * batch)
+    opt_ref = getattr(torch.optim, name)(reference.parameters(), **kwargs)
+    for x, y in data:
+        opt_ref.zero_grad()
+        F.cross_entropy(reference(x), y).backward()
+        opt_ref.step()
+
+    def train(ctx):
+        model = models[ctx.worker_index]
+        opt = getattr(ps.optim, name)(model.parameters(), context=ctx, **kwargs)
+        for x, y in data:
+            mine = slice(ctx.worker_index * batch, (ctx.worker_index + 1) * batch)
+            opt.zero_grad()
+            F.cross_entropy(model(x[mine]), y[mine]).backward()
+            opt.step()
+    run_workers([worker_context(addresses, i, workers, "sync") for i in range(workers)], train)
+    for model in models:  # every worker ends on the PS's values: the same model
+        assert max_relative_error(model, reference) < 1e-5
+
+
+def _train_steps(steps, delays, log, mode_of_ctx=None):
+    def train(ctx):
+        model = mlp(sizes=(784, 16, 10))
+        opt = ps.optim.SGD(model.parameters(), lr=0.01, context=ctx)
+        for (x, y) in batches(steps, seed=ctx.worker_index):
+            time.sleep(delays[ctx.worker_index])
+            log.append((time.monotonic(), ctx.worker_index, "start", opt.steps))
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            log.append((time.monotonic(), ctx.worker_index, "push", opt.steps + 1))
+            opt.step()
+    return train
+
+
+def test_ssp_keeps_the_fast_worker_at_most_k_steps_ahead(procs):
+    addresses = [procs.start_ps()[1]]
+    log = []
+    contexts = [worker_context(addresses, i, 2, "ssp:2") for i in range(2)]
+    run_workers(contexts, _train_steps(12, [0.0, 0.15], log))
+    slow_pushes, lead = 0, []
+    for _, worker, event, step in sorted(log):
+        if worker == 1 and event == "push":
+            slow_pushes = step  # the slow worker's push is applied after this moment
+        elif worker == 0 and event == "start":
+            lead.append(step - slow_pushes)  # steps the fast worker has done beyond the slow one
+    assert max(lead) == 2  # the fast worker reached exactly K ahead, never more
+
+
+def test_backup_workers_leave_the_straggler_behind_and_count_its_late_pushes(procs):
+    addresses = [procs.start_ps()[1]]
+    contexts = [worker_context(addresses, i, 3, "sync", backups=1) for i in range(3)]
+    log = []
+    started = time.monotonic()
+    run_workers(contexts, _train_steps(15, [0.0, 0.0, 0.3], log))
+    observer = worker_context(addresses, 0, 3, "sync", backups=1)
+    stats = observer.shard_stats()[0]
+    observer.client.close()
+    assert stats["sync_step"] >= 15
+    assert stats["dropped_late"] > 0  # the straggler's gradients came late and were dropped
+    assert stats["pushes"] + stats["dropped_late"] == 45
+    assert time.monotonic() - started < 15 * 0.3 + 10
+
+
+def test_switching_async_to_sync_while_training_loses_no_push(procs):
+    addresses = [procs.start_ps(i)[1] for i in range(2)]
+    contexts = [worker_context(addresses, i, 2, "async", schedule="sync@10") for i in range(2)]
+    log = []
+    run_workers(contexts, _train_steps(20, [0.0, 0.01], log))
+    observer = worker_context(addresses, 0, 2, "async")
+    for stats in observer.shard_stats():
+        assert stats["mode"] == "sync"
+        assert stats["pushes"] == 40 and stats["dropped_late"] == 0
+        assert stats["sync_step"] >= 1  # steps after the switch were applied in lockstep
+    observer.client.close()
+
+
+def test_only_the_chief_switches_modes(procs):
+    addresses = [procs.start_ps()[1]]
+    ctx = worker_context(addresses, 1, 2, "async")
+    with pytest.raises(ps.ParamServerError, match="only the chief"):
+        ctx.set_mode("sync")
+    ctx.shutdown()
