@@ -83,7 +83,9 @@ class Options:
     progress_fd: int = -1  # file descriptor a worker writes progress lines to; -1: none
     mode: str = "async"  # consistency: async, sync or ssp:K
     backup_workers: int = 0  # sync only: apply a step once workers - backup_workers gradients arrived
-    mode_schedule: str = ""  # e.g. "async:500,sync": the chief switches modes at those steps
+    mode_schedule: str = ""  # e.g. "sync@500": switch modes when the workers reach those steps
+    heartbeat_s: float = 1.0  # how often a worker tells the coordinator it is alive
+    heartbeat_timeout_s: float = 30.0  # a worker silent this long counts as gone
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "Options":

@@ -9,23 +9,29 @@ import torch.nn.functional as F
 
 import paramserver as ps
 from paramserver.client.ps_client import PSClient
-from paramserver.config import Options
-from paramserver.progress import ProgressWriter
-from paramserver.server.consistency import ConsistencySpec
+from paramserver.config import ClusterSpec, NodeConfig, Options, Task
 from paramserver.transport.grpc_transport import GrpcChannel
-from paramserver.worker.context import Context
-from paramserver.worker.modes import ModeSwitcher
+from paramserver.worker.cluster import cluster_context
+from tests.integration.test_node import free_port
 from tests.reference import batches, max_relative_error, mlp, twin
 
 
-def worker_context(addresses, index, workers, mode, backups=0, schedule=""):
-    options = Options(rpc_timeout_s=30, split_bytes=4096)
-    spec = ConsistencySpec.parse(mode, workers, backups)
-    channels = [GrpcChannel(address, options.max_message_bytes) for address in addresses]
-    client = PSClient(channels, options.rpc_timeout_s, options.split_bytes, index, spec)
-    client.connect(20)
-    return Context(index, workers, len(addresses), client, options, False, ProgressWriter(-1, index),
-                   ModeSwitcher(client, index, workers, schedule, backups))
+def worker_contexts(addresses, workers, mode, backups=0, schedule=""):
+    """One Context per worker, as `paramserver.init()` builds them (worker 0 hosts the coordinator)."""
+    cluster = ClusterSpec(ps=tuple(addresses), worker=tuple(f"127.0.0.1:{free_port()}" for _ in range(workers)))
+    options = Options(rpc_timeout_s=30, connect_timeout_s=20, split_bytes=4096, mode=mode, backup_workers=backups,
+                      mode_schedule=schedule)
+    return [cluster_context(NodeConfig(cluster, Task("worker", i), options)) for i in range(workers)]
+
+
+def observe(addresses):
+    """Each shard's counters, read by a plain client."""
+    client = PSClient([GrpcChannel(a, 1 << 20, use_stream=False) for a in addresses], 10)
+    client.connect(10)
+    try:
+        return client.shard_stats()
+    finally:
+        client.close()
 
 
 def run_workers(contexts, body):
@@ -70,7 +76,7 @@ def test_sync_equals_single_process_training_on_the_summed_batch(procs, name, kw
             opt.zero_grad()
             F.cross_entropy(model(x[mine]), y[mine]).backward()
             opt.step()
-    run_workers([worker_context(addresses, i, workers, "sync") for i in range(workers)], train)
+    run_workers(worker_contexts(addresses, workers, "sync"), train)
     for model in models:  # every worker ends on the PS's values: the same model
         assert max_relative_error(model, reference) < 1e-5
 
@@ -92,7 +98,7 @@ def _train_steps(steps, delays, log, mode_of_ctx=None):
 def test_ssp_keeps_the_fast_worker_at_most_k_steps_ahead(procs):
     addresses = [procs.start_ps()[1]]
     log = []
-    contexts = [worker_context(addresses, i, 2, "ssp:2") for i in range(2)]
+    contexts = worker_contexts(addresses, 2, "ssp:2")
     run_workers(contexts, _train_steps(12, [0.0, 0.15], log))
     slow_pushes, lead = 0, []
     for _, worker, event, step in sorted(log):
@@ -105,13 +111,11 @@ def test_ssp_keeps_the_fast_worker_at_most_k_steps_ahead(procs):
 
 def test_backup_workers_leave_the_straggler_behind_and_count_its_late_pushes(procs):
     addresses = [procs.start_ps()[1]]
-    contexts = [worker_context(addresses, i, 3, "sync", backups=1) for i in range(3)]
+    contexts = worker_contexts(addresses, 3, "sync", backups=1)
     log = []
     started = time.monotonic()
     run_workers(contexts, _train_steps(15, [0.0, 0.0, 0.3], log))
-    observer = worker_context(addresses, 0, 3, "sync", backups=1)
-    stats = observer.shard_stats()[0]
-    observer.client.close()
+    stats = observe(addresses)[0]
     assert stats["sync_step"] >= 15
     assert stats["dropped_late"] > 0  # the straggler's gradients came late and were dropped
     assert stats["pushes"] + stats["dropped_late"] == 45
@@ -120,20 +124,19 @@ def test_backup_workers_leave_the_straggler_behind_and_count_its_late_pushes(pro
 
 def test_switching_async_to_sync_while_training_loses_no_push(procs):
     addresses = [procs.start_ps(i)[1] for i in range(2)]
-    contexts = [worker_context(addresses, i, 2, "async", schedule="sync@10") for i in range(2)]
+    contexts = worker_contexts(addresses, 2, "async", schedule="sync@10")
     log = []
     run_workers(contexts, _train_steps(20, [0.0, 0.01], log))
-    observer = worker_context(addresses, 0, 2, "async")
-    for stats in observer.shard_stats():
+    for stats in observe(addresses):
         assert stats["mode"] == "sync"
         assert stats["pushes"] == 40 and stats["dropped_late"] == 0
-        assert stats["sync_step"] >= 1  # steps after the switch were applied in lockstep
-    observer.client.close()
+        assert stats["sync_step"] == 10  # the 10 steps after the switch, in lockstep: one update each
 
 
 def test_only_the_chief_switches_modes(procs):
     addresses = [procs.start_ps()[1]]
-    ctx = worker_context(addresses, 1, 2, "async")
+    contexts = worker_contexts(addresses, 2, "async")
     with pytest.raises(ps.ParamServerError, match="only the chief"):
-        ctx.set_mode("sync")
-    ctx.shutdown()
+        contexts[1].set_mode("sync")
+    for ctx in reversed(contexts):
+        ctx.shutdown(grace=1)

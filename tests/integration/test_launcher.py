@@ -95,3 +95,24 @@ def test_script_errors_are_clear(procs):
     code, out = finish(proc, timeout=120)
     assert code != 0 and "no_such_script.py does not exist" in out
     assert procs.leftovers() == []
+
+
+def test_run_in_sync_mode_with_a_backup_worker(procs):
+    proc = procs.start(paramserver("run", "--ps", "2", "--workers", "3", "--mode", "sync", "--backup-workers", "1",
+                                   "--progress-every", "0.5", SMALL, "--", "--steps", "20"),
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    code, out = finish(proc)
+    assert code == 0, out
+    assert "consistency sync with 1 backup workers, 3 workers" in out
+    assert "staleness=" in out
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["steps"] == 60 and summary["staleness_mean"] == 0
+    assert procs.leftovers() == []
+
+
+def test_a_bad_mode_is_refused_before_anything_starts(procs):
+    proc = procs.start(paramserver("run", "--workers", "2", "--mode", "ssp", SMALL), stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True)
+    code, out = finish(proc, timeout=60)
+    assert code == 2 and "ssp needs a staleness bound" in out
+    assert procs.leftovers() == []

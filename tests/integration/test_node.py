@@ -71,7 +71,7 @@ def test_cluster_file_with_role_and_index_flags(procs, tmp_path):
 
 def test_plain_python_script_with_tf_config_runs_unchanged(procs):
     """The same script, started with plain `python` on each host, finds its role in TF_CONFIG."""
-    cluster = {"ps": [f"127.0.0.1:{free_port()}"], "worker": ["127.0.0.1:1"]}
+    cluster = {"ps": [f"127.0.0.1:{free_port()}"], "worker": [f"127.0.0.1:{free_port()}"]}
 
     def env(role):
         return procs.env(TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": role, "index": 0}}))

@@ -76,7 +76,9 @@ class PushRecord:
         if "step" in next(iter(metas.values()), {}):
             self.step = max(meta.get("step", 0) for meta in metas.values())
         if pushed:
-            self.staleness = max(meta.get("staleness", 0) for meta in metas.values())
+            # staleness of what was applied; a push dropped as late is counted apart
+            self.staleness = max((meta.get("staleness", 0) for meta in metas.values() if meta.get("applied", True)),
+                                 default=0)
             self.staleness_sum += self.staleness
             self.pushes += 1
             self.dropped += any(meta.get("applied") is False for meta in metas.values())

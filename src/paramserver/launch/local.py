@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import sys
 import threading
 import time
@@ -27,6 +28,13 @@ from ..server.node import READY_PREFIX
 from .processes import Child, LineWriter, wait_any
 
 log = logging.getLogger(__name__)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def default_torch_threads(num_ps: int, num_workers: int) -> int:
@@ -56,6 +64,7 @@ class LocalCluster:
         self.ps: list[Child] = []
         self.workers: list[Child] = []
         self.ps_addresses: list[str | None] = [None] * num_ps
+        self.worker_addresses: list[str] = []
         self._ps_ready = threading.Condition()
         self._lines = LineWriter(out or sys.stdout)
         self._stopped = threading.Event()
@@ -70,6 +79,8 @@ class LocalCluster:
             argv = self._node_argv("--role", "ps", "--index", str(i), "--bind", "127.0.0.1:0")
             self.ps.append(Child(f"ps{i}", argv, self._env(self.options), self._on_line))
         self._wait_ps_ready(timeout)
+        # worker 0 serves the coordinator on its address; the others' are reserved the same way
+        self.worker_addresses = [f"127.0.0.1:{free_port()}" for _ in range(self.num_workers)]
         threading.Thread(target=self._watch, name="run-watch", daemon=True).start()
         for i in range(self.num_workers):
             read_fd, write_fd = os.pipe()
@@ -145,8 +156,7 @@ class LocalCluster:
         return env
 
     def _tf_config(self, worker: int) -> str:
-        # Workers do not listen on a port yet; their entries only give the cluster its size.
-        cluster = {"ps": self.ps_addresses, "worker": ["127.0.0.1:0"] * self.num_workers}
+        cluster = {"ps": self.ps_addresses, "worker": self.worker_addresses}
         return json.dumps({"cluster": cluster, "task": {"type": "worker", "index": worker}})
 
     def _on_line(self, label: str, line: str) -> None:

@@ -14,7 +14,6 @@ from concurrent.futures import Future
 import grpc
 
 from ..errors import ParamServerError, UnavailableError, error_for_status
-from ..server.service import ShardService
 from . import codec
 from .channel import CallHandle
 from .stream import METHODS as STREAM_METHODS
@@ -34,12 +33,13 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
 
 
 class GrpcServer:
-    """A gRPC server exposing one ShardService.
+    """A gRPC server exposing one service object (`.methods` names, `.call(method, payload)`).
 
     Lifecycle: `start()` binds and returns the port, then `stop(grace)` once.
     """
 
-    def __init__(self, service: ShardService, bind: str, max_message_bytes: int, threads: int = 8) -> None:
+    def __init__(self, service, bind: str, max_message_bytes: int, threads: int = 8,
+                 service_name: str = SERVICE) -> None:
         self.service = service
         self.bind = bind
         self.port: int | None = None
@@ -47,7 +47,7 @@ class GrpcServer:
             futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ps-rpc"),
             options=channel_options(max_message_bytes))
         handlers = {name: grpc.unary_unary_rpc_method_handler(self._handler(name)) for name in service.methods}
-        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service_name, handlers),))
 
     def _handler(self, method: str):
         def handle(request: bytes, context: grpc.ServicerContext) -> bytes:
@@ -82,8 +82,9 @@ class GrpcChannel:
     """
 
     def __init__(self, address: str, max_message_bytes: int, use_stream: bool = True,
-                 use_shared_memory: bool = True) -> None:
+                 use_shared_memory: bool = True, service_name: str = SERVICE) -> None:
         self.address = address
+        self.service_name = service_name
         self.use_shared_memory = use_shared_memory
         self.max_message_bytes = max_message_bytes
         self.use_stream = use_stream
@@ -96,7 +97,7 @@ class GrpcChannel:
             return self._stream.call(method, payload, timeout)
         stub = self._methods.get(method)
         if stub is None:
-            stub = self._methods[method] = self._channel.unary_unary(f"/{SERVICE}/{method}")
+            stub = self._methods[method] = self._channel.unary_unary(f"/{self.service_name}/{method}")
         result: Future = Future()
         call = stub.future(payload if isinstance(payload, bytes) else b"".join(payload), timeout=timeout)
         call.add_done_callback(lambda done: self._settle(done, result, method))

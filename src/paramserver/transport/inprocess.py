@@ -9,17 +9,16 @@ from __future__ import annotations
 from concurrent.futures import Future
 
 from ..errors import ParamServerError
-from ..server.service import ShardService
 from . import codec
 from .channel import CallHandle
 
 
 class InProcessChannel:
-    """A ShardChannel to a ShardService living in this process. Thread-safe."""
+    """A ShardChannel to a service object (ShardService, CoordinatorService) in this process. Thread-safe."""
 
-    def __init__(self, service: ShardService) -> None:
+    def __init__(self, service, address: str | None = None) -> None:
         self.service = service
-        self.address = f"inprocess:shard{service.shard.index}"
+        self.address = address or f"inprocess:shard{service.shard.index}"
 
     def call(self, method: str, payload: bytes, timeout: float) -> CallHandle:
         future: Future = Future()

@@ -10,21 +10,17 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any
-
-import torch
 
 from .. import config as config_mod
 from ..client.ps_client import PSClient
 from ..config import NodeConfig, Options
+from ..coordinator.service import CoordinatorClient
 from ..errors import NotInitializedError
 from ..progress import ProgressWriter
 from ..server.consistency import ConsistencySpec
-from ..server.service import ShardService
-from ..server.shard import Shard
-from ..transport.grpc_transport import GrpcChannel
-from ..transport.inprocess import InProcessChannel
 from .modes import ModeSwitcher
 
 log = logging.getLogger(__name__)
@@ -44,6 +40,8 @@ class Context:
     in_process: bool
     progress: ProgressWriter
     modes: ModeSwitcher
+    coordinator: CoordinatorClient
+    coordinator_host: Any = None  # the coordinator's server, on the worker that hosts it
     _optimizers: int = field(default=0, repr=False)
 
     @property
@@ -77,10 +75,19 @@ class Context:
         """Each shard's counters: version, sync step, mode, pushes, late drops, staleness."""
         return self.client.shard_stats()
 
+    def barrier(self, name: str, timeout: float | None = None) -> None:
+        """Wait until every live worker has called `barrier(name)` (e.g. before evaluating)."""
+        self.coordinator.barrier(name, timeout or self.options.rpc_timeout_s)
+
+    def cluster_view(self) -> dict:
+        """The coordinator's latest word: global step (all workers' steps), live workers, worker count."""
+        return dict(self.coordinator.view)
+
     def on_step(self, step: int) -> None:
-        """Called by the optimizer after each step: progress, and the mode schedule."""
+        """Called by the optimizer after each step: progress, heartbeat step, the mode schedule."""
         self.progress.update(steps=1, staleness=self.client.record.staleness)
-        self.modes.on_step(step)
+        self.coordinator.step = self.progress.steps
+        self.modes.on_step(step, self.options.rpc_timeout_s)
 
     def next_optimizer_name(self) -> str:
         """A name for the next optimizer, equal on every worker that creates optimizers in the same order."""
@@ -88,12 +95,21 @@ class Context:
         self._optimizers += 1
         return name
 
-    def shutdown(self) -> None:
-        """Leave the cluster (steps stop waiting for this worker) and close the connections."""
+    def shutdown(self, grace: float = 30.0) -> None:
+        """Leave the cluster (steps stop waiting for this worker) and close the connections.
+
+        The worker hosting the coordinator keeps it up, at most `grace` seconds, until the others left.
+        """
         global _current
         self.progress.flush()
         self.client.leave(timeout=5.0)
         self.client.close()
+        self.coordinator.stop()
+        if self.coordinator_host is not None:
+            deadline = time.monotonic() + grace
+            while self.coordinator_host.live() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            self.coordinator_host.stop(1.0)
         if _current is self:
             _current = None
 
@@ -125,37 +141,14 @@ def init(config: NodeConfig | None = None, *, num_ps: int = 1) -> Context:
     global _current
     if _current is not None:
         return _current
+    from .cluster import cluster_context, in_process_context
+
     config = config or _launched or config_mod.config_from_environ(os.environ)
     if config is None:
-        _current = _in_process_context(num_ps)
+        _current = in_process_context(num_ps)
     elif config.task.type == "ps":
         from ..server.node import run_ps_node
         raise SystemExit(run_ps_node(config.address, config.task.index, config.options))
     else:
-        _current = _cluster_context(config)
+        _current = cluster_context(config)
     return _current
-
-
-def _in_process_context(num_ps: int) -> Context:
-    options = Options()
-    channels = [InProcessChannel(ShardService(Shard(i))) for i in range(num_ps)]
-    client = PSClient(channels, options.rpc_timeout_s, options.split_bytes)
-    client.connect(options.connect_timeout_s)
-    log.info("no cluster configured: running an in-process cluster with %d shard(s)", num_ps)
-    return Context(0, 1, num_ps, client, options, True, ProgressWriter(-1, 0), ModeSwitcher(client, 0, 1))
-
-
-def _cluster_context(config: NodeConfig) -> Context:
-    options = config.options
-    if options.torch_threads > 0:
-        torch.set_num_threads(options.torch_threads)
-    channels = [GrpcChannel(address, options.max_message_bytes, bool(options.use_stream), bool(options.shared_memory))
-                for address in config.cluster.ps]
-    workers = config.cluster.num_workers
-    spec = ConsistencySpec.parse(options.mode, workers, options.backup_workers)
-    client = PSClient(channels, options.rpc_timeout_s, options.split_bytes, config.worker_index, spec)
-    modes = ModeSwitcher(client, config.worker_index, workers, options.mode_schedule, options.backup_workers)
-    client.connect(options.connect_timeout_s)
-    log.info("worker %d of %d joined %d PS (%s)", config.worker_index, workers, len(channels), spec)
-    return Context(config.worker_index, workers, len(channels), client, options, False,
-                   ProgressWriter(options.progress_fd, config.worker_index), modes)

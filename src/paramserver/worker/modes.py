@@ -31,8 +31,9 @@ class ModeSwitcher:
     """Switches the cluster's mode through a PSClient; only the chief may. Not thread-safe."""
 
     def __init__(self, client, worker_index: int, num_workers: int, schedule: str = "",
-                 backup_workers: int = 0) -> None:
+                 backup_workers: int = 0, barrier=None) -> None:
         self.client = client
+        self.barrier = barrier  # barrier(name, timeout): every worker meets there around a scheduled switch
         self.worker_index = worker_index
         self.num_workers = num_workers
         self.backup_workers = backup_workers
@@ -48,7 +49,17 @@ class ModeSwitcher:
         self.client.set_mode(spec)
         return spec
 
-    def on_step(self, step: int) -> None:
-        """Apply the scheduled changes due at `step` (the chief's own step count)."""
-        while self.worker_index == 0 and self.pending and self.pending[0].step <= step:
-            self.set_mode(self.pending.pop(0).mode)
+    def on_step(self, step: int, timeout: float = 300.0) -> None:
+        """Apply the scheduled changes due at `step` (each worker's own step count).
+
+        Every worker stops at a barrier, the chief switches the shards while no push is in flight,
+        and a second barrier lets everyone go on under the new mode.
+        """
+        while self.pending and self.pending[0].step <= step:
+            change = self.pending.pop(0)
+            if self.barrier:
+                self.barrier(f"mode@{change.step}", timeout)
+            if self.worker_index == 0:
+                self.set_mode(change.mode)
+            if self.barrier:
+                self.barrier(f"mode@{change.step}:switched", timeout)

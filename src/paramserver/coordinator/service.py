@@ -1,0 +1,97 @@
+"""The coordinator over the wire: a thin service, and the worker's client with its heartbeat thread.
+
+Methods of service ``paramserver.Coordinator`` (frames without tensors; replies carry
+{"global_step", "live", "workers"}): ``Hello`` {}, ``Join`` {"worker"}, ``Heartbeat``
+{"worker", "step"}, ``Barrier`` {"worker", "name", "timeout"}, ``Leave`` {"worker"}.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Callable
+
+from ..errors import MalformedFrameError, ParamServerError
+from ..transport import codec
+from .membership import Coordinator
+
+log = logging.getLogger(__name__)
+SERVICE = "paramserver.Coordinator"
+
+
+class CoordinatorService:
+    """Decodes a request, calls the Coordinator, encodes its view. Thread-safe."""
+
+    def __init__(self, coordinator: Coordinator) -> None:
+        self.coordinator = coordinator
+        self.methods: dict[str, Callable[[dict], dict]] = {
+            "Hello": lambda meta: coordinator.view(),
+            "Join": lambda meta: coordinator.join(_int(meta, "worker")),
+            "Heartbeat": lambda meta: coordinator.heartbeat(_int(meta, "worker"), _int(meta, "step")),
+            "Barrier": lambda meta: coordinator.barrier(str(meta.get("name")), _int(meta, "worker"),
+                                                        float(meta.get("timeout", 60))),
+            "Leave": lambda meta: coordinator.leave(_int(meta, "worker")),
+        }
+
+    def call(self, method: str, payload: bytes, sink: Callable[[list], Any] = b"".join) -> Any:
+        handler = self.methods.get(method)
+        if handler is None:
+            raise MalformedFrameError(f"coordinator has no method {method!r}")
+        return sink(codec.encode_parts(handler(codec.decode(payload).meta)))
+
+
+def _int(meta: dict, key: str) -> int:
+    value = meta.get(key)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise MalformedFrameError(f"coordinator request needs integer {key!r}, got {value!r}")
+    return value
+
+
+class CoordinatorClient:
+    """A worker's membership: joins, heartbeats on a named thread, barriers, leaves.
+
+    Lifecycle: `start()` (join + heartbeat thread), then `stop()` (leave). `step` is read by
+    the heartbeat thread; the training thread sets it.
+    """
+
+    def __init__(self, channel, worker: int, rpc_timeout_s: float, heartbeat_s: float = 1.0) -> None:
+        self.channel = channel
+        self.worker = worker
+        self.rpc_timeout_s = rpc_timeout_s
+        self.heartbeat_s = heartbeat_s
+        self.step = 0
+        self.view: dict = {}
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name=f"heartbeat-worker{worker}", daemon=True)
+
+    def _call(self, method: str, deadline_s: float | None = None, **meta: Any) -> dict:
+        timeout = deadline_s or self.rpc_timeout_s
+        reply = codec.decode(self.channel.call(method, codec.encode({"worker": self.worker, **meta}), timeout)
+                             .wait(timeout))
+        self.view = dict(reply.meta)
+        return self.view
+
+    def start(self, timeout: float) -> None:
+        self.channel.wait_ready(timeout)
+        self._call("Join")
+        self._thread.start()
+
+    def barrier(self, name: str, timeout: float) -> dict:
+        """Wait until every live worker reached barrier `name`."""
+        return self._call("Barrier", timeout + 5, name=name, timeout=timeout)
+
+    def _beat(self) -> None:
+        while not self._stopping.wait(self.heartbeat_s):
+            try:
+                self._call("Heartbeat", step=self.step)
+            except ParamServerError as exc:
+                log.warning("heartbeat to the coordinator failed: %s", exc)
+
+    def stop(self) -> None:
+        self._stopping.set()
+        try:
+            self._call("Leave", deadline_s=5.0)
+        except ParamServerError as exc:
+            log.info("leaving the coordinator: %s", exc)
+        self._thread.join(5)
+        self.channel.close()

@@ -1,0 +1,81 @@
+"""Building a worker's Context: connections to the PS, the coordinator, the mode switcher."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..client.ps_client import PSClient
+from ..config import NodeConfig, Options
+from ..coordinator.membership import Coordinator
+from ..coordinator.service import SERVICE as COORDINATOR, CoordinatorClient, CoordinatorService
+from ..launch.node import bind_address
+from ..progress import ProgressWriter
+from ..server.consistency import ConsistencySpec
+from ..server.service import ShardService
+from ..server.shard import Shard
+from ..transport.grpc_transport import GrpcChannel, GrpcServer
+from ..transport.inprocess import InProcessChannel
+from .context import Context
+from .modes import ModeSwitcher
+
+log = logging.getLogger(__name__)
+
+
+class CoordinatorHost:
+    """The coordinator served over gRPC by the worker that hosts it. `start()`, then `stop(grace)`."""
+
+    def __init__(self, num_workers: int, address: str, options: Options) -> None:
+        self.coordinator = Coordinator(num_workers, options.heartbeat_timeout_s)
+        self.server = GrpcServer(CoordinatorService(self.coordinator), bind_address(address),
+                                 options.max_message_bytes, max(8, 2 * num_workers), COORDINATOR)
+
+    def start(self) -> None:
+        self.server.start()
+
+    def live(self) -> list[int]:
+        return self.coordinator.view()["live"]
+
+    def stop(self, grace: float) -> None:
+        self.server.stop(grace)
+
+
+def in_process_context(num_ps: int) -> Context:
+    options = Options()
+    channels = [InProcessChannel(ShardService(Shard(i))) for i in range(num_ps)]
+    client = PSClient(channels, options.rpc_timeout_s, options.split_bytes)
+    client.connect(options.connect_timeout_s)
+    coordinator = CoordinatorClient(InProcessChannel(CoordinatorService(Coordinator(1)), "inprocess:coordinator"),
+                                    0, options.rpc_timeout_s, options.heartbeat_s)
+    coordinator.start(options.connect_timeout_s)
+    log.info("no cluster configured: running an in-process cluster with %d shard(s)", num_ps)
+    return Context(0, 1, num_ps, client, options, True, ProgressWriter(-1, 0),
+                   ModeSwitcher(client, 0, 1, barrier=coordinator.barrier), coordinator)
+
+
+def cluster_context(config: NodeConfig) -> Context:
+    """Join the cluster of `config` as a worker (worker 0, or the chief, hosts the coordinator)."""
+    options, cluster, index = config.options, config.cluster, config.worker_index
+    if options.torch_threads > 0:
+        torch.set_num_threads(options.torch_threads)
+    workers = cluster.num_workers
+    coordinator_address = (cluster.chief or cluster.worker)[0]
+    host = None
+    if index == 0:
+        host = CoordinatorHost(workers, coordinator_address, options)
+        host.start()
+    spec = ConsistencySpec.parse(options.mode, workers, options.backup_workers)
+    channels = [GrpcChannel(address, options.max_message_bytes, bool(options.use_stream), bool(options.shared_memory))
+                for address in cluster.ps]
+    client = PSClient(channels, options.rpc_timeout_s, options.split_bytes, index, spec)
+    client.connect(options.connect_timeout_s)
+    coordinator = CoordinatorClient(GrpcChannel(coordinator_address, options.max_message_bytes, use_stream=False,
+                                                service_name=COORDINATOR),
+                                    index, options.rpc_timeout_s, options.heartbeat_s)
+    coordinator.start(options.connect_timeout_s)
+    modes = ModeSwitcher(client, index, workers, options.mode_schedule, options.backup_workers, coordinator.barrier)
+    log.info("worker %d of %d joined %d PS (%s); coordinator at %s", index, workers, len(channels), spec,
+             coordinator_address)
+    return Context(index, workers, len(channels), client, options, False, ProgressWriter(options.progress_fd, index),
+                   modes, coordinator, host)
