@@ -27,12 +27,15 @@ class CoordinatorHost:
     """The coordinator served over gRPC by the worker that hosts it. `start()`, then `stop(grace)`."""
 
     def __init__(self, num_workers: int, address: str, options: Options) -> None:
+        self.address = address
         self.coordinator = Coordinator(num_workers, options.heartbeat_timeout_s)
         self.server = GrpcServer(CoordinatorService(self.coordinator), bind_address(address),
                                  options.max_message_bytes, max(8, 2 * num_workers), COORDINATOR)
 
-    def start(self) -> None:
-        self.server.start()
+    def start(self) -> str:
+        """Serve; returns the address to reach it (the bound port, if the cluster spec said port 0)."""
+        port = self.server.start()
+        return f"127.0.0.1:{port}" if self.address.endswith(":0") else self.address
 
     def live(self) -> list[int]:
         return self.coordinator.view()["live"]
@@ -64,7 +67,7 @@ def cluster_context(config: NodeConfig) -> Context:
     host = None
     if index == 0:
         host = CoordinatorHost(workers, coordinator_address, options)
-        host.start()
+        coordinator_address = host.start()
     spec = ConsistencySpec.parse(options.mode, workers, options.backup_workers)
     channels = [GrpcChannel(address, options.max_message_bytes, bool(options.use_stream), bool(options.shared_memory))
                 for address in cluster.ps]
