@@ -50,6 +50,7 @@ def main() -> None:
     trainer = ps.Trainer(model, opt, F.cross_entropy)
     started = time.perf_counter()
     history = trainer.fit(train, epochs=args.epochs)
+    ctx.barrier("trained")  # evaluate the final model, after every worker's last push
     if ctx.is_chief:
         metrics = trainer.evaluate(test)
         print(f"test accuracy {metrics['accuracy']:.4f} on {metrics['examples']} held-out digits", flush=True)
