@@ -171,3 +171,29 @@ def test_garbage_on_the_stream_closes_that_connection_only(remote, procs):
     version, _ = pull(remote["tcp"])
     assert call(remote["tcp"], "PushPull", codec.encode({}, [("b", np.ones(2, np.float32))])).meta["version"] == \
         version + 1
+
+
+def test_sync_bad_pushes_over_the_wire(procs):
+    """In sync mode: a worker outside the cluster, a repeated step, a step from the future, a late step."""
+    _, address = procs.start_ps()
+    channel = GrpcChannel(address, 1 << 20)
+    channel.wait_ready(20)
+    sync = {"mode": "sync", "workers": 2, "backups": 1, "staleness": 0}
+    call(channel, "Register", codec.encode({"group": "g", "optimizer": {"name": "sgd", "hyper": {"lr": 1}},
+                                            "consistency": sync}, [("b", np.zeros(2, np.float32))]))
+
+    def push(worker, step, value=1.0):
+        return call(channel, "PushPull", codec.encode({"worker": worker, "step": step},
+                                                      [("b", np.full(2, value, np.float32))]))
+    with pytest.raises(ps.InvalidArgumentError, match="worker 7 is outside"):
+        push(7, 0)
+    with pytest.raises(ps.FailedPreconditionError, match="pushed step 3"):
+        push(0, 3)
+    reply = push(0, 0)  # quorum is 1 (2 workers, 1 backup): applied at once
+    assert reply.meta["applied"] and reply.meta["step"] == 1
+    late = push(1, 0, value=1000.0)  # the backup's step 0 came late: dropped, counted
+    assert not late.meta["applied"]
+    np.testing.assert_array_equal(late.tensors["b"], [-1, -1])
+    stats = call(channel, "Hello", codec.encode({})).meta
+    assert (stats["dropped_late"], stats["sync_step"], stats["version"]) == (1, 1, 1)
+    channel.close()
