@@ -1,0 +1,102 @@
+"""A vectorized hash index from int64 ids to row numbers.
+
+Open addressing with linear probing over two numpy arrays (keys, rows), kept at most half
+full; every operation works on a whole batch of ids at once (a probe round per collision
+depth, not a Python loop per id), so memory per id stays at a few bytes and there is no
+Python object per id. Not thread-safe: the owning table serializes calls.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+_M1 = np.uint64(0xFF51AFD7ED558CCD)
+_M2 = np.uint64(0xC4CEB9FE1A85EC53)
+_S33 = np.uint64(33)
+
+
+def mix64(ids: np.ndarray) -> np.ndarray:
+    """A well-spread 64-bit hash of each id (the murmur3 finalizer)."""
+    x = ids.astype(np.int64, copy=False).view(np.uint64)
+    x = x ^ (x >> _S33)
+    x = x * _M1
+    x = x ^ (x >> _S33)
+    x = x * _M2
+    return x ^ (x >> _S33)
+
+
+class HashIndex:
+    """Maps each stored id to its row number (0, 1, 2, ... in insertion order)."""
+
+    def __init__(self, capacity: int = 1024) -> None:
+        capacity = 1 << max(4, int(capacity - 1).bit_length())
+        self._keys = np.zeros(capacity, np.int64)
+        self._rows = np.full(capacity, -1, np.int64)  # -1: empty slot
+        self.size = 0
+
+    @property
+    def capacity(self) -> int:
+        return self._keys.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return self._keys.nbytes + self._rows.nbytes
+
+    def find(self, ids: np.ndarray) -> np.ndarray:
+        """Row of each id, or -1 where the id is not stored."""
+        ids = np.asarray(ids, np.int64)
+        mask = np.uint64(self.capacity - 1)
+        pos = (mix64(ids) & mask).astype(np.int64)
+        found = np.full(ids.shape[0], -1, np.int64)
+        active = np.arange(ids.shape[0])
+        while active.size:
+            slots = pos[active]
+            rows, keys = self._rows[slots], self._keys[slots]
+            hit = (rows >= 0) & (keys == ids[active])
+            found[active[hit]] = rows[hit]
+            active = active[~(hit | (rows < 0))]
+            pos[active] = (pos[active] + 1) & (self.capacity - 1)
+        return found
+
+    def insert(self, ids: np.ndarray) -> np.ndarray:
+        """Store ids that are absent and distinct; returns their new rows (size, size+1, ...)."""
+        ids = np.asarray(ids, np.int64)
+        if 2 * (self.size + ids.shape[0]) > self.capacity:
+            self._grow(self.size + ids.shape[0])
+        new_rows = np.arange(self.size, self.size + ids.shape[0], dtype=np.int64)
+        self._place(ids, new_rows)
+        self.size += ids.shape[0]
+        return new_rows
+
+    def _place(self, ids: np.ndarray, rows: np.ndarray) -> None:
+        mask = self.capacity - 1
+        pos = (mix64(ids) & np.uint64(mask)).astype(np.int64)
+        pending = np.arange(ids.shape[0])
+        while pending.size:
+            slots = pos[pending]
+            free = self._rows[slots] < 0
+            # of several ids probing the same free slot this round, the first takes it
+            taken, first = np.unique(slots[free], return_index=True)
+            winners = pending[free][first]
+            self._keys[taken] = ids[winners]
+            self._rows[taken] = rows[winners]
+            placed = np.zeros(ids.shape[0], bool)
+            placed[winners] = True
+            pending = pending[~placed[pending]]
+            pos[pending] = (pos[pending] + 1) & mask
+
+    def _grow(self, needed: int) -> None:
+        used = self._rows >= 0
+        keys, rows = self._keys[used], self._rows[used]
+        capacity = self.capacity
+        while 2 * needed > capacity:
+            capacity *= 2
+        self._keys = np.zeros(capacity, np.int64)
+        self._rows = np.full(capacity, -1, np.int64)
+        self._place(keys, rows)
+
+    def items(self) -> tuple[np.ndarray, np.ndarray]:
+        """All stored (ids, rows), ordered by row."""
+        used = self._rows >= 0
+        order = np.argsort(self._rows[used])
+        return self._keys[used][order], self._rows[used][order]
