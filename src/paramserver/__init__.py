@@ -29,9 +29,10 @@ _LAZY = {
     "Trainer": ("paramserver.worker.trainer", "Trainer"),
     "EpochMetrics": ("paramserver.worker.trainer", "EpochMetrics"),
     "optim": ("paramserver.optim", None),
+    "nn": ("paramserver.nn", None),
 }
 
-__all__ = ["init", "Context", "current_context", "set_mode", "Trainer", "EpochMetrics", "optim", "ClusterSpec",
+__all__ = ["init", "Context", "current_context", "set_mode", "Trainer", "EpochMetrics", "optim", "nn", "ClusterSpec",
            "NodeConfig", "Options", "Task", "ParamServerError", "InvalidArgumentError", "MalformedFrameError",
            "NotFoundError", "FailedPreconditionError", "ProtocolVersionError", "UnavailableError",
            "DeadlineExceededError", "ConfigError", "NotInitializedError"]

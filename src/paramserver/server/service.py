@@ -15,6 +15,9 @@ Methods (request meta -> reply meta; tensors as named):
   pushed names). With no gradients it is a plain pull.
 - ``SetMode``: {"consistency"} -> {"version", "step"}
 - ``Leave``: {"worker"} -> {"version", "step"}: the worker is done; steps stop waiting for it
+- ``RegisterTable``: {"table", "dim", "optimizer", "init"} -> {}
+- ``Lookup``: {"table"} + "ids" (int64, distinct) -> {} + "rows" (len(ids) x dim float32)
+- ``PushSparse``: {"table"} + "ids", "grads" -> {}
 Thread-safe.
 """
 
@@ -26,6 +29,7 @@ from ..errors import MalformedFrameError, NotFoundError
 from ..transport import codec
 from .consistency import ConsistencySpec
 from .shard import Push, Shard
+from .tables import TableStore
 
 Sink = Callable[[list], Any]
 
@@ -33,12 +37,14 @@ Sink = Callable[[list], Any]
 class ShardService:
     """Serves one Shard over any transport."""
 
-    def __init__(self, shard: Shard) -> None:
+    def __init__(self, shard: Shard, tables: TableStore | None = None) -> None:
         self.shard = shard
+        self.tables = tables or TableStore(shard.index)
         self.announce: dict[str, Any] = {}  # extra Hello fields, e.g. the node's stream port
         self.methods: dict[str, Callable[[bytes, Sink], Any]] = {
             "Hello": self.hello, "Register": self.register, "PushPull": self.push_pull, "SetMode": self.set_mode,
-            "Leave": self.leave}
+            "Leave": self.leave, "RegisterTable": self.register_table, "Lookup": self.lookup,
+            "PushSparse": self.push_sparse}
 
     def call(self, method: str, payload: bytes, sink: Sink = b"".join) -> Any:
         """Handle one request; returns what `sink` made of the reply (by default, its bytes)."""
@@ -50,7 +56,7 @@ class ShardService:
     def hello(self, payload: bytes, sink: Sink) -> Any:
         codec.decode(payload)
         meta = {"shard": self.shard.index, "protocol": [codec.PROTOCOL_MAJOR, codec.PROTOCOL_MINOR],
-                **self.shard.describe(), **self.announce}
+                **self.shard.describe(), "tables": self.tables.describe(), **self.announce}
         return sink(codec.encode_parts(meta))
 
     def register(self, payload: bytes, sink: Sink) -> Any:
@@ -77,6 +83,22 @@ class ShardService:
             extra = {"step": self.shard.sync_step, "staleness": outcome.staleness, "applied": outcome.applied}
         return self.shard.pull(frame.tensors if names is None else names, _reply(sink, extra))
 
+    def register_table(self, payload: bytes, sink: Sink) -> Any:
+        meta = codec.decode(payload).meta
+        self.tables.register(_field(meta, "table", str), _field(meta, "dim", int), _field(meta, "optimizer", dict),
+                             _field(meta, "init", dict))
+        return sink(codec.encode_parts({}))
+
+    def lookup(self, payload: bytes, sink: Sink) -> Any:
+        frame = codec.decode(payload)
+        rows = self.tables.lookup(_field(frame.meta, "table", str), _tensor(frame, "ids"))
+        return sink(codec.encode_parts({}, [("rows", rows)]))
+
+    def push_sparse(self, payload: bytes, sink: Sink) -> Any:
+        frame = codec.decode(payload)
+        self.tables.push(_field(frame.meta, "table", str), _tensor(frame, "ids"), _tensor(frame, "grads"))
+        return sink(codec.encode_parts({}))
+
     def leave(self, payload: bytes, sink: Sink) -> Any:
         frame = codec.decode(payload)
         worker = _optional_int(frame.meta, "worker")
@@ -93,6 +115,12 @@ class ShardService:
 
 def _reply(sink: Sink, extra: dict | None = None) -> Callable[[int, list], Any]:
     return lambda version, values: sink(codec.encode_parts({"version": version, **(extra or {})}, values))
+
+
+def _tensor(frame: codec.Frame, name: str):
+    if name not in frame.tensors:
+        raise MalformedFrameError(f"request needs a tensor named {name!r}")
+    return frame.tensors[name]
 
 
 def _optional_int(meta: dict[str, Any], key: str) -> int | None:

@@ -40,12 +40,13 @@ from .channel import CallHandle
 
 log = logging.getLogger(__name__)
 MAGIC = b"PSTS"
-METHODS = ("Hello", "Register", "PushPull", "SetMode", "Leave")
+METHODS = ("Hello", "Register", "PushPull", "SetMode", "Leave", "RegisterTable", "Lookup", "PushSparse")
 _PREFIX = struct.Struct("<4sBBHQ")
 REQUEST, REPLY, REQUEST_SHM, REPLY_SHM, ATTACH = range(5)
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 _SOCKET_BUFFER = 8 * 1024 * 1024
 _SHM_MIN_BYTES = 64 * 1024  # smaller messages go inline: not worth a segment
+_OWNED_REPLY_BYTES = 1 << 20  # replies up to this size are returned as owned bytes, larger ones as views
 _SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 _SHM_PREFIX = "paramserver-"
 
@@ -275,8 +276,8 @@ class StreamClient:
         return CallHandle(future, f"{self.address} {method}", sent)
 
     def _call(self, method_id: int, parts: list, deadline: float, method: str,
-              sent: threading.Event) -> memoryview:
-        """The reply, as a view valid until the next call on this client."""
+              sent: threading.Event) -> memoryview | bytes:
+        """The reply: owned bytes if small, else a view valid until the next call on this client."""
         size = codec.parts_size(parts)
         try:
             sock = self._connect(deadline)
@@ -290,6 +291,8 @@ class StreamClient:
                 reply = self._segment.replies[:reply_size]
             else:
                 reply = self._inbox.receive(sock, reply_size)
+            if reply_size <= _OWNED_REPLY_BYTES:  # small replies are copied: they stay valid after later calls
+                reply = bytes(reply)
         except socket.timeout:
             self._drop()
             raise DeadlineExceededError(f"{self.address} {method}: no reply before the deadline") from None

@@ -8,6 +8,7 @@ there is none, an in-process cluster (shards in this process, no network) so tha
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -16,6 +17,7 @@ from typing import Any
 
 from .. import config as config_mod
 from ..client.ps_client import PSClient
+from ..client.tables import TableClient
 from ..config import NodeConfig, Options
 from ..coordinator.service import CoordinatorClient
 from ..errors import NotInitializedError
@@ -43,6 +45,11 @@ class Context:
     coordinator: CoordinatorClient
     coordinator_host: Any = None  # the coordinator's server, on the worker that hosts it
     _optimizers: int = field(default=0, repr=False)
+
+    @functools.cached_property
+    def tables(self) -> TableClient:
+        """The embedding tables of the cluster (used by HashEmbedding through the optimizer)."""
+        return TableClient(self.client.channels, self.options.rpc_timeout_s)
 
     @property
     def is_chief(self) -> bool:

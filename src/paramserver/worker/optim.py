@@ -26,6 +26,7 @@ from ..errors import InvalidArgumentError
 from ..server.optimizers import OPTIMIZERS, build_optimizer
 from ..client.ps_client import PushPullHandle
 from .context import Context, current_context
+from .embedding import sparse_counterpart
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,7 @@ class PSOptimizer(torch.optim.Optimizer):
         self.steps = 0
         self.context = context or current_context()
         self._pending: PushPullHandle | None = None
+        self._embeddings: list = []
         self.name = self.context.next_optimizer_name()
         self._vars: list[tuple[str, torch.Tensor]] = []
         self._sent_lr: dict[str, float] = {}
@@ -62,6 +64,9 @@ class PSOptimizer(torch.optim.Optimizer):
         names = group.get("param_names") or [f"param{len(self._vars) + j}" for j in range(len(group["params"]))]
         values = {}
         for name, param in zip(names, group["params"]):
+            if hasattr(param, "_ps_embedding"):
+                self._register_table(param._ps_embedding, name, group)
+                continue
             if param.dtype != torch.float32:
                 raise InvalidArgumentError(f"parameter {name!r} is {param.dtype}; PS variables are float32")
             var = f"{self.name}.{name}"
@@ -69,6 +74,13 @@ class PSOptimizer(torch.optim.Optimizer):
             self._vars.append((var, param))
         self._sent_lr[self._group_name(index)] = group["lr"]
         return self.context.client.register(self._group_name(index), spec, values)
+
+    def _register_table(self, module, param_name: str, group: dict[str, Any]) -> None:
+        name = module.table_name or f"{self.name}.{param_name.removesuffix('.placeholder')}"
+        spec = module.optimizer_spec or sparse_counterpart(self.kind, group)
+        self.context.tables.register(name, module.dim, spec, module.init)
+        module.attach(self.context.tables, name)
+        self._embeddings.append(module)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -83,6 +95,11 @@ class PSOptimizer(torch.optim.Optimizer):
                 if param.grad.is_sparse:
                     raise InvalidArgumentError(f"{var}: sparse gradients are not supported for dense variables")
                 grads[var] = param.grad.detach().cpu().numpy()
+        sparse_calls = []
+        for module in self._embeddings:
+            touched = module.take_gradients()
+            if touched is not None:
+                sparse_calls += self.context.tables.push(module.table_name, *touched)
         bases = dict(self.context.client.record.base_versions)  # the values these gradients came from
         self.synchronize()
         handle = self.context.client.push_pull(grads, [var for var, _ in self._vars], self._changed_lrs(), bases)
@@ -91,6 +108,7 @@ class PSOptimizer(torch.optim.Optimizer):
             self._pending = handle
         else:
             self._write(handle.wait(self.context.options.rpc_timeout_s)[1])
+        self.context.tables.wait_all(sparse_calls)
         self.steps += 1
         self.context.on_step(self.steps)
         return loss

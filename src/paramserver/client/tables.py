@@ -1,0 +1,65 @@
+"""The worker's side of embedding tables: ids routed to shards by hash, rows gathered back.
+
+Every shard holds a part of every table; an id lives on shard `mix64(id) % num_shards`, so
+the same id always meets the same row. Thread-safety as PSClient: one training thread.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from ..server.hash_index import mix64
+from ..transport import codec
+from ..transport.channel import ShardChannel
+
+
+def shard_of(ids: np.ndarray, num_shards: int) -> np.ndarray:
+    return (mix64(ids) % np.uint64(num_shards)).astype(np.int64)
+
+
+class TableClient:
+    """Registers tables, looks rows up, pushes row gradients."""
+
+    def __init__(self, channels: list[ShardChannel], rpc_timeout_s: float) -> None:
+        self.channels = channels
+        self.rpc_timeout_s = rpc_timeout_s
+
+    def register(self, table: str, dim: int, optimizer_spec: dict, init: dict) -> None:
+        payload = codec.encode({"table": table, "dim": dim, "optimizer": optimizer_spec, "init": init})
+        self._wait_all([channel.call("RegisterTable", payload, self.rpc_timeout_s) for channel in self.channels])
+
+    def lookup(self, table: str, ids: np.ndarray) -> np.ndarray:
+        """Rows (len(ids) x dim) of distinct int64 `ids`, in their order; missing rows are created."""
+        parts = self._split(ids)
+        calls = [(where, self.channels[shard].call("Lookup", codec.encode_parts({"table": table}, [("ids", part)]),
+                                                   self.rpc_timeout_s)) for shard, where, part in parts]
+        rows = None
+        deadline = time.monotonic() + self.rpc_timeout_s
+        for where, call in calls:
+            got = codec.decode(call.wait(max(0.0, deadline - time.monotonic()))).tensors["rows"]
+            if rows is None:
+                rows = np.empty((ids.shape[0], got.shape[1]), np.float32)
+            rows[where] = got
+        return rows if rows is not None else np.empty((0, 0), np.float32)
+
+    def push(self, table: str, ids: np.ndarray, grads: np.ndarray) -> list:
+        """Send one row-wise update; returns the calls in flight (wait with `wait_all`)."""
+        return [self.channels[shard].call("PushSparse", codec.encode_parts(
+            {"table": table}, [("ids", part), ("grads", grads[where])]), self.rpc_timeout_s)
+            for shard, where, part in self._split(ids)]
+
+    def wait_all(self, calls: list) -> None:
+        self._wait_all(calls)
+
+    def _wait_all(self, calls: list) -> None:
+        deadline = time.monotonic() + self.rpc_timeout_s
+        for call in calls:
+            call.wait(max(0.0, deadline - time.monotonic()))
+
+    def _split(self, ids: np.ndarray) -> list[tuple[int, np.ndarray, np.ndarray]]:
+        """(shard, positions in ids, ids there) for each shard that holds some of `ids`."""
+        owners = shard_of(ids, len(self.channels))
+        return [(shard, where, ids[where]) for shard in range(len(self.channels))
+                for where in [np.flatnonzero(owners == shard)] if where.size]

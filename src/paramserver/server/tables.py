@@ -1,0 +1,78 @@
+"""The embedding tables of a shard, and the checks every lookup and sparse push passes.
+
+Thread-safe: one lock serializes all calls. Sparse pushes are applied on arrival in every
+consistency mode (sync mode averages dense gradients only; see docs/embeddings.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import numpy as np
+
+from ..errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
+from .embedding import EmbeddingTable
+from .sparse_optimizers import build_sparse_optimizer
+
+log = logging.getLogger(__name__)
+DEFAULT_MAX_IDS = 1 << 20  # largest id batch one request may carry
+
+
+class TableStore:
+    """Embedding tables by name."""
+
+    def __init__(self, shard_index: int, max_ids: int = DEFAULT_MAX_IDS) -> None:
+        self.shard_index = shard_index
+        self.max_ids = max_ids
+        self._tables: dict[str, EmbeddingTable] = {}
+        self._lock = threading.Lock()
+
+    def register(self, name: str, dim: int, optimizer_spec: dict, init: dict) -> None:
+        """Create table `name`, or check that the existing one has the same dim and optimizer."""
+        with self._lock:
+            existing = self._tables.get(name)
+            if existing is None:
+                optimizer = build_sparse_optimizer(optimizer_spec)
+                self._tables[name] = EmbeddingTable(name, dim, optimizer, init, optimizer_spec)
+                log.info("shard %d: table %s (dim %d, %s)", self.shard_index, name, dim, optimizer.name)
+            elif (existing.dim, existing.spec, existing.init) != (dim, optimizer_spec, init):
+                raise FailedPreconditionError(
+                    f"table {name!r} exists with dim {existing.dim}, optimizer {existing.spec}, init {existing.init}")
+
+    def lookup(self, name: str, ids: np.ndarray) -> np.ndarray:
+        """Rows of distinct `ids`, created on first touch (a copy)."""
+        table = self._table(name)
+        self._check_ids(name, ids)
+        with self._lock:
+            return table.read(ids)
+
+    def push(self, name: str, ids: np.ndarray, grads: np.ndarray) -> None:
+        """One row-wise optimizer step; every check passes before any row changes."""
+        table = self._table(name)
+        self._check_ids(name, ids)
+        if grads.dtype != np.float32 or grads.shape != (ids.shape[0], table.dim):
+            raise InvalidArgumentError(f"table {name!r}: gradient of shape {grads.shape} and dtype {grads.dtype} "
+                                       f"does not match {ids.shape[0]} ids x dim {table.dim} float32")
+        if not np.isfinite(grads).all():
+            raise InvalidArgumentError(f"table {name!r}: gradient holds NaN or infinite values")
+        with self._lock:
+            table.apply(ids, grads)
+
+    def describe(self) -> dict:
+        with self._lock:
+            return {name: {"rows": t.size, "dim": t.dim, "updates": t.steps} for name, t in self._tables.items()}
+
+    def _table(self, name: str) -> EmbeddingTable:
+        table = self._tables.get(name)
+        if table is None:
+            raise NotFoundError(f"shard {self.shard_index} holds no table {name!r}")
+        return table
+
+    def _check_ids(self, name: str, ids: np.ndarray) -> None:
+        if ids.dtype != np.int64 or ids.ndim != 1:
+            raise InvalidArgumentError(f"table {name!r}: ids must be a 1-D int64 array, got {ids.dtype} {ids.shape}")
+        if ids.shape[0] > self.max_ids:
+            raise InvalidArgumentError(f"table {name!r}: {ids.shape[0]} ids exceed the maximum of {self.max_ids}")
+        if np.unique(ids).shape[0] != ids.shape[0]:
+            raise InvalidArgumentError(f"table {name!r}: ids in one request must be distinct")

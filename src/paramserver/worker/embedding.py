@@ -1,0 +1,131 @@
+"""`HashEmbedding` and `HashEmbeddingBag`: embedding modules whose rows live on the PS.
+
+Rows are keyed by any int64 id (no vocabulary size) and created on first touch. A forward
+pulls only the batch's distinct ids; the backward leaves one gradient row per distinct id,
+which the PS-backed optimizer pushes at `step()`. Each module holds a zero-size placeholder
+parameter so that `paramserver.optim.X(model.parameters())` finds its table; the optimizer
+then creates the table with the row-wise counterpart of its own algorithm (SGD, Adagrad,
+Adam as torch.optim.SparseAdam), or with the module's `optimizer` spec (e.g. FTRL).
+
+Not thread-safe: use from the training thread.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..errors import InvalidArgumentError, NotInitializedError
+
+_INT64_MAX = np.iinfo(np.int64).max
+
+
+def as_ids(ids) -> torch.Tensor:
+    """Ids as a CPU int64 tensor; anything that is not an integer id is an InvalidArgumentError."""
+    if isinstance(ids, torch.Tensor):
+        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+            raise InvalidArgumentError(f"embedding ids must be integers, got a {ids.dtype} tensor")
+        return ids.detach().to("cpu", torch.int64)
+    try:
+        array = np.asarray(ids)
+    except OverflowError:
+        raise InvalidArgumentError("embedding ids overflow int64") from None
+    if array.dtype == object and all(isinstance(v, int) for v in array.flat):
+        raise InvalidArgumentError("embedding ids overflow int64")  # Python ints too large for int64
+    if array.dtype.kind not in "iu":
+        raise InvalidArgumentError(f"embedding ids must be integers, got {array.dtype}")
+    if array.dtype == np.uint64 and array.size and array.max() > _INT64_MAX:
+        raise InvalidArgumentError("embedding ids overflow int64")
+    return torch.from_numpy(array.astype(np.int64))
+
+
+class HashEmbedding(nn.Module):
+    """`ids` of any shape -> `ids.shape + (dim,)` embeddings, from a PS table.
+
+    init: "normal" (std), "uniform" (scale, values in [-scale, scale]) or "zeros".
+    name: the table's name on the PS (default: given by the optimizer, from the parameter name).
+    optimizer: a row-wise optimizer spec for this table, e.g. {"name": "ftrl", "hyper": {"lr": 0.05}};
+    by default the counterpart of the PS optimizer that owns the module's parameters.
+    """
+
+    def __init__(self, dim: int, *, init: str = "normal", std: float = 0.01, scale: float = 0.05,
+                 optimizer: dict | None = None, name: str | None = None) -> None:
+        super().__init__()
+        if not isinstance(dim, int) or dim < 1:
+            raise InvalidArgumentError(f"embedding dim must be a positive integer, got {dim!r}")
+        self.dim = dim
+        self.init = {"kind": init, "std": std} if init == "normal" else {"kind": init, "scale": scale} \
+            if init == "uniform" else {"kind": init}
+        self.optimizer_spec = optimizer
+        self.table_name = name
+        self.placeholder = nn.Parameter(torch.empty(0))
+        self.placeholder._ps_embedding = self  # how the PS optimizer recognizes this table
+        self._tables = None
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def attach(self, tables, table_name: str) -> None:
+        """Called by the optimizer once the table exists on the PS."""
+        self._tables, self.table_name = tables, table_name
+
+    def lookup(self, ids) -> torch.Tensor:
+        if self._tables is None:
+            raise NotInitializedError("create the paramserver optimizer over this module's parameters "
+                                      "before its first forward")
+        ids = as_ids(ids)
+        unique, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
+        rows = torch.from_numpy(self._tables.lookup(self.table_name, unique.numpy()))
+        if torch.is_grad_enabled() and self.training:
+            rows.requires_grad_(True)
+            self._pending.append((unique, rows))
+        return rows[inverse].view(*ids.shape, self.dim)
+
+    def forward(self, ids) -> torch.Tensor:
+        return self.lookup(ids)
+
+    def take_gradients(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """The distinct ids touched since the last step and their summed gradient rows; clears them."""
+        pending, self._pending = self._pending, []
+        used = [(ids, rows.grad) for ids, rows in pending if rows.grad is not None]
+        if not used:
+            return None
+        ids = torch.cat([i for i, _ in used])
+        grads = torch.cat([g for _, g in used])
+        unique, inverse = torch.unique(ids, return_inverse=True)
+        summed = torch.zeros(unique.shape[0], self.dim).index_add_(0, inverse, grads)
+        return unique.numpy(), summed.numpy()
+
+
+class HashEmbeddingBag(HashEmbedding):
+    """`ids` of shape (batch, bag) -> (batch, dim): the sum or mean of each bag's embeddings.
+
+    `mask` (same shape as ids, optional) marks the real entries of padded bags.
+    """
+
+    def __init__(self, dim: int, mode: str = "sum", **kwargs) -> None:
+        if mode not in ("sum", "mean"):
+            raise InvalidArgumentError(f"HashEmbeddingBag mode must be 'sum' or 'mean', got {mode!r}")
+        super().__init__(dim, **kwargs)
+        self.mode = mode
+
+    def forward(self, ids, mask: torch.Tensor | None = None) -> torch.Tensor:
+        embedded = self.lookup(ids)
+        if embedded.dim() != 3:
+            raise InvalidArgumentError(f"HashEmbeddingBag takes ids of shape (batch, bag), got {tuple(embedded.shape[:-1])}")
+        if mask is not None:
+            embedded = embedded * mask.unsqueeze(-1).to(embedded.dtype)
+        total = embedded.sum(dim=1)
+        if self.mode == "mean":
+            count = mask.sum(dim=1, keepdim=True).clamp(min=1) if mask is not None else embedded.shape[1]
+            total = total / count
+        return total
+
+
+def sparse_counterpart(kind: str, group: dict) -> dict:
+    """The row-wise optimizer a table gets from a dense optimizer's kind and param group."""
+    if kind == "sgd":
+        return {"name": "sgd", "hyper": {"lr": group["lr"]}}
+    if kind == "adagrad":
+        return {"name": "adagrad", "hyper": {k: group[k] for k in ("lr", "lr_decay", "initial_accumulator_value",
+                                                                     "eps")}}
+    return {"name": "adam", "hyper": {"lr": group["lr"], "betas": list(group["betas"]), "eps": group["eps"]}}

@@ -1,0 +1,89 @@
+"""HashEmbedding modules with PS optimizers, against torch's nn.Embedding(sparse=True)."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import paramserver as ps
+from paramserver.server.embedding import initial_rows
+
+VOCAB, DIM = 40, 8
+
+
+class Model(torch.nn.Module):
+    def __init__(self, embedding):
+        super().__init__()
+        self.embedding = embedding
+        torch.manual_seed(0)
+        self.head = torch.nn.Linear(2 * DIM, 1)
+
+    def forward(self, ids):
+        return self.head(self.embedding(ids).flatten(1)).squeeze(1)
+
+
+def data(steps):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, VOCAB, (16, 2), generator=g), torch.randn(16, generator=g)) for _ in range(steps)]
+
+
+@pytest.mark.parametrize("kind, dense_cls, sparse_cls, kwargs", [
+    ("Adam", torch.optim.Adam, torch.optim.SparseAdam, {"lr": 0.01}),
+    ("Adagrad", torch.optim.Adagrad, torch.optim.Adagrad, {"lr": 0.05}),
+    ("SGD", torch.optim.SGD, torch.optim.SGD, {"lr": 0.1}),
+])
+def test_dense_and_sparse_parameters_in_one_ps_optimizer_equal_torch(kind, dense_cls, sparse_cls, kwargs,
+                                                                     fresh_context):
+    ps.init(num_ps=3)
+    model = Model(ps.nn.HashEmbedding(DIM, std=0.1))
+    opt = getattr(ps.optim, kind)(model.named_parameters(), **kwargs)
+    reference = Model(torch.nn.Embedding(VOCAB, DIM, sparse=True))
+    with torch.no_grad():
+        reference.embedding.weight.copy_(torch.from_numpy(
+            initial_rows(np.arange(VOCAB, dtype=np.int64), DIM, {"kind": "normal", "std": 0.1})))
+    ref_dense = dense_cls(reference.head.parameters(), **kwargs)
+    ref_sparse = sparse_cls(reference.embedding.parameters(), **kwargs)
+    for ids, target in data(40):
+        for m, opts in ((model, [opt]), (reference, [ref_dense, ref_sparse])):
+            for o in opts:
+                o.zero_grad()
+            F.mse_loss(m(ids), target).backward()
+            for o in opts:
+                o.step()
+    opt.pull()
+    ours = model.embedding.lookup(torch.arange(VOCAB)).detach()
+    theirs = reference.embedding.weight.detach()
+    assert ((ours - theirs).norm() / theirs.norm()).item() < 1e-5
+    assert ((model.head.weight - reference.head.weight).norm() / reference.head.weight.norm()).item() < 1e-5
+
+
+def test_embedding_bag_sums_or_averages_each_bag(fresh_context):
+    ps.init()
+    bag = ps.nn.HashEmbeddingBag(4, mode="mean", init="uniform", scale=0.5)
+    ps.optim.SGD(bag.parameters(), lr=0.1)
+    ids = torch.tensor([[1, 2, 3], [4, 4, 9]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    rows = bag.lookup(torch.tensor([1, 2, 4, 9])).detach()
+    out = bag(ids, mask).detach()
+    torch.testing.assert_close(out[0], (rows[0] + rows[1]) / 2)
+    torch.testing.assert_close(out[1], (2 * rows[2] + rows[3]) / 3)
+
+
+@pytest.mark.parametrize("ids, fragment", [
+    (torch.tensor([1.5, 2.0]), "must be integers"),
+    (np.array([1.0, 2.0]), "must be integers"),
+    (np.array([2**64 - 1], dtype=np.uint64), "overflow int64"),
+    ([2**70], "overflow int64"),
+])
+def test_ids_that_are_not_int64_integers_are_refused(ids, fragment, fresh_context):
+    ps.init()
+    emb = ps.nn.HashEmbedding(4)
+    ps.optim.SGD(emb.parameters(), lr=0.1)
+    with pytest.raises(ps.InvalidArgumentError, match=fragment):
+        emb(ids)
+
+
+def test_forward_before_the_optimizer_is_a_clear_error(fresh_context):
+    ps.init()
+    with pytest.raises(ps.NotInitializedError, match="optimizer"):
+        ps.nn.HashEmbedding(4)(torch.tensor([1]))
