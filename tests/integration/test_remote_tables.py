@@ -1,0 +1,89 @@
+"""Embedding tables on real PS processes: routing by id, bad input over the wire."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import paramserver as ps
+from paramserver.client.tables import TableClient, shard_of
+from paramserver.config import ClusterSpec, NodeConfig, Options, Task
+from paramserver.transport import codec
+from paramserver.transport.grpc_transport import GrpcChannel
+from tests.integration.test_node import free_port
+
+SGD = {"name": "sgd", "hyper": {"lr": 1.0}}
+ZEROS = {"kind": "zeros"}
+
+
+@pytest.fixture
+def shards(procs):
+    addresses = [procs.start_ps(i)[1] for i in range(2)]
+    channels = [GrpcChannel(address, 1 << 24) for address in addresses]
+    for channel in channels:
+        channel.wait_ready(20)
+    tables = TableClient(channels, 10)
+    tables.register("t", 4, SGD, ZEROS)
+    yield channels, tables
+    for channel in channels:
+        channel.close()
+
+
+def test_ids_spread_over_shards_and_meet_the_same_rows(shards):
+    _, tables = shards
+    ids = np.arange(-500, 500, dtype=np.int64) * 7919
+    assert set(shard_of(ids, 2).tolist()) == {0, 1}
+    tables.wait_all(tables.push("t", ids, np.tile(ids[:, None].astype(np.float32), (1, 4))))
+    rows = tables.lookup("t", ids[::-1].copy())
+    np.testing.assert_array_equal(rows[:, 0], -ids[::-1].astype(np.float32))
+
+
+def call(channel, method, meta, tensors=()):
+    return codec.decode(channel.call(method, codec.encode(meta, tensors), 10).wait(10))
+
+
+@pytest.mark.parametrize("method, meta, tensors, error, fragment", [
+    ("Lookup", {"table": "nope"}, [("ids", np.array([1], np.int64))], ps.NotFoundError, "no table 'nope'"),
+    ("Lookup", {"table": "t"}, [("ids", np.array([1.0], np.float32))], ps.InvalidArgumentError, "int64"),
+    ("Lookup", {"table": "t"}, [("ids", np.array([1, 1], np.int64))], ps.InvalidArgumentError, "distinct"),
+    ("PushSparse", {"table": "t"}, [("ids", np.array([1, 2], np.int64)), ("grads", np.ones((3, 4), np.float32))],
+     ps.InvalidArgumentError, "does not match 2 ids"),
+    ("PushSparse", {"table": "t"}, [("ids", np.array([1], np.int64)), ("grads", np.full((1, 4), np.nan, np.float32))],
+     ps.InvalidArgumentError, "NaN"),
+    ("PushSparse", {"table": "t"}, [("ids", np.array([1], np.int64))], ps.InvalidArgumentError, "'grads'"),
+])
+def test_bad_table_requests_are_refused_and_change_nothing(shards, method, meta, tensors, error, fragment):
+    channels, tables = shards
+    before = tables.lookup("t", np.array([1, 2], np.int64)).copy()
+    rows_before = [call(c, "Hello", {}).meta["tables"]["t"]["rows"] for c in channels]
+    with pytest.raises(error, match=fragment):
+        for channel in channels:
+            call(channel, method, meta, tensors)
+    np.testing.assert_array_equal(tables.lookup("t", np.array([1, 2], np.int64)), before)
+    assert [call(c, "Hello", {}).meta["tables"]["t"]["rows"] for c in channels] == rows_before
+
+
+def test_a_table_registered_again_with_another_dim_is_refused(shards):
+    _, tables = shards
+    with pytest.raises(ps.FailedPreconditionError, match="dim 4"):
+        tables.register("t", 8, SGD, ZEROS)
+
+
+def test_hash_embedding_trains_over_real_shards(procs, fresh_context):
+    addresses = [procs.start_ps(i)[1] for i in range(2)]
+    cluster = ClusterSpec(ps=tuple(addresses), worker=(f"127.0.0.1:{free_port()}",))
+    ps.init(NodeConfig(cluster, Task("worker", 0), Options(connect_timeout_s=20)))
+    emb = ps.nn.HashEmbedding(8, std=0.1)
+    head = torch.nn.Linear(8, 1)
+    opt = ps.optim.Adam(list(emb.parameters()) + list(head.parameters()), lr=0.05)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 10**12, (64,), generator=g)
+    target = torch.randn(64, generator=g)
+    losses = []
+    for _ in range(60):
+        opt.zero_grad()
+        loss = F.mse_loss(head(emb(ids)).squeeze(1), target)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.2 * losses[0]
