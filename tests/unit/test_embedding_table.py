@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from paramserver.errors import InvalidArgumentError
-from paramserver.server.embedding import EmbeddingTable, initial_rows
+from paramserver.server.embedding import EmbeddingTable, RowPolicy, initial_rows
 from paramserver.server.sparse_optimizers import build_sparse_optimizer
 
 
@@ -56,6 +56,7 @@ def test_ftrl_drives_weights_of_weak_features_to_exact_zero_with_l1():
     t = table("ftrl", {"lr": 0.1, "l1": 1.0}, dim=1, init={"kind": "zeros"})
     ids = np.array([1, 2], np.int64)
     for _ in range(50):
+        t.read(ids)
         t.apply(ids, np.array([[-2.0], [-0.01]], np.float32))  # a strong and a weak signal
     values = t.read(ids)[:, 0]
     assert values[0] > 0 and values[1] == 0.0
@@ -63,6 +64,7 @@ def test_ftrl_drives_weights_of_weak_features_to_exact_zero_with_l1():
 
 def test_lazy_adam_with_per_row_steps_corrects_each_row_by_its_own_count():
     t = table("adam", {"lr": 0.1, "per_row_step": True}, dim=2, init={"kind": "zeros"})
+    t.read(np.array([1, 2], np.int64))
     t.apply(np.array([1], np.int64), np.ones((1, 2), np.float32))
     t.apply(np.array([1, 2], np.int64), np.ones((2, 2), np.float32))
     rows = t.read(np.array([1, 2], np.int64))
@@ -73,6 +75,7 @@ def test_lazy_adam_with_per_row_steps_corrects_each_row_by_its_own_count():
 def test_table_grows_past_its_capacity_keeping_rows_and_state():
     t = table("adagrad", {"lr": 0.1})
     first = np.arange(3, dtype=np.int64)
+    t.read(first)
     t.apply(first, np.ones((3, 8), np.float32))
     before = t.read(first).copy()
     t.read(np.arange(3, 1000, dtype=np.int64))
@@ -96,3 +99,51 @@ def test_bad_table_arguments_are_clear_errors():
         EmbeddingTable("t", 0, opt, {"kind": "zeros"}, {})
     with pytest.raises(InvalidArgumentError, match="initializer"):
         EmbeddingTable("t", 4, opt, {"kind": "xavier"}, {})
+
+
+def policy_table(**policy):
+    spec = {"name": "sgd", "hyper": {"lr": 1.0}}
+    return EmbeddingTable("t", 2, build_sparse_optimizer(spec), {"kind": "zeros"}, spec, capacity=4,
+                          policy=RowPolicy.from_dict(policy))
+
+
+def test_an_id_is_admitted_on_its_c_th_lookup_and_its_gradients_dropped_until_then():
+    t = policy_table(admit_after=3)
+    ids = np.array([5], np.int64)
+    for _ in range(2):
+        np.testing.assert_array_equal(t.read(ids), [[0, 0]])  # the initial values, no row yet
+        t.apply(ids, np.ones((1, 2), np.float32))
+    assert t.size == 0 and t.counters["dropped_gradients"] == 2
+    t.read(ids)
+    t.apply(ids, np.ones((1, 2), np.float32))
+    assert t.size == 1 and t.counters["admitted"] == 1
+    np.testing.assert_array_equal(t.read(ids), [[-1, -1]])
+
+
+def test_rows_unseen_for_ttl_steps_are_evicted_on_schedule_and_the_rest_kept():
+    t = policy_table(ttl_steps=2, evict_every=4)
+    old, hot = np.array([1], np.int64), np.array([2], np.int64)
+    t.read(old)
+    t.apply(old, np.ones((1, 2), np.float32))
+    for _ in range(3):
+        t.read(hot)
+        t.apply(hot, np.ones((1, 2), np.float32))  # the 4th update runs the eviction pass
+    assert t.size == 1 and t.counters["evicted"] == 1
+    np.testing.assert_array_equal(t.read(hot), [[-3, -3]])
+    np.testing.assert_array_equal(t.read(old), [[0, 0]])  # back as a fresh row
+
+
+def test_at_capacity_the_least_recently_seen_rows_go():
+    t = policy_table(max_rows=2)
+    for i in range(4):
+        t.read(np.array([i], np.int64))
+        t.apply(np.array([i], np.int64), np.ones((1, 2), np.float32))
+    assert t.evict() == 2
+    assert sorted(t.index.items()[0].tolist()) == [2, 3]
+
+
+def test_a_bad_row_policy_is_a_clear_error():
+    with pytest.raises(InvalidArgumentError, match="unknown row policy"):
+        RowPolicy.from_dict({"ttl": 3})
+    with pytest.raises(InvalidArgumentError, match="invalid row policy"):
+        RowPolicy.from_dict({"admit_probability": 0})

@@ -26,8 +26,9 @@ class TableClient:
         self.channels = channels
         self.rpc_timeout_s = rpc_timeout_s
 
-    def register(self, table: str, dim: int, optimizer_spec: dict, init: dict) -> None:
-        payload = codec.encode({"table": table, "dim": dim, "optimizer": optimizer_spec, "init": init})
+    def register(self, table: str, dim: int, optimizer_spec: dict, init: dict, policy: dict | None = None) -> None:
+        payload = codec.encode({"table": table, "dim": dim, "optimizer": optimizer_spec, "init": init,
+                                "policy": policy or {}})
         self._wait_all([channel.call("RegisterTable", payload, self.rpc_timeout_s) for channel in self.channels])
 
     def lookup(self, table: str, ids: np.ndarray) -> np.ndarray:

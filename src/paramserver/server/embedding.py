@@ -8,6 +8,8 @@ and in any order of arrival. Not thread-safe: the owning Shard serializes calls.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
+
 import numpy as np
 
 from ..errors import InvalidArgumentError
@@ -35,11 +37,43 @@ def initial_rows(ids: np.ndarray, dim: int, init: dict) -> np.ndarray:
     raise InvalidArgumentError(f"unknown initializer {kind!r}; known: zeros, uniform, normal")
 
 
+@dataclass(frozen=True)
+class RowPolicy:
+    """Which ids get a row, and which rows are dropped again.
+
+    admit_after: an id gets a row on its C-th lookup (1: at once); admit_probability: or with this
+    chance per lookup. Until admitted, lookups return the id's initial values and its gradients
+    are dropped. ttl_steps: a row not looked up for this many table updates is evicted;
+    min_count: at eviction time, rows looked up fewer times are evicted too; max_rows: past this
+    many rows the least recently seen are evicted; evict_every: updates between eviction passes.
+    0 turns each rule off.
+    """
+
+    admit_after: int = 1
+    admit_probability: float = 1.0
+    ttl_steps: int = 0
+    min_count: int = 0
+    max_rows: int = 0
+    evict_every: int = 0
+
+    @classmethod
+    def from_dict(cls, data: dict | None) -> "RowPolicy":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data or {}) - known)
+        if unknown:
+            raise InvalidArgumentError(f"unknown row policy keys {unknown}; known: {sorted(known)}")
+        policy = cls(**(data or {}))
+        if policy.admit_after < 1 or not 0 < policy.admit_probability <= 1 or min(
+                policy.ttl_steps, policy.min_count, policy.max_rows, policy.evict_every) < 0:
+            raise InvalidArgumentError(f"invalid row policy {data}")
+        return policy
+
+
 class EmbeddingTable:
     """Rows of `dim` float32 values keyed by int64 ids, with a row-wise optimizer."""
 
     def __init__(self, name: str, dim: int, optimizer: SparseOptimizer, init: dict, spec: dict,
-                 capacity: int = 1024) -> None:
+                 capacity: int = 1024, policy: RowPolicy | None = None) -> None:
         if not isinstance(dim, int) or dim < 1:
             raise InvalidArgumentError(f"table {name!r}: dim must be a positive integer, got {dim!r}")
         initial_rows(np.zeros(1, np.int64), dim, init)  # refuse a bad initializer now
@@ -49,6 +83,13 @@ class EmbeddingTable:
         self.state = {key: np.full((capacity, dim), value, np.float32) for key, value in optimizer.state_init().items()}
         if optimizer.hyper.get("per_row_step"):
             self.state["row_step"] = np.zeros(capacity, np.int64)
+        self.policy = policy or RowPolicy()
+        self.last_seen = np.zeros(capacity, np.int64)  # table update count when each row was last looked up
+        self.seen = np.zeros(capacity, np.int64)  # lookups of each row
+        self.candidates = HashIndex(64)  # ids looked up but not admitted yet, with their counts
+        self.candidate_counts = np.zeros(64, np.int64)
+        self.counters = {"admitted": 0, "not_admitted_lookups": 0, "dropped_gradients": 0, "evicted": 0}
+        self._rng = np.random.default_rng(0)
         self.steps = 0
 
     @property
@@ -56,27 +97,104 @@ class EmbeddingTable:
         return self.index.size
 
     def rows(self, ids: np.ndarray, create: bool = True) -> np.ndarray:
-        """Row numbers of `ids` (distinct), creating missing rows (or -1 for them if not `create`)."""
+        """Row numbers of `ids` (distinct); missing ids are admitted by the policy (-1 where not)."""
         rows = self.index.find(ids)
-        missing = rows < 0
-        if create and missing.any():
-            new_ids = ids[missing]
+        missing = np.flatnonzero(rows < 0)
+        if create and missing.size:
+            admit = self._admit(ids[missing])
+            new_ids = ids[missing[admit]]
             self._reserve(self.size + new_ids.shape[0])
             new_rows = self.index.insert(new_ids)
             self.values[new_rows] = initial_rows(new_ids, self.dim, self.init)
-            rows[missing] = new_rows
+            rows[missing[admit]] = new_rows
+            self.counters["admitted"] += new_ids.shape[0]
+            self.counters["not_admitted_lookups"] += int((~admit).sum())
         return rows
 
     def read(self, ids: np.ndarray) -> np.ndarray:
-        """The rows of `ids` (distinct), created on first touch; a copy, len(ids) x dim."""
+        """The rows of `ids` (distinct), admitted on first touch by default; a copy, len(ids) x dim.
+
+        An id not admitted yet reads as its initial values.
+        """
         rows = self.rows(ids)  # first: it may grow (replace) the arrays
-        return self.values[rows]
+        stored = rows >= 0
+        self.last_seen[rows[stored]] = self.steps
+        self.seen[rows[stored]] += 1
+        if stored.all():
+            return self.values[rows]
+        out = initial_rows(ids, self.dim, self.init)
+        out[stored] = self.values[rows[stored]]
+        return out
 
     def apply(self, ids: np.ndarray, grads: np.ndarray) -> None:
-        """One optimizer step on the rows of `ids` (distinct) from `grads` (len(ids) x dim)."""
-        rows = self.rows(ids)  # first: it may grow (replace) the arrays
+        """One optimizer step on the rows of `ids` (distinct) from `grads` (len(ids) x dim).
+
+        Gradients of ids without a row (not admitted, or evicted) are dropped and counted.
+        """
+        rows = self.index.find(ids)
+        stored = rows >= 0
+        self.counters["dropped_gradients"] += int((~stored).sum())
         self.steps += 1
-        self.optimizer.update(self.values, rows, grads, self.state, self.steps)
+        if stored.all():
+            self.optimizer.update(self.values, rows, grads, self.state, self.steps)
+        elif stored.any():
+            self.optimizer.update(self.values, rows[stored], grads[stored], self.state, self.steps)
+        if self.policy.evict_every and self.steps % self.policy.evict_every == 0:
+            self.evict()
+
+    def _admit(self, ids: np.ndarray) -> np.ndarray:
+        """Which of these new ids get a row now (bool per id)."""
+        policy = self.policy
+        admit = np.ones(ids.shape[0], bool)
+        if policy.admit_after > 1:
+            slots = self.candidates.find(ids)
+            fresh = slots < 0
+            if fresh.any():
+                slots[fresh] = self.candidates.insert(ids[fresh])
+                if self.candidates.size > self.candidate_counts.shape[0]:
+                    self.candidate_counts = _grown(self.candidate_counts, 2 * self.candidates.size, 0)
+            self.candidate_counts[slots] += 1
+            admit &= self.candidate_counts[slots] >= policy.admit_after
+        if policy.admit_probability < 1:
+            admit |= self._rng.random(ids.shape[0]) < policy.admit_probability
+        return admit
+
+    def evict(self) -> int:
+        """Drop rows by the policy (ttl, min_count, max_rows); returns how many. Compacts the arrays."""
+        policy, n = self.policy, self.size
+        keep = np.ones(n, bool)
+        if policy.ttl_steps:
+            keep &= self.steps - self.last_seen[:n] <= policy.ttl_steps
+        if policy.min_count:
+            keep &= self.seen[:n] >= policy.min_count
+        if policy.max_rows and keep.sum() > policy.max_rows:
+            order = np.argsort(-self.last_seen[:n] * keep, kind="stable")  # most recently seen first
+            keep[:] = False
+            keep[order[:policy.max_rows]] = True
+        evicted = int(n - keep.sum())
+        if evicted:
+            self._compact(keep)
+            self.counters["evicted"] += evicted
+        return evicted
+
+    def _compact(self, keep: np.ndarray) -> None:
+        ids, rows = self.index.items()
+        kept_rows = rows[keep[rows]]
+        for name in ("values", "last_seen", "seen"):
+            array = getattr(self, name)
+            array[: kept_rows.shape[0]] = array[kept_rows]
+        for array in self.state.values():
+            array[: kept_rows.shape[0]] = array[kept_rows]
+        fill = self.optimizer.state_init()
+        for key, array in self.state.items():
+            array[kept_rows.shape[0]:] = fill.get(key, 0)
+        self.index = HashIndex(max(16, 2 * kept_rows.shape[0]))
+        self.index.insert(ids[keep[rows]])
+
+    def describe(self) -> dict:
+        return {"rows": self.size, "dim": self.dim, "updates": self.steps, **self.counters,
+                "bytes": self.values.nbytes + sum(a.nbytes for a in self.state.values()) + self.index.nbytes
+                + self.last_seen.nbytes + self.seen.nbytes}
 
     def _reserve(self, needed: int) -> None:
         capacity = self.values.shape[0]
@@ -84,6 +202,8 @@ class EmbeddingTable:
             return
         capacity = max(needed, int(capacity * _GROWTH))
         self.values = _grown(self.values, capacity, 0.0)
+        self.last_seen = _grown(self.last_seen, capacity, 0)
+        self.seen = _grown(self.seen, capacity, 0)
         for key, array in self.state.items():
             fill = self.optimizer.state_init().get(key, 0)
             self.state[key] = _grown(array, capacity, fill)

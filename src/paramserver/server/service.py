@@ -15,7 +15,7 @@ Methods (request meta -> reply meta; tensors as named):
   pushed names). With no gradients it is a plain pull.
 - ``SetMode``: {"consistency"} -> {"version", "step"}
 - ``Leave``: {"worker"} -> {"version", "step"}: the worker is done; steps stop waiting for it
-- ``RegisterTable``: {"table", "dim", "optimizer", "init"} -> {}
+- ``RegisterTable``: {"table", "dim", "optimizer", "init", "policy"?} -> {}
 - ``Lookup``: {"table"} + "ids" (int64, distinct) -> {} + "rows" (len(ids) x dim float32)
 - ``PushSparse``: {"table"} + "ids", "grads" -> {}
 Thread-safe.
@@ -85,8 +85,9 @@ class ShardService:
 
     def register_table(self, payload: bytes, sink: Sink) -> Any:
         meta = codec.decode(payload).meta
+        policy = meta.get("policy")
         self.tables.register(_field(meta, "table", str), _field(meta, "dim", int), _field(meta, "optimizer", dict),
-                             _field(meta, "init", dict))
+                             _field(meta, "init", dict), policy if isinstance(policy, dict) else None)
         return sink(codec.encode_parts({}))
 
     def lookup(self, payload: bytes, sink: Sink) -> Any:

@@ -12,7 +12,7 @@ import threading
 import numpy as np
 
 from ..errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
-from .embedding import EmbeddingTable
+from .embedding import EmbeddingTable, RowPolicy
 from .sparse_optimizers import build_sparse_optimizer
 
 log = logging.getLogger(__name__)
@@ -28,13 +28,14 @@ class TableStore:
         self._tables: dict[str, EmbeddingTable] = {}
         self._lock = threading.Lock()
 
-    def register(self, name: str, dim: int, optimizer_spec: dict, init: dict) -> None:
+    def register(self, name: str, dim: int, optimizer_spec: dict, init: dict, policy: dict | None = None) -> None:
         """Create table `name`, or check that the existing one has the same dim and optimizer."""
         with self._lock:
             existing = self._tables.get(name)
             if existing is None:
                 optimizer = build_sparse_optimizer(optimizer_spec)
-                self._tables[name] = EmbeddingTable(name, dim, optimizer, init, optimizer_spec)
+                self._tables[name] = EmbeddingTable(name, dim, optimizer, init, optimizer_spec,
+                                                    policy=RowPolicy.from_dict(policy))
                 log.info("shard %d: table %s (dim %d, %s)", self.shard_index, name, dim, optimizer.name)
             elif (existing.dim, existing.spec, existing.init) != (dim, optimizer_spec, init):
                 raise FailedPreconditionError(
@@ -61,7 +62,7 @@ class TableStore:
 
     def describe(self) -> dict:
         with self._lock:
-            return {name: {"rows": t.size, "dim": t.dim, "updates": t.steps} for name, t in self._tables.items()}
+            return {name: table.describe() for name, table in self._tables.items()}
 
     def _table(self, name: str) -> EmbeddingTable:
         table = self._tables.get(name)

@@ -47,10 +47,12 @@ class HashEmbedding(nn.Module):
     name: the table's name on the PS (default: given by the optimizer, from the parameter name).
     optimizer: a row-wise optimizer spec for this table, e.g. {"name": "ftrl", "hyper": {"lr": 0.05}};
     by default the counterpart of the PS optimizer that owns the module's parameters.
+    policy: admission and eviction, e.g. {"admit_after": 3, "ttl_steps": 100000, "evict_every": 1000}
+    (see paramserver.server.embedding.RowPolicy).
     """
 
     def __init__(self, dim: int, *, init: str = "normal", std: float = 0.01, scale: float = 0.05,
-                 optimizer: dict | None = None, name: str | None = None) -> None:
+                 optimizer: dict | None = None, name: str | None = None, policy: dict | None = None) -> None:
         super().__init__()
         if not isinstance(dim, int) or dim < 1:
             raise InvalidArgumentError(f"embedding dim must be a positive integer, got {dim!r}")
@@ -58,6 +60,7 @@ class HashEmbedding(nn.Module):
         self.init = {"kind": init, "std": std} if init == "normal" else {"kind": init, "scale": scale} \
             if init == "uniform" else {"kind": init}
         self.optimizer_spec = optimizer
+        self.policy = policy or {}
         self.table_name = name
         self.placeholder = nn.Parameter(torch.empty(0))
         self.placeholder._ps_embedding = self  # how the PS optimizer recognizes this table

@@ -78,7 +78,7 @@ class PSOptimizer(torch.optim.Optimizer):
     def _register_table(self, module, param_name: str, group: dict[str, Any]) -> None:
         name = module.table_name or f"{self.name}.{param_name.removesuffix('.placeholder')}"
         spec = module.optimizer_spec or sparse_counterpart(self.kind, group)
-        self.context.tables.register(name, module.dim, spec, module.init)
+        self.context.tables.register(name, module.dim, spec, module.init, module.policy)
         module.attach(self.context.tables, name)
         self._embeddings.append(module)
 
