@@ -33,6 +33,7 @@ def test_ids_spread_over_shards_and_meet_the_same_rows(shards):
     _, tables = shards
     ids = np.arange(-500, 500, dtype=np.int64) * 7919
     assert set(shard_of(ids, 2).tolist()) == {0, 1}
+    np.testing.assert_array_equal(tables.lookup("t", ids), 0)  # rows made on first touch
     tables.wait_all(tables.push("t", ids, np.tile(ids[:, None].astype(np.float32), (1, 4))))
     rows = tables.lookup("t", ids[::-1].copy())
     np.testing.assert_array_equal(rows[:, 0], -ids[::-1].astype(np.float32))
