@@ -1,0 +1,1 @@
+"""Data readers for the models paramserver is built for."""
