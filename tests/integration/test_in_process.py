@@ -1,5 +1,6 @@
 """`paramserver.init()` with no cluster: the same script runs in one process (debugger friendly)."""
 
+import json
 import subprocess
 import sys
 
@@ -53,3 +54,19 @@ def test_pulled_values_land_on_each_parameters_own_device(fresh_context):
     assert all(p.device.type == "cuda" for p in model.parameters())
     for a, b in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(a.cpu(), b, rtol=1e-4, atol=1e-5)
+
+
+def test_ctr_example_learns_the_hidden_model(procs, tmp_path):
+    data = ROOT / "examples" / "ctr_data.py"
+    for name, rows, seed in (("train", 30000, 1), ("test", 5000, 2)):
+        subprocess.run([sys.executable, str(data), "--rows", str(rows), "--seed", str(seed), "--vocab", "20000",
+                        "--out", str(tmp_path / f"{name}.tsv")], check=True, timeout=120)
+    proc = procs.start([sys.executable, "-m", "paramserver", "run", "--ps", "2", "--workers", "2", "--progress-every",
+                        "0", str(ROOT / "examples" / "ctr.py"), "--", "--train", str(tmp_path / "train.tsv"),
+                        "--test", str(tmp_path / "test.tsv"), "--epochs", "2"],
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["test_auc"] > 0.7  # a random model scores 0.5
+    assert procs.leftovers() == []
