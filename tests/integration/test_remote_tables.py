@@ -46,7 +46,8 @@ def call(channel, method, meta, tensors=()):
 @pytest.mark.parametrize("method, meta, tensors, error, fragment", [
     ("Lookup", {"table": "nope"}, [("ids", np.array([1], np.int64))], ps.NotFoundError, "no table 'nope'"),
     ("Lookup", {"table": "t"}, [("ids", np.array([1.0], np.float32))], ps.InvalidArgumentError, "int64"),
-    ("Lookup", {"table": "t"}, [("ids", np.array([1, 1], np.int64))], ps.InvalidArgumentError, "distinct"),
+    ("PushSparse", {"table": "t"}, [("ids", np.array([1, 1], np.int64)), ("grads", np.ones((2, 4), np.float32))],
+     ps.InvalidArgumentError, "distinct"),
     ("PushSparse", {"table": "t"}, [("ids", np.array([1, 2], np.int64)), ("grads", np.ones((3, 4), np.float32))],
      ps.InvalidArgumentError, "does not match 2 ids"),
     ("PushSparse", {"table": "t"}, [("ids", np.array([1], np.int64)), ("grads", np.full((1, 4), np.nan, np.float32))],

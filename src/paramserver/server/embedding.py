@@ -80,12 +80,15 @@ class EmbeddingTable:
         self.name, self.dim, self.optimizer, self.init, self.spec = name, dim, optimizer, init, spec
         self.index = HashIndex(2 * capacity)
         self.values = np.empty((capacity, dim), np.float32)
-        self.state = {key: np.full((capacity, dim), value, np.float32) for key, value in optimizer.state_init().items()}
+        self.state = {key: _filled((capacity, dim), value, np.float32) for key, value in optimizer.state_init().items()}
         if optimizer.hyper.get("per_row_step"):
             self.state["row_step"] = np.zeros(capacity, np.int64)
         self.policy = policy or RowPolicy()
-        self.last_seen = np.zeros(capacity, np.int64)  # table update count when each row was last looked up
-        self.seen = np.zeros(capacity, np.int64)  # lookups of each row
+        # per-row use, kept only when an eviction rule needs it (16 bytes a row)
+        self.tracks_use = bool(self.policy.ttl_steps or self.policy.min_count or self.policy.max_rows)
+        tracked = capacity if self.tracks_use else 0
+        self.last_seen = np.zeros(tracked, np.int64)  # table update count when each row was last looked up
+        self.seen = np.zeros(tracked, np.int64)  # lookups of each row
         self.candidates = HashIndex(64)  # ids looked up but not admitted yet, with their counts
         self.candidate_counts = np.zeros(64, np.int64)
         self.counters = {"admitted": 0, "not_admitted_lookups": 0, "dropped_gradients": 0, "evicted": 0}
@@ -97,16 +100,17 @@ class EmbeddingTable:
         return self.index.size
 
     def rows(self, ids: np.ndarray, create: bool = True) -> np.ndarray:
-        """Row numbers of `ids` (distinct); missing ids are admitted by the policy (-1 where not)."""
+        """Row numbers of `ids`; missing ids are admitted by the policy (-1 where not)."""
         rows = self.index.find(ids)
         missing = np.flatnonzero(rows < 0)
         if create and missing.size:
-            admit = self._admit(ids[missing])
-            new_ids = ids[missing[admit]]
+            candidates = np.unique(ids[missing])  # a batch may name a new id twice
+            admit = self._admit(candidates)
+            new_ids = candidates[admit]
             self._reserve(self.size + new_ids.shape[0])
             new_rows = self.index.insert(new_ids)
             self.values[new_rows] = initial_rows(new_ids, self.dim, self.init)
-            rows[missing[admit]] = new_rows
+            rows[missing] = self.index.find(ids[missing])
             self.counters["admitted"] += new_ids.shape[0]
             self.counters["not_admitted_lookups"] += int((~admit).sum())
         return rows
@@ -118,8 +122,9 @@ class EmbeddingTable:
         """
         rows = self.rows(ids)  # first: it may grow (replace) the arrays
         stored = rows >= 0
-        self.last_seen[rows[stored]] = self.steps
-        self.seen[rows[stored]] += 1
+        if self.tracks_use:
+            self.last_seen[rows[stored]] = self.steps
+            self.seen[rows[stored]] += 1
         if stored.all():
             return self.values[rows]
         out = initial_rows(ids, self.dim, self.init)
@@ -202,14 +207,20 @@ class EmbeddingTable:
             return
         capacity = max(needed, int(capacity * _GROWTH))
         self.values = _grown(self.values, capacity, 0.0)
-        self.last_seen = _grown(self.last_seen, capacity, 0)
-        self.seen = _grown(self.seen, capacity, 0)
+        if self.tracks_use:
+            self.last_seen = _grown(self.last_seen, capacity, 0)
+            self.seen = _grown(self.seen, capacity, 0)
         for key, array in self.state.items():
             fill = self.optimizer.state_init().get(key, 0)
             self.state[key] = _grown(array, capacity, fill)
 
 
+def _filled(shape: tuple, fill: float, dtype) -> np.ndarray:
+    # zeros come from fresh pages the kernel maps on first write: unused capacity costs no RSS
+    return np.zeros(shape, dtype) if fill == 0 else np.full(shape, fill, dtype)
+
+
 def _grown(array: np.ndarray, capacity: int, fill: float) -> np.ndarray:
-    grown = np.full((capacity,) + array.shape[1:], fill, array.dtype)
+    grown = _filled((capacity,) + array.shape[1:], fill, array.dtype)
     grown[: array.shape[0]] = array
     return grown

@@ -42,9 +42,9 @@ class TableStore:
                     f"table {name!r} exists with dim {existing.dim}, optimizer {existing.spec}, init {existing.init}")
 
     def lookup(self, name: str, ids: np.ndarray) -> np.ndarray:
-        """Rows of distinct `ids`, created on first touch (a copy)."""
+        """Rows of `ids`, created on first touch (a copy)."""
         table = self._table(name)
-        self._check_ids(name, ids)
+        self._check_ids(name, ids, distinct=False)
         with self._lock:
             return table.read(ids)
 
@@ -70,10 +70,11 @@ class TableStore:
             raise NotFoundError(f"shard {self.shard_index} holds no table {name!r}")
         return table
 
-    def _check_ids(self, name: str, ids: np.ndarray) -> None:
+    def _check_ids(self, name: str, ids: np.ndarray, distinct: bool = True) -> None:
         if ids.dtype != np.int64 or ids.ndim != 1:
             raise InvalidArgumentError(f"table {name!r}: ids must be a 1-D int64 array, got {ids.dtype} {ids.shape}")
         if ids.shape[0] > self.max_ids:
             raise InvalidArgumentError(f"table {name!r}: {ids.shape[0]} ids exceed the maximum of {self.max_ids}")
-        if np.unique(ids).shape[0] != ids.shape[0]:
-            raise InvalidArgumentError(f"table {name!r}: ids in one request must be distinct")
+        # a push with an id twice would update its row once, silently: refuse it
+        if distinct and np.unique(ids).shape[0] != ids.shape[0]:
+            raise InvalidArgumentError(f"table {name!r}: ids in one push must be distinct")
