@@ -14,11 +14,12 @@ LINE = "1\t" + "\t".join(["3", ""] + ["0"] * 11) + "\t" + "\t".join(["0000000a",
 
 
 def test_a_line_with_missing_values_parses():
-    dense, sparse, label = criteo.parse_line(LINE)
-    assert label == 1.0
-    assert dense[0] == pytest.approx(math.log1p(3)) and dense[1] == 0.0
-    assert sparse[0] == 10 and sparse[1] == (1 << 56) | criteo._MISSING
-    assert sparse[2] >> 56 == 2  # the feature index keeps features apart in one table
+    dense, sparse, labels = criteo.parse_lines([LINE, LINE.replace("0000000a", "0000000b")])
+    assert labels.tolist() == [1.0, 1.0]
+    assert dense[0, 0] == pytest.approx(math.log1p(3)) and dense[0, 1] == 0.0
+    assert (sparse[:, 2:] >> 56).tolist() == [list(range(2, 26))] * 2  # the feature index keeps features apart
+    assert sparse[0, 0] != sparse[1, 0] and sparse[0, 2] == sparse[1, 2]  # same string, same id
+    assert sparse[0, 1] != sparse[0, 0]  # an empty value is a value of its own
 
 
 def test_batches_stream_and_shard_by_line():
@@ -31,7 +32,7 @@ def test_batches_stream_and_shard_by_line():
 
 @pytest.mark.parametrize("line, fragment", [
     ("1\t2\t3\n", "3 fields"),
-    (LINE.replace("0000000a", "zz"), "invalid literal"),
+    (LINE.replace("\t3\t", "\tthree\t", 1), "invalid literal"),
 ])
 def test_malformed_lines_name_their_number(line, fragment):
     with pytest.raises(criteo.CriteoFormatError, match=f"line 2: .*{fragment}|line 2: {fragment}"):

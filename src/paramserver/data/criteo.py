@@ -1,51 +1,69 @@
 """A streaming reader of Criteo's TSV format (the Display Advertising Challenge layout).
 
-Each line: label (0/1), 13 integer features, 26 categorical features as hex strings, tab
-separated; any feature may be empty. Lines are read lazily, a batch at a time, from one or
-more files (or any iterable of lines), so a dataset larger than memory streams through.
+Each line: label (0/1), 13 integer features, 26 categorical features (hex strings in
+Criteo's data; any string works), tab separated; any feature may be empty. Lines are read
+lazily, a batch at a time, from one or more files (or any iterable of lines), and each batch
+is parsed with vectorized numpy, so a dataset larger than memory streams through quickly.
 
 A batch is (dense, sparse, labels): dense float32 (B, 13) = log(1 + max(x, 0)) with missing
-as 0; sparse int64 (B, 26) = feature index in the top 8 bits and the hex value below them,
-so one shared table keeps the 26 features apart (an empty value gets its own id per feature);
-labels float32 (B,).
+as 0; sparse int64 (B, 26) = the feature index in the top 8 bits and a 56-bit hash of the
+value's string below them, so one shared table keeps the 26 features apart (an empty value
+is a value of its own); labels float32 (B,).
 """
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Iterable, Iterator
 
 import numpy as np
 import torch
 
+from ..server.hash_index import mix64
+
 NUM_DENSE, NUM_SPARSE = 13, 26
-_MISSING = (1 << 56) - 1  # the id an empty categorical value gets, within its feature
+NUM_FIELDS = 1 + NUM_DENSE + NUM_SPARSE
+_LOW56 = np.uint64((1 << 56) - 1)
+_FEATURE = (np.arange(NUM_SPARSE, dtype=np.uint64) << np.uint64(56))
 
 
 class CriteoFormatError(ValueError):
     """A line that is not in Criteo's format; names the line."""
 
 
-def parse_line(line: str, number: int = 0) -> tuple[list[float], list[int], float]:
-    fields = line.rstrip("\n").split("\t")
-    if len(fields) != 1 + NUM_DENSE + NUM_SPARSE:
-        raise CriteoFormatError(f"line {number}: {len(fields)} fields, expected {1 + NUM_DENSE + NUM_SPARSE}")
+def parse_lines(lines: list[str], first_number: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(dense, sparse, labels) arrays of a list of lines; a bad line raises CriteoFormatError naming it."""
     try:
-        label = float(fields[0])
-        dense = [math.log1p(max(int(v), 0)) if v else 0.0 for v in fields[1:1 + NUM_DENSE]]
-        sparse = [(f << 56) | (int(v, 16) & _MISSING if v else _MISSING)
-                  for f, v in enumerate(fields[1 + NUM_DENSE:])]
-    except ValueError as exc:
-        raise CriteoFormatError(f"line {number}: {exc}") from None
-    return dense, sparse, label
+        return _parse(lines)
+    except (ValueError, CriteoFormatError):
+        for number, line in enumerate(lines, first_number):  # find the culprit for the message
+            try:
+                _parse([line])
+            except (ValueError, CriteoFormatError) as exc:
+                raise CriteoFormatError(f"line {number}: {exc}") from None
+        raise
 
 
-def _lines(source: str | Path | Iterable[str] | list) -> Iterator[str]:
+def _parse(lines: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    fields = "\t".join(line.rstrip("\n") for line in lines).split("\t")
+    if len(fields) != len(lines) * NUM_FIELDS:
+        raise CriteoFormatError(f"{len(fields)} fields, expected {NUM_FIELDS} per line")
+    table = np.array(fields, dtype=object).reshape(len(lines), NUM_FIELDS)
+    labels = table[:, 0].astype(np.float32)
+    dense = np.array(table[:, 1:1 + NUM_DENSE].ravel(), dtype="S20")
+    dense[dense == b""] = b"0"
+    dense = np.log1p(np.maximum(dense.astype(np.int64), 0)).astype(np.float32).reshape(len(lines), NUM_DENSE)
+    packed = np.array(table[:, 1 + NUM_DENSE:].ravel(), dtype="S16").view(np.uint64).reshape(-1, 2)
+    hashed = mix64((packed[:, 0] ^ mix64(packed[:, 1].view(np.int64))).view(np.int64))
+    sparse = (hashed.reshape(len(lines), NUM_SPARSE) & _LOW56) | _FEATURE
+    return dense, sparse.view(np.int64), labels
+
+
+def _lines(source) -> Iterator[str]:
     if isinstance(source, (str, Path)):
         source = [source]
     for item in source:
-        if isinstance(item, (str, Path)) and "\t" not in str(item):
+        if isinstance(item, Path) or (isinstance(item, str) and "\t" not in item):
             with open(item) as handle:
                 yield from handle
         else:
@@ -53,23 +71,22 @@ def _lines(source: str | Path | Iterable[str] | list) -> Iterator[str]:
 
 
 def batches(source, batch_size: int, skip: int = 0, every: int = 1) -> Iterator[tuple[torch.Tensor, ...]]:
-    """Batches of (dense, sparse, labels) from files or lines; `skip`/`every` take every `every`-th
-    line starting at `skip` (a worker's shard: skip=worker_index, every=num_workers)."""
-    dense, sparse, labels = [], [], []
-    for number, line in enumerate(_lines(source)):
-        if number % every != skip or not line.strip():
+    """Batches of (dense, sparse, labels) tensors from files or lines; `skip`/`every` keep every
+    `every`-th line starting at `skip` (a worker's shard: skip=worker_index, every=num_workers)."""
+    chunk, first = [], 1
+    for number, line in enumerate(_lines(source), 1):
+        if (number - 1) % every != skip or not line.strip():
             continue
-        d, s, y = parse_line(line, number + 1)
-        dense.append(d)
-        sparse.append(s)
-        labels.append(y)
-        if len(labels) == batch_size:
-            yield _tensors(dense, sparse, labels)
-            dense, sparse, labels = [], [], []
-    if labels:
-        yield _tensors(dense, sparse, labels)
+        if not chunk:
+            first = number
+        chunk.append(line)
+        if len(chunk) == batch_size:
+            yield _tensors(parse_lines(chunk, first))
+            chunk = []
+    if chunk:
+        yield _tensors(parse_lines(chunk, first))
 
 
-def _tensors(dense, sparse, labels) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return (torch.tensor(dense, dtype=torch.float32), torch.from_numpy(np.array(sparse, dtype=np.uint64).view(np.int64)),
-            torch.tensor(labels, dtype=torch.float32))
+def _tensors(arrays) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dense, sparse, labels = arrays
+    return torch.from_numpy(dense), torch.from_numpy(np.ascontiguousarray(sparse)), torch.from_numpy(labels)
