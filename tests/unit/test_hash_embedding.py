@@ -87,3 +87,19 @@ def test_forward_before_the_optimizer_is_a_clear_error(fresh_context):
     ps.init()
     with pytest.raises(ps.NotInitializedError, match="optimizer"):
         ps.nn.HashEmbedding(4)(torch.tensor([1]))
+
+
+def test_a_table_can_carry_its_own_optimizer_and_policy(fresh_context):
+    ctx = ps.init()
+    wide = ps.nn.HashEmbedding(1, init="zeros", name="wide", policy={"admit_after": 2},
+                               optimizer={"name": "ftrl", "hyper": {"lr": 0.5, "l1": 0.1}})
+    opt = ps.optim.SGD(wide.parameters(), lr=0.1)
+    ids = torch.tensor([3, 4])
+    for _ in range(20):
+        opt.zero_grad()
+        ((wide(ids).squeeze(1) - torch.tensor([1.0, -1.0])) ** 2).sum().backward()
+        opt.step()
+    values = wide.lookup(ids).detach().squeeze(1)
+    assert values[0] > 0.3 and values[1] < -0.3
+    stats = ctx.shard_stats()[0]["tables"]["wide"]
+    assert stats["admitted"] == 2 and stats["dropped_gradients"] == 2  # the first lookup only counted them
