@@ -84,6 +84,7 @@ class Options:
     mode: str = "async"  # consistency: async, sync or ssp:K
     backup_workers: int = 0  # sync only: apply a step once workers - backup_workers gradients arrived
     mode_schedule: str = ""  # e.g. "sync@500": switch modes when the workers reach those steps
+    max_table_ids: int = 1 << 20  # most ids one lookup or sparse push may carry (a PS refuses more)
     heartbeat_s: float = 1.0  # how often a worker tells the coordinator it is alive
     heartbeat_timeout_s: float = 30.0  # a worker silent this long counts as gone
 

@@ -89,3 +89,16 @@ def test_hash_embedding_trains_over_real_shards(procs, fresh_context):
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < 0.2 * losses[0]
+
+
+def test_an_id_batch_over_the_configured_maximum_is_refused(procs):
+    _, address = procs.start_ps(PARAMSERVER_OPTIONS='{"max_table_ids": 4}')
+    channel = GrpcChannel(address, 1 << 20)
+    channel.wait_ready(20)
+    tables = TableClient([channel], 10)
+    tables.register("t", 2, SGD, ZEROS)
+    tables.lookup("t", np.arange(4, dtype=np.int64))
+    with pytest.raises(ps.InvalidArgumentError, match="5 ids exceed the maximum of 4"):
+        tables.lookup("t", np.arange(5, dtype=np.int64))
+    assert call(channel, "Hello", {}).meta["tables"]["t"]["rows"] == 4
+    channel.close()

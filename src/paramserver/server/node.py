@@ -15,6 +15,7 @@ import time
 from ..config import Options
 from ..server.service import ShardService
 from ..server.shard import Shard
+from ..server.tables import TableStore
 from ..transport.grpc_transport import GrpcServer
 from ..transport.stream import StreamServer, host_id
 
@@ -28,7 +29,7 @@ class PSNode:
     def __init__(self, bind: str, index: int, options: Options) -> None:
         self.index = index
         self.shard = Shard(index, wait_timeout_s=options.rpc_timeout_s)
-        self.service = ShardService(self.shard)
+        self.service = ShardService(self.shard, TableStore(index, options.max_table_ids))
         self.server = GrpcServer(self.service, bind, options.max_message_bytes, options.ps_threads)
         host = bind.rsplit(":", 1)[0].strip("[]")
         self.stream = StreamServer(self.service, host, options.stream_port, options.max_message_bytes)
