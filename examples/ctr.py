@@ -53,12 +53,13 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--batch-size", type=int, default=512)
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--overlap", action="store_true", help="overlap the dense push with the next batch")
     args = parser.parse_args()
 
     ctx = ps.init()
     torch.manual_seed(0)
     model = WideAndDeep()
-    opt = ps.optim.Adam(model.named_parameters(), lr=args.lr)
+    opt = ps.optim.Adam(model.named_parameters(), lr=args.lr, overlap=args.overlap)
     started, examples = time.perf_counter(), 0
     for epoch in range(args.epochs):
         for dense, sparse, labels in criteo.batches(args.train, args.batch_size, ctx.worker_index, ctx.num_workers):
