@@ -31,7 +31,11 @@ def _load_kernels() -> ctypes.CDLL | None:
     if spec is None or not spec.origin:
         log.info("fused optimizer kernels not built; using numpy")
         return None
-    lib = ctypes.CDLL(spec.origin)
+    try:
+        lib = ctypes.CDLL(spec.origin)
+    except OSError as exc:  # e.g. built for another platform: numpy still works
+        log.warning("fused optimizer kernels at %s unusable (%s); using numpy", spec.origin, exc)
+        return None
     f, i64, i, d = ctypes.c_float, ctypes.c_int64, ctypes.c_int, ctypes.c_double
     ptr = ctypes.c_void_p
     lib.ps_adam.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, f, f, f, f, f, f, d, f, i, i, i]
