@@ -197,3 +197,14 @@ def test_sync_bad_pushes_over_the_wire(procs):
     stats = call(channel, "Hello", codec.encode({})).meta
     assert (stats["dropped_late"], stats["sync_step"], stats["version"]) == (1, 1, 1)
     channel.close()
+
+
+def test_two_large_param_groups_both_adopt_the_first_workers_values(procs, fresh_context):
+    """Registration replies over 1 MiB are views into the stream's buffer: each must be read in turn."""
+    address = procs.start_ps()[1]
+    first, second = mlp(seed=0, sizes=(784, 512, 10)), mlp(seed=1, sizes=(784, 512, 10))
+    for model in (first, second):
+        ctx = join([address])
+        ps.optim.SGD([{"params": model[0].parameters()}, {"params": model[2].parameters()}], lr=0.1)
+        ctx.shutdown()
+    assert max_relative_error(second, first) == 0.0

@@ -48,9 +48,8 @@ class PSOptimizer(torch.optim.Optimizer):
         self._vars: list[tuple[str, torch.Tensor]] = []
         self._sent_lr: dict[str, float] = {}
         started = time.monotonic()
-        handles = [self._register_group(i, group) for i, group in enumerate(self.param_groups)]
-        for handle in handles:
-            self._write(handle.wait(self.context.options.rpc_timeout_s)[1])
+        for i, group in enumerate(self.param_groups):  # one at a time: a reply may view the stream's buffer
+            self._write(self._register_group(i, group).wait(self.context.options.rpc_timeout_s)[1])
         log.info("%s: %d parameters registered on %d PS in %.2fs", self.name, len(self._vars),
                  self.context.num_ps, time.monotonic() - started)
 
