@@ -208,3 +208,20 @@ def test_two_large_param_groups_both_adopt_the_first_workers_values(procs, fresh
         ps.optim.SGD([{"params": model[0].parameters()}, {"params": model[2].parameters()}], lr=0.1)
         ctx.shutdown()
     assert max_relative_error(second, first) == 0.0
+
+
+def test_overlap_mode_with_an_embedding_matches_the_same_run_without_overlap_replies(procs, fresh_context):
+    """In overlap mode, lookups go out while a large dense reply waits to be read: it must stay intact."""
+    address = procs.start_ps()[1]
+    join([address])
+    torch.manual_seed(0)
+    emb = ps.nn.HashEmbedding(4, std=0.1)
+    dense = torch.nn.Linear(784, 512)  # a reply over 1 MiB
+    opt = ps.optim.SGD(list(emb.parameters()) + list(dense.parameters()), lr=0.0, overlap=True)
+    before = dense.weight.detach().clone()
+    for step in range(5):
+        opt.zero_grad()
+        (dense(torch.randn(2, 784)).sum() + emb(torch.tensor([step, step + 100])).sum()).backward()
+        opt.step()
+    opt.pull()
+    assert torch.equal(dense.weight, before)  # lr 0: every reply must carry the unchanged values

@@ -129,11 +129,12 @@ class PSClient:
         return PushPullHandle(calls, self._part_by_name, lambda metas: self.record.note(metas, False))
 
     def push_pull(self, grads: dict[str, np.ndarray], pull: list[str], lrs: dict[str, float] | None = None,
-                  base_versions: dict[int, int] | None = None) -> PushPullHandle:
+                  base_versions: dict[int, int] | None = None, owned: bool = False) -> PushPullHandle:
         """Push `grads` (by variable) and pull the variables in `pull`, one request per shard involved.
 
         `base_versions` are the shard versions the gradients were computed from (default: the
-        latest replies'), for the shards to measure staleness.
+        latest replies'), for the shards to measure staleness. `owned` replies stay valid while
+        other calls go out (for a handle waited on later).
         """
         bases = self.record.base_versions if base_versions is None else base_versions
         pushed: dict[int, list[tuple[str, np.ndarray]]] = {}
@@ -153,7 +154,7 @@ class PSClient:
             if shard_lrs:
                 meta["lr"] = shard_lrs
             payload = codec.encode_parts(meta, pushed.get(shard, ()))
-            calls.append((shard, self.channels[shard].call("PushPull", payload, self.rpc_timeout_s)))
+            calls.append((shard, self.channels[shard].call("PushPull", payload, self.rpc_timeout_s, owned)))
         return PushPullHandle(calls, self._part_by_name, lambda metas: self.record.note(metas, bool(grads)))
 
     def set_mode(self, spec: ConsistencySpec) -> None:

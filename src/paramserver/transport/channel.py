@@ -41,8 +41,11 @@ class ShardChannel(Protocol):
 
     address: str
 
-    def call(self, method: str, payload: bytes | list, timeout: float) -> CallHandle:
-        """Start `method` with `payload` (a frame, or its parts from codec.encode_parts); fails after `timeout` s."""
+    def call(self, method: str, payload: bytes | list, timeout: float, owned: bool = False) -> CallHandle:
+        """Start `method` with `payload` (a frame, or its parts from codec.encode_parts); fails after `timeout` s.
+
+        With `owned`, the reply stays valid whatever calls follow (else a large one may be a view
+        that the next call on this channel overwrites)."""
 
     def wait_ready(self, timeout: float) -> None:
         """Say Hello once the shard can be called; raise UnavailableError after `timeout` seconds."""

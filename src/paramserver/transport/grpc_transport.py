@@ -92,9 +92,9 @@ class GrpcChannel:
         self._methods: dict[str, grpc.UnaryUnaryMultiCallable] = {}
         self._stream: StreamClient | None = None
 
-    def call(self, method: str, payload: bytes, timeout: float) -> CallHandle:
+    def call(self, method: str, payload: bytes, timeout: float, owned: bool = False) -> CallHandle:
         if self._stream is not None and method in STREAM_METHODS:
-            return self._stream.call(method, payload, timeout)
+            return self._stream.call(method, payload, timeout, owned)
         stub = self._methods.get(method)
         if stub is None:
             stub = self._methods[method] = self._channel.unary_unary(f"/{self.service_name}/{method}")

@@ -20,7 +20,7 @@ class InProcessChannel:
         self.service = service
         self.address = address or f"inprocess:shard{service.shard.index}"
 
-    def call(self, method: str, payload: bytes, timeout: float) -> CallHandle:
+    def call(self, method: str, payload: bytes, timeout: float, owned: bool = False) -> CallHandle:
         future: Future = Future()
         try:
             future.set_result(self.service.call(method, payload if isinstance(payload, bytes) else b"".join(payload)))

@@ -269,15 +269,15 @@ class StreamClient:
         self._inbox = _Inbox()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stream-{label}")
 
-    def call(self, method: str, payload: bytes | list, timeout: float) -> CallHandle:
+    def call(self, method: str, payload: bytes | list, timeout: float, owned: bool = False) -> CallHandle:
         parts = [payload] if isinstance(payload, (bytes, bytearray, memoryview)) else payload
         deadline, sent = time.monotonic() + timeout, threading.Event()
-        future = self._executor.submit(self._call, METHODS.index(method), parts, deadline, method, sent)
+        future = self._executor.submit(self._call, METHODS.index(method), parts, deadline, method, sent, owned)
         return CallHandle(future, f"{self.address} {method}", sent)
 
     def _call(self, method_id: int, parts: list, deadline: float, method: str,
-              sent: threading.Event) -> memoryview | bytes:
-        """The reply: owned bytes if small, else a view valid until the next call on this client."""
+              sent: threading.Event, owned: bool) -> memoryview | bytes:
+        """The reply: owned bytes if small or `owned`, else a view valid until the next call on this client."""
         size = codec.parts_size(parts)
         try:
             sock = self._connect(deadline)
@@ -291,7 +291,7 @@ class StreamClient:
                 reply = self._segment.replies[:reply_size]
             else:
                 reply = self._inbox.receive(sock, reply_size)
-            if reply_size <= _OWNED_REPLY_BYTES:  # small replies are copied: they stay valid after later calls
+            if owned or reply_size <= _OWNED_REPLY_BYTES:  # copies stay valid after later calls
                 reply = bytes(reply)
         except socket.timeout:
             self._drop()

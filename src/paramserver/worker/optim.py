@@ -101,7 +101,9 @@ class PSOptimizer(torch.optim.Optimizer):
                 sparse_calls += self.context.tables.push(module.table_name, *touched)
         bases = dict(self.context.client.record.base_versions)  # the values these gradients came from
         self.synchronize()
-        handle = self.context.client.push_pull(grads, [var for var, _ in self._vars], self._changed_lrs(), bases)
+        # in overlap mode other calls (lookups, the next pushes) go out before this reply is read
+        handle = self.context.client.push_pull(grads, [var for var, _ in self._vars], self._changed_lrs(), bases,
+                                               owned=self.overlap)
         if self.overlap:
             handle.wait_sent(self.context.options.rpc_timeout_s)  # the gradients may now be freed
             self._pending = handle
