@@ -32,10 +32,6 @@ class PushPullHandle:
     calls: list[tuple[int, CallHandle]]
     parts: dict[str, Part]
     on_reply: Callable[[dict[int, dict]], None] | None = None
-    started: float = field(default_factory=time.monotonic)
-
-    def done(self) -> bool:
-        return all(call.done() for _, call in self.calls)
 
     def wait_sent(self, timeout: float) -> None:
         """Return once every request was copied out: the pushed arrays may then change."""
