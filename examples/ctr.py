@@ -16,10 +16,10 @@ import time
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from sklearn.metrics import roc_auc_score
 
 import paramserver as ps
 from paramserver.data import criteo
+from paramserver.evaluation import roc_auc
 
 
 class WideAndDeep(nn.Module):
@@ -43,7 +43,7 @@ def evaluate(model: nn.Module, path: str, batch_size: int) -> float:
             scores.append(torch.sigmoid(model(dense, sparse)))
             labels.append(y)
     model.train()
-    return roc_auc_score(torch.cat(labels).numpy(), torch.cat(scores).numpy())
+    return roc_auc(torch.cat(labels).numpy(), torch.cat(scores).numpy())
 
 
 def main() -> None:
