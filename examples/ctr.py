@@ -1,9 +1,9 @@
-"""A Wide&Deep / DLRM-style click-through-rate model on Criteo-format data.
+"""A DLRM-style click-through-rate model on Criteo-format data (add `--wide` for Wide&Deep).
 
 13 dense features and 26 categorical features; every categorical id gets a 16-wide row in
-one shared PS embedding table (no vocabulary: ids are hashed hex values); the dense
-features and the 26 embeddings go through an MLP 256-128-1, plus a wide (linear) part over
-the same ids. Worker 0 reports held-out AUC.
+one shared PS embedding table (no vocabulary: ids are hashed values); the dense features
+and the 26 embeddings go through an MLP 256-128-1. With `--wide`, a linear part over the
+same ids (a second, 1-wide table) is added. Worker 0 reports held-out AUC.
 
     python examples/ctr_data.py --rows 200000 --out /tmp/train.tsv --seed 1
     python examples/ctr_data.py --rows 20000 --out /tmp/test.tsv --seed 2
@@ -22,17 +22,19 @@ from paramserver.data import criteo
 from paramserver.evaluation import roc_auc
 
 
-class WideAndDeep(nn.Module):
-    def __init__(self, dim: int = 16) -> None:
+class CTRModel(nn.Module):
+    def __init__(self, dim: int = 16, wide: bool = False) -> None:
         super().__init__()
         self.embedding = ps.nn.HashEmbedding(dim, std=0.01, name="ctr.embedding")
-        self.wide = ps.nn.HashEmbeddingBag(1, mode="sum", init="zeros", name="ctr.wide")
+        self.wide = ps.nn.HashEmbeddingBag(1, mode="sum", init="zeros", name="ctr.wide") if wide else None
         self.mlp = nn.Sequential(nn.Linear(criteo.NUM_DENSE + criteo.NUM_SPARSE * dim, 256), nn.ReLU(),
                                  nn.Linear(256, 128), nn.ReLU(), nn.Linear(128, 1))
 
     def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
-        deep = self.mlp(torch.cat([dense, self.embedding(sparse).flatten(1)], dim=1))
-        return (deep + self.wide(sparse)).squeeze(1)
+        logit = self.mlp(torch.cat([dense, self.embedding(sparse).flatten(1)], dim=1))
+        if self.wide is not None:
+            logit = logit + self.wide(sparse)
+        return logit.squeeze(1)
 
 
 def evaluate(model: nn.Module, path: str, batch_size: int) -> float:
@@ -54,11 +56,12 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=512)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--overlap", action="store_true", help="overlap the dense push with the next batch")
+    parser.add_argument("--wide", action="store_true", help="add a wide (linear) part: Wide&Deep")
     args = parser.parse_args()
 
     ctx = ps.init()
     torch.manual_seed(0)
-    model = WideAndDeep()
+    model = CTRModel(wide=args.wide)
     opt = ps.optim.Adam(model.named_parameters(), lr=args.lr, overlap=args.overlap)
     started, examples = time.perf_counter(), 0
     for epoch in range(args.epochs):
