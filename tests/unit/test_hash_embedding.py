@@ -103,3 +103,21 @@ def test_a_table_can_carry_its_own_optimizer_and_policy(fresh_context):
     assert values[0] > 0.3 and values[1] < -0.3
     stats = ctx.shard_stats()[0]["tables"]["wide"]
     assert stats["admitted"] == 2 and stats["dropped_gradients"] == 2  # the first lookup only counted them
+
+
+def test_a_table_looked_up_twice_in_a_step_gets_the_summed_gradient(fresh_context):
+    ps.init(num_ps=2)
+    emb = ps.nn.HashEmbedding(DIM, std=0.1)
+    opt = ps.optim.SGD(emb.parameters(), lr=0.1)
+    reference = torch.nn.Embedding(VOCAB, DIM, sparse=True)
+    with torch.no_grad():
+        reference.weight.copy_(torch.from_numpy(
+            initial_rows(np.arange(VOCAB, dtype=np.int64), DIM, {"kind": "normal", "std": 0.1})))
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for ids, _ in data(10):
+        for module, o in ((emb, opt), (reference, ref_opt)):
+            o.zero_grad()
+            (module(ids[:, 0]).pow(2).sum() + module(ids[:, 1]).sum()).backward()  # overlapping ids
+            o.step()
+    ours = emb.lookup(torch.arange(VOCAB)).detach()
+    assert ((ours - reference.weight.detach()).norm() / reference.weight.norm()).item() < 1e-5

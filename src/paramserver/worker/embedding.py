@@ -92,6 +92,8 @@ class HashEmbedding(nn.Module):
         used = [(ids, rows.grad) for ids, rows in pending if rows.grad is not None]
         if not used:
             return None
+        if len(used) == 1:  # one lookup this step: its ids are distinct already
+            return used[0][0].numpy(), used[0][1].numpy()
         ids = torch.cat([i for i, _ in used])
         grads = torch.cat([g for _, g in used])
         unique, inverse = torch.unique(ids, return_inverse=True)
