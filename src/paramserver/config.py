@@ -132,6 +132,12 @@ class NodeConfig:
         return getattr(self.cluster, self.task.type)[self.task.index]
 
 
+def bind_address(address: str) -> str:
+    """Where a node listens for its cluster address: the address itself on loopback, else all interfaces."""
+    host, port = address.rsplit(":", 1)
+    return address if host in ("localhost", "127.0.0.1", "[::1]") else f"0.0.0.0:{port}"
+
+
 def parse_tf_config(text: str, options: Options | None = None) -> NodeConfig:
     """A NodeConfig from TF_CONFIG's JSON text."""
     try:

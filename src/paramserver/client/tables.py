@@ -29,7 +29,7 @@ class TableClient:
     def register(self, table: str, dim: int, optimizer_spec: dict, init: dict, policy: dict | None = None) -> None:
         payload = codec.encode({"table": table, "dim": dim, "optimizer": optimizer_spec, "init": init,
                                 "policy": policy or {}})
-        self._wait_all([channel.call("RegisterTable", payload, self.rpc_timeout_s) for channel in self.channels])
+        self.wait_all([channel.call("RegisterTable", payload, self.rpc_timeout_s) for channel in self.channels])
 
     def lookup(self, table: str, ids: np.ndarray) -> np.ndarray:
         """Rows (len(ids) x dim) of distinct int64 `ids`, in their order; missing rows are created."""
@@ -52,9 +52,7 @@ class TableClient:
             for shard, where, part in self._split(ids)]
 
     def wait_all(self, calls: list) -> None:
-        self._wait_all(calls)
-
-    def _wait_all(self, calls: list) -> None:
+        """Wait for calls in flight (e.g. from `push`), all within one deadline."""
         deadline = time.monotonic() + self.rpc_timeout_s
         for call in calls:
             call.wait(max(0.0, deadline - time.monotonic()))

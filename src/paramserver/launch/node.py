@@ -15,11 +15,10 @@ import sys
 from pathlib import Path
 
 from .. import config as config_mod
-from ..config import NodeConfig, Options
+from ..config import NodeConfig, Options, bind_address
 from ..errors import ConfigError
 
 log = logging.getLogger(__name__)
-_LOOPBACK = ("localhost", "127.0.0.1", "[::1]")
 
 
 def resolve(cluster_file: str | None, role: str | None, index: int | None, options: Options) -> NodeConfig | None:
@@ -33,12 +32,6 @@ def resolve(cluster_file: str | None, role: str | None, index: int | None, optio
         raise ConfigError(f"--role {role} --index {index or 0} contradicts TF_CONFIG's task "
                           f"{config.task.type}:{config.task.index}")
     return config
-
-
-def bind_address(address: str) -> str:
-    """Where a PS listens for its cluster address: the address itself on loopback, else all interfaces."""
-    host, port = address.rsplit(":", 1)
-    return address if host in _LOOPBACK else f"0.0.0.0:{port}"
 
 
 def run_node(cluster_file: str | None, role: str | None, index: int | None, bind: str | None,

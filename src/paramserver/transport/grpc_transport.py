@@ -1,4 +1,4 @@
-"""gRPC glue: serve a ShardService, and call one with deadlines and typed errors.
+"""gRPC glue: serve a service object (shard or coordinator), and call one with deadlines and typed errors.
 
 Payloads are raw frame bytes (no protobuf), sent through gRPC's generic handlers under
 the service name ``paramserver.Shard``.

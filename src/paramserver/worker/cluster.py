@@ -7,10 +7,9 @@ import logging
 import torch
 
 from ..client.ps_client import PSClient
-from ..config import NodeConfig, Options
+from ..config import NodeConfig, Options, bind_address
 from ..coordinator.membership import Coordinator
 from ..coordinator.service import SERVICE as COORDINATOR, CoordinatorClient, CoordinatorService
-from ..launch.node import bind_address
 from ..progress import ProgressWriter
 from ..server.consistency import ConsistencySpec
 from ..server.service import ShardService

@@ -57,8 +57,11 @@ class HashEmbedding(nn.Module):
         if not isinstance(dim, int) or dim < 1:
             raise InvalidArgumentError(f"embedding dim must be a positive integer, got {dim!r}")
         self.dim = dim
-        self.init = {"kind": init, "std": std} if init == "normal" else {"kind": init, "scale": scale} \
-            if init == "uniform" else {"kind": init}
+        self.init = {"kind": init}
+        if init == "normal":
+            self.init["std"] = std
+        elif init == "uniform":
+            self.init["scale"] = scale
         self.optimizer_spec = optimizer
         self.policy = policy or {}
         self.table_name = name
