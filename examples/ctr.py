@@ -23,9 +23,9 @@ from paramserver.evaluation import roc_auc
 
 
 class CTRModel(nn.Module):
-    def __init__(self, dim: int = 16, wide: bool = False) -> None:
+    def __init__(self, dim: int = 16, wide: bool = False, table_rows: int = 0) -> None:
         super().__init__()
-        self.embedding = ps.nn.HashEmbedding(dim, std=0.01, name="ctr.embedding")
+        self.embedding = ps.nn.HashEmbedding(dim, std=0.01, name="ctr.embedding", capacity=table_rows)
         self.wide = ps.nn.HashEmbeddingBag(1, mode="sum", init="zeros", name="ctr.wide") if wide else None
         self.mlp = nn.Sequential(nn.Linear(criteo.NUM_DENSE + criteo.NUM_SPARSE * dim, 256), nn.ReLU(),
                                  nn.Linear(256, 128), nn.ReLU(), nn.Linear(128, 1))
@@ -56,16 +56,20 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=512)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--overlap", action="store_true", help="overlap the dense push with the next batch")
+    parser.add_argument("--prefetch", type=int, default=8, help="batches parsed ahead in a loader process (0: inline)")
+    parser.add_argument("--table-rows", type=int, default=1_000_000,
+                        help="rows to reserve in the embedding table up front (it grows past them if needed)")
     parser.add_argument("--wide", action="store_true", help="add a wide (linear) part: Wide&Deep")
     args = parser.parse_args()
 
     ctx = ps.init()
     torch.manual_seed(0)
-    model = CTRModel(wide=args.wide)
+    model = CTRModel(wide=args.wide, table_rows=args.table_rows)
     opt = ps.optim.Adam(model.named_parameters(), lr=args.lr, overlap=args.overlap)
     started, examples = time.perf_counter(), 0
     for epoch in range(args.epochs):
-        for dense, sparse, labels in criteo.batches(args.train, args.batch_size, ctx.worker_index, ctx.num_workers):
+        for dense, sparse, labels in criteo.batches(args.train, args.batch_size, ctx.worker_index, ctx.num_workers,
+                                                    prefetch=args.prefetch):
             opt.zero_grad()
             loss = F.binary_cross_entropy_with_logits(model(dense, sparse), labels)
             loss.backward()

@@ -79,6 +79,18 @@ def procs():
     tracker.cleanup()
 
 
+@pytest.fixture(params=["c", "numpy"])
+def both_kernel_paths(request, monkeypatch):
+    """Runs a test once with the PS's C kernels (skipped if not built) and once on numpy."""
+    from paramserver.server import kernels
+
+    if request.param == "numpy":
+        monkeypatch.setattr(kernels, "KERNELS", None)
+    elif kernels.KERNELS is None:
+        pytest.skip("C kernels not built")
+    return request.param
+
+
 @pytest.fixture
 def fresh_context():
     """Leaves no paramserver context behind for the next test."""

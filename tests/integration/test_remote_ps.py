@@ -225,3 +225,18 @@ def test_overlap_mode_with_an_embedding_matches_the_same_run_without_overlap_rep
         opt.step()
     opt.pull()
     assert torch.equal(dense.weight, before)  # lr 0: every reply must carry the unchanged values
+
+
+def test_a_large_reply_stays_valid_when_the_next_call_goes_out_before_it_is_read(procs):
+    """One call is in flight per stream: a new call reads the previous reply first, as a copy."""
+    _, address = procs.start_ps()
+    channel = GrpcChannel(address, 1 << 30, use_stream=True, use_shared_memory=True)
+    channel.wait_ready(20)
+    big = {"w": np.arange(3 << 20, dtype=np.float32), "v": -np.arange(3 << 20, dtype=np.float32)}  # 12 MB each
+    call(channel, "Register", codec.encode({"group": "g", "optimizer": {"name": "sgd", "hyper": {"lr": 1}}},
+                                           big.items()))
+    first = channel.call("PushPull", codec.encode({"pull": ["w"]}), 10)
+    second = channel.call("PushPull", codec.encode({"pull": ["v"]}), 10)  # same buffers for its reply
+    np.testing.assert_array_equal(codec.decode(second.wait(10)).tensors["v"], big["v"])
+    np.testing.assert_array_equal(codec.decode(first.wait(10)).tensors["w"], big["w"])
+    channel.close()

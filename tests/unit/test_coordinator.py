@@ -72,3 +72,17 @@ def test_a_barrier_names_who_is_missing_when_it_times_out():
 def test_workers_outside_the_cluster_are_refused():
     with pytest.raises(InvalidArgumentError, match="outside"):
         Coordinator(2).join(2)
+
+
+def test_the_cluster_is_done_only_once_every_worker_joined_and_left():
+    clock = Clock()
+    coordinator = Coordinator(3, heartbeat_timeout_s=10, clock=clock)
+    coordinator.join(0)
+    coordinator.leave(0)
+    assert not coordinator.all_done()  # workers 1 and 2 have not even joined: the host must stay up
+    coordinator.join(1)
+    coordinator.join(2)
+    coordinator.leave(1)
+    assert not coordinator.all_done()
+    clock.now = 11  # worker 2 went silent
+    assert coordinator.all_done()

@@ -8,6 +8,8 @@ from paramserver.errors import InvalidArgumentError
 from paramserver.server.embedding import EmbeddingTable, RowPolicy, initial_rows
 from paramserver.server.sparse_optimizers import build_sparse_optimizer
 
+pytestmark = pytest.mark.usefixtures("both_kernel_paths")
+
 
 def table(name, hyper, dim=8, init=None):
     spec = {"name": name, "hyper": hyper}
@@ -147,3 +149,39 @@ def test_a_bad_row_policy_is_a_clear_error():
         RowPolicy.from_dict({"ttl": 3})
     with pytest.raises(InvalidArgumentError, match="invalid row policy"):
         RowPolicy.from_dict({"admit_probability": 0})
+
+
+def test_c_kernels_and_numpy_give_the_same_initial_rows_and_updates(monkeypatch):
+    from paramserver.server import kernels
+
+    if kernels.KERNELS is None:
+        pytest.skip("C kernels not built")
+    ids = np.random.default_rng(3).integers(-(2**63), 2**63 - 1, 5000, dtype=np.int64)
+    grads = np.random.default_rng(4).standard_normal((5000, 8)).astype(np.float32)
+    results = {}
+    for path in ("c", "numpy"):
+        if path == "numpy":
+            monkeypatch.setattr(kernels, "KERNELS", None)
+        rows = {kind: initial_rows(ids, 8, {"kind": kind, "std": 0.1, "scale": 0.1}) for kind in ("normal", "uniform")}
+        tables = {name: table(name, {"lr": 0.01}) for name in ("adam", "adagrad")}
+        for t in tables.values():
+            t.read(ids)
+            for _ in range(3):
+                t.apply(ids, grads)
+        results[path] = rows, {name: t.read(ids) for name, t in tables.items()}
+    for part in (0, 1):
+        for key in results["c"][part]:
+            np.testing.assert_allclose(results["c"][part][key], results["numpy"][part][key], rtol=1e-5, atol=1e-7)
+
+
+def test_a_reserved_capacity_takes_that_many_rows_without_regrowing():
+    from paramserver.server.tables import TableStore
+
+    store = TableStore(0)
+    store.register("t", 4, {"name": "sgd", "hyper": {"lr": 0.1}}, {"kind": "zeros"}, capacity=5000)
+    values = store._tables["t"].values
+    store.lookup("t", np.arange(5000, dtype=np.int64) * 31)
+    assert store._tables["t"].values is values and store._tables["t"].size == 5000
+    with pytest.raises(InvalidArgumentError, match="capacity -1"):
+        store.register("u", 4, {"name": "sgd", "hyper": {"lr": 0.1}}, {"kind": "zeros"}, capacity=-1)
+    assert "u" not in store._tables

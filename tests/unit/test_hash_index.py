@@ -1,6 +1,9 @@
 import numpy as np
+import pytest
 
 from paramserver.server.hash_index import HashIndex
+
+pytestmark = pytest.mark.usefixtures("both_kernel_paths")
 
 
 def test_insert_then_find_any_int64_ids_including_extremes():

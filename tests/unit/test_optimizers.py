@@ -7,7 +7,7 @@ import torch
 
 import paramserver as ps
 from paramserver.client.ps_client import PSClient
-from paramserver.server import optimizers
+from paramserver.server import kernels, optimizers
 from tests.reference import batches, max_relative_error, mlp, train, twin
 
 CASES = [
@@ -23,11 +23,11 @@ CASES = [
 
 
 @pytest.mark.parametrize("name, kwargs", CASES)
-@pytest.mark.parametrize("kernels", ["fused", "numpy"])
-def test_matches_torch_optim_after_100_steps(name, kwargs, kernels, monkeypatch, fresh_context):
-    if kernels == "numpy":
-        monkeypatch.setattr(optimizers, "_KERNELS", None)
-    elif optimizers._KERNELS is None:
+@pytest.mark.parametrize("path", ["fused", "numpy"])
+def test_matches_torch_optim_after_100_steps(name, kwargs, path, monkeypatch, fresh_context):
+    if path == "numpy":
+        monkeypatch.setattr(kernels, "KERNELS", None)
+    elif kernels.KERNELS is None:
         pytest.skip("fused kernels not built")
     ps.init(num_ps=3)
     reference = mlp()

@@ -26,9 +26,12 @@ class TableClient:
         self.channels = channels
         self.rpc_timeout_s = rpc_timeout_s
 
-    def register(self, table: str, dim: int, optimizer_spec: dict, init: dict, policy: dict | None = None) -> None:
+    def register(self, table: str, dim: int, optimizer_spec: dict, init: dict, policy: dict | None = None,
+                 capacity: int = 0) -> None:
+        """Create the table on every shard; `capacity` (rows, all shards together) is reserved up front."""
+        per_shard = -(-capacity // len(self.channels))  # ids spread evenly over shards by hash
         payload = codec.encode({"table": table, "dim": dim, "optimizer": optimizer_spec, "init": init,
-                                "policy": policy or {}})
+                                "policy": policy or {}, "capacity": per_shard})
         self.wait_all([channel.call("RegisterTable", payload, self.rpc_timeout_s) for channel in self.channels])
 
     def lookup(self, table: str, ids: np.ndarray) -> np.ndarray:

@@ -98,6 +98,11 @@ class Coordinator:
         with self._cond:
             return self._view()
 
+    def all_done(self) -> bool:
+        """Every worker joined once and is gone now (left, or silent past the heartbeat timeout)."""
+        with self._cond:
+            return len(self._members) == self.num_workers and not self._live()
+
     def _check(self, worker: int) -> None:
         if not isinstance(worker, int) or not 0 <= worker < self.num_workers:
             raise InvalidArgumentError(f"worker {worker!r} is outside the cluster's {self.num_workers} workers")

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 import numpy as np
-import torch
 
 from ..server.hash_index import mix64
+from .loader import BatchLoader
 
 NUM_DENSE, NUM_SPARSE = 13, 26
 NUM_FIELDS = 1 + NUM_DENSE + NUM_SPARSE
@@ -70,9 +70,24 @@ def _lines(source) -> Iterator[str]:
             yield item
 
 
-def batches(source, batch_size: int, skip: int = 0, every: int = 1) -> Iterator[tuple[torch.Tensor, ...]]:
-    """Batches of (dense, sparse, labels) tensors from files or lines; `skip`/`every` keep every
-    `every`-th line starting at `skip` (a worker's shard: skip=worker_index, every=num_workers)."""
+def batches(source, batch_size: int, skip: int = 0, every: int = 1, prefetch: int = 0) -> Iterator[tuple]:
+    """Batches of (dense, sparse, labels) torch tensors from files or lines; `skip`/`every` keep every
+    `every`-th line starting at `skip` (a worker's shard: skip=worker_index, every=num_workers).
+
+    prefetch > 0 parses in a loader process that keeps up to that many batches ready
+    (paramserver.data.loader); `source` must then be file paths.
+    """
+    if prefetch:
+        paths = [str(p) for p in ([source] if isinstance(source, (str, Path)) else source)]
+        arrays = BatchLoader(array_batches, paths, batch_size, skip, every, depth=prefetch)
+    else:
+        arrays = array_batches(source, batch_size, skip, every)
+    for batch in arrays:
+        yield _tensors(batch)
+
+
+def array_batches(source, batch_size: int, skip: int = 0, every: int = 1) -> Iterator[tuple[np.ndarray, ...]]:
+    """As `batches`, as numpy arrays, in this process."""
     chunk, first = [], 1
     for number, line in enumerate(_lines(source), 1):
         if (number - 1) % every != skip or not line.strip():
@@ -81,12 +96,14 @@ def batches(source, batch_size: int, skip: int = 0, every: int = 1) -> Iterator[
             first = number
         chunk.append(line)
         if len(chunk) == batch_size:
-            yield _tensors(parse_lines(chunk, first))
+            yield parse_lines(chunk, first)
             chunk = []
     if chunk:
-        yield _tensors(parse_lines(chunk, first))
+        yield parse_lines(chunk, first)
 
 
-def _tensors(arrays) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _tensors(arrays) -> tuple:
+    import torch  # here, so that a loader process parses without importing torch
+
     dense, sparse, labels = arrays
     return torch.from_numpy(dense), torch.from_numpy(np.ascontiguousarray(sparse)), torch.from_numpy(labels)

@@ -189,8 +189,9 @@ class LocalCluster:
         while not self._stopped.wait(0.2):
             for role, children in (("ps", self.ps), ("worker", self.workers)):
                 for child in list(children):
-                    try:
-                        rss = psutil.Process(child.pid).memory_info().rss
+                    try:  # a node's own children (e.g. its data loader) count toward it
+                        node = psutil.Process(child.pid)
+                        rss = node.memory_info().rss + sum(_rss(p) for p in node.children(recursive=True))
                     except psutil.Error:
                         continue
                     self.peak_rss[role] = max(self.peak_rss[role], rss)
@@ -205,3 +206,10 @@ class LocalCluster:
             self._lines.write("run", f"steps={t['steps']:,} steps/s={t['recent_steps_per_s']:,.1f} "
                                      f"examples/s={t['recent_examples_per_s']:,.0f} loss={loss} "
                                      f"staleness={t['staleness_mean']:.2f}")
+
+
+def _rss(process: psutil.Process) -> int:
+    try:
+        return process.memory_info().rss
+    except psutil.Error:  # exited meanwhile
+        return 0

@@ -14,8 +14,8 @@ from typing import Callable, TextIO
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
-    """Runs in the child before exec: the kernel SIGKILLs it if the launcher dies, even by SIGKILL."""
+def die_with_parent() -> None:
+    """The kernel SIGKILLs this process when its parent dies, even by SIGKILL (Linux; a no-op elsewhere)."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
@@ -31,7 +31,7 @@ class Child:
         self.label = label
         self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, text=True, bufsize=1, pass_fds=pass_fds,
-                                     start_new_session=True, preexec_fn=_die_with_parent)
+                                     start_new_session=True, preexec_fn=die_with_parent)
         self._reader = threading.Thread(target=self._read, args=(on_line,), name=f"log-{label}", daemon=True)
         self._reader.start()
 

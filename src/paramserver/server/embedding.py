@@ -13,28 +13,46 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from ..errors import InvalidArgumentError
+from . import kernels
 from .hash_index import HashIndex, mix64
 from .sparse_optimizers import SparseOptimizer
 
 _GROWTH = 1.5  # capacity growth of the row arrays: bounds wasted memory at a third
 
 
+_KINDS = {"normal": 1, "uniform": 2}
+
+
 def initial_rows(ids: np.ndarray, dim: int, init: dict) -> np.ndarray:
-    """Deterministic initial rows: {"kind": "zeros"} | {"kind": "uniform", "scale": s} | {"kind": "normal", "std": s}."""
+    """Deterministic initial rows: {"kind": "zeros"} | {"kind": "uniform", "scale": s} | {"kind": "normal", "std": s}.
+
+    Each value comes from a 64-bit hash of (id, column): two 24-bit uniforms, turned into a
+    normal by Box-Muller, in float32 (the C kernel computes the same, in one pass).
+    """
     kind = init.get("kind", "normal")
     if kind == "zeros":
         return np.zeros((ids.shape[0], dim), np.float32)
+    if kind not in _KINDS:
+        raise InvalidArgumentError(f"unknown initializer {kind!r}; known: zeros, uniform, normal")
+    scale = np.float32(init.get("std", 0.01) if kind == "normal" else init.get("scale", 0.05))
+    ids = np.ascontiguousarray(ids, np.int64)
+    out = np.empty((ids.shape[0], dim), np.float32)
+    if kernels.KERNELS is not None:
+        kernels.KERNELS.ps_random_rows(kernels.ptr(ids), ids.shape[0], dim, _KINDS[kind], scale, kernels.ptr(out))
+        return out
     cols = np.arange(dim, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
     bits = mix64((mix64(ids)[:, None] ^ cols).view(np.int64))
-    u1 = ((bits >> np.uint64(11)).astype(np.float64) + 0.5) / float(1 << 53)  # in (0, 1)
+    u1 = ((bits >> np.uint64(40)).astype(np.float32) + np.float32(0.5)) * np.float32(1 / (1 << 24))
     if kind == "uniform":
-        scale = float(init.get("scale", 0.05))
-        return ((u1 * 2 - 1) * scale).astype(np.float32)
-    if kind == "normal":
-        u2 = ((mix64(bits.view(np.int64)) >> np.uint64(11)).astype(np.float64) + 0.5) / float(1 << 53)
-        normal = np.sqrt(-2 * np.log(u1)) * np.cos(2 * np.pi * u2)
-        return (normal * float(init.get("std", 0.01))).astype(np.float32)
-    raise InvalidArgumentError(f"unknown initializer {kind!r}; known: zeros, uniform, normal")
+        np.multiply(u1 * np.float32(2) - np.float32(1), scale, out=out)
+        return out
+    u2 = ((bits & np.uint64(0xFFFFFF)).astype(np.float32) + np.float32(0.5)) * np.float32(1 / (1 << 24))
+    np.log(u1, out=out)
+    out *= np.float32(-2)
+    np.sqrt(out, out=out)
+    out *= np.cos(u2 * np.float32(2 * np.pi))
+    out *= scale
+    return out
 
 
 @dataclass(frozen=True)

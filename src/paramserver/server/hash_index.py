@@ -3,12 +3,15 @@
 Open addressing with linear probing over two numpy arrays (keys, rows), kept at most half
 full; every operation works on a whole batch of ids at once (a probe round per collision
 depth, not a Python loop per id), so memory per id stays at a few bytes and there is no
-Python object per id. Not thread-safe: the owning table serializes calls.
+Python object per id. With the C kernels built, find and place are one compiled loop
+instead (the same ids found; colliding ids may take other slots). Not thread-safe: the owning table serializes calls.
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+from . import kernels
 
 _M1 = np.uint64(0xFF51AFD7ED558CCD)
 _M2 = np.uint64(0xC4CEB9FE1A85EC53)
@@ -44,7 +47,12 @@ class HashIndex:
 
     def find(self, ids: np.ndarray) -> np.ndarray:
         """Row of each id, or -1 where the id is not stored."""
-        ids = np.asarray(ids, np.int64)
+        ids = np.ascontiguousarray(ids, np.int64)
+        if kernels.KERNELS is not None:
+            found = np.empty(ids.shape[0], np.int64)
+            kernels.KERNELS.ps_index_find(kernels.ptr(self._keys), kernels.ptr(self._rows), self.capacity,
+                                          kernels.ptr(ids), ids.shape[0], kernels.ptr(found))
+            return found
         mask = np.uint64(self.capacity - 1)
         pos = (mix64(ids) & mask).astype(np.int64)
         found = np.full(ids.shape[0], -1, np.int64)
@@ -69,6 +77,11 @@ class HashIndex:
         return new_rows
 
     def _place(self, ids: np.ndarray, rows: np.ndarray) -> None:
+        if kernels.KERNELS is not None:
+            ids, rows = np.ascontiguousarray(ids, np.int64), np.ascontiguousarray(rows, np.int64)
+            kernels.KERNELS.ps_index_place(kernels.ptr(self._keys), kernels.ptr(self._rows), self.capacity,
+                                           kernels.ptr(ids), kernels.ptr(rows), ids.shape[0])
+            return
         mask = self.capacity - 1
         pos = (mix64(ids) & np.uint64(mask)).astype(np.int64)
         pending = np.arange(ids.shape[0])

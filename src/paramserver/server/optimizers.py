@@ -11,8 +11,6 @@ Not thread-safe: a caller serializes updates of the same arrays.
 
 from __future__ import annotations
 
-import ctypes
-import importlib.util
 import logging
 import math
 from typing import Any, ClassVar
@@ -20,34 +18,12 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ..errors import InvalidArgumentError
+from . import kernels
+from .kernels import ptr as _ptr
 
 log = logging.getLogger(__name__)
 _CHUNK = 65536  # elements per pass: 256 KiB of float32, fits in L2 with the scratch buffers
 _f32 = np.float32
-
-
-def _load_kernels() -> ctypes.CDLL | None:
-    spec = importlib.util.find_spec("paramserver.server._kernels")
-    if spec is None or not spec.origin:
-        log.info("fused optimizer kernels not built; using numpy")
-        return None
-    try:
-        lib = ctypes.CDLL(spec.origin)
-    except OSError as exc:  # e.g. built for another platform: numpy still works
-        log.warning("fused optimizer kernels at %s unusable (%s); using numpy", spec.origin, exc)
-        return None
-    f, i64, i, d = ctypes.c_float, ctypes.c_int64, ctypes.c_int, ctypes.c_double
-    ptr = ctypes.c_void_p
-    lib.ps_adam.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, f, f, f, f, f, f, d, f, i, i, i]
-    lib.ps_adagrad.argtypes = [ptr, ptr, ptr, i64, f, f, d, i]
-    return lib
-
-
-_KERNELS = _load_kernels()
-
-
-def _ptr(array: np.ndarray | None) -> int | None:
-    return None if array is None else array.ctypes.data
 
 
 class Optimizer:
@@ -132,12 +108,12 @@ class Adagrad(Optimizer):
         return {"sum": np.full(size, self.hyper["initial_accumulator_value"], _f32)}
 
     def update(self, param, grad, state, step) -> None:
-        if _KERNELS is None:
+        if kernels.KERNELS is None:
             return super().update(param, grad, state, step)
         h = self.hyper
         clr = h["lr"] / (1 + (step - 1) * h["lr_decay"])
-        _KERNELS.ps_adagrad(_ptr(param), _ptr(grad), _ptr(state["sum"]), param.shape[0], clr, h["eps"],
-                            h["weight_decay"], int(h["maximize"]))
+        kernels.KERNELS.ps_adagrad(_ptr(param), _ptr(grad), _ptr(state["sum"]), param.shape[0], clr, h["eps"],
+                                   h["weight_decay"], int(h["maximize"]))
 
     def _update_chunk(self, p, g, state, step, tmp) -> None:
         h = self.hyper
@@ -163,15 +139,15 @@ class Adam(Optimizer):
         return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if self.hyper["amsgrad"] else ())
 
     def update(self, param, grad, state, step) -> None:
-        if _KERNELS is None:
+        if kernels.KERNELS is None:
             return super().update(param, grad, state, step)
         h = self.hyper
         beta1, beta2 = h["betas"]
-        _KERNELS.ps_adam(_ptr(param), _ptr(grad), _ptr(state["exp_avg"]), _ptr(state["exp_avg_sq"]),
-                         _ptr(state.get("max_exp_avg_sq")), param.shape[0], 1 - beta1, beta2, 1 - beta2,
-                         h["lr"] / (1 - beta1 ** step), math.sqrt(1 - beta2 ** step), h["eps"],
-                         h["weight_decay"], 1 - h["lr"] * h["weight_decay"], int(h["decoupled_weight_decay"]),
-                         int(h["amsgrad"]), int(h["maximize"]))
+        kernels.KERNELS.ps_adam(_ptr(param), _ptr(grad), _ptr(state["exp_avg"]), _ptr(state["exp_avg_sq"]),
+                                 _ptr(state.get("max_exp_avg_sq")), param.shape[0], 1 - beta1, beta2, 1 - beta2,
+                                 h["lr"] / (1 - beta1 ** step), math.sqrt(1 - beta2 ** step), h["eps"],
+                                 h["weight_decay"], 1 - h["lr"] * h["weight_decay"], int(h["decoupled_weight_decay"]),
+                                 int(h["amsgrad"]), int(h["maximize"]))
 
     def _decayed_grad(self, p, g, out):
         if self.hyper["decoupled_weight_decay"]:  # AdamW decays the parameter, not the gradient

@@ -87,7 +87,8 @@ class ShardService:
         meta = codec.decode(payload).meta
         policy = meta.get("policy")
         self.tables.register(_field(meta, "table", str), _field(meta, "dim", int), _field(meta, "optimizer", dict),
-                             _field(meta, "init", dict), policy if isinstance(policy, dict) else None)
+                             _field(meta, "init", dict), policy if isinstance(policy, dict) else None,
+                             _field(meta, "capacity", int) if "capacity" in meta else 0)
         return sink(codec.encode_parts({}))
 
     def lookup(self, payload: bytes, sink: Sink) -> Any:

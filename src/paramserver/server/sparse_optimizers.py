@@ -5,6 +5,8 @@ table trained here equals `nn.Embedding(sparse=True)` trained by torch; FTRL-Pro
 McMahan et al. (2013), as TensorFlow's Ftrl does with learning_rate_power -0.5.
 `step` counts the table's updates (torch counts steps per parameter, not per row); Adam with
 `per_row_step=True` counts per row instead (lazy Adam whose bias correction follows each row).
+Sparse Adagrad and Adam (table steps) run as one C loop over the rows when the kernels
+were built (paramserver.server.kernels), with the same formulas.
 Not thread-safe: the owning table serializes calls.
 """
 
@@ -16,6 +18,14 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ..errors import InvalidArgumentError
+from . import kernels
+from .kernels import ptr
+
+
+def _fits(values: np.ndarray, rows: np.ndarray, grads: np.ndarray) -> bool:
+    """Whether the C kernels can take these arrays as they are (C-contiguous, the expected dtypes)."""
+    return (values.flags.c_contiguous and grads.flags.c_contiguous and rows.flags.c_contiguous
+            and rows.dtype == np.int64 and grads.dtype == np.float32)
 
 
 class SparseOptimizer:
@@ -60,6 +70,10 @@ class SparseAdagrad(SparseOptimizer):
     def update(self, values, rows, grads, state, step) -> None:
         h = self.hyper
         clr = h["lr"] / (1 + (step - 1) * h["lr_decay"])
+        if kernels.KERNELS is not None and _fits(values, rows, grads):
+            kernels.KERNELS.ps_sparse_adagrad(ptr(values), ptr(state["sum"]), ptr(rows), ptr(grads), rows.shape[0],
+                                              values.shape[1], clr, h["eps"])
+            return
         acc = state["sum"][rows] + grads * grads
         state["sum"][rows] = acc
         values[rows] += np.float32(-clr) * (grads / (np.sqrt(acc) + np.float32(h["eps"])))
@@ -79,6 +93,12 @@ class SparseAdam(SparseOptimizer):
             steps = steps[:, None].astype(np.float64)
         else:
             steps = step
+            if kernels.KERNELS is not None and _fits(values, rows, grads):
+                kernels.KERNELS.ps_sparse_adam(
+                    ptr(values), ptr(state["exp_avg"]), ptr(state["exp_avg_sq"]), ptr(rows), ptr(grads), rows.shape[0],
+                    values.shape[1], 1 - beta1, 1 - beta2, h["lr"] * math.sqrt(1 - beta2 ** step) / (1 - beta1 ** step),
+                    h["eps"])
+                return
         m_old, v_old = state["exp_avg"][rows], state["exp_avg_sq"][rows]
         m = (grads - m_old) * np.float32(1 - beta1) + m_old
         v = (grads * grads - v_old) * np.float32(1 - beta2) + v_old

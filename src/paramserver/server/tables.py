@@ -17,6 +17,7 @@ from .sparse_optimizers import build_sparse_optimizer
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_IDS = 1 << 20  # largest id batch one request may carry
+MAX_CAPACITY = 1 << 30  # rows one shard's table may reserve up front
 
 
 class TableStore:
@@ -28,14 +29,20 @@ class TableStore:
         self._tables: dict[str, EmbeddingTable] = {}
         self._lock = threading.Lock()
 
-    def register(self, name: str, dim: int, optimizer_spec: dict, init: dict, policy: dict | None = None) -> None:
-        """Create table `name`, or check that the existing one has the same dim and optimizer."""
+    def register(self, name: str, dim: int, optimizer_spec: dict, init: dict, policy: dict | None = None,
+                 capacity: int = 0) -> None:
+        """Create table `name`, or check that the existing one has the same dim and optimizer.
+
+        capacity: rows to reserve room for up front (0: start small and grow).
+        """
+        if not 0 <= capacity <= MAX_CAPACITY:
+            raise InvalidArgumentError(f"table {name!r}: capacity {capacity} is outside [0, {MAX_CAPACITY}]")
         with self._lock:
             existing = self._tables.get(name)
             if existing is None:
                 optimizer = build_sparse_optimizer(optimizer_spec)
                 self._tables[name] = EmbeddingTable(name, dim, optimizer, init, optimizer_spec,
-                                                    policy=RowPolicy.from_dict(policy))
+                                                    capacity=max(1024, capacity), policy=RowPolicy.from_dict(policy))
                 log.info("shard %d: table %s (dim %d, %s)", self.shard_index, name, dim, optimizer.name)
             elif (existing.dim, existing.spec, existing.init) != (dim, optimizer_spec, init):
                 raise FailedPreconditionError(
@@ -76,5 +83,10 @@ class TableStore:
         if ids.shape[0] > self.max_ids:
             raise InvalidArgumentError(f"table {name!r}: {ids.shape[0]} ids exceed the maximum of {self.max_ids}")
         # a push with an id twice would update its row once, silently: refuse it
-        if distinct and np.unique(ids).shape[0] != ids.shape[0]:
+        if distinct and ids.shape[0] > 1 and _has_repeats(ids):
             raise InvalidArgumentError(f"table {name!r}: ids in one push must be distinct")
+
+
+def _has_repeats(ids: np.ndarray) -> bool:
+    ordered = np.sort(ids)  # a plain sort: cheaper than np.unique for this yes/no question
+    return bool((ordered[1:] == ordered[:-1]).any())

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from concurrent.futures import Future
 from typing import Protocol
 
@@ -17,17 +16,28 @@ class CallHandle:
     the caller may reuse them.
     """
 
-    def __init__(self, future: Future, describe: str, sent: threading.Event | None = None) -> None:
+    def done(self) -> bool:
+        raise NotImplementedError
+
+    def wait_sent(self, timeout: float) -> None:
+        raise NotImplementedError
+
+    def wait(self, timeout: float) -> bytes:
+        raise NotImplementedError
+
+
+class FutureCall(CallHandle):
+    """A call run by another thread (gRPC's, or an executor's), finished through a Future."""
+
+    def __init__(self, future: Future, describe: str) -> None:
         self._future = future
         self._describe = describe
-        self._sent = sent
 
     def done(self) -> bool:
         return self._future.done()
 
     def wait_sent(self, timeout: float) -> None:
-        if self._sent is not None and not self._sent.wait(timeout) and not self._future.done():
-            raise DeadlineExceededError(f"{self._describe}: request not sent within {timeout:.1f}s")
+        """gRPC serializes the request before `call` returns; nothing to wait for."""
 
     def wait(self, timeout: float) -> bytes:
         try:

@@ -15,7 +15,7 @@ import grpc
 
 from ..errors import ParamServerError, UnavailableError, error_for_status
 from . import codec
-from .channel import CallHandle
+from .channel import CallHandle, FutureCall
 from .stream import METHODS as STREAM_METHODS
 from .stream import StreamClient, host_id
 
@@ -101,7 +101,7 @@ class GrpcChannel:
         result: Future = Future()
         call = stub.future(payload if isinstance(payload, bytes) else b"".join(payload), timeout=timeout)
         call.add_done_callback(lambda done: self._settle(done, result, method))
-        return CallHandle(result, f"{self.address} {method}")
+        return FutureCall(result, f"{self.address} {method}")
 
     def _settle(self, call: grpc.Future, result: Future, method: str) -> None:
         try:

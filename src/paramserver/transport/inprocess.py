@@ -10,7 +10,7 @@ from concurrent.futures import Future
 
 from ..errors import ParamServerError
 from . import codec
-from .channel import CallHandle
+from .channel import CallHandle, FutureCall
 
 
 class InProcessChannel:
@@ -26,7 +26,7 @@ class InProcessChannel:
             future.set_result(self.service.call(method, payload if isinstance(payload, bytes) else b"".join(payload)))
         except ParamServerError as exc:
             future.set_exception(exc)
-        return CallHandle(future, f"{self.address} {method}")
+        return FutureCall(future, f"{self.address} {method}")
 
     def wait_ready(self, timeout: float) -> None:
         """Say Hello, as a remote channel does (this checks the protocol version)."""

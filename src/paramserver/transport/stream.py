@@ -28,7 +28,6 @@ import tempfile
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -252,11 +251,38 @@ class StreamServer:
             return grpc.StatusCode.INTERNAL.value[0], b"call failed on the server; see its log"
 
 
-class StreamClient:
-    """One tensor stream to a shard; calls run one at a time on a named thread. Thread-safe.
+class StreamCall(CallHandle):
+    """A call sent on a tensor stream. Its reply is read by `wait` in the caller's thread (or by
+    the next call on the stream, which then keeps an owned copy for this one)."""
 
-    With `shared_memory`, bulk messages go through a segment attached to the stream. A broken
-    connection is reopened on the next call; a call never waits past its deadline.
+    def __init__(self, client: "StreamClient", describe: str, deadline: float, owned: bool) -> None:
+        self._client, self._describe, self.deadline, self.owned = client, describe, deadline, owned
+        self.reply: memoryview | bytes | None = None
+        self.error: ParamServerError | None = None
+
+    def done(self) -> bool:
+        return self.reply is not None or self.error is not None
+
+    def wait_sent(self, timeout: float) -> None:
+        """The request was copied out before `call` returned: nothing to wait for."""
+
+    def wait(self, timeout: float) -> memoryview | bytes:
+        if not self.done():
+            self._client.finish(self, min(self.deadline, time.monotonic() + timeout))
+        if self.error is not None:
+            raise self.error
+        return self.reply
+
+
+class StreamClient:
+    """One tensor stream to a shard. Thread-safe; calls on one stream are answered in order.
+
+    A call sends its request in the caller's thread and returns; the reply is read when the
+    call is waited for (no hand-off to another thread: each one costs a wake-up and a turn
+    at the GIL). One call is in flight at a time, because requests and replies reuse one
+    buffer: a new call first reads the previous call's reply. With `shared_memory`, bulk
+    messages go through a segment attached to the stream. A broken connection is reopened
+    on the next call; a call never waits past its deadline.
     """
 
     def __init__(self, host: str, port: int, max_message_bytes: int, label: str, shared_memory: bool) -> None:
@@ -267,17 +293,30 @@ class StreamClient:
         self._sock: socket.socket | None = None
         self._segment: _Segment | None = None
         self._inbox = _Inbox()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stream-{label}")
+        self._lock = threading.Lock()
+        self._in_flight: StreamCall | None = None
 
-    def call(self, method: str, payload: bytes | list, timeout: float, owned: bool = False) -> CallHandle:
+    def call(self, method: str, payload: bytes | list, timeout: float, owned: bool = False) -> StreamCall:
         parts = [payload] if isinstance(payload, (bytes, bytearray, memoryview)) else payload
-        deadline, sent = time.monotonic() + timeout, threading.Event()
-        future = self._executor.submit(self._call, METHODS.index(method), parts, deadline, method, sent, owned)
-        return CallHandle(future, f"{self.address} {method}", sent)
+        call = StreamCall(self, f"{self.address} {method}", time.monotonic() + timeout, owned)
+        with self._lock:
+            if self._in_flight is not None:  # its reply would be overwritten: read it now, as a copy
+                previous, previous.owned = self._in_flight, True
+                self._receive(previous, previous.deadline)
+            try:
+                self._send_request(METHODS.index(method), parts, call.deadline)
+                self._in_flight = call
+            except ParamServerError as exc:
+                call.error = exc
+        return call
 
-    def _call(self, method_id: int, parts: list, deadline: float, method: str,
-              sent: threading.Event, owned: bool) -> memoryview | bytes:
-        """The reply: owned bytes if small or `owned`, else a view valid until the next call on this client."""
+    def finish(self, call: StreamCall, deadline: float) -> None:
+        """Read `call`'s reply (called by its `wait`)."""
+        with self._lock:
+            if not call.done():
+                self._receive(call, deadline)
+
+    def _send_request(self, method_id: int, parts: list, deadline: float) -> None:
         size = codec.parts_size(parts)
         try:
             sock = self._connect(deadline)
@@ -285,24 +324,36 @@ class StreamClient:
             if segment is not None:
                 _write_parts(segment.requests, parts)
             _send(sock, REQUEST_SHM if segment else REQUEST, 0, method_id, parts, size, segment is None)
-            sent.set()
-            kind, status, _, reply_size = _read_prefix(sock, self.max_message_bytes)
+        except (OSError, ConnectionError) as exc:
+            raise self._broken(METHODS[method_id], exc) from None
+
+    def _receive(self, call: StreamCall, deadline: float) -> None:
+        """Read the in-flight reply into `call`: owned bytes if small or `call.owned`, else a view
+        valid until the next call on this client."""
+        self._in_flight = None
+        try:
+            self._sock.settimeout(max(0.001, deadline - time.monotonic()))
+            kind, status, _, reply_size = _read_prefix(self._sock, self.max_message_bytes)
             if kind == REPLY_SHM and self._segment is not None:
                 reply = self._segment.replies[:reply_size]
             else:
-                reply = self._inbox.receive(sock, reply_size)
-            if owned or reply_size <= _OWNED_REPLY_BYTES:  # copies stay valid after later calls
+                reply = self._inbox.receive(self._sock, reply_size)
+            if call.owned or reply_size <= _OWNED_REPLY_BYTES:
                 reply = bytes(reply)
-        except socket.timeout:
-            self._drop()
-            raise DeadlineExceededError(f"{self.address} {method}: no reply before the deadline") from None
-        except (OSError, ConnectionError) as exc:
-            self._drop()
-            raise UnavailableError(f"{self.address} {method}: tensor stream failed: {exc}") from None
+        except (OSError, ConnectionError, MalformedFrameError) as exc:
+            call.error = self._broken(call._describe, exc)
+            return
         if status:
-            raise error_for_status(_CODES.get(status, grpc.StatusCode.UNKNOWN),
-                                   f"{self.address} {method}: {bytes(reply).decode(errors='replace')}")
-        return reply
+            call.error = error_for_status(_CODES.get(status, grpc.StatusCode.UNKNOWN),
+                                          f"{call._describe}: {bytes(reply).decode(errors='replace')}")
+        else:
+            call.reply = reply
+
+    def _broken(self, what: str, exc: Exception) -> ParamServerError:
+        self._drop()
+        if isinstance(exc, socket.timeout):
+            return DeadlineExceededError(f"{self.address} {what}: no reply before the deadline")
+        return UnavailableError(f"{self.address} {what}: tensor stream failed: {exc}")
 
     def _connect(self, deadline: float) -> socket.socket:
         if self._sock is None:
@@ -345,5 +396,8 @@ class StreamClient:
             self._segment = None
 
     def close(self) -> None:
-        self._executor.submit(self._drop)
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        with self._lock:
+            if self._in_flight is not None:
+                self._in_flight.error = UnavailableError(f"{self.address}: tensor stream closed")
+                self._in_flight = None
+            self._drop()

@@ -36,8 +36,8 @@ class CoordinatorHost:
         port = self.server.start()
         return f"127.0.0.1:{port}" if self.address.endswith(":0") else self.address
 
-    def live(self) -> list[int]:
-        return self.coordinator.view()["live"]
+    def all_done(self) -> bool:
+        return self.coordinator.all_done()
 
     def stop(self, grace: float) -> None:
         self.server.stop(grace)

@@ -105,7 +105,8 @@ class Context:
     def shutdown(self, grace: float = 30.0) -> None:
         """Leave the cluster (steps stop waiting for this worker) and close the connections.
 
-        The worker hosting the coordinator keeps it up, at most `grace` seconds, until the others left.
+        The worker hosting the coordinator keeps it up, at most `grace` seconds, until every worker
+        has joined and left (a fast host must not leave before a slow worker even joined).
         """
         global _current
         self.progress.flush()
@@ -114,7 +115,7 @@ class Context:
         self.coordinator.stop()
         if self.coordinator_host is not None:
             deadline = time.monotonic() + grace
-            while self.coordinator_host.live() and time.monotonic() < deadline:
+            while not self.coordinator_host.all_done() and time.monotonic() < deadline:
                 time.sleep(0.1)
             self.coordinator_host.stop(1.0)
         if _current is self:

@@ -49,14 +49,20 @@ class HashEmbedding(nn.Module):
     by default the counterpart of the PS optimizer that owns the module's parameters.
     policy: admission and eviction, e.g. {"admit_after": 3, "ttl_steps": 100000, "evict_every": 1000}
     (see paramserver.server.embedding.RowPolicy).
+    capacity: rows the table is expected to hold (all shards together), reserved up front so the
+    table does not re-grow (copying its arrays) while training; it grows past it if needed.
+    Reserved rows cost memory only once used, except the id index (32 bytes per reserved row).
     """
 
     def __init__(self, dim: int, *, init: str = "normal", std: float = 0.01, scale: float = 0.05,
-                 optimizer: dict | None = None, name: str | None = None, policy: dict | None = None) -> None:
+                 optimizer: dict | None = None, name: str | None = None, policy: dict | None = None,
+                 capacity: int = 0) -> None:
         super().__init__()
         if not isinstance(dim, int) or dim < 1:
             raise InvalidArgumentError(f"embedding dim must be a positive integer, got {dim!r}")
-        self.dim = dim
+        if not isinstance(capacity, int) or capacity < 0:
+            raise InvalidArgumentError(f"embedding capacity must be a non-negative integer, got {capacity!r}")
+        self.dim, self.capacity = dim, capacity
         self.init = {"kind": init}
         if init == "normal":
             self.init["std"] = std
@@ -79,11 +85,12 @@ class HashEmbedding(nn.Module):
             raise NotInitializedError("create the paramserver optimizer over this module's parameters "
                                       "before its first forward")
         ids = as_ids(ids)
-        unique, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
-        rows = torch.from_numpy(self._tables.lookup(self.table_name, unique.numpy()))
+        unique, inverse = np.unique(ids.numpy().reshape(-1), return_inverse=True)  # numpy's is faster here
+        rows = torch.from_numpy(self._tables.lookup(self.table_name, unique))
+        inverse = torch.from_numpy(inverse.reshape(-1))
         if torch.is_grad_enabled() and self.training:
             rows.requires_grad_(True)
-            self._pending.append((unique, rows))
+            self._pending.append((torch.from_numpy(unique), rows))
         return rows[inverse].view(*ids.shape, self.dim)
 
     def forward(self, ids) -> torch.Tensor:

@@ -36,6 +36,11 @@ class PSOptimizer(torch.optim.Optimizer):
 
     kind: ClassVar[str]
 
+    # torch wraps these two in `torch._disable_dynamo`, whose first call imports torch._dynamo
+    # (about 70 MB); nothing here is ever compiled, so the plain functions do.
+    add_param_group = torch.optim.Optimizer.add_param_group.__wrapped__
+    zero_grad = torch.optim.Optimizer.zero_grad.__wrapped__
+
     def __init__(self, params: Iterable, defaults: dict[str, Any], overlap: bool = False,
                  context: Context | None = None) -> None:
         super().__init__(params, defaults)
@@ -77,7 +82,7 @@ class PSOptimizer(torch.optim.Optimizer):
     def _register_table(self, module, param_name: str, group: dict[str, Any]) -> None:
         name = module.table_name or f"{self.name}.{param_name.removesuffix('.placeholder')}"
         spec = module.optimizer_spec or sparse_counterpart(self.kind, group)
-        self.context.tables.register(name, module.dim, spec, module.init, module.policy)
+        self.context.tables.register(name, module.dim, spec, module.init, module.policy, module.capacity)
         module.attach(self.context.tables, name)
         self._embeddings.append(module)
 

@@ -1,0 +1,187 @@
+"""Batches made in a loader process, ahead of the training loop that uses them.
+
+Parsing text is plain CPU work that would otherwise sit on the training loop's critical path;
+a loader process does it on another core (or in the time the worker waits for the PS) and
+keeps up to `depth` batches ready. The loader is a fresh interpreter that imports only the
+batch function's module (no torch unless that module imports it), so it costs tens of MB,
+not a copy of the worker.
+
+Wire format on the loader's stdout: 8-byte little-endian length, then a pickled message:
+("batch", item) | ("error", exception) | ("end", None). Batches are tuples of numpy arrays
+(or anything picklable); the loader runs only code named by its parent, on the same host.
+
+Lifecycle: `start()`, iterate, `stop(grace)` (iteration to the end, or leaving a `with` block,
+stops it). Not thread-safe: iterate from one thread.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import pickle
+import queue
+import signal
+import struct
+import subprocess
+import sys
+import threading
+from typing import Any, Callable, Iterator
+
+from ..errors import ParamServerError
+from ..launch.processes import die_with_parent
+
+log = logging.getLogger(__name__)
+_LENGTH = struct.Struct("<Q")
+
+
+class LoaderError(ParamServerError):
+    """The loader process died or stopped answering."""
+
+
+class BatchLoader:
+    """Runs `fn(*args, **kwargs)` (a generator of batches) in a loader process, `depth` batches ahead.
+
+    fn must be importable by name (a module-level function of an installed or importable module,
+    not of the training script itself). An exception raised by fn is raised again here, as itself.
+    `timeout_s` bounds the wait for one batch.
+    """
+
+    def __init__(self, fn: Callable[..., Iterator[Any]], *args: Any, depth: int = 8, timeout_s: float = 300.0,
+                 **kwargs: Any) -> None:
+        if depth < 1:
+            raise ValueError(f"loader depth must be at least 1, got {depth}")
+        if getattr(fn, "__module__", "__main__") == "__main__" or "<locals>" in fn.__qualname__:
+            raise ValueError(f"{fn!r}: a loader runs module-level functions of importable modules only")
+        self._job = (fn.__module__, fn.__qualname__, args, kwargs)
+        self.timeout_s = timeout_s
+        self._ready: queue.Queue = queue.Queue(maxsize=depth)
+        self._proc: subprocess.Popen | None = None
+        self._reader: threading.Thread | None = None
+        self._stopping = threading.Event()
+
+    def start(self) -> "BatchLoader":
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        # no preexec_fn: forking a threaded process (gRPC's) and running Python there can deadlock
+        entry = f"from paramserver.data.loader import serve; serve({os.getpid()})"
+        self._proc = subprocess.Popen([sys.executable, "-c", entry], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      env=env)
+        self._proc.stdin.write(pickle.dumps(self._job))
+        self._proc.stdin.close()
+        self._reader = threading.Thread(target=self._read, name=f"loader-{self._proc.pid}", daemon=True)
+        self._reader.start()
+        log.info("loader %d started for %s.%s", self._proc.pid, *self._job[:2])
+        return self
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._proc is None:
+            self.start()
+        try:
+            while True:
+                try:
+                    kind, value = self._ready.get(timeout=self.timeout_s)
+                except queue.Empty:
+                    raise LoaderError(f"loader {self._proc.pid} sent no batch in {self.timeout_s:.0f}s") from None
+                if kind == "end":
+                    return
+                if kind == "error":
+                    raise value
+                yield value
+        finally:
+            self.stop()
+
+    def __enter__(self) -> "BatchLoader":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def stop(self, grace: float = 2.0) -> None:
+        """End the loader process (if still running) and its reader thread. Idempotent."""
+        if self._proc is None:
+            return
+        self._stopping.set()
+        if self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait(5)
+        self._proc.stdout.close()
+        self._reader.join(grace)
+
+    def _read(self) -> None:
+        """Reader thread: messages from the loader's stdout into the bounded queue."""
+        fd = self._proc.stdout.fileno()
+        try:
+            while True:
+                header = _read_exact(fd, _LENGTH.size)
+                body = _read_exact(fd, _LENGTH.unpack(header)[0]) if header else b""
+                if not body:
+                    break
+                message = pickle.loads(body)
+                self._put(message)
+                if message[0] != "batch":
+                    return
+        except Exception as exc:  # a closed pipe after stop(), or a corrupt stream: the loop must hear of it
+            if self._stopping.is_set():
+                return
+            self._put(("error", LoaderError(f"loader {self._proc.pid}: unreadable batch stream ({exc})")))
+            return
+        self._put(("error", LoaderError(f"loader {self._proc.pid} exited with code {self._proc.wait()} "
+                                        "before its last batch")))
+
+    def _put(self, message: tuple) -> None:
+        while not self._stopping.is_set():
+            try:
+                self._ready.put(message, timeout=0.5)
+                return
+            except queue.Full:
+                continue
+
+
+def _read_exact(fd: int, size: int) -> bytes:
+    """`size` bytes from a pipe, or b"" at end of stream (reads may come back short)."""
+    parts, left = [], size
+    while left:
+        part = os.read(fd, left)
+        if not part:
+            return b""
+        parts.append(part)
+        left -= len(part)
+    return b"".join(parts)
+
+
+def _send(fd: int, message: tuple) -> None:
+    body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    view = memoryview(_LENGTH.pack(len(body)) + body)
+    while view:  # writes to a pipe may come back short
+        view = view[os.write(fd, view):]
+
+
+def serve(parent_pid: int) -> None:
+    """The loader process: read the job from stdin, write its batches to stdout."""
+    die_with_parent()
+    if os.getppid() != parent_pid:  # the parent died before we asked to follow it
+        return
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the parent, which stops us
+    module, name, args, kwargs = pickle.loads(sys.stdin.buffer.read())
+    out = sys.stdout.fileno()
+    sys.stdout = sys.stderr  # stray prints must not corrupt the stream
+    fn: Any = importlib.import_module(module)
+    for part in name.split("."):
+        fn = getattr(fn, part)
+    try:
+        for item in fn(*args, **kwargs):
+            _send(out, ("batch", item))
+    except BrokenPipeError:
+        return
+    except Exception as exc:  # handed to the training loop, which raises it
+        try:
+            pickle.dumps(exc)
+        except Exception:
+            exc = LoaderError(f"{type(exc).__name__}: {exc}")
+        _send(out, ("error", exc))
+        return
+    _send(out, ("end", None))

@@ -1,0 +1,45 @@
+"""The optional C kernels of the PS (`_kernels.c`), loaded through ctypes.
+
+`KERNELS` is the loaded library, or None when the extension was not built (or cannot load
+here); every caller then uses its numpy path, which gives the same results. Callers read
+`kernels.KERNELS` at call time, so tests can switch the numpy path on.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import logging
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+
+def _load() -> ctypes.CDLL | None:
+    spec = importlib.util.find_spec("paramserver.server._kernels")
+    if spec is None or not spec.origin:
+        log.info("C kernels not built; using numpy")
+        return None
+    try:
+        lib = ctypes.CDLL(spec.origin)
+    except OSError as exc:  # e.g. built for another platform: numpy still works
+        log.warning("C kernels at %s unusable (%s); using numpy", spec.origin, exc)
+        return None
+    f, i64, i, d, p = ctypes.c_float, ctypes.c_int64, ctypes.c_int, ctypes.c_double, ctypes.c_void_p
+    lib.ps_adam.argtypes = [p, p, p, p, p, i64, f, f, f, f, f, f, d, f, i, i, i]
+    lib.ps_adagrad.argtypes = [p, p, p, i64, f, f, d, i]
+    lib.ps_index_find.argtypes = [p, p, i64, p, i64, p]
+    lib.ps_index_place.argtypes = [p, p, i64, p, p, i64]
+    lib.ps_random_rows.argtypes = [p, i64, i64, i, f, p]
+    lib.ps_sparse_adam.argtypes = [p, p, p, p, p, i64, i64, f, f, f, f]
+    lib.ps_sparse_adagrad.argtypes = [p, p, p, p, i64, i64, f, f]
+    return lib
+
+
+KERNELS = _load()
+
+
+def ptr(array: np.ndarray | None) -> int | None:
+    """The address of a C-contiguous array's data, for a kernel argument."""
+    return None if array is None else array.ctypes.data
