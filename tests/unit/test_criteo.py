@@ -45,3 +45,48 @@ def test_generator_writes_the_exact_format_with_learnable_labels(tmp_path):
                    check=True, timeout=120)
     labels = np.concatenate([b[2].numpy() for b in criteo.batches(str(path), 512)])
     assert labels.shape == (2000,) and 0.05 < labels.mean() < 0.95
+
+
+TRICKY = [
+    LINE,
+    LINE.replace("\t3\t", "\t-7\t", 1),  # a negative count reads as 0
+    LINE.replace("0000000a", "a-value-longer-than-sixteen-bytes"),  # hashed on its first 16 bytes
+    LINE.replace("\t3\t", "\t1234567890123456789\t", 1),  # 19 digits: outside the C parser's subset
+    LINE.replace("1\t", "1.0\t", 1),  # a float label: numpy's path takes it
+    LINE.replace("0000000a", "caf\u00e9"),  # not ASCII
+    LINE.rstrip("\n") + "\r\n",  # Windows line end: the last value keeps its "\r", on both paths
+    LINE.rstrip("\n"),  # a last line without its newline
+]
+
+
+@pytest.mark.parametrize("index", range(len(TRICKY)))
+def test_the_c_parser_and_numpy_agree_line_by_line(index, monkeypatch):
+    from paramserver.server import kernels
+
+    if kernels.KERNELS is None:
+        pytest.skip("C kernels not built")
+    def parse():
+        try:
+            return criteo.parse_lines([LINE, TRICKY[index]])
+        except criteo.CriteoFormatError as exc:  # then both must refuse it, alike
+            return str(exc)
+
+    fast = parse()
+    monkeypatch.setattr(kernels, "KERNELS", None)
+    plain = parse()
+    assert type(fast) is type(plain)
+    if isinstance(fast, str):
+        assert fast == plain and "line 2" in fast
+    else:
+        for a, b in zip(fast, plain):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_the_c_parser_takes_the_plain_format_and_declines_the_rest():
+    from paramserver.server import kernels
+
+    if kernels.KERNELS is None:
+        pytest.skip("C kernels not built")
+    assert criteo._parse_plain([LINE, TRICKY[1], TRICKY[2], TRICKY[6]]) is not None
+    for odd in (TRICKY[3], TRICKY[4], TRICKY[5], "1\t2\t3\n"):
+        assert criteo._parse_plain([LINE, odd]) is None

@@ -18,6 +18,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
+from ..server import kernels
 from ..server.hash_index import mix64
 from .loader import BatchLoader
 
@@ -45,6 +46,28 @@ def parse_lines(lines: list[str], first_number: int = 1) -> tuple[np.ndarray, np
 
 
 def _parse(lines: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    parsed = _parse_plain(lines) if kernels.KERNELS is not None else None
+    return parsed if parsed is not None else _parse_numpy(lines)
+
+
+def _parse_plain(lines: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """The C parser, for the plain subset of the format (the same results); None outside it."""
+    text = "".join(lines)
+    if not text.endswith("\n"):
+        text += "\n"
+    try:
+        data = text.encode("ascii")
+    except UnicodeEncodeError:
+        return None
+    n = len(lines)
+    labels, dense = np.empty(n, np.float32), np.empty((n, NUM_DENSE), np.float32)
+    sparse = np.empty((n, NUM_SPARSE), np.int64)
+    done = kernels.KERNELS.ps_parse_criteo(data, len(data), n, kernels.ptr(labels), kernels.ptr(dense),
+                                           kernels.ptr(sparse))
+    return (dense, sparse, labels) if done == n else None
+
+
+def _parse_numpy(lines: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     fields = "\t".join(line.rstrip("\n") for line in lines).split("\t")
     if len(fields) != len(lines) * NUM_FIELDS:
         raise CriteoFormatError(f"{len(fields)} fields, expected {NUM_FIELDS} per line")

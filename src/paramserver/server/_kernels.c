@@ -8,6 +8,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 /* Adam / AdamW update of n elements. vmax may be NULL unless amsgrad. */
 void ps_adam(float *p, const float *g, float *m, float *v, float *vmax, int64_t n,
@@ -133,4 +134,54 @@ void ps_sparse_adagrad(float *p, float *sum, const int64_t *rows, const float *g
             p[base + j] = p[base + j] + (-clr) * (grad / (sqrtf(s) + eps));
         }
     }
+}
+
+/* ---- The Criteo TSV parser (paramserver.data.criteo). ---- */
+
+static int parse_count(const char *s, int64_t n, int64_t *out) { /* [-]digits, at most 18 of them */
+    int negative = n > 0 && s[0] == '-';
+    int64_t value = 0;
+    if (n - negative < 1 || n - negative > 18) return 0;
+    for (int64_t k = negative; k < n; k++) {
+        if (s[k] < '0' || s[k] > '9') return 0;
+        value = value * 10 + (s[k] - '0');
+    }
+    *out = negative ? -value : value;
+    return 1;
+}
+
+/* `lines` Criteo lines ('\n'-terminated, 40 tab-separated fields) -> labels (lines), dense
+ * (lines x 13: log1p of max(x, 0), missing = 0) and sparse (lines x 26: feature << 56 | a 56-bit
+ * hash of the value's first 16 bytes). Takes the plain subset of the format (ASCII, integer
+ * labels and counts of at most 18 digits) and gives exactly what the numpy parser gives there;
+ * returns `lines`, or -1 when the text is outside that subset (the caller then parses it with
+ * numpy, which takes the rest or names the bad line). */
+int64_t ps_parse_criteo(const char *text, int64_t length, int64_t lines, float *labels, float *dense,
+                        int64_t *sparse) {
+    const char *p = text, *end = text + length;
+    for (int64_t i = 0; i < lines; i++) {
+        for (int f = 0; f < 40; f++) {
+            const char *start = p;
+            while (p < end && *p != '\t' && *p != '\n') {
+                if ((unsigned char)*p >= 128) return -1;
+                p++;
+            }
+            if (p == end || *p != (f < 39 ? '\t' : '\n')) return -1; /* not 40 fields */
+            int64_t n = p - start, value = 0;
+            p++;
+            if (f == 0) {
+                if (n < 1 || n > 18 || start[0] == '-' || !parse_count(start, n, &value)) return -1;
+                labels[i] = (float)value;
+            } else if (f <= 13) {
+                if (n > 0 && !parse_count(start, n, &value)) return -1;
+                dense[i * 13 + f - 1] = (float)log1p((double)(value > 0 ? value : 0));
+            } else {
+                uint64_t words[2] = {0, 0};
+                memcpy(words, start, n < 16 ? n : 16);
+                uint64_t h = mix64(words[0] ^ mix64(words[1]));
+                sparse[i * 26 + f - 14] = (int64_t)((h & 0x00FFFFFFFFFFFFFFULL) | ((uint64_t)(f - 14) << 56));
+            }
+        }
+    }
+    return p == end ? lines : -1;
 }

@@ -1,4 +1,4 @@
-"""The optional C kernels of the PS (`_kernels.c`), loaded through ctypes.
+"""The optional C kernels (`_kernels.c`: the PS's hot loops and the Criteo parser), loaded through ctypes.
 
 `KERNELS` is the loaded library, or None when the extension was not built (or cannot load
 here); every caller then uses its numpy path, which gives the same results. Callers read
@@ -34,6 +34,8 @@ def _load() -> ctypes.CDLL | None:
     lib.ps_random_rows.argtypes = [p, i64, i64, i, f, p]
     lib.ps_sparse_adam.argtypes = [p, p, p, p, p, i64, i64, f, f, f, f]
     lib.ps_sparse_adagrad.argtypes = [p, p, p, p, i64, i64, f, f]
+    lib.ps_parse_criteo.argtypes = [ctypes.c_char_p, i64, i64, p, p, p]
+    lib.ps_parse_criteo.restype = i64
     return lib
 
 
