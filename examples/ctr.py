@@ -3,7 +3,9 @@
 13 dense features and 26 categorical features; every categorical id gets a 16-wide row in
 one shared PS embedding table (no vocabulary: ids are hashed values); the dense features
 and the 26 embeddings go through an MLP 256-128-1. With `--wide`, a linear part over the
-same ids (a second, 1-wide table) is added. Worker 0 reports held-out AUC.
+same ids (a second, 1-wide table) is added. Worker 0 reports held-out AUC. Lines are parsed in
+a loader process (`--prefetch`); `--prefetch-rows` looks the next batch's rows up during this
+batch's backward (one update staler; see docs/embeddings.md).
 
     python examples/ctr_data.py --rows 200000 --out /tmp/train.tsv --seed 1
     python examples/ctr_data.py --rows 20000 --out /tmp/test.tsv --seed 2
@@ -59,6 +61,8 @@ def main() -> None:
     parser.add_argument("--prefetch", type=int, default=8, help="batches parsed ahead in a loader process (0: inline)")
     parser.add_argument("--table-rows", type=int, default=1_000_000,
                         help="rows to reserve in the embedding table up front (it grows past them if needed)")
+    parser.add_argument("--prefetch-rows", action="store_true",
+                        help="look the next batch's rows up during this batch's backward (one update staler)")
     parser.add_argument("--wide", action="store_true", help="add a wide (linear) part: Wide&Deep")
     args = parser.parse_args()
 
@@ -68,10 +72,18 @@ def main() -> None:
     opt = ps.optim.Adam(model.named_parameters(), lr=args.lr, overlap=args.overlap)
     started, examples = time.perf_counter(), 0
     for epoch in range(args.epochs):
-        for dense, sparse, labels in criteo.batches(args.train, args.batch_size, ctx.worker_index, ctx.num_workers,
-                                                    prefetch=args.prefetch):
+        batches = criteo.batches(args.train, args.batch_size, ctx.worker_index, ctx.num_workers,
+                                 prefetch=args.prefetch)
+        upcoming = next(batches, None)
+        while upcoming is not None:
+            dense, sparse, labels = upcoming
             opt.zero_grad()
             loss = F.binary_cross_entropy_with_logits(model(dense, sparse), labels)
+            upcoming = next(batches, None)
+            if args.prefetch_rows and upcoming is not None:
+                embedded = [model.embedding] + ([model.wide] if model.wide is not None else [])
+                for module in embedded:
+                    module.prefetch(upcoming[1])
             loss.backward()
             opt.step()
             examples += len(labels)

@@ -121,3 +121,28 @@ def test_a_table_looked_up_twice_in_a_step_gets_the_summed_gradient(fresh_contex
             o.step()
     ours = emb.lookup(torch.arange(VOCAB)).detach()
     assert ((ours - reference.weight.detach()).norm() / reference.weight.norm()).item() < 1e-5
+
+
+def test_prefetched_rows_are_read_before_this_steps_update_and_used_by_the_same_ids_only(fresh_context):
+    ps.init(num_ps=2)
+    embedding = ps.nn.HashEmbedding(DIM, std=0.1)
+    opt = ps.optim.SGD(embedding.parameters(), lr=1.0)
+    first, upcoming = torch.tensor([[1, 2]]), torch.tensor([[2, 3]])  # id 2 in both batches
+    before = embedding(upcoming).detach().clone()
+    opt.zero_grad()
+    loss = embedding(first).sum()
+    embedding.prefetch(upcoming)  # as a training loop does, before the backward
+    loss.backward()
+    opt.step()  # moves row 2 by -1 in every column
+    fresh = embedding(upcoming.clone()).detach()  # another ids object: the prefetch is not used
+    torch.testing.assert_close(fresh[0, 0], before[0, 0] - 1)
+    embedding.prefetch(upcoming)
+    torch.testing.assert_close(embedding(upcoming).detach(), fresh)  # nothing changed since: the same rows
+    opt.zero_grad()
+    loss = embedding(first).sum()
+    embedding.prefetch(upcoming)
+    loss.backward()
+    opt.step()
+    stale = embedding(upcoming).detach()
+    torch.testing.assert_close(stale, fresh)  # row 2 as it was before this step's update: one update staler
+    torch.testing.assert_close(embedding(upcoming.clone()).detach()[0, 0], fresh[0, 0] - 1)

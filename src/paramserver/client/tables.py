@@ -19,6 +19,22 @@ def shard_of(ids: np.ndarray, num_shards: int) -> np.ndarray:
     return (mix64(ids) % np.uint64(num_shards)).astype(np.int64)
 
 
+class RowsHandle:
+    """The rows of a lookup in flight. `wait()` gathers them, within the lookup's deadline."""
+
+    def __init__(self, calls: list, count: int, deadline: float) -> None:
+        self._calls, self._count, self._deadline = calls, count, deadline
+
+    def wait(self) -> np.ndarray:
+        rows = None
+        for where, call in self._calls:
+            got = codec.decode(call.wait(max(0.0, self._deadline - time.monotonic()))).tensors["rows"]
+            if rows is None:
+                rows = np.empty((self._count, got.shape[1]), np.float32)
+            rows[where] = got
+        return rows if rows is not None else np.empty((0, 0), np.float32)
+
+
 class TableClient:
     """Registers tables, looks rows up, pushes row gradients."""
 
@@ -36,17 +52,13 @@ class TableClient:
 
     def lookup(self, table: str, ids: np.ndarray) -> np.ndarray:
         """Rows (len(ids) x dim) of distinct int64 `ids`, in their order; missing rows are created."""
-        parts = self._split(ids)
+        return self.start_lookup(table, ids).wait()
+
+    def start_lookup(self, table: str, ids: np.ndarray) -> "RowsHandle":
+        """Send a lookup and return at once; `wait()` on the handle gives the rows."""
         calls = [(where, self.channels[shard].call("Lookup", codec.encode_parts({"table": table}, [("ids", part)]),
-                                                   self.rpc_timeout_s)) for shard, where, part in parts]
-        rows = None
-        deadline = time.monotonic() + self.rpc_timeout_s
-        for where, call in calls:
-            got = codec.decode(call.wait(max(0.0, deadline - time.monotonic()))).tensors["rows"]
-            if rows is None:
-                rows = np.empty((ids.shape[0], got.shape[1]), np.float32)
-            rows[where] = got
-        return rows if rows is not None else np.empty((0, 0), np.float32)
+                                                   self.rpc_timeout_s)) for shard, where, part in self._split(ids)]
+        return RowsHandle(calls, ids.shape[0], time.monotonic() + self.rpc_timeout_s)
 
     def push(self, table: str, ids: np.ndarray, grads: np.ndarray) -> list:
         """Send one row-wise update; returns the calls in flight (wait with `wait_all`)."""

@@ -75,23 +75,48 @@ class HashEmbedding(nn.Module):
         self.placeholder._ps_embedding = self  # how the PS optimizer recognizes this table
         self._tables = None
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._prefetched: tuple | None = None  # (ids as given, shape, unique, inverse, rows handle)
 
     def attach(self, tables, table_name: str) -> None:
         """Called by the optimizer once the table exists on the PS."""
         self._tables, self.table_name = tables, table_name
 
+    def prefetch(self, ids) -> None:
+        """Start looking up the rows of `ids` now (typically the next batch's, before this batch's
+        backward); the forward given that same ids object uses them without waiting.
+
+        Those rows are read before this step's update reaches the PS, so they are one update
+        staler than a plain lookup's (as with one more async worker). Opt-in, for async training.
+        """
+        self._check_attached()
+        shape, unique, inverse = self._distinct(ids)
+        self._prefetched = (ids, shape, unique, inverse, self._tables.start_lookup(self.table_name, unique))
+
     def lookup(self, ids) -> torch.Tensor:
-        if self._tables is None:
-            raise NotInitializedError("create the paramserver optimizer over this module's parameters "
-                                      "before its first forward")
-        ids = as_ids(ids)
-        unique, inverse = np.unique(ids.numpy().reshape(-1), return_inverse=True)  # numpy's is faster here
-        rows = torch.from_numpy(self._tables.lookup(self.table_name, unique))
-        inverse = torch.from_numpy(inverse.reshape(-1))
+        self._check_attached()
+        prefetched, self._prefetched = self._prefetched, None
+        if prefetched is not None and prefetched[0] is ids:
+            _, shape, unique, inverse, handle = prefetched
+            rows = torch.from_numpy(handle.wait())
+        else:
+            shape, unique, inverse = self._distinct(ids)
+            rows = torch.from_numpy(self._tables.lookup(self.table_name, unique))
         if torch.is_grad_enabled() and self.training:
             rows.requires_grad_(True)
             self._pending.append((torch.from_numpy(unique), rows))
-        return rows[inverse].view(*ids.shape, self.dim)
+        return rows[inverse].view(*shape, self.dim)
+
+    def _check_attached(self) -> None:
+        if self._tables is None:
+            raise NotInitializedError("create the paramserver optimizer over this module's parameters "
+                                      "before its first forward")
+
+    @staticmethod
+    def _distinct(ids) -> tuple[torch.Size, np.ndarray, torch.Tensor]:
+        """(shape of ids, their distinct values, where each id is among them)."""
+        ids = as_ids(ids)
+        unique, inverse = np.unique(ids.numpy().reshape(-1), return_inverse=True)  # numpy's is faster here
+        return ids.shape, unique, torch.from_numpy(inverse.reshape(-1))
 
     def forward(self, ids) -> torch.Tensor:
         return self.lookup(ids)
