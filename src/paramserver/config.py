@@ -87,6 +87,10 @@ class Options:
     max_table_ids: int = 1 << 20  # most ids one lookup or sparse push may carry (a PS refuses more)
     heartbeat_s: float = 1.0  # how often a worker tells the coordinator it is alive
     heartbeat_timeout_s: float = 30.0  # a worker silent this long counts as gone
+    checkpoint_dir: str = ""  # where checkpoints go: a path or fsspec URL; "" turns them off
+    checkpoint_every: int = 0  # steps (each worker's own count) between checkpoints; 0: none
+    checkpoint_keep: int = 3  # complete checkpoints kept; older ones are deleted
+    resume: int = 0  # 1: start from the latest complete checkpoint in checkpoint_dir (if any)
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "Options":

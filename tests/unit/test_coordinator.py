@@ -86,3 +86,14 @@ def test_the_cluster_is_done_only_once_every_worker_joined_and_left():
     assert not coordinator.all_done()
     clock.now = 11  # worker 2 went silent
     assert coordinator.all_done()
+
+
+def test_a_barrier_waits_for_a_worker_that_has_not_joined_yet():
+    coordinator = Coordinator(2)
+    coordinator.join(0)
+    with pytest.raises(DeadlineExceededError, match=r"workers \[1\] did not arrive"):
+        coordinator.barrier("start", 0, timeout=0.2)  # worker 1 is slow to start: still expected
+    arrived = threading.Thread(target=lambda: (coordinator.join(1), coordinator.barrier("go", 1, 5)))
+    arrived.start()
+    coordinator.barrier("go", 0, 5)
+    arrived.join(5)

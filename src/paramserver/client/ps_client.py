@@ -64,11 +64,13 @@ class PushRecord:
     staleness_sum: int = 0
     pushes: int = 0
     dropped: int = 0  # pushes a shard dropped as late (sync with backup workers)
+    restored: int = 0  # the step of the checkpoint the shards started from (0: none)
     base_versions: dict[int, int] = field(default_factory=dict)
 
     def note(self, metas: dict[int, dict], pushed: bool) -> None:
         for shard, meta in metas.items():
             self.base_versions[shard] = meta["version"]
+            self.restored = max(self.restored, meta.get("restored", 0))
         if "step" in next(iter(metas.values()), {}):
             self.step = max(meta.get("step", 0) for meta in metas.values())
         if pushed:
@@ -169,6 +171,14 @@ class PSClient:
                 call.wait(timeout)
             except ParamServerError as exc:
                 log.warning("leave: %s", exc)
+
+    def checkpoint(self, directory: str, name: str, timeout: float) -> list[dict]:
+        """Have every shard write its file of checkpoint `name` under `directory`, all at once;
+        returns their manifest entries. Call while no push is in flight."""
+        payload = codec.encode({"dir": directory, "name": name})
+        calls = [channel.call("Checkpoint", payload, timeout) for channel in self.channels]
+        deadline = time.monotonic() + timeout
+        return [dict(codec.decode(call.wait(max(0.0, deadline - time.monotonic()))).meta) for call in calls]
 
     def shard_stats(self) -> list[dict]:
         """Each shard's counters (version, sync step, mode, pushes, late drops, staleness)."""

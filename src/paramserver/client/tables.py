@@ -47,7 +47,7 @@ class TableClient:
         """Create the table on every shard; `capacity` (rows, all shards together) is reserved up front."""
         per_shard = -(-capacity // len(self.channels))  # ids spread evenly over shards by hash
         payload = codec.encode({"table": table, "dim": dim, "optimizer": optimizer_spec, "init": init,
-                                "policy": policy or {}, "capacity": per_shard})
+                                "policy": policy or {}, "capacity": per_shard, "num_shards": len(self.channels)})
         self.wait_all([channel.call("RegisterTable", payload, self.rpc_timeout_s) for channel in self.channels])
 
     def lookup(self, table: str, ids: np.ndarray) -> np.ndarray:

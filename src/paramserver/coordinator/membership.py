@@ -65,7 +65,8 @@ class Coordinator:
             return self._view()
 
     def barrier(self, name: str, worker: int, timeout: float) -> dict:
-        """Block until every live member has arrived at barrier `name` (or it already opened)."""
+        """Block until every expected worker has arrived at barrier `name` (or it already opened):
+        the live ones and those that have not joined yet."""
         self._check(worker)
         with self._cond:
             self._barriers.setdefault(name, set()).add(worker)
@@ -73,17 +74,22 @@ class Coordinator:
             deadline = self._clock() + timeout
             while not self._barrier_open(name):  # re-checked each second: a silent member times out
                 if self._clock() >= deadline:
-                    waiting = sorted(self._live() - self._barriers[name])
+                    waiting = sorted(self._expected() - self._barriers[name])
                     raise DeadlineExceededError(
                         f"barrier {name!r}: workers {waiting} did not arrive in {timeout:.0f}s")
                 self._cond.wait(min(1.0, max(0.01, deadline - self._clock())))
             return self._view()
 
     def _barrier_open(self, name: str) -> bool:
-        if name in self._opened or self._live() <= self._barriers[name]:
+        # a worker that has not joined yet is still expected (it may just start slowly);
+        # one that left, or joined and went silent, is not
+        if name in self._opened or self._expected() <= self._barriers[name]:
             self._opened.add(name)
             return True
         return False
+
+    def _expected(self) -> set[int]:
+        return self._live() | (set(range(self.num_workers)) - set(self._members))
 
     def _live(self) -> set[int]:
         now = self._clock()

@@ -36,6 +36,12 @@ def _parser() -> argparse.ArgumentParser:
     node.add_argument("script", nargs="?", help="training script (workers and chief)")
     node.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
 
+    ckpt = sub.add_parser("checkpoint", help="list, inspect or export the checkpoints in DIR")
+    ckpt.add_argument("action", choices=["list", "inspect", "export"])
+    ckpt.add_argument("dir", help="checkpoint directory (a path or fsspec URL)")
+    ckpt.add_argument("name", nargs="?", help="checkpoint name, e.g. ckpt-000000020 (default: the latest complete)")
+    ckpt.add_argument("--out", help="export: the .pt file to write (default: <name>.pt here)")
+
     demo = sub.add_parser("demo", help="train the digits classifier on a local cluster and print one JSON line")
     _add_cluster_flags(demo, ps=2, workers=2)
     demo.add_argument("--epochs", type=int, default=20, help="training epochs (default 20)")
@@ -58,11 +64,18 @@ def _add_mode_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode", help="consistency: async (default), sync, or ssp:K (at most K steps ahead)")
     parser.add_argument("--backup-workers", type=int, help="sync: apply a step without the last B workers")
     parser.add_argument("--mode-schedule", help="switch modes at the chief's steps, e.g. 'sync@500'")
+    parser.add_argument("--checkpoint-dir", help="write checkpoints here (a path or fsspec URL, e.g. s3://b/run)")
+    parser.add_argument("--checkpoint-every", type=int, help="steps between checkpoints (each worker's count)")
+    parser.add_argument("--keep", type=int, help=f"complete checkpoints kept (default {Options.checkpoint_keep})")
+    parser.add_argument("--resume", action="store_true", default=None,
+                        help="start from the latest complete checkpoint in --checkpoint-dir (fresh if none)")
 
 
 def mode_options(args: argparse.Namespace) -> dict:
-    """The consistency options given on the command line (unset ones left out)."""
-    given = {"mode": args.mode, "backup_workers": args.backup_workers, "mode_schedule": args.mode_schedule}
+    """The consistency and checkpoint options given on the command line (unset ones left out)."""
+    given = {"mode": args.mode, "backup_workers": args.backup_workers, "mode_schedule": args.mode_schedule,
+             "checkpoint_dir": args.checkpoint_dir, "checkpoint_every": args.checkpoint_every,
+             "checkpoint_keep": args.keep, "resume": 1 if args.resume else None}
     return {key: value for key, value in given.items() if value is not None}
 
 
@@ -98,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
             return _run_local(args, args.script, _strip_dashes(args.args))
         if args.command == "demo":
             return _run_local(args, str(_demo_script()), ["--epochs", str(args.epochs)])
+        if args.command == "checkpoint":
+            from ..checkpoint.tools import run_tool
+            return run_tool(args.action, args.dir, args.name, args.out)
         from .node import run_node
         script_args = _strip_dashes(args.args)
         return run_node(args.cluster, args.role, args.index, args.bind, args.script, script_args,

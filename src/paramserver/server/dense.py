@@ -49,6 +49,15 @@ class DenseGroup:
         self.steps = {var_name: 0 for var_name in self.slots}
         self._grad = np.empty(start, np.float32)
 
+    def load(self, var_name: str, value: np.ndarray, state: dict[str, np.ndarray], steps: int) -> None:
+        """Set one variable's values, optimizer state and step count (restoring a checkpoint)."""
+        slot = self.slots[var_name]
+        self.view(var_name)[...] = value
+        for key, array in self.state.items():
+            if key in state:
+                array[slot.start:slot.stop] = state[key].reshape(-1)
+        self.steps[var_name] = steps
+
     def view(self, var_name: str) -> np.ndarray:
         """The variable's live values, shaped like the variable (a view, not a copy)."""
         slot = self.slots[var_name]

@@ -133,6 +133,22 @@ class EmbeddingTable:
             self.counters["not_admitted_lookups"] += int((~admit).sum())
         return rows
 
+    def load(self, ids: np.ndarray, arrays: dict[str, np.ndarray], counters: dict[str, int], steps: int) -> None:
+        """Fill an empty table with saved rows: `arrays` holds "values", each optimizer state,
+        and optionally "row_step", "last_seen", "seen" (one row per id). Restores a checkpoint."""
+        self._reserve(ids.shape[0])
+        rows = self.index.insert(ids)
+        self.values[rows] = arrays["values"]
+        for key, array in self.state.items():
+            if key in arrays:
+                array[rows] = arrays[key]
+        if self.tracks_use:
+            for key in ("last_seen", "seen"):
+                if key in arrays:
+                    getattr(self, key)[rows] = arrays[key]
+        self.counters.update({key: int(counters.get(key, 0)) for key in self.counters})
+        self.steps = int(steps)
+
     def read(self, ids: np.ndarray) -> np.ndarray:
         """The rows of `ids` (distinct), admitted on first touch by default; a copy, len(ids) x dim.
 

@@ -28,8 +28,9 @@ class PSNode:
 
     def __init__(self, bind: str, index: int, options: Options) -> None:
         self.index = index
-        self.shard = Shard(index, wait_timeout_s=options.rpc_timeout_s)
-        self.service = ShardService(self.shard, TableStore(index, options.max_table_ids))
+        restore = _restore_source(options)
+        self.shard = Shard(index, wait_timeout_s=options.rpc_timeout_s, restore=restore)
+        self.service = ShardService(self.shard, TableStore(index, options.max_table_ids, restore=restore))
         self.server = GrpcServer(self.service, bind, options.max_message_bytes, options.ps_threads)
         host = bind.rsplit(":", 1)[0].strip("[]")
         self.stream = StreamServer(self.service, host, options.stream_port, options.max_message_bytes)
@@ -50,6 +51,22 @@ class PSNode:
         stats = self.shard.describe()
         log.info("ps %d stopped after %d updates from %d pushes, %d late pushes dropped (%.2fs)", self.index,
                  stats["version"], stats["pushes"], stats["dropped_late"], time.monotonic() - started)
+
+
+def _restore_source(options: Options):
+    """The checkpoint to start from with `resume`, or None (nothing to resume from: a fresh start)."""
+    if not (options.resume and options.checkpoint_dir):
+        return None
+    from ..checkpoint.restore import RestoreSource  # only a resuming PS loads safetensors and fsspec
+    from ..checkpoint.store import CheckpointStore
+
+    started = time.monotonic()
+    source = RestoreSource.latest(CheckpointStore(options.checkpoint_dir))
+    if source is None:
+        log.info("no complete checkpoint in %s: starting fresh", options.checkpoint_dir)
+    else:
+        log.info("resuming from %s (step %d) in %.2fs", source.name, source.step, time.monotonic() - started)
+    return source
 
 
 def run_ps_node(bind: str, index: int, options: Options, grace: float = 2.0) -> int:

@@ -18,11 +18,16 @@ Methods (request meta -> reply meta; tensors as named):
 - ``RegisterTable``: {"table", "dim", "optimizer", "init", "policy"?} -> {}
 - ``Lookup``: {"table"} + "ids" (int64, distinct) -> {} + "rows" (len(ids) x dim float32)
 - ``PushSparse``: {"table"} + "ids", "grads" -> {}
+- ``Checkpoint``: {"dir", "name"} -> {"index", "file", "bytes", "sha256"}: this shard's file of
+  checkpoint `name`, written to `dir` (a path or fsspec URL)
+``Register`` replies also carry "restored": the step of the checkpoint the shard started from.
+``RegisterTable`` may carry "capacity" and "num_shards" (the shards the table spreads over).
 Thread-safe.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 from ..errors import MalformedFrameError, NotFoundError
@@ -44,7 +49,7 @@ class ShardService:
         self.methods: dict[str, Callable[[bytes, Sink], Any]] = {
             "Hello": self.hello, "Register": self.register, "PushPull": self.push_pull, "SetMode": self.set_mode,
             "Leave": self.leave, "RegisterTable": self.register_table, "Lookup": self.lookup,
-            "PushSparse": self.push_sparse}
+            "PushSparse": self.push_sparse, "Checkpoint": self.checkpoint}
 
     def call(self, method: str, payload: bytes, sink: Sink = b"".join) -> Any:
         """Handle one request; returns what `sink` made of the reply (by default, its bytes)."""
@@ -66,7 +71,8 @@ class ShardService:
         consistency = frame.meta.get("consistency")
         spec = ConsistencySpec.from_dict(consistency) if isinstance(consistency, dict) else None
         self.shard.register(group, optimizer, frame.tensors, spec)
-        return self.shard.pull(frame.tensors, _reply(sink))
+        extra = {"restored": self.shard.restore.step} if self.shard.restore is not None else {}
+        return self.shard.pull(frame.tensors, _reply(sink, extra))
 
     def push_pull(self, payload: bytes, sink: Sink) -> Any:
         frame = codec.decode(payload)
@@ -88,13 +94,23 @@ class ShardService:
         policy = meta.get("policy")
         self.tables.register(_field(meta, "table", str), _field(meta, "dim", int), _field(meta, "optimizer", dict),
                              _field(meta, "init", dict), policy if isinstance(policy, dict) else None,
-                             _field(meta, "capacity", int) if "capacity" in meta else 0)
+                             _field(meta, "capacity", int) if "capacity" in meta else 0,
+                             _field(meta, "num_shards", int) if "num_shards" in meta else 1)
         return sink(codec.encode_parts({}))
 
     def lookup(self, payload: bytes, sink: Sink) -> Any:
         frame = codec.decode(payload)
         rows = self.tables.lookup(_field(frame.meta, "table", str), _tensor(frame, "ids"))
         return sink(codec.encode_parts({}, [("rows", rows)]))
+
+    def checkpoint(self, payload: bytes, sink: Sink) -> Any:
+        from ..checkpoint import shard_file  # here: a PS that never checkpoints never loads safetensors
+        from ..checkpoint.store import CheckpointStore
+
+        meta = codec.decode(payload).meta
+        written = shard_file.write(CheckpointStore(_field(meta, "dir", str)), _field(meta, "name", str), self.shard,
+                                  self.tables)
+        return sink(codec.encode_parts(dataclasses.asdict(written)))
 
     def push_sparse(self, payload: bytes, sink: Sink) -> Any:
         frame = codec.decode(payload)

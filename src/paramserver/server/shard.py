@@ -53,8 +53,9 @@ class ShardStats:
 class Shard:
     """Holds dense variable groups and applies pushed gradients with their optimizer."""
 
-    def __init__(self, index: int = 0, wait_timeout_s: float = 60.0) -> None:
+    def __init__(self, index: int = 0, wait_timeout_s: float = 60.0, restore=None) -> None:
         self.index = index
+        self.restore = restore  # a checkpoint.restore.RestoreSource new groups start from, or None
         self.version = 0  # number of updates applied
         self.sync_step = 0  # number of sync steps applied; the step a sync push must carry
         self.spec: ConsistencySpec | None = None
@@ -91,6 +92,10 @@ class Shard:
                 if clash:
                     raise FailedPreconditionError(f"variables {clash} already belong to another group")
                 created = DenseGroup(group, optimizer, optimizer_spec, initial)
+                if self.restore is not None:
+                    for part, value in initial.items():  # every check first: a misfit changes nothing
+                        saved = self.restore.dense_part(group, optimizer_spec, part, value.shape)
+                        created.load(part, saved.value, saved.state, saved.steps)
                 self._groups[group] = created
                 self._group_of.update(dict.fromkeys(initial, created))
                 log.info("shard %d: registered group %s (%d variables, %d values, %s)", self.index, group,
@@ -110,6 +115,11 @@ class Shard:
             if tuple(value.shape) != group.slots[name].shape:
                 raise FailedPreconditionError(
                     f"variable {name!r} was registered with shape {group.slots[name].shape}, not {tuple(value.shape)}")
+
+    def snapshot(self, read: Callable[[dict[str, DenseGroup], int, int], T]) -> T:
+        """Call `read(groups, version, sync_step)` while no push can change them (a checkpoint)."""
+        with self._cond:
+            return read(dict(self._groups), self.version, self.sync_step)
 
     def pull(self, names: Iterable[str], read: Callable[[int, list[tuple[str, np.ndarray]]], T]) -> T:
         """Call `read(version, [(name, live view)])` while no push can change the values.

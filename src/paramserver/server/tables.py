@@ -23,17 +23,19 @@ MAX_CAPACITY = 1 << 30  # rows one shard's table may reserve up front
 class TableStore:
     """Embedding tables by name."""
 
-    def __init__(self, shard_index: int, max_ids: int = DEFAULT_MAX_IDS) -> None:
+    def __init__(self, shard_index: int, max_ids: int = DEFAULT_MAX_IDS, restore=None) -> None:
         self.shard_index = shard_index
+        self.restore = restore  # a checkpoint.restore.RestoreSource new tables start from, or None
         self.max_ids = max_ids
         self._tables: dict[str, EmbeddingTable] = {}
         self._lock = threading.Lock()
 
     def register(self, name: str, dim: int, optimizer_spec: dict, init: dict, policy: dict | None = None,
-                 capacity: int = 0) -> None:
+                 capacity: int = 0, num_shards: int = 1) -> None:
         """Create table `name`, or check that the existing one has the same dim and optimizer.
 
-        capacity: rows to reserve room for up front (0: start small and grow).
+        capacity: rows to reserve room for up front (0: start small and grow). num_shards: how
+        many shards the table is spread over (which saved rows are this shard's, on restore).
         """
         if not 0 <= capacity <= MAX_CAPACITY:
             raise InvalidArgumentError(f"table {name!r}: capacity {capacity} is outside [0, {MAX_CAPACITY}]")
@@ -41,8 +43,14 @@ class TableStore:
             existing = self._tables.get(name)
             if existing is None:
                 optimizer = build_sparse_optimizer(optimizer_spec)
-                self._tables[name] = EmbeddingTable(name, dim, optimizer, init, optimizer_spec,
-                                                    capacity=max(1024, capacity), policy=RowPolicy.from_dict(policy))
+                saved = self.restore.table_rows(name, dim, optimizer_spec, self.shard_index, num_shards) \
+                    if self.restore is not None else None
+                table = EmbeddingTable(name, dim, optimizer, init, optimizer_spec,
+                                       capacity=max(1024, capacity), policy=RowPolicy.from_dict(policy))
+                if saved is not None:
+                    table.load(saved.ids, saved.arrays, saved.meta["counters"], saved.meta["steps"])
+                    log.info("shard %d: table %s restored with %d rows", self.shard_index, name, table.size)
+                self._tables[name] = table
                 log.info("shard %d: table %s (dim %d, %s)", self.shard_index, name, dim, optimizer.name)
             elif (existing.dim, existing.spec, existing.init) != (dim, optimizer_spec, init):
                 raise FailedPreconditionError(
@@ -66,6 +74,11 @@ class TableStore:
             raise InvalidArgumentError(f"table {name!r}: gradient holds NaN or infinite values")
         with self._lock:
             table.apply(ids, grads)
+
+    def snapshot(self, read):
+        """Call `read(tables)` while no lookup or push can change them (a checkpoint)."""
+        with self._lock:
+            return read(dict(self._tables))
 
     def describe(self) -> dict:
         with self._lock:

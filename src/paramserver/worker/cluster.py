@@ -77,7 +77,14 @@ def cluster_context(config: NodeConfig) -> Context:
                                     index, options.rpc_timeout_s, options.heartbeat_s)
     coordinator.start(options.connect_timeout_s)
     modes = ModeSwitcher(client, index, workers, options.mode_schedule, options.backup_workers, coordinator.barrier)
+    checkpointer = None
+    if options.checkpoint_dir and options.checkpoint_every:
+        from ..checkpoint.store import CheckpointStore
+        from .checkpoints import Checkpointer
+
+        checkpointer = Checkpointer(client, CheckpointStore(options.checkpoint_dir), options.checkpoint_every,
+                                    options.checkpoint_keep, index, coordinator.barrier)
     log.info("worker %d of %d joined %d PS (%s); coordinator at %s", index, workers, len(channels), spec,
              coordinator_address)
     return Context(index, workers, len(channels), client, options, False, ProgressWriter(options.progress_fd, index),
-                   modes, coordinator, host)
+                   modes, coordinator, host, checkpointer)

@@ -44,7 +44,19 @@ class Context:
     modes: ModeSwitcher
     coordinator: CoordinatorClient
     coordinator_host: Any = None  # the coordinator's server, on the worker that hosts it
+    checkpointer: Any = None  # worker.checkpoints.Checkpointer when checkpoints are on
     _optimizers: int = field(default=0, repr=False)
+
+    @property
+    def resume_step(self) -> int:
+        """The step of the checkpoint the cluster resumed from (0: a fresh start). Known once the
+        first optimizer exists; a script skips that many batches to resume its data where it was."""
+        return self.client.record.restored
+
+    def pauses_at(self, step: int) -> bool:
+        """Whether the workers meet at a barrier after `step` (a checkpoint or a mode switch):
+        the optimizer then has no push in flight."""
+        return (self.checkpointer is not None and self.checkpointer.due(step)) or self.modes.due(step)
 
     @functools.cached_property
     def tables(self) -> TableClient:
@@ -95,6 +107,8 @@ class Context:
         self.progress.update(steps=1, staleness=self.client.record.staleness)
         self.coordinator.step = self.progress.steps
         self.modes.on_step(step, self.options.rpc_timeout_s)
+        if self.checkpointer is not None:
+            self.checkpointer.on_step(step, self.options.rpc_timeout_s)
 
     def next_optimizer_name(self) -> str:
         """A name for the next optimizer, equal on every worker that creates optimizers in the same order."""

@@ -49,6 +49,9 @@ class ModeSwitcher:
         self.client.set_mode(spec)
         return spec
 
+    def due(self, step: int) -> bool:
+        return bool(self.pending) and self.pending[0].step <= step
+
     def on_step(self, step: int, timeout: float = 300.0) -> None:
         """Apply the scheduled changes due at `step` (each worker's own step count).
 

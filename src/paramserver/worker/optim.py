@@ -57,6 +57,7 @@ class PSOptimizer(torch.optim.Optimizer):
             self._write(self._register_group(i, group).wait(self.context.options.rpc_timeout_s)[1])
         log.info("%s: %d parameters registered on %d PS in %.2fs", self.name, len(self._vars),
                  self.context.num_ps, time.monotonic() - started)
+        self.steps = self.context.resume_step  # step counts (checkpoints, schedules) go on from a restore
 
     def _group_name(self, index: int) -> str:
         return f"{self.name}.group{index}"
@@ -116,6 +117,8 @@ class PSOptimizer(torch.optim.Optimizer):
             self._write(handle.wait(self.context.options.rpc_timeout_s)[1])
         self.context.tables.wait_all(sparse_calls)
         self.steps += 1
+        if self.context.pauses_at(self.steps):
+            self.synchronize()  # the workers are about to meet: nothing of this worker may be in flight
         self.context.on_step(self.steps)
         return loss
 
