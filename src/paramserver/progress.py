@@ -60,6 +60,7 @@ class ProgressBoard:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._latest: dict[int, dict[str, Any]] = {}
+        self._banked = {"steps": 0, "examples": 0, "staleness_sum": 0}  # totals of workers since restarted
         self._first_t: float | None = None
         self.results: dict[int, dict[str, Any]] = {}
         self._window = (time.time(), 0, 0)
@@ -78,15 +79,23 @@ class ProgressBoard:
                 if self._first_t is None:
                     self._first_t = record["t"]
 
+    def restart(self) -> None:
+        """The workers are starting again (a rollback): keep what they reported so far in the totals."""
+        with self._lock:
+            for record in self._latest.values():
+                for key in self._banked:
+                    self._banked[key] += record.get(key, 0)
+            self._latest.clear()
+
     def totals(self) -> dict[str, Any]:
         """Summed steps and examples, mean last loss, and steps/s and examples/s since the previous call."""
         with self._lock:
             latest = list(self._latest.values())
             first_t = self._first_t
-        steps = sum(r["steps"] for r in latest)
-        examples = sum(r["examples"] for r in latest)
+        steps = self._banked["steps"] + sum(r["steps"] for r in latest)
+        examples = self._banked["examples"] + sum(r["examples"] for r in latest)
         losses = [r["loss"] for r in latest if r.get("loss") is not None]
-        staleness = sum(r.get("staleness_sum", 0) for r in latest)
+        staleness = self._banked["staleness_sum"] + sum(r.get("staleness_sum", 0) for r in latest)
         now = time.time()
         since, examples_before, steps_before = self._window
         self._window = (now, examples, steps)

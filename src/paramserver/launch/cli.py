@@ -57,6 +57,9 @@ def _add_cluster_flags(parser: argparse.ArgumentParser, ps: int = 1, workers: in
                         help=f"deadline in seconds of each call to a PS (default {Options.rpc_timeout_s})")
     parser.add_argument("--progress-every", type=float, default=2.0,
                         help="seconds between progress lines; 0 turns them off (default 2)")
+    parser.add_argument("--max-restarts", type=int, default=3,
+                        help="with --checkpoint-dir: roll back and restart after a node is killed, at most "
+                             "this many times (default 3)")
     _add_mode_flags(parser)
 
 
@@ -87,7 +90,8 @@ def _run_local(args: argparse.Namespace, script: str, script_args: list[str]) ->
     ConsistencySpec.parse(options.mode, args.workers, options.backup_workers)  # refuse a bad mode before starting
     parse_schedule(options.mode_schedule)
     cluster = LocalCluster(args.ps, args.workers, script, script_args, options,
-                           progress_every=args.progress_every, log_level=args.log_level)
+                           progress_every=args.progress_every, log_level=args.log_level,
+                           max_restarts=args.max_restarts)
     code = cluster.run()
     print(json.dumps(cluster.summary()), flush=True)
     return code

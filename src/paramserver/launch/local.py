@@ -5,6 +5,12 @@ start with a TF_CONFIG naming those ports and run the script. Every output line 
 prefixed with its node ("[ps0] ...", "[worker1] ..."); a progress line sums the
 workers' steps, examples/s and loss. The run ends when every worker has exited: with 0 if
 all succeeded, else with the first failing worker's code, and no child left behind.
+
+Recovery: with checkpoints on (`checkpoint_dir`), a node killed by a signal (SIGKILL, the OOM
+killer, a crash) makes the launcher roll the whole cluster back: it stops every node and starts
+them all again with `resume`, so every shard and every worker's data position go back to the
+same checkpoint; at most `max_restarts` times. A worker that exits with an error code (a bug in
+the script) still ends the run.
 """
 
 from __future__ import annotations
@@ -51,7 +57,7 @@ class LocalCluster:
 
     def __init__(self, num_ps: int, num_workers: int, script: str, args: list[str] | None = None,
                  options: Options | None = None, out: TextIO | None = None, progress_every: float = 2.0,
-                 log_level: str = "INFO") -> None:
+                 log_level: str = "INFO", max_restarts: int = 3) -> None:
         if num_ps < 1 or num_workers < 1:
             raise ValueError(f"need at least 1 PS and 1 worker, got ps={num_ps} workers={num_workers}")
         self.num_ps, self.num_workers = num_ps, num_workers
@@ -59,6 +65,8 @@ class LocalCluster:
         self.options = options or Options(torch_threads=default_torch_threads(num_ps, num_workers))
         self.progress_every = progress_every
         self.log_level = log_level
+        self.max_restarts = max_restarts
+        self.restarts = 0
         self.board = ProgressBoard()
         self.peak_rss: dict[str, int] = {"ps": 0, "worker": 0}
         self.ps: list[Child] = []
@@ -70,18 +78,21 @@ class LocalCluster:
         self._stopped = threading.Event()
         self._started_at = 0.0
         self.wall_s = 0.0
+        self._watching = False
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self, timeout: float = 120.0) -> None:
         """Start the PS, wait until each announced its address, then start the workers."""
-        self._started_at = time.monotonic()
+        self._started_at = self._started_at or time.monotonic()
         for i in range(self.num_ps):
             argv = self._node_argv("--role", "ps", "--index", str(i), "--bind", "127.0.0.1:0")
             self.ps.append(Child(f"ps{i}", argv, self._env(self.options), self._on_line))
         self._wait_ps_ready(timeout)
         # worker 0 serves the coordinator on its address; the others' are reserved the same way
         self.worker_addresses = [f"127.0.0.1:{free_port()}" for _ in range(self.num_workers)]
-        threading.Thread(target=self._watch, name="run-watch", daemon=True).start()
+        if not self._watching:
+            self._watching = True
+            threading.Thread(target=self._watch, name="run-watch", daemon=True).start()
         for i in range(self.num_workers):
             read_fd, write_fd = os.pipe()
             env = self._env(replace(self.options, progress_fd=write_fd), self._tf_config(i))
@@ -92,12 +103,20 @@ class LocalCluster:
                              daemon=True).start()
 
     def wait(self, timeout: float | None = None) -> int:
-        """Block until all workers exited (or one failed, or a PS died); returns the run's exit code."""
+        """Block until all workers exited (or one failed, or a PS died); returns the run's exit code.
+
+        A node killed by a signal, with checkpoints on and restarts left, rolls the cluster back
+        (see the module docstring) and the wait goes on.
+        """
         deadline = None if timeout is None else time.monotonic() + timeout
         pending = list(self.workers)
         while pending:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             child = wait_any(pending + self.ps, min(left, 1.0) if left is not None else 1.0)
+            if child is not None and self._recoverable(child):
+                self._roll_back(child)
+                pending = list(self.workers)
+                continue
             if child in self.ps:
                 self._lines.write("run", f"{child.label} exited with code {child.poll()}; stopping the run")
                 return 1
@@ -109,6 +128,27 @@ class LocalCluster:
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"workers still running after {timeout}s")
         return 0
+
+    def _recoverable(self, child: Child) -> bool:
+        code = child.poll()
+        return code is not None and code < 0 and bool(self.options.checkpoint_dir) and \
+            self.restarts < self.max_restarts
+
+    def _roll_back(self, child: Child, timeout: float = 120.0) -> None:
+        """Stop every node and start them all again from the latest complete checkpoint."""
+        self.restarts += 1
+        started = time.monotonic()
+        self._lines.write("run", f"{child.label} was killed (signal {-child.poll()}); rolling the whole cluster back "
+                                 f"to the latest checkpoint in {self.options.checkpoint_dir} "
+                                 f"(restart {self.restarts} of {self.max_restarts})")
+        for node in self.workers + self.ps:
+            node.stop(2.0)
+        self.board.restart()
+        self.ps, self.workers = [], []
+        self.ps_addresses = [None] * self.num_ps
+        self.options = replace(self.options, resume=1)
+        self.start(timeout)
+        self._lines.write("run", f"cluster restarted in {time.monotonic() - started:.2f}s")
 
     def stop(self, grace: float = 5.0) -> None:
         """Stop workers, then PS: SIGTERM, and SIGKILL after `grace` seconds."""

@@ -59,6 +59,7 @@ class Trainer:
         """Train for `epochs`; with `steps_per_epoch`, each epoch takes that many batches, cycling `loader`."""
         history = []
         batches = _forever(loader) if steps_per_epoch else None
+        self._skip = self.optimizer.steps  # resumed from a checkpoint: its batches were trained already
         self.model.train()
         for epoch in range(1, epochs + 1):
             source = itertools.islice(batches, steps_per_epoch) if batches else loader
@@ -74,6 +75,9 @@ class Trainer:
         steps = examples = 0
         loss_sum = 0.0
         for x, y in batches:
+            if self._skip > 0:
+                self._skip -= 1
+                continue
             self.optimizer.zero_grad()
             loss = self.loss_fn(self.model(x), y)
             loss.backward()

@@ -1,0 +1,101 @@
+"""Chaos: kill -9 a worker, then a PS, then the chief while digits train with checkpoints every
+20 steps; the run must finish by itself with the accuracy of an undisturbed run. And a PS killed
+while it writes a checkpoint: the previous checkpoint is what the cluster comes back from.
+
+Sync mode makes training deterministic given each worker's data position, so a run that rolled
+back three times ends at the undisturbed run's accuracy (within float summation order).
+"""
+
+import json
+import random
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.slow  # three short digits runs: about a minute
+
+DIGITS = str(ROOT / "examples" / "digits.py")
+
+
+class Run:
+    """`paramserver run` with its output collected line by line, to kill nodes at chosen moments."""
+
+    def __init__(self, procs, *flags: str, epochs: int = 6) -> None:
+        self.lines: list[str] = []
+        self.proc = procs.start([sys.executable, "-m", "paramserver", "run", "--ps", "2", "--workers", "2",
+                                 "--mode", "sync", "--progress-every", "0", *flags, DIGITS, "--",
+                                 "--epochs", str(epochs)],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self._reader = threading.Thread(target=lambda: self.lines.extend(iter(self.proc.stdout.readline, "")))
+        self._reader.start()
+
+    def wait_for(self, text: str, after: int = 0, timeout: float = 90) -> int:
+        """Index of the first line from `after` on that contains `text`."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for i in range(after, len(self.lines)):
+                if text in self.lines[i]:
+                    return i
+            assert self.proc.poll() is None or self._reader.is_alive(), "".join(self.lines[-40:])
+            time.sleep(0.05)
+        raise AssertionError(f"no {text!r} within {timeout}s:\n" + "".join(self.lines[-40:]))
+
+    def kill(self, label: str) -> None:
+        """SIGKILL the node the launcher calls `label` (ps0, worker1, ...)."""
+        for child in psutil.Process(self.proc.pid).children():
+            command = " ".join(child.cmdline())
+            role = f"--role ps --index {label[2:]}" if label.startswith("ps") else None
+            is_worker = label.startswith("worker") and "examples/digits.py" in command
+            if (role and role in command) or (is_worker and f'"index": {label[6:]}' in child.environ().get(
+                    "TF_CONFIG", "")):
+                child.kill()
+                return
+        raise AssertionError(f"no node {label} to kill")
+
+    def finish(self, timeout: float = 240) -> dict:
+        self.proc.wait(timeout)
+        self._reader.join(10)
+        out = "".join(self.lines)
+        assert self.proc.returncode == 0, out[-4000:]
+        return json.loads(out.strip().splitlines()[-1])
+
+
+def test_killing_a_worker_a_ps_and_the_chief_costs_no_accuracy(procs, tmp_path):
+    undisturbed = Run(procs).finish()
+    rng = random.Random(int(time.time()))
+    victims = [f"worker{rng.randrange(2)}", f"ps{rng.randrange(2)}", "worker0"]
+    run = Run(procs, "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "20")
+    seen = 0
+    for restart, victim in enumerate(victims, 1):
+        seen = run.wait_for("committed", seen) + 1
+        time.sleep(rng.uniform(0.0, 0.5))
+        run.kill(victim)
+        seen = run.wait_for(f"(restart {restart} of 3)", seen) + 1
+        seen = run.wait_for("cluster restarted", seen) + 1
+    summary = run.finish()
+    log = "".join(run.lines)
+    assert log.count("rolling the whole cluster back") == 3 and "resuming from ckpt-" in log, victims
+    assert abs(summary["test_accuracy"] - undisturbed["test_accuracy"]) <= 0.01, (victims, summary, undisturbed)
+    assert procs.leftovers() == []
+
+
+def test_a_ps_killed_while_writing_a_checkpoint_leaves_the_previous_one_to_resume_from(procs, tmp_path):
+    directory = tmp_path / "ckpt"
+    run = Run(procs, "--checkpoint-dir", str(directory), "--checkpoint-every", "20", epochs=4)
+    seen = run.wait_for("ckpt-000000020: committed") + 1
+    seen = run.wait_for("ckpt-000000040: writing", seen) + 1
+    run.kill("ps1")  # the checkpoint at step 40 is being written (or about to be)
+    seen = run.wait_for("resuming from ckpt-", seen)
+    resumed_from = run.lines[seen].split("resuming from ")[1].split()[0]
+    summary = run.finish()
+    assert resumed_from in ("ckpt-000000020", "ckpt-000000040")  # 40 only if its manifest made it to disk
+    if resumed_from == "ckpt-000000020":
+        assert "ckpt-000000040: committed" not in "".join(run.lines[:seen])
+    assert summary["test_accuracy"] > 0.9
+    assert procs.leftovers() == []
