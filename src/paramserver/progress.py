@@ -79,13 +79,14 @@ class ProgressBoard:
                 if self._first_t is None:
                     self._first_t = record["t"]
 
-    def restart(self) -> None:
-        """The workers are starting again (a rollback): keep what they reported so far in the totals."""
+    def restart(self, worker: int | None = None) -> None:
+        """A worker (or, with None, every worker) starts again from zero: keep what it reported so
+        far in the totals."""
         with self._lock:
-            for record in self._latest.values():
+            for index in [worker] if worker is not None else list(self._latest):
+                record = self._latest.pop(index, {})
                 for key in self._banked:
                     self._banked[key] += record.get(key, 0)
-            self._latest.clear()
 
     def totals(self) -> dict[str, Any]:
         """Summed steps and examples, mean last loss, and steps/s and examples/s since the previous call."""

@@ -1,6 +1,7 @@
 """Chaos: kill -9 a worker, then a PS, then the chief while digits train with checkpoints every
-20 steps; the run must finish by itself with the accuracy of an undisturbed run. And a PS killed
-while it writes a checkpoint: the previous checkpoint is what the cluster comes back from.
+20 steps; the run must finish by itself with the accuracy of an undisturbed run. A PS killed
+while it writes a checkpoint: the previous checkpoint is what the cluster comes back from. In
+async mode, a killed worker is restarted alone while the others go on.
 
 Sync mode makes training deterministic given each worker's data position, so a run that rolled
 back three times ends at the undisturbed run's accuracy (within float summation order).
@@ -28,8 +29,9 @@ class Run:
 
     def __init__(self, procs, *flags: str, epochs: int = 6) -> None:
         self.lines: list[str] = []
+        mode = [] if "--mode" in flags else ["--mode", "sync"]
         self.proc = procs.start([sys.executable, "-m", "paramserver", "run", "--ps", "2", "--workers", "2",
-                                 "--mode", "sync", "--progress-every", "0", *flags, DIGITS, "--",
+                                 *mode, "--progress-every", "0", *flags, DIGITS, "--",
                                  "--epochs", str(epochs)],
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self._reader = threading.Thread(target=lambda: self.lines.extend(iter(self.proc.stdout.readline, "")))
@@ -97,5 +99,22 @@ def test_a_ps_killed_while_writing_a_checkpoint_leaves_the_previous_one_to_resum
     assert resumed_from in ("ckpt-000000020", "ckpt-000000040")  # 40 only if its manifest made it to disk
     if resumed_from == "ckpt-000000020":
         assert "ckpt-000000040: committed" not in "".join(run.lines[:seen])
+    assert summary["test_accuracy"] > 0.9
+    assert procs.leftovers() == []
+
+
+def test_in_async_mode_a_killed_worker_is_restarted_alone_and_the_others_never_stop(procs):
+    run = Run(procs, "--mode", "async", epochs=8)
+    seen = run.wait_for("[worker1] epoch 2/8") + 1
+    run.kill("worker1")
+    seen = run.wait_for("restarting it alone", seen) + 1
+    resumed = run.wait_for("[worker1]", seen)
+    resumed = run.wait_for("resuming at step", resumed)
+    step = int(run.lines[resumed].split("resuming at step ")[1].split()[0])
+    summary = run.finish()
+    log = "".join(run.lines)
+    assert step >= 2 * 23  # two epochs of 23 batches were done: its data goes on from there
+    assert "rolling the whole cluster back" not in log and "resuming from ckpt" not in log
+    assert log.count("[worker0] epoch ") == 8  # worker 0 never restarted: one run through its epochs
     assert summary["test_accuracy"] > 0.9
     assert procs.leftovers() == []

@@ -65,12 +65,14 @@ class PushRecord:
     pushes: int = 0
     dropped: int = 0  # pushes a shard dropped as late (sync with backup workers)
     restored: int = 0  # the step of the checkpoint the shards started from (0: none)
+    position: int = 0  # steps this worker trained as the shards saw them (a restarted worker goes on there)
     base_versions: dict[int, int] = field(default_factory=dict)
 
     def note(self, metas: dict[int, dict], pushed: bool) -> None:
         for shard, meta in metas.items():
             self.base_versions[shard] = meta["version"]
             self.restored = max(self.restored, meta.get("restored", 0))
+            self.position = max(self.position, meta.get("position", 0))
         if "step" in next(iter(metas.values()), {}):
             self.step = max(meta.get("step", 0) for meta in metas.values())
         if pushed:
@@ -121,7 +123,8 @@ class PSClient:
                 by_shard.setdefault(part.shard, []).append((part.name, _rows(array, part)))
         for shard in by_shard:
             self._groups_on.setdefault(shard, set()).add(group)
-        meta = {"group": group, "optimizer": optimizer_spec, "consistency": self.consistency.to_dict()}
+        meta = {"group": group, "optimizer": optimizer_spec, "consistency": self.consistency.to_dict(),
+                "worker": self.worker}
         calls = [(shard, self.channels[shard].call("Register", codec.encode_parts(meta, tensors), self.rpc_timeout_s))
                  for shard, tensors in sorted(by_shard.items())]
         return PushPullHandle(calls, self._part_by_name, lambda metas: self.record.note(metas, False))

@@ -6,11 +6,14 @@ prefixed with its node ("[ps0] ...", "[worker1] ..."); a progress line sums the
 workers' steps, examples/s and loss. The run ends when every worker has exited: with 0 if
 all succeeded, else with the first failing worker's code, and no child left behind.
 
-Recovery: with checkpoints on (`checkpoint_dir`), a node killed by a signal (SIGKILL, the OOM
-killer, a crash) makes the launcher roll the whole cluster back: it stops every node and starts
-them all again with `resume`, so every shard and every worker's data position go back to the
-same checkpoint; at most `max_restarts` times. A worker that exits with an error code (a bug in
-the script) still ends the run.
+Recovery from a node killed by a signal (SIGKILL, the OOM killer, a crash), at most
+`max_restarts` times in all: in async and ssp modes a worker other than the chief is restarted
+alone (the others never stop; it adopts the PS's values and resumes its data where the PS counted
+its pushes). Any other node (a PS, the chief hosting the coordinator, or a worker in sync mode),
+with checkpoints on (`checkpoint_dir`), makes the launcher roll the whole cluster back: it stops
+every node and starts them all again with `resume`, so every shard and every worker's data
+position go back to the same checkpoint. A worker that exits with an error code (a bug in the
+script) still ends the run.
 """
 
 from __future__ import annotations
@@ -94,13 +97,17 @@ class LocalCluster:
             self._watching = True
             threading.Thread(target=self._watch, name="run-watch", daemon=True).start()
         for i in range(self.num_workers):
-            read_fd, write_fd = os.pipe()
-            env = self._env(replace(self.options, progress_fd=write_fd), self._tf_config(i))
-            self.workers.append(Child(f"worker{i}", self._node_argv(self.script, *self.args), env,
-                                      self._on_line, pass_fds=(write_fd,)))
-            os.close(write_fd)
-            threading.Thread(target=self._read_progress, args=(read_fd,), name=f"progress-worker{i}",
-                             daemon=True).start()
+            self.workers.append(self._start_worker(i))
+
+    def _start_worker(self, index: int) -> Child:
+        read_fd, write_fd = os.pipe()
+        env = self._env(replace(self.options, progress_fd=write_fd), self._tf_config(index))
+        child = Child(f"worker{index}", self._node_argv(self.script, *self.args), env, self._on_line,
+                      pass_fds=(write_fd,))
+        os.close(write_fd)
+        threading.Thread(target=self._read_progress, args=(read_fd,), name=f"progress-worker{index}",
+                         daemon=True).start()
+        return child
 
     def wait(self, timeout: float | None = None) -> int:
         """Block until all workers exited (or one failed, or a PS died); returns the run's exit code.
@@ -113,6 +120,9 @@ class LocalCluster:
         while pending:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             child = wait_any(pending + self.ps, min(left, 1.0) if left is not None else 1.0)
+            if child is not None and self._restartable_alone(child):
+                pending[pending.index(child)] = self._restart_worker(child)
+                continue
             if child is not None and self._recoverable(child):
                 self._roll_back(child)
                 pending = list(self.workers)
@@ -128,6 +138,21 @@ class LocalCluster:
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"workers still running after {timeout}s")
         return 0
+
+    def _restartable_alone(self, child: Child) -> bool:
+        code = child.poll()
+        return code is not None and code < 0 and child in self.workers[1:] and \
+            not self.options.mode.startswith("sync") and self.restarts < self.max_restarts
+
+    def _restart_worker(self, child: Child) -> Child:
+        self.restarts += 1
+        index = self.workers.index(child)
+        self._lines.write("run", f"{child.label} was killed (signal {-child.poll()}); restarting it alone "
+                                 f"(restart {self.restarts} of {self.max_restarts}); the others go on")
+        child.stop(1.0)
+        self.board.restart(index)
+        self.workers[index] = self._start_worker(index)
+        return self.workers[index]
 
     def _recoverable(self, child: Child) -> bool:
         code = child.poll()

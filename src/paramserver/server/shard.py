@@ -64,6 +64,7 @@ class Shard:
         self._groups: dict[str, DenseGroup] = {}
         self._group_of: dict[str, DenseGroup] = {}
         self._clocks: dict[int, int] = {}  # pushes applied per worker (ssp)
+        self._pushes_by: dict[int, int] = {}  # pushes taken per worker since this shard started
         self._left: set[int] = set()  # workers that finished: steps no longer wait for them
         self._round: SyncRound | None = None
         self._sums: dict[str, np.ndarray] = {}
@@ -116,6 +117,13 @@ class Shard:
                 raise FailedPreconditionError(
                     f"variable {name!r} was registered with shape {group.slots[name].shape}, not {tuple(value.shape)}")
 
+    def position(self, worker: int | None) -> int:
+        """Steps `worker` has trained as this shard saw them: the checkpoint's step it started from,
+        plus the worker's pushes since. A restarted worker resumes its data from here."""
+        base = self.restore.step if self.restore is not None else 0
+        with self._cond:
+            return base + (self._pushes_by.get(worker, 0) if worker is not None else 0)
+
     def snapshot(self, read: Callable[[dict[str, DenseGroup], int, int], T]) -> T:
         """Call `read(groups, version, sync_step)` while no push can change them (a checkpoint)."""
         with self._cond:
@@ -141,6 +149,8 @@ class Shard:
             spec = self.spec or ConsistencySpec()
             self._check_worker(spec, push.worker)
             self._left.discard(push.worker)
+            if push.worker is not None:
+                self._pushes_by[push.worker] = self._pushes_by.get(push.worker, 0) + 1
             staleness = max(0, self.version - push.base_version) if push.base_version is not None else 0
             if spec.mode == "sync":
                 return self._push_sync(spec, push, staleness)

@@ -49,9 +49,15 @@ class Context:
 
     @property
     def resume_step(self) -> int:
-        """The step of the checkpoint the cluster resumed from (0: a fresh start). Known once the
-        first optimizer exists; a script skips that many batches to resume its data where it was."""
-        return self.client.record.restored
+        """Steps this worker has trained already: the step of the checkpoint the cluster resumed
+        from, or, for a worker restarted alone, its pushes the PS counted (0: a fresh start).
+        Known once the first optimizer exists; a script skips that many batches."""
+        return self.client.record.position
+
+    @property
+    def rejoined(self) -> bool:
+        """Whether this worker was restarted into a running cluster (not a whole-cluster resume)."""
+        return self.client.record.position != self.client.record.restored
 
     def pauses_at(self, step: int) -> bool:
         """Whether the workers meet at a barrier after `step` (a checkpoint or a mode switch):
@@ -106,6 +112,10 @@ class Context:
         """Called by the optimizer after each step: progress, heartbeat step, the mode schedule."""
         self.progress.update(steps=1, staleness=self.client.record.staleness)
         self.coordinator.step = self.progress.steps
+        self.pause(step)
+
+    def pause(self, step: int) -> None:
+        """Meet the others at the barriers due after `step`: mode switches, checkpoints."""
         self.modes.on_step(step, self.options.rpc_timeout_s)
         if self.checkpointer is not None:
             self.checkpointer.on_step(step, self.options.rpc_timeout_s)

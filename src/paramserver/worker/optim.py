@@ -58,6 +58,10 @@ class PSOptimizer(torch.optim.Optimizer):
         log.info("%s: %d parameters registered on %d PS in %.2fs", self.name, len(self._vars),
                  self.context.num_ps, time.monotonic() - started)
         self.steps = self.context.resume_step  # step counts (checkpoints, schedules) go on from a restore
+        if self.steps:
+            log.info("%s: resuming at step %d", self.name, self.steps)
+        if self.context.rejoined and self.context.pauses_at(self.steps):
+            self.context.pause(self.steps)  # the others may wait at the barrier this worker died at
 
     def _group_name(self, index: int) -> str:
         return f"{self.name}.group{index}"
