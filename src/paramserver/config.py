@@ -89,6 +89,7 @@ class Options:
     heartbeat_timeout_s: float = 30.0  # a worker silent this long counts as gone
     checkpoint_dir: str = ""  # where checkpoints go: a path or fsspec URL; "" turns them off
     checkpoint_every: int = 0  # steps (each worker's own count) between checkpoints; 0: none
+    checkpoint_every_seconds: float = 0.0  # seconds (the chief's clock) between checkpoints; 0: none
     checkpoint_keep: int = 3  # complete checkpoints kept; older ones are deleted
     resume: int = 0  # 1: start from the latest complete checkpoint in checkpoint_dir (if any)
 

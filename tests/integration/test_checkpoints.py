@@ -74,3 +74,30 @@ def test_resume_skips_a_damaged_checkpoint_and_the_cli_names_the_file(procs, tmp
     assert saved["state_dict"]["0.weight"].shape == (16, 8)
     table = saved["embeddings"]["resume.table"]
     assert table["weight"].shape == (table["ids"].shape[0], 4) and set(table["ids"].tolist()) <= set(range(50))
+
+
+def test_timed_checkpoints_keep_each_async_workers_own_position(procs, tmp_path):
+    from paramserver.checkpoint.restore import RestoreSource
+    from paramserver.checkpoint.store import CheckpointStore
+
+    script = str(ROOT / "tests" / "integration" / "scripts" / "train_positions.py")
+    directory = str(tmp_path / "ckpt")
+
+    def run_positions(*flags: str) -> dict:
+        proc = procs.start([sys.executable, "-m", "paramserver", "run", "--ps", "2", "--workers", "2",
+                            "--progress-every", "0", "--checkpoint-dir", directory, *flags, script, "--",
+                            "--steps", "80"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        out, _ = proc.communicate(timeout=180)
+        assert proc.returncode == 0, out
+        return json.loads(out.strip().splitlines()[-1])
+
+    first = run_positions("--checkpoint-every-seconds", "0.4")
+    assert first["worker0_resumed_at"] == 0 and first["worker1_resumed_at"] == 0
+    store = CheckpointStore(directory)
+    assert len(store.complete()) >= 2
+    source = RestoreSource(store, store.complete()[-1])
+    positions = source.positions
+    assert set(positions) == {0, 1} and 0 < min(positions.values()) and max(positions.values()) <= 80
+    assert positions[0] != positions[1]  # async workers at different speeds: each has its own position
+    resumed = run_positions("--resume")
+    assert resumed["worker0_resumed_at"] == positions[0] and resumed["worker1_resumed_at"] == positions[1]

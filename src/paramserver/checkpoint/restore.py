@@ -51,6 +51,7 @@ class RestoreSource:
         self.step = int(self.manifest.get("step", 0))
         self.groups: dict[str, dict] = {}  # group -> {"spec", "vars": {var: DenseVariable}}
         self.tables: dict[str, SavedTable] = {}
+        self.positions: dict[int, int] = {}  # each worker's steps at the checkpoint
         pieces: dict[tuple[str, str], list] = {}
         for entry in store.shard_files(name, self.manifest):
             contents = shard_file.decode(store.read_shard(name, entry), f"checkpoint {name}: {entry.file}")
@@ -72,8 +73,14 @@ class RestoreSource:
                 log.warning("cannot resume from %s, trying the one before: %s", name, exc)
         return None
 
+    def position(self, worker: int | None) -> int:
+        """Steps `worker` had trained at this checkpoint (the checkpoint's step if not recorded)."""
+        return self.positions.get(worker, self.step) if worker is not None else self.step
+
     def _collect(self, contents: shard_file.ShardContents, pieces: dict) -> None:
         tensors = contents.tensors
+        for worker, position in contents.meta.get("positions", {}).items():
+            self.positions[int(worker)] = max(self.positions.get(int(worker), 0), position)
         for group, info in contents.meta["groups"].items():
             self.groups.setdefault(group, {"spec": info["spec"], "vars": {}})
             for part, steps in info["steps"].items():

@@ -34,10 +34,11 @@ class ShardContents:
 
 
 def encode(index: int, version: int, sync_step: int, groups: dict[str, DenseGroup],
-           tables: dict[str, EmbeddingTable]) -> bytes:
+           tables: dict[str, EmbeddingTable], positions: dict[int, int] | None = None) -> bytes:
     """The file's bytes; the caller holds the locks that keep groups and tables still."""
     tensors: dict[str, np.ndarray] = {}
-    meta: dict[str, Any] = {"shard": index, "version": version, "sync_step": sync_step, "groups": {}, "tables": {}}
+    meta: dict[str, Any] = {"shard": index, "version": version, "sync_step": sync_step, "groups": {}, "tables": {},
+                            "positions": {str(w): p for w, p in (positions or {}).items()}}
     for name, group in groups.items():
         meta["groups"][name] = {"spec": group.spec, "steps": dict(group.steps)}
         for part, slot in group.slots.items():
@@ -75,5 +76,5 @@ def decode(data: bytes, where: str) -> ShardContents:
 def write(store: CheckpointStore, name: str, shard: Shard, tables: TableStore) -> ShardFile:
     """Write `shard`'s file of checkpoint `name`: a snapshot taken while nothing changes it."""
     data = shard.snapshot(lambda groups, version, sync_step: tables.snapshot(
-        lambda saved_tables: encode(shard.index, version, sync_step, groups, saved_tables)))
+        lambda saved_tables: encode(shard.index, version, sync_step, groups, saved_tables, shard.positions())))
     return store.write_shard(name, shard.index, data)

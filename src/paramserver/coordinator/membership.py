@@ -36,6 +36,7 @@ class Coordinator:
         self._members: dict[int, Member] = {}
         self._barriers: dict[str, set[int]] = {}
         self._opened: set[str] = set()
+        self._checkpoints_requested = 0  # timed checkpoints asked for by the chief so far
         self._cond = threading.Condition()
 
     def join(self, worker: int) -> dict:
@@ -96,9 +97,18 @@ class Coordinator:
         return {m.worker for m in self._members.values()
                 if not m.left and now - m.last_seen <= self.heartbeat_timeout_s}
 
+    def request_checkpoint(self, worker: int) -> dict:
+        """Ask every worker to meet for a checkpoint after its current step (they learn it from the view)."""
+        self._check(worker)
+        with self._cond:
+            self._checkpoints_requested += 1
+            self._cond.notify_all()
+            return self._view()
+
     def _view(self) -> dict:
         return {"global_step": sum(m.step for m in self._members.values()),
-                "live": sorted(self._live()), "workers": self.num_workers}
+                "live": sorted(self._live()), "workers": self.num_workers,
+                "checkpoints_requested": self._checkpoints_requested}
 
     def view(self) -> dict:
         with self._cond:

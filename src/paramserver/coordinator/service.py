@@ -2,7 +2,8 @@
 
 Methods of service ``paramserver.Coordinator`` (frames without tensors; replies carry
 {"global_step", "live", "workers"}): ``Hello`` {}, ``Join`` {"worker"}, ``Heartbeat``
-{"worker", "step"}, ``Barrier`` {"worker", "name", "timeout"}, ``Leave`` {"worker"}.
+{"worker", "step"}, ``Barrier`` {"worker", "name", "timeout"}, ``Leave`` {"worker"},
+``RequestCheckpoint`` {"worker"} (views also carry "checkpoints_requested").
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class CoordinatorService:
             "Barrier": lambda meta: coordinator.barrier(str(meta.get("name")), _int(meta, "worker"),
                                                         float(meta.get("timeout", 60))),
             "Leave": lambda meta: coordinator.leave(_int(meta, "worker")),
+            "RequestCheckpoint": lambda meta: coordinator.request_checkpoint(_int(meta, "worker")),
         }
 
     def call(self, method: str, payload: bytes, sink: Callable[[list], Any] = b"".join) -> Any:
@@ -79,6 +81,10 @@ class CoordinatorClient:
     def barrier(self, name: str, timeout: float) -> dict:
         """Wait until every live worker reached barrier `name`."""
         return self._call("Barrier", timeout + 5, name=name, timeout=timeout)
+
+    def request_checkpoint(self) -> dict:
+        """Ask every worker for a checkpoint after its current step (the chief's timer)."""
+        return self._call("RequestCheckpoint")
 
     def _beat(self) -> None:
         while not self._stopping.wait(self.heartbeat_s):

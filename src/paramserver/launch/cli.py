@@ -69,6 +69,8 @@ def _add_mode_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode-schedule", help="switch modes at the chief's steps, e.g. 'sync@500'")
     parser.add_argument("--checkpoint-dir", help="write checkpoints here (a path or fsspec URL, e.g. s3://b/run)")
     parser.add_argument("--checkpoint-every", type=int, help="steps between checkpoints (each worker's count)")
+    parser.add_argument("--checkpoint-every-seconds", type=float,
+                        help="seconds between checkpoints, by the chief's clock")
     parser.add_argument("--keep", type=int, help=f"complete checkpoints kept (default {Options.checkpoint_keep})")
     parser.add_argument("--resume", action="store_true", default=None,
                         help="start from the latest complete checkpoint in --checkpoint-dir (fresh if none)")
@@ -78,6 +80,7 @@ def mode_options(args: argparse.Namespace) -> dict:
     """The consistency and checkpoint options given on the command line (unset ones left out)."""
     given = {"mode": args.mode, "backup_workers": args.backup_workers, "mode_schedule": args.mode_schedule,
              "checkpoint_dir": args.checkpoint_dir, "checkpoint_every": args.checkpoint_every,
+             "checkpoint_every_seconds": args.checkpoint_every_seconds,
              "checkpoint_keep": args.keep, "resume": 1 if args.resume else None}
     return {key: value for key, value in given.items() if value is not None}
 

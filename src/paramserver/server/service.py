@@ -20,8 +20,9 @@ Methods (request meta -> reply meta; tensors as named):
 - ``PushSparse``: {"table"} + "ids", "grads" -> {}
 - ``Checkpoint``: {"dir", "name"} -> {"index", "file", "bytes", "sha256"}: this shard's file of
   checkpoint `name`, written to `dir` (a path or fsspec URL)
-``Register`` (meta may name the "worker") replies also carry "restored", the step of the checkpoint
-the shard started from (0: none), and "position", the steps that worker trained as the shard saw them.
+``Register`` (meta may name the "worker") replies also carry "restored", that worker's step in
+the checkpoint the shard started from (0: none), and "position", the steps that worker trained as
+the shard saw them.
 ``RegisterTable`` may carry "capacity" and "num_shards" (the shards the table spreads over).
 Thread-safe.
 """
@@ -72,8 +73,8 @@ class ShardService:
         consistency = frame.meta.get("consistency")
         spec = ConsistencySpec.from_dict(consistency) if isinstance(consistency, dict) else None
         self.shard.register(group, optimizer, frame.tensors, spec)
-        extra = {"position": self.shard.position(_optional_int(frame.meta, "worker")),
-                 "restored": self.shard.restore.step if self.shard.restore is not None else 0}
+        worker = _optional_int(frame.meta, "worker")
+        extra = {"position": self.shard.position(worker), "restored": self.shard.restored_position(worker)}
         return self.shard.pull(frame.tensors, _reply(sink, extra))
 
     def push_pull(self, payload: bytes, sink: Sink) -> Any:

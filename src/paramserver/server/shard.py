@@ -118,11 +118,20 @@ class Shard:
                     f"variable {name!r} was registered with shape {group.slots[name].shape}, not {tuple(value.shape)}")
 
     def position(self, worker: int | None) -> int:
-        """Steps `worker` has trained as this shard saw them: the checkpoint's step it started from,
-        plus the worker's pushes since. A restarted worker resumes its data from here."""
-        base = self.restore.step if self.restore is not None else 0
+        """Steps `worker` has trained as this shard saw them: its position in the checkpoint the
+        shard started from, plus its pushes since. A restarted worker resumes its data from here."""
+        if worker is None:
+            return self.restored_position(None)
         with self._cond:
-            return base + (self._pushes_by.get(worker, 0) if worker is not None else 0)
+            return self.restored_position(worker) + self._pushes_by.get(worker, 0)
+
+    def restored_position(self, worker: int | None) -> int:
+        return self.restore.position(worker) if self.restore is not None else 0
+
+    def positions(self) -> dict[int, int]:
+        """Every known worker's position (see `position`)."""
+        known = set(self._pushes_by) | (set(self.restore.positions) if self.restore is not None else set())
+        return {worker: self.position(worker) for worker in sorted(known)}
 
     def snapshot(self, read: Callable[[dict[str, DenseGroup], int, int], T]) -> T:
         """Call `read(groups, version, sync_step)` while no push can change them (a checkpoint)."""

@@ -78,12 +78,13 @@ def cluster_context(config: NodeConfig) -> Context:
     coordinator.start(options.connect_timeout_s)
     modes = ModeSwitcher(client, index, workers, options.mode_schedule, options.backup_workers, coordinator.barrier)
     checkpointer = None
-    if options.checkpoint_dir and options.checkpoint_every:
+    if options.checkpoint_dir and (options.checkpoint_every or options.checkpoint_every_seconds):
         from ..checkpoint.store import CheckpointStore
         from .checkpoints import Checkpointer
 
         checkpointer = Checkpointer(client, CheckpointStore(options.checkpoint_dir), options.checkpoint_every,
-                                    options.checkpoint_keep, index, coordinator.barrier)
+                                    options.checkpoint_keep, index, coordinator.barrier,
+                                    options.checkpoint_every_seconds, coordinator)
     log.info("worker %d of %d joined %d PS (%s); coordinator at %s", index, workers, len(channels), spec,
              coordinator_address)
     return Context(index, workers, len(channels), client, options, False, ProgressWriter(options.progress_fd, index),
