@@ -10,6 +10,7 @@ import pytest
 
 from paramserver.data import criteo
 from paramserver.data.loader import BatchLoader, LoaderError
+from paramserver.errors import InvalidArgumentError
 
 
 def line(rng: np.random.Generator) -> str:
@@ -74,7 +75,7 @@ def _local_batches():
 
 
 def test_only_importable_functions_can_run_in_a_loader():
-    with pytest.raises(ValueError, match="module-level"):
+    with pytest.raises(InvalidArgumentError, match="module-level"):
         BatchLoader(lambda: iter([1]))
-    with pytest.raises(ValueError, match="depth"):
+    with pytest.raises(InvalidArgumentError, match="depth"):
         BatchLoader(criteo.array_batches, "x", 1, depth=0)

@@ -28,7 +28,7 @@ import sys
 import threading
 from typing import Any, Callable, Iterator
 
-from ..errors import ParamServerError
+from ..errors import InvalidArgumentError, ParamServerError
 from ..launch.processes import die_with_parent
 
 log = logging.getLogger(__name__)
@@ -50,9 +50,9 @@ class BatchLoader:
     def __init__(self, fn: Callable[..., Iterator[Any]], *args: Any, depth: int = 8, timeout_s: float = 300.0,
                  **kwargs: Any) -> None:
         if depth < 1:
-            raise ValueError(f"loader depth must be at least 1, got {depth}")
+            raise InvalidArgumentError(f"loader depth must be at least 1, got {depth}")
         if getattr(fn, "__module__", "__main__") == "__main__" or "<locals>" in fn.__qualname__:
-            raise ValueError(f"{fn!r}: a loader runs module-level functions of importable modules only")
+            raise InvalidArgumentError(f"{fn!r}: a loader runs module-level functions of importable modules only")
         self._job = (fn.__module__, fn.__qualname__, args, kwargs)
         self.timeout_s = timeout_s
         self._ready: queue.Queue = queue.Queue(maxsize=depth)
