@@ -1,7 +1,7 @@
 """Chaos: kill -9 a worker, then a PS, then the chief while digits train with checkpoints every
 20 steps; the run must finish by itself with the accuracy of an undisturbed run. A PS killed
 while it writes a checkpoint: the previous checkpoint is what the cluster comes back from. In
-async mode, a killed worker is restarted alone while the others go on.
+async mode, or sync with backup workers, a killed worker is restarted alone while the others go on.
 
 Sync mode makes training deterministic given each worker's data position, so a run that rolled
 back three times ends at the undisturbed run's accuracy (within float summation order).
@@ -103,8 +103,10 @@ def test_a_ps_killed_while_writing_a_checkpoint_leaves_the_previous_one_to_resum
     assert procs.leftovers() == []
 
 
-def test_in_async_mode_a_killed_worker_is_restarted_alone_and_the_others_never_stop(procs):
-    run = Run(procs, "--mode", "async", epochs=8)
+@pytest.mark.parametrize("mode", [["--mode", "async"], ["--mode", "sync", "--backup-workers", "1"]],
+                         ids=["async", "sync-with-a-backup"])
+def test_a_killed_worker_is_restarted_alone_and_the_others_never_stop(procs, mode):
+    run = Run(procs, *mode, epochs=8)
     seen = run.wait_for("[worker1] epoch 2/8") + 1
     run.kill("worker1")
     seen = run.wait_for("restarting it alone", seen) + 1
@@ -114,6 +116,7 @@ def test_in_async_mode_a_killed_worker_is_restarted_alone_and_the_others_never_s
     summary = run.finish()
     log = "".join(run.lines)
     assert step >= 2 * 23  # two epochs of 23 batches were done: its data goes on from there
+    # (async: where the PS counted its pushes; sync: the cluster's current step, as a backup joins)
     assert "rolling the whole cluster back" not in log and "resuming from ckpt" not in log
     assert log.count("[worker0] epoch ") == 8  # worker 0 never restarted: one run through its epochs
     assert summary["test_accuracy"] > 0.9

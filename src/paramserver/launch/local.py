@@ -7,9 +7,10 @@ workers' steps, examples/s and loss. The run ends when every worker has exited: 
 all succeeded, else with the first failing worker's code, and no child left behind.
 
 Recovery from a node killed by a signal (SIGKILL, the OOM killer, a crash), at most
-`max_restarts` times in all: in async and ssp modes a worker other than the chief is restarted
-alone (the others never stop; it adopts the PS's values and resumes its data where the PS counted
-its pushes). Any other node (a PS, the chief hosting the coordinator, or a worker in sync mode),
+`max_restarts` times in all: in async and ssp modes, and in sync mode with backup workers, a
+worker other than the chief is restarted alone (the others never stop; it adopts the PS's values
+and resumes its data at its position as the PS counted it). Any other node (a PS, the chief
+hosting the coordinator, or a sync worker without backups),
 with checkpoints on (`checkpoint_dir`), makes the launcher roll the whole cluster back: it stops
 every node and starts them all again with `resume`, so every shard and every worker's data
 position go back to the same checkpoint. A worker that exits with an error code (a bug in the
@@ -141,8 +142,9 @@ class LocalCluster:
 
     def _restartable_alone(self, child: Child) -> bool:
         code = child.poll()
-        return code is not None and code < 0 and child in self.workers[1:] and \
-            not self.options.mode.startswith("sync") and self.restarts < self.max_restarts
+        alone_is_safe = not self.options.mode.startswith("sync") or self.options.backup_workers > 0
+        return code is not None and code < 0 and child in self.workers[1:] and alone_is_safe and \
+            self.restarts < self.max_restarts
 
     def _restart_worker(self, child: Child) -> Child:
         self.restarts += 1

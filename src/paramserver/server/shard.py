@@ -119,10 +119,14 @@ class Shard:
 
     def position(self, worker: int | None) -> int:
         """Steps `worker` has trained as this shard saw them: its position in the checkpoint the
-        shard started from, plus its pushes since. A restarted worker resumes its data from here."""
+        shard started from, plus its pushes since; in sync mode, where workers go in lockstep, the
+        steps applied since (a worker restarted alone joins the current step, as a backup would).
+        A restarted worker resumes its data from here."""
         if worker is None:
             return self.restored_position(None)
         with self._cond:
+            if self.spec is not None and self.spec.mode == "sync":
+                return self.restored_position(worker) + self.sync_step
             return self.restored_position(worker) + self._pushes_by.get(worker, 0)
 
     def restored_position(self, worker: int | None) -> int:
