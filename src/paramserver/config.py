@@ -93,6 +93,13 @@ class Options:
     checkpoint_keep: int = 3  # complete checkpoints kept; older ones are deleted
     resume: int = 0  # 1: start from the latest complete checkpoint in checkpoint_dir (if any)
 
+    def __post_init__(self) -> None:
+        if self.checkpoint_every < 0 or self.checkpoint_every_seconds < 0 or self.checkpoint_keep < 1:
+            raise ConfigError(f"checkpoint options out of range: every {self.checkpoint_every} steps (>= 0), "
+                              f"every {self.checkpoint_every_seconds} s (>= 0), keep {self.checkpoint_keep} (>= 1)")
+        if (self.checkpoint_every or self.checkpoint_every_seconds or self.resume) and not self.checkpoint_dir:
+            raise ConfigError("checkpoint_every, checkpoint_every_seconds and resume need a checkpoint_dir")
+
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "Options":
         known = {f.name: f.type for f in fields(cls)}

@@ -57,3 +57,14 @@ def test_options_come_from_the_environment_once():
 
 def test_cluster_spec_round_trips():
     assert ClusterSpec.from_dict(SEED).to_dict() == SEED
+
+
+@pytest.mark.parametrize("values, fragment", [
+    ({"checkpoint_every": -1, "checkpoint_dir": "/tmp/x"}, "out of range"),
+    ({"checkpoint_keep": 0}, "keep 0"),
+    ({"checkpoint_every": 10}, "need a checkpoint_dir"),
+    ({"resume": 1}, "need a checkpoint_dir"),
+])
+def test_bad_checkpoint_options_are_refused_at_start(values, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        Options.from_dict(values)
