@@ -57,11 +57,10 @@ class RestoreSource:
             contents = shard_file.decode(store.read_shard(name, entry), f"checkpoint {name}: {entry.file}")
             self._collect(contents, pieces)
         for (group, var), parts in pieces.items():
-            parts.sort(key=lambda p: p[0])
-            value = np.concatenate([p[1] for p in parts]) if parts[0][0] is not None else parts[0][1]
-            state = {key: (np.concatenate([p[2][key] for p in parts]) if parts[0][0] is not None else parts[0][2][key])
-                     for key in parts[0][2]}
-            self.groups[group]["vars"][var] = DenseVariable(value, state, max(p[3] for p in parts))
+            parts.sort(key=lambda p: p[0] or 0)  # row ranges in order (a whole variable has one part)
+            state = {key: np.concatenate([p[2][key] for p in parts]) for key in parts[0][2]}
+            self.groups[group]["vars"][var] = DenseVariable(np.concatenate([p[1] for p in parts]), state,
+                                                            max(p[3] for p in parts))
 
     @classmethod
     def latest(cls, store: CheckpointStore) -> "RestoreSource | None":

@@ -24,7 +24,6 @@ from ..server.tables import TableStore
 from .store import CheckpointError, CheckpointStore, ShardFile
 
 _META_KEY = "paramserver"
-TABLE_EXTRAS = ("row_step", "last_seen", "seen")
 
 
 @dataclass
@@ -49,7 +48,7 @@ def encode(index: int, version: int, sync_step: int, groups: dict[str, DenseGrou
         ids, order = table.index.items()
         meta["tables"][name] = {"dim": table.dim, "spec": table.spec, "init": table.init,
                                 "policy": asdict(table.policy), "counters": dict(table.counters),
-                                "steps": table.steps, "state": sorted(k for k in table.state if k != "row_step")}
+                                "steps": table.steps}
         tensors[f"table/{name}/ids"] = ids
         tensors[f"table/{name}/values"] = table.values[order]
         for key, array in table.state.items():

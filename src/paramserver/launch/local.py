@@ -113,8 +113,8 @@ class LocalCluster:
     def wait(self, timeout: float | None = None) -> int:
         """Block until all workers exited (or one failed, or a PS died); returns the run's exit code.
 
-        A node killed by a signal, with checkpoints on and restarts left, rolls the cluster back
-        (see the module docstring) and the wait goes on.
+        A node killed by a signal, with restarts left, is recovered from (a worker restarted alone,
+        or the cluster rolled back; see the module docstring) and the wait goes on.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         pending = list(self.workers)
@@ -140,11 +140,13 @@ class LocalCluster:
                 raise TimeoutError(f"workers still running after {timeout}s")
         return 0
 
-    def _restartable_alone(self, child: Child) -> bool:
+    def _killed_with_restarts_left(self, child: Child) -> bool:
         code = child.poll()
+        return code is not None and code < 0 and self.restarts < self.max_restarts
+
+    def _restartable_alone(self, child: Child) -> bool:
         alone_is_safe = not self.options.mode.startswith("sync") or self.options.backup_workers > 0
-        return code is not None and code < 0 and child in self.workers[1:] and alone_is_safe and \
-            self.restarts < self.max_restarts
+        return self._killed_with_restarts_left(child) and child in self.workers[1:] and alone_is_safe
 
     def _restart_worker(self, child: Child) -> Child:
         self.restarts += 1
@@ -157,9 +159,7 @@ class LocalCluster:
         return self.workers[index]
 
     def _recoverable(self, child: Child) -> bool:
-        code = child.poll()
-        return code is not None and code < 0 and bool(self.options.checkpoint_dir) and \
-            self.restarts < self.max_restarts
+        return self._killed_with_restarts_left(child) and bool(self.options.checkpoint_dir)
 
     def _roll_back(self, child: Child, timeout: float = 120.0) -> None:
         """Stop every node and start them all again from the latest complete checkpoint."""

@@ -256,7 +256,7 @@ class StreamCall(CallHandle):
     the next call on the stream, which then keeps an owned copy for this one)."""
 
     def __init__(self, client: "StreamClient", describe: str, deadline: float, owned: bool) -> None:
-        self._client, self._describe, self.deadline, self.owned = client, describe, deadline, owned
+        self._client, self.describe, self.deadline, self.owned = client, describe, deadline, owned
         self.reply: memoryview | bytes | None = None
         self.error: ParamServerError | None = None
 
@@ -341,11 +341,11 @@ class StreamClient:
             if call.owned or reply_size <= _OWNED_REPLY_BYTES:
                 reply = bytes(reply)
         except (OSError, ConnectionError, MalformedFrameError) as exc:
-            call.error = self._broken(call._describe, exc)
+            call.error = self._broken(call.describe, exc)
             return
         if status:
             call.error = error_for_status(_CODES.get(status, grpc.StatusCode.UNKNOWN),
-                                          f"{call._describe}: {bytes(reply).decode(errors='replace')}")
+                                          f"{call.describe}: {bytes(reply).decode(errors='replace')}")
         else:
             call.reply = reply
 
