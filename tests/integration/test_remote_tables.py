@@ -53,6 +53,17 @@ def call(channel, method, meta, tensors=()):
     ("PushSparse", {"table": "t"}, [("ids", np.array([1], np.int64)), ("grads", np.full((1, 4), np.nan, np.float32))],
      ps.InvalidArgumentError, "NaN"),
     ("PushSparse", {"table": "t"}, [("ids", np.array([1], np.int64))], ps.InvalidArgumentError, "'grads'"),
+    # row pushes and lookups riding along a PushPull: all checked before anything changes
+    ("PushPull", {"pull": [], "sparse": [["t", "~s.ids", "~s.grads"]]},
+     [("~s.ids", np.array([1], np.int64)), ("~s.grads", np.full((1, 4), np.nan, np.float32))],
+     ps.InvalidArgumentError, "NaN"),
+    ("PushPull", {"pull": [], "sparse": [["t", "~s.ids", "~s.grads"]], "lookup": [["nope", "~l.ids", "~l.rows"]]},
+     [("~s.ids", np.array([1], np.int64)), ("~s.grads", np.ones((1, 4), np.float32)),
+      ("~l.ids", np.array([5], np.int64))], ps.NotFoundError, "no table 'nope'"),
+    ("PushPull", {"pull": [], "sparse": [["t", "s.ids", "s.grads"]]},
+     [("s.ids", np.array([1], np.int64)), ("s.grads", np.ones((1, 4), np.float32))],
+     ps.InvalidArgumentError, "start with '~'"),
+    ("PushPull", {"pull": [], "lookup": "t"}, [], ps.InvalidArgumentError, "list of \\[table, name, name\\]"),
 ])
 def test_bad_table_requests_are_refused_and_change_nothing(shards, method, meta, tensors, error, fragment):
     channels, tables = shards

@@ -123,8 +123,29 @@ def test_a_table_looked_up_twice_in_a_step_gets_the_summed_gradient(fresh_contex
     assert ((ours - reference.weight.detach()).norm() / reference.weight.norm()).item() < 1e-5
 
 
-def test_prefetched_rows_are_read_before_this_steps_update_and_used_by_the_same_ids_only(fresh_context):
-    ps.init(num_ps=2)
+def record_calls(ctx):
+    """Wrap the context's shard channels so that every method called is recorded."""
+    methods = []
+    for channel in ctx.client.channels:
+        call = channel.call
+
+        def recording(method, *args, _call=call, **kwargs):
+            methods.append(method)
+            return _call(method, *args, **kwargs)
+        channel.call = recording
+    return methods
+
+
+def train_step_with_prefetch(embedding, opt, batch, upcoming):
+    opt.zero_grad()
+    loss = embedding(batch).sum()
+    embedding.prefetch(upcoming)  # as a training loop does, before the backward
+    loss.backward()
+    opt.step()
+
+
+def test_prefetched_rows_ride_along_the_step_and_include_its_update(fresh_context):
+    ctx = ps.init(num_ps=2)
     embedding = ps.nn.HashEmbedding(DIM, std=0.1)
     opt = ps.optim.SGD(embedding.parameters(), lr=1.0)
     first, upcoming = torch.tensor([[1, 2]]), torch.tensor([[2, 3]])  # id 2 in both batches
@@ -133,16 +154,34 @@ def test_prefetched_rows_are_read_before_this_steps_update_and_used_by_the_same_
     loss = embedding(first).sum()
     embedding.prefetch(upcoming)  # as a training loop does, before the backward
     loss.backward()
+    methods = record_calls(ctx)
     opt.step()  # moves row 2 by -1 in every column
-    fresh = embedding(upcoming.clone()).detach()  # another ids object: the prefetch is not used
-    torch.testing.assert_close(fresh[0, 0], before[0, 0] - 1)
-    embedding.prefetch(upcoming)
-    torch.testing.assert_close(embedding(upcoming).detach(), fresh)  # nothing changed since: the same rows
-    opt.zero_grad()
-    loss = embedding(first).sum()
-    embedding.prefetch(upcoming)
-    loss.backward()
-    opt.step()
-    stale = embedding(upcoming).detach()
-    torch.testing.assert_close(stale, fresh)  # row 2 as it was before this step's update: one update staler
-    torch.testing.assert_close(embedding(upcoming.clone()).detach()[0, 0], fresh[0, 0] - 1)
+    prefetched = embedding(upcoming).detach()
+    assert methods == ["PushPull", "PushPull"]  # one request per shard: row gradients and lookup together
+    torch.testing.assert_close(prefetched[0, 0], before[0, 0] - 1)  # read after this step's update
+    torch.testing.assert_close(prefetched, embedding(upcoming.clone()).detach())  # = a plain lookup
+
+
+def test_a_prefetch_is_used_by_the_same_ids_object_only(fresh_context):
+    ctx = ps.init(num_ps=1)
+    embedding = ps.nn.HashEmbedding(DIM, std=0.1)
+    opt = ps.optim.SGD(embedding.parameters(), lr=1.0)
+    first, upcoming = torch.tensor([[1, 2]]), torch.tensor([[2, 3]])
+    embedding(first)
+    train_step_with_prefetch(embedding, opt, first, upcoming)
+    methods = record_calls(ctx)
+    embedding(upcoming.clone())  # equal ids, another object: looked up anew, the prefetch dropped
+    embedding(upcoming)
+    assert methods == ["Lookup", "Lookup"]
+
+
+def test_with_overlap_a_prefetch_goes_out_at_once_one_update_staler(fresh_context):
+    ps.init(num_ps=2)
+    embedding = ps.nn.HashEmbedding(DIM, std=0.1)
+    opt = ps.optim.SGD(embedding.parameters(), lr=1.0, overlap=True)
+    first, upcoming = torch.tensor([[1, 2]]), torch.tensor([[2, 3]])
+    before = embedding(upcoming).detach().clone()
+    train_step_with_prefetch(embedding, opt, first, upcoming)
+    torch.testing.assert_close(embedding(upcoming).detach(), before)  # read before this step's update
+    opt.synchronize()
+    torch.testing.assert_close(embedding(upcoming.clone()).detach()[0, 0], before[0, 0] - 1)

@@ -21,6 +21,7 @@ from ..server.consistency import ConsistencySpec
 from ..transport import codec
 from ..transport.channel import CallHandle, ShardChannel
 from .placement import DEFAULT_SPLIT_BYTES, Part, Placer
+from .tables import StepRiders
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,7 @@ class PushPullHandle:
     calls: list[tuple[int, CallHandle]]
     parts: dict[str, Part]
     on_reply: Callable[[dict[int, dict]], None] | None = None
+    riders: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)  # filled by wait: "~" tensors by shard
 
     def wait_sent(self, timeout: float) -> None:
         """Return once every request was copied out: the pushed arrays may then change."""
@@ -49,7 +51,11 @@ class PushPullHandle:
         for shard, call in self.calls:
             frame = codec.decode(call.wait(max(0.0, deadline - time.monotonic())))
             metas[shard] = frame.meta
-            values.extend((self.parts[name], array) for name, array in frame.tensors.items())
+            for name, array in frame.tensors.items():
+                if name.startswith("~"):
+                    self.riders.setdefault(shard, {})[name] = array
+                else:
+                    values.append((self.parts[name], array))
         if self.on_reply is not None:
             self.on_reply(metas)
         return metas, values
@@ -130,12 +136,14 @@ class PSClient:
         return PushPullHandle(calls, self._part_by_name, lambda metas: self.record.note(metas, False))
 
     def push_pull(self, grads: dict[str, np.ndarray], pull: list[str], lrs: dict[str, float] | None = None,
-                  base_versions: dict[int, int] | None = None, owned: bool = False) -> PushPullHandle:
+                  base_versions: dict[int, int] | None = None, owned: bool = False,
+                  riders: StepRiders | None = None) -> PushPullHandle:
         """Push `grads` (by variable) and pull the variables in `pull`, one request per shard involved.
 
         `base_versions` are the shard versions the gradients were computed from (default: the
         latest replies'), for the shards to measure staleness. `owned` replies stay valid while
-        other calls go out (for a handle waited on later).
+        other calls go out (for a handle waited on later). `riders`: embedding-row pushes and
+        lookups sent in the same requests (their rows come back in the handle's `riders`).
         """
         bases = self.record.base_versions if base_versions is None else base_versions
         pushed: dict[int, list[tuple[str, np.ndarray]]] = {}
@@ -147,14 +155,16 @@ class PSClient:
             for part in self.parts_of[var]:
                 pulled.setdefault(part.shard, []).append(part.name)
         calls = []
-        for shard in sorted(set(pushed) | set(pulled)):
-            meta = {"pull": pulled.get(shard, []), "worker": self.worker, "step": self.record.step}
+        ride_meta, ride_tensors = (riders.meta, riders.tensors) if riders is not None else ({}, {})
+        for shard in sorted(set(pushed) | set(pulled) | set(ride_meta)):
+            meta = {"pull": pulled.get(shard, []), "worker": self.worker, "step": self.record.step,
+                    **ride_meta.get(shard, {})}
             if shard in bases:
                 meta["base"] = bases[shard]
             shard_lrs = {g: lr for g, lr in (lrs or {}).items() if g in self._groups_on.get(shard, ())}
             if shard_lrs:
                 meta["lr"] = shard_lrs
-            payload = codec.encode_parts(meta, pushed.get(shard, ()))
+            payload = codec.encode_parts(meta, [*pushed.get(shard, ()), *ride_tensors.get(shard, ())])
             calls.append((shard, self.channels[shard].call("PushPull", payload, self.rpc_timeout_s, owned)))
         return PushPullHandle(calls, self._part_by_name, lambda metas: self.record.note(metas, bool(grads)))
 

@@ -7,6 +7,7 @@ the same id always meets the same row. Thread-safety as PSClient: one training t
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import numpy as np
 
@@ -33,6 +34,56 @@ class RowsHandle:
                 rows = np.empty((self._count, got.shape[1]), np.float32)
             rows[where] = got
         return rows if rows is not None else np.empty((0, 0), np.float32)
+
+
+class StepRiders:
+    """Row pushes and lookups that ride along a step's PushPull, so that one request per shard
+    carries the dense gradients, the row gradients and the next batch's lookups together.
+
+    Request meta per shard: "sparse": [[table, ids name, grads name]], "lookup": [[table, ids
+    name, rows name]]; rider tensors are named with a leading "~" (never a variable's name).
+    The shard applies the row pushes with the dense push and reads the lookups after both, so
+    the rows include this step's update. Built by TableClient.riders(); not thread-safe.
+    """
+
+    def __init__(self, split: Callable[[np.ndarray], list]) -> None:
+        self._split = split
+        self.meta: dict[int, dict[str, list]] = {}
+        self.tensors: dict[int, list[tuple[str, np.ndarray]]] = {}
+        self._lookups: list[tuple[int, list[tuple[int, np.ndarray, str]]]] = []  # (count, [(shard, where, rows name)])
+
+    def push(self, table: str, ids: np.ndarray, grads: np.ndarray) -> None:
+        for shard, where, part in self._split(ids):
+            name = self._name(shard, "s")
+            self.meta.setdefault(shard, {}).setdefault("sparse", []).append([table, name + ".ids", name + ".grads"])
+            self.tensors.setdefault(shard, []).extend([(name + ".ids", part), (name + ".grads", grads[where])])
+
+    def lookup(self, table: str, ids: np.ndarray) -> int:
+        """Add a lookup of distinct `ids`; returns its index in `rows()`."""
+        placed = []
+        for shard, where, part in self._split(ids):
+            name = self._name(shard, "l")
+            self.meta.setdefault(shard, {}).setdefault("lookup", []).append([table, name + ".ids", name + ".rows"])
+            self.tensors.setdefault(shard, []).append((name + ".ids", part))
+            placed.append((shard, where, name + ".rows"))
+        self._lookups.append((ids.shape[0], placed))
+        return len(self._lookups) - 1
+
+    def rows(self, replies: dict[int, dict[str, np.ndarray]]) -> list[np.ndarray]:
+        """The rows of each lookup (copies), from each shard's reply tensors."""
+        out = []
+        for count, placed in self._lookups:
+            rows = None
+            for shard, where, name in placed:
+                got = replies[shard][name]
+                if rows is None:
+                    rows = np.empty((count, got.shape[1]), np.float32)
+                rows[where] = got
+            out.append(rows if rows is not None else np.empty((0, 0), np.float32))
+        return out
+
+    def _name(self, shard: int, kind: str) -> str:
+        return f"~{kind}{len(self.tensors.get(shard, ()))}"
 
 
 class TableClient:
@@ -65,6 +116,10 @@ class TableClient:
         return [self.channels[shard].call("PushSparse", codec.encode_parts(
             {"table": table}, [("ids", part), ("grads", grads[where])]), self.rpc_timeout_s)
             for shard, where, part in self._split(ids)]
+
+    def riders(self) -> StepRiders:
+        """An empty set of row pushes and lookups to send with a step's PushPull."""
+        return StepRiders(self._split)
 
     def wait_all(self, calls: list) -> None:
         """Wait for calls in flight (e.g. from `push`), all within one deadline."""

@@ -60,27 +60,42 @@ static inline uint64_t mix64(uint64_t x) { /* the murmur3 finalizer, as hash_ind
     return x ^ (x >> 33);
 }
 
-/* Row of each id in an open-addressing index (linear probing; rows[s] < 0 marks an empty
- * slot; capacity a power of two), or -1 where the id is absent. */
-void ps_index_find(const int64_t *keys, const int64_t *rows, int64_t capacity, const int64_t *ids, int64_t n,
-                   int64_t *out) {
+/* The index is one array of (key, row) slots, so a probe reads one cache line; row < 0 marks
+ * an empty slot; capacity is a power of two; linear probing. The loops prefetch the slot (or
+ * row) AHEAD ids on: at random positions in tables of hundreds of MB, waiting on memory is most
+ * of the work, and issuing the loads early lets them overlap. */
+#define AHEAD 8
+
+static inline uint64_t slot_of(int64_t id, uint64_t mask) { return mix64((uint64_t)id) & mask; }
+
+/* Row of each id, or -1 where the id is absent. */
+void ps_index_find(const int64_t *slots, int64_t capacity, const int64_t *ids, int64_t n, int64_t *out) {
     uint64_t mask = (uint64_t)capacity - 1;
     for (int64_t i = 0; i < n; i++) {
-        uint64_t s = mix64((uint64_t)ids[i]) & mask;
-        while (rows[s] >= 0 && keys[s] != ids[i]) s = (s + 1) & mask;
-        out[i] = rows[s];
+        if (i + AHEAD < n) __builtin_prefetch(&slots[2 * slot_of(ids[i + AHEAD], mask)]);
+        uint64_t s = slot_of(ids[i], mask);
+        while (slots[2 * s + 1] >= 0 && slots[2 * s] != ids[i]) s = (s + 1) & mask;
+        out[i] = slots[2 * s + 1];
     }
 }
 
 /* Store absent, distinct ids with the given rows. The caller keeps the index at most half full. */
-void ps_index_place(int64_t *keys, int64_t *rows, int64_t capacity, const int64_t *ids, const int64_t *new_rows,
-                    int64_t n) {
+void ps_index_place(int64_t *slots, int64_t capacity, const int64_t *ids, const int64_t *new_rows, int64_t n) {
     uint64_t mask = (uint64_t)capacity - 1;
     for (int64_t i = 0; i < n; i++) {
-        uint64_t s = mix64((uint64_t)ids[i]) & mask;
-        while (rows[s] >= 0) s = (s + 1) & mask;
-        keys[s] = ids[i];
-        rows[s] = new_rows[i];
+        if (i + AHEAD < n) __builtin_prefetch(&slots[2 * slot_of(ids[i + AHEAD], mask)], 1);
+        uint64_t s = slot_of(ids[i], mask);
+        while (slots[2 * s + 1] >= 0) s = (s + 1) & mask;
+        slots[2 * s] = ids[i];
+        slots[2 * s + 1] = new_rows[i];
+    }
+}
+
+/* out (n x dim) = values[rows] (rows >= 0). */
+void ps_gather_rows(const float *values, const int64_t *rows, int64_t n, int64_t dim, float *out) {
+    for (int64_t i = 0; i < n; i++) {
+        if (i + AHEAD < n) __builtin_prefetch(&values[rows[i + AHEAD] * dim]);
+        memcpy(&out[i * dim], &values[rows[i] * dim], (size_t)dim * sizeof(float));
     }
 }
 
@@ -110,6 +125,12 @@ void ps_random_rows(const int64_t *ids, int64_t n, int64_t dim, int kind, float 
 void ps_sparse_adam(float *p, float *m, float *v, const int64_t *rows, const float *g, int64_t n, int64_t dim,
                     float one_minus_beta1, float one_minus_beta2, float step_size, float eps) {
     for (int64_t i = 0; i < n; i++) {
+        if (i + AHEAD < n) {
+            int64_t ahead = rows[i + AHEAD] * dim;
+            __builtin_prefetch(&p[ahead], 1);
+            __builtin_prefetch(&m[ahead], 1);
+            __builtin_prefetch(&v[ahead], 1);
+        }
         int64_t base = rows[i] * dim;
         for (int64_t j = 0; j < dim; j++) {
             float grad = g[i * dim + j];
@@ -126,6 +147,10 @@ void ps_sparse_adam(float *p, float *m, float *v, const int64_t *rows, const flo
 void ps_sparse_adagrad(float *p, float *sum, const int64_t *rows, const float *g, int64_t n, int64_t dim, float clr,
                        float eps) {
     for (int64_t i = 0; i < n; i++) {
+        if (i + AHEAD < n) {
+            __builtin_prefetch(&p[rows[i + AHEAD] * dim], 1);
+            __builtin_prefetch(&sum[rows[i + AHEAD] * dim], 1);
+        }
         int64_t base = rows[i] * dim;
         for (int64_t j = 0; j < dim; j++) {
             float grad = g[i * dim + j];
@@ -133,6 +158,37 @@ void ps_sparse_adagrad(float *p, float *sum, const int64_t *rows, const float *g
             sum[base + j] = s;
             p[base + j] = p[base + j] + (-clr) * (grad / (sqrtf(s) + eps));
         }
+    }
+}
+
+/* ---- The worker's side of a lookup: distinct ids, and the gradient summed per distinct id. ---- */
+
+/* The distinct values of ids[0..n) in order of first appearance -> unique (returns how many),
+ * and where each id is among them -> inverse. slots (2 * capacity int64, all -1 on entry, a
+ * power-of-two capacity >= 2n) is scratch: (id, position) pairs. */
+int64_t ps_unique(const int64_t *ids, int64_t n, int64_t *slots, int64_t capacity, int64_t *unique,
+                  int64_t *inverse) {
+    uint64_t mask = (uint64_t)capacity - 1;
+    int64_t count = 0;
+    for (int64_t i = 0; i < n; i++) {
+        uint64_t s = slot_of(ids[i], mask);
+        while (slots[2 * s + 1] >= 0 && slots[2 * s] != ids[i]) s = (s + 1) & mask;
+        if (slots[2 * s + 1] < 0) {
+            slots[2 * s] = ids[i];
+            slots[2 * s + 1] = count;
+            unique[count++] = ids[i];
+        }
+        inverse[i] = slots[2 * s + 1];
+    }
+    return count;
+}
+
+/* out[inverse[i]] += grads[i] for i in [0, n) (dim columns; out zeroed by the caller). */
+void ps_scatter_add_rows(const float *grads, const int64_t *inverse, int64_t n, int64_t dim, float *out) {
+    for (int64_t i = 0; i < n; i++) {
+        float *target = &out[inverse[i] * dim];
+        const float *source = &grads[i * dim];
+        for (int64_t j = 0; j < dim; j++) target[j] += source[j];
     }
 }
 

@@ -160,9 +160,9 @@ class EmbeddingTable:
             self.last_seen[rows[stored]] = self.steps
             self.seen[rows[stored]] += 1
         if stored.all():
-            return self.values[rows]
+            return gather_rows(self.values, rows)
         out = initial_rows(ids, self.dim, self.init)
-        out[stored] = self.values[rows[stored]]
+        out[stored] = gather_rows(self.values, rows[stored])
         return out
 
     def apply(self, ids: np.ndarray, grads: np.ndarray) -> None:
@@ -247,6 +247,17 @@ class EmbeddingTable:
         for key, array in self.state.items():
             fill = self.optimizer.state_init().get(key, 0)
             self.state[key] = _grown(array, capacity, fill)
+
+
+def gather_rows(values: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """values[rows] (a copy) for row numbers >= 0; the C loop fetches rows ahead of use."""
+    if kernels.KERNELS is None or not values.flags.c_contiguous or values.dtype != np.float32:
+        return values[rows]
+    rows = np.ascontiguousarray(rows, np.int64)
+    out = np.empty((rows.shape[0], values.shape[1]), values.dtype)
+    kernels.KERNELS.ps_gather_rows(kernels.ptr(values), kernels.ptr(rows), rows.shape[0], values.shape[1],
+                                   kernels.ptr(out))
+    return out
 
 
 def _filled(shape: tuple, fill: float, dtype) -> np.ndarray:

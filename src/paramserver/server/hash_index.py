@@ -1,7 +1,7 @@
 """A vectorized hash index from int64 ids to row numbers.
 
-Open addressing with linear probing over two numpy arrays (keys, rows), kept at most half
-full; every operation works on a whole batch of ids at once (a probe round per collision
+Open addressing with linear probing over one array of (key, row) slots, kept at most half
+full (a probe reads one cache line); every operation works on a whole batch of ids at once (a probe round per collision
 depth, not a Python loop per id), so memory per id stays at a few bytes and there is no
 Python object per id. With the C kernels built, find and place are one compiled loop
 instead (the same ids found; colliding ids may take other slots). Not thread-safe: the owning table serializes calls.
@@ -28,30 +28,40 @@ def mix64(ids: np.ndarray) -> np.ndarray:
     return x ^ (x >> _S33)
 
 
+def empty_slots(capacity: int) -> np.ndarray:
+    """(capacity x 2) int64 slots of (key, row); row -1 marks an empty slot."""
+    slots = np.empty((capacity, 2), np.int64)
+    slots[:, 0] = 0
+    slots[:, 1] = -1
+    return slots
+
+
 class HashIndex:
     """Maps each stored id to its row number (0, 1, 2, ... in insertion order)."""
 
     def __init__(self, capacity: int = 1024) -> None:
-        capacity = 1 << max(4, int(capacity - 1).bit_length())
-        self._keys = np.zeros(capacity, np.int64)
-        self._rows = np.full(capacity, -1, np.int64)  # -1: empty slot
+        self._set_slots(1 << max(4, int(capacity - 1).bit_length()))
         self.size = 0
+
+    def _set_slots(self, capacity: int) -> None:
+        self._slots = empty_slots(capacity)
+        self._keys, self._rows = self._slots[:, 0], self._slots[:, 1]  # views
 
     @property
     def capacity(self) -> int:
-        return self._keys.shape[0]
+        return self._slots.shape[0]
 
     @property
     def nbytes(self) -> int:
-        return self._keys.nbytes + self._rows.nbytes
+        return self._slots.nbytes
 
     def find(self, ids: np.ndarray) -> np.ndarray:
         """Row of each id, or -1 where the id is not stored."""
         ids = np.ascontiguousarray(ids, np.int64)
         if kernels.KERNELS is not None:
             found = np.empty(ids.shape[0], np.int64)
-            kernels.KERNELS.ps_index_find(kernels.ptr(self._keys), kernels.ptr(self._rows), self.capacity,
-                                          kernels.ptr(ids), ids.shape[0], kernels.ptr(found))
+            kernels.KERNELS.ps_index_find(kernels.ptr(self._slots), self.capacity, kernels.ptr(ids), ids.shape[0],
+                                          kernels.ptr(found))
             return found
         mask = np.uint64(self.capacity - 1)
         pos = (mix64(ids) & mask).astype(np.int64)
@@ -79,8 +89,8 @@ class HashIndex:
     def _place(self, ids: np.ndarray, rows: np.ndarray) -> None:
         if kernels.KERNELS is not None:
             ids, rows = np.ascontiguousarray(ids, np.int64), np.ascontiguousarray(rows, np.int64)
-            kernels.KERNELS.ps_index_place(kernels.ptr(self._keys), kernels.ptr(self._rows), self.capacity,
-                                           kernels.ptr(ids), kernels.ptr(rows), ids.shape[0])
+            kernels.KERNELS.ps_index_place(kernels.ptr(self._slots), self.capacity, kernels.ptr(ids),
+                                           kernels.ptr(rows), ids.shape[0])
             return
         mask = self.capacity - 1
         pos = (mix64(ids) & np.uint64(mask)).astype(np.int64)
@@ -104,8 +114,7 @@ class HashIndex:
         capacity = self.capacity
         while 2 * needed > capacity:
             capacity *= 2
-        self._keys = np.zeros(capacity, np.int64)
-        self._rows = np.full(capacity, -1, np.int64)
+        self._set_slots(capacity)
         self._place(keys, rows)
 
     def items(self) -> tuple[np.ndarray, np.ndarray]:

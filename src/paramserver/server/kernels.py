@@ -1,4 +1,6 @@
-"""The optional C kernels (`_kernels.c`: the PS's hot loops and the Criteo parser), loaded through ctypes.
+"""The optional C kernels of `_kernels.c`, loaded through ctypes.
+
+They run the PS's hot loops, the worker's id dedup and the Criteo parser.
 
 `KERNELS` is the loaded library, or None when the extension was not built (or cannot load
 here); every caller then uses its numpy path, which gives the same results. Callers read
@@ -29,8 +31,12 @@ def _load() -> ctypes.CDLL | None:
     f, i64, i, d, p = ctypes.c_float, ctypes.c_int64, ctypes.c_int, ctypes.c_double, ctypes.c_void_p
     lib.ps_adam.argtypes = [p, p, p, p, p, i64, f, f, f, f, f, f, d, f, i, i, i]
     lib.ps_adagrad.argtypes = [p, p, p, i64, f, f, d, i]
-    lib.ps_index_find.argtypes = [p, p, i64, p, i64, p]
-    lib.ps_index_place.argtypes = [p, p, i64, p, p, i64]
+    lib.ps_index_find.argtypes = [p, i64, p, i64, p]
+    lib.ps_index_place.argtypes = [p, i64, p, p, i64]
+    lib.ps_gather_rows.argtypes = [p, p, i64, i64, p]
+    lib.ps_unique.argtypes = [p, i64, p, i64, p, p]
+    lib.ps_unique.restype = i64
+    lib.ps_scatter_add_rows.argtypes = [p, p, i64, i64, p]
     lib.ps_random_rows.argtypes = [p, i64, i64, i, f, p]
     lib.ps_sparse_adam.argtypes = [p, p, p, p, p, i64, i64, f, f, f, f]
     lib.ps_sparse_adagrad.argtypes = [p, p, p, p, i64, i64, f, f]

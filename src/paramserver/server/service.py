@@ -12,7 +12,10 @@ Methods (request meta -> reply meta; tensors as named):
 - ``Register``: {"group", "optimizer", "consistency"?} + initial values -> {"version"} + current values
 - ``PushPull``: {"lr"?: {group: lr}, "pull"?: [names], "worker"?, "step"?, "base"?} + gradients
   -> {"version", "step", "staleness", "applied"} + values of the pulled names (default: the
-  pushed names). With no gradients it is a plain pull.
+  pushed names). With no gradients it is a plain pull. Embedding work may ride along:
+  "sparse": [[table, ids name, grads name]] (row pushes) and "lookup": [[table, ids name,
+  rows name]] (rows read after the pushes, returned under the rows name); rider tensors are
+  named "~...". Every part is checked before any is applied.
 - ``SetMode``: {"consistency"} -> {"version", "step"}
 - ``Leave``: {"worker"} -> {"version", "step"}: the worker is done; steps stop waiting for it
 - ``RegisterTable``: {"table", "dim", "optimizer", "init", "policy"?} -> {}
@@ -84,13 +87,21 @@ class ShardService:
         names = meta.get("pull")
         if not isinstance(lrs, dict) or not (names is None or isinstance(names, list)):
             raise MalformedFrameError("PushPull meta: 'lr' must be an object and 'pull' a list of names")
+        # row pushes and lookups riding along: all checked before anything changes
+        row_pushes = [self.tables.check_push(table, _take(frame, ids), _take(frame, grads))
+                      for table, ids, grads in _rider_entries(meta, "sparse")]
+        lookups = [(rows, self.tables.check_lookup(table, _take(frame, ids)))
+                   for table, ids, rows in _rider_entries(meta, "lookup")]
         extra = {"step": self.shard.sync_step, "staleness": 0, "applied": False}
         if frame.tensors:
             push = Push(frame.tensors, lrs, _optional_int(meta, "worker"), _optional_int(meta, "step"),
                         _optional_int(meta, "base"))
             outcome = self.shard.push(push)
             extra = {"step": self.shard.sync_step, "staleness": outcome.staleness, "applied": outcome.applied}
-        return self.shard.pull(frame.tensors if names is None else names, _reply(sink, extra))
+        self.tables.push_checked(row_pushes)
+        found = self.tables.lookup_checked([lookup for _, lookup in lookups])
+        rows = [(name, array) for (name, _), array in zip(lookups, found)]
+        return self.shard.pull(frame.tensors if names is None else names, _reply(sink, extra, rows))
 
     def register_table(self, payload: bytes, sink: Sink) -> Any:
         meta = codec.decode(payload).meta
@@ -134,8 +145,27 @@ class ShardService:
         return sink(codec.encode_parts({"version": self.shard.version, "step": self.shard.sync_step}))
 
 
-def _reply(sink: Sink, extra: dict | None = None) -> Callable[[int, list], Any]:
-    return lambda version, values: sink(codec.encode_parts({"version": version, **(extra or {})}, values))
+def _reply(sink: Sink, extra: dict | None = None, more: list | None = None) -> Callable[[int, list], Any]:
+    return lambda version, values: sink(codec.encode_parts({"version": version, **(extra or {})},
+                                                           [*values, *(more or ())]))
+
+
+def _rider_entries(meta: dict[str, Any], key: str) -> list[list[str]]:
+    """PushPull meta "sparse" / "lookup": lists of three names, [table, tensor, tensor]."""
+    entries = meta.get(key) or []
+    if not isinstance(entries, list) or not all(
+            isinstance(e, list) and len(e) == 3 and all(isinstance(n, str) for n in e) for e in entries):
+        raise MalformedFrameError(f"PushPull meta {key!r} must be a list of [table, name, name]")
+    return entries
+
+
+def _take(frame: codec.Frame, name: str):
+    """Remove and return a rider tensor (what stays in the frame is the dense push)."""
+    if not name.startswith("~"):
+        raise MalformedFrameError(f"rider tensor names start with '~', got {name!r}")
+    tensor = _tensor(frame, name)
+    del frame.tensors[name]
+    return tensor
 
 
 def _tensor(frame: codec.Frame, name: str):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -58,13 +59,21 @@ class TableStore:
 
     def lookup(self, name: str, ids: np.ndarray) -> np.ndarray:
         """Rows of `ids`, created on first touch (a copy)."""
-        table = self._table(name)
-        self._check_ids(name, ids, distinct=False)
-        with self._lock:
-            return table.read(ids)
+        return self.lookup_checked([self.check_lookup(name, ids)])[0]
 
     def push(self, name: str, ids: np.ndarray, grads: np.ndarray) -> None:
         """One row-wise optimizer step; every check passes before any row changes."""
+        self.push_checked([self.check_push(name, ids, grads)])
+
+    def check_lookup(self, name: str, ids: np.ndarray) -> "CheckedLookup":
+        """Validate a lookup without running it (raises InvalidArgumentError / NotFoundError)."""
+        table = self._table(name)
+        self._check_ids(name, ids, distinct=False)
+        return CheckedLookup(table, ids)
+
+    def check_push(self, name: str, ids: np.ndarray, grads: np.ndarray) -> "CheckedPush":
+        """Validate a row push without applying it, so that a request carrying several changes
+        can check them all before any is made."""
         table = self._table(name)
         self._check_ids(name, ids)
         if grads.dtype != np.float32 or grads.shape != (ids.shape[0], table.dim):
@@ -72,8 +81,16 @@ class TableStore:
                                        f"does not match {ids.shape[0]} ids x dim {table.dim} float32")
         if not np.isfinite(grads).all():
             raise InvalidArgumentError(f"table {name!r}: gradient holds NaN or infinite values")
+        return CheckedPush(table, ids, grads)
+
+    def lookup_checked(self, lookups: list["CheckedLookup"]) -> list[np.ndarray]:
         with self._lock:
-            table.apply(ids, grads)
+            return [lookup.table.read(lookup.ids) for lookup in lookups]
+
+    def push_checked(self, pushes: list["CheckedPush"]) -> None:
+        with self._lock:
+            for push in pushes:
+                push.table.apply(push.ids, push.grads)
 
     def snapshot(self, read):
         """Call `read(tables)` while no lookup or push can change them (a checkpoint)."""
@@ -98,6 +115,23 @@ class TableStore:
         # a push with an id twice would update its row once, silently: refuse it
         if distinct and ids.shape[0] > 1 and _has_repeats(ids):
             raise InvalidArgumentError(f"table {name!r}: ids in one push must be distinct")
+
+
+@dataclass(frozen=True)
+class CheckedLookup:
+    """A lookup that passed TableStore.check_lookup."""
+
+    table: EmbeddingTable
+    ids: np.ndarray
+
+
+@dataclass(frozen=True)
+class CheckedPush:
+    """A row push that passed TableStore.check_push."""
+
+    table: EmbeddingTable
+    ids: np.ndarray
+    grads: np.ndarray
 
 
 def _has_repeats(ids: np.ndarray) -> bool:

@@ -12,11 +12,14 @@ Not thread-safe: use from the training thread.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 from torch import nn
 
 from ..errors import InvalidArgumentError, NotInitializedError
+from .distinct_ids import SpreadRows, distinct
 
 _INT64_MAX = np.iinfo(np.int64).max
 
@@ -74,37 +77,51 @@ class HashEmbedding(nn.Module):
         self.placeholder = nn.Parameter(torch.empty(0))
         self.placeholder._ps_embedding = self  # how the PS optimizer recognizes this table
         self._tables = None
+        self._rides_with_step = False
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._prefetched: tuple | None = None  # (ids as given, shape, unique, inverse, rows handle)
+        self._prefetched: _Prefetch | None = None
 
-    def attach(self, tables, table_name: str) -> None:
-        """Called by the optimizer once the table exists on the PS."""
-        self._tables, self.table_name = tables, table_name
+    def attach(self, tables, table_name: str, rides_with_step: bool = True) -> None:
+        """Called by the optimizer once the table exists on the PS. `rides_with_step`: prefetched
+        lookups go out with the optimizer's next step (False: at once, on their own)."""
+        self._tables, self.table_name, self._rides_with_step = tables, table_name, rides_with_step
 
     def prefetch(self, ids) -> None:
-        """Start looking up the rows of `ids` now (typically the next batch's, before this batch's
-        backward); the forward given that same ids object uses them without waiting.
+        """Look the rows of `ids` up ahead of their forward (typically the next batch's ids, called
+        before this batch's backward); the forward given that same ids object uses them.
 
-        Those rows are read before this step's update reaches the PS, so they are one update
-        staler than a plain lookup's (as with one more async worker). Opt-in, for async training.
+        The lookup rides along the optimizer's next `step()` (one request per shard carries the
+        gradients and the lookup), and the rows are read after that step's update: the rows a
+        lookup at the forward would get, without its round trip. With an optimizer created with
+        `overlap=True` the lookup goes out at once instead, one update staler.
         """
         self._check_attached()
         shape, unique, inverse = self._distinct(ids)
-        self._prefetched = (ids, shape, unique, inverse, self._tables.start_lookup(self.table_name, unique))
+        handle = None if self._rides_with_step else self._tables.start_lookup(self.table_name, unique)
+        self._prefetched = _Prefetch(ids, shape, unique, inverse, handle)
+
+    def ride_lookup(self) -> np.ndarray | None:
+        """The distinct ids of a prefetch waiting to ride along a step (called by the optimizer)."""
+        waiting = self._prefetched
+        return waiting.unique if waiting is not None and waiting.handle is None and waiting.rows is None else None
+
+    def deliver(self, rows: np.ndarray) -> None:
+        """The rows of the prefetch returned by `ride_lookup` (called by the optimizer)."""
+        self._prefetched.rows = rows
 
     def lookup(self, ids) -> torch.Tensor:
         self._check_attached()
         prefetched, self._prefetched = self._prefetched, None
-        if prefetched is not None and prefetched[0] is ids:
-            _, shape, unique, inverse, handle = prefetched
-            rows = torch.from_numpy(handle.wait())
+        if prefetched is not None and prefetched.ids is ids and prefetched.ready():
+            shape, unique, inverse = prefetched.shape, prefetched.unique, prefetched.inverse
+            rows = torch.from_numpy(prefetched.take_rows())
         else:
             shape, unique, inverse = self._distinct(ids)
             rows = torch.from_numpy(self._tables.lookup(self.table_name, unique))
         if torch.is_grad_enabled() and self.training:
             rows.requires_grad_(True)
             self._pending.append((torch.from_numpy(unique), rows))
-        return rows[inverse].view(*shape, self.dim)
+        return SpreadRows.apply(rows, inverse).view(*shape, self.dim)
 
     def _check_attached(self) -> None:
         if self._tables is None:
@@ -115,8 +132,8 @@ class HashEmbedding(nn.Module):
     def _distinct(ids) -> tuple[torch.Size, np.ndarray, torch.Tensor]:
         """(shape of ids, their distinct values, where each id is among them)."""
         ids = as_ids(ids)
-        unique, inverse = np.unique(ids.numpy().reshape(-1), return_inverse=True)  # numpy's is faster here
-        return ids.shape, unique, torch.from_numpy(inverse.reshape(-1))
+        unique, inverse = distinct(ids.numpy().reshape(-1))
+        return ids.shape, unique, torch.from_numpy(inverse)
 
     def forward(self, ids) -> torch.Tensor:
         return self.lookup(ids)
@@ -134,6 +151,25 @@ class HashEmbedding(nn.Module):
         unique, inverse = torch.unique(ids, return_inverse=True)
         summed = torch.zeros(unique.shape[0], self.dim).index_add_(0, inverse, grads)
         return unique.numpy(), summed.numpy()
+
+
+@dataclass
+class _Prefetch:
+    """A lookup made ahead of its forward: rows come from `handle` (a lookup of its own) or are
+    delivered by the optimizer's step."""
+
+    ids: object  # the ids object as given: only a forward given this same object uses the rows
+    shape: torch.Size
+    unique: np.ndarray
+    inverse: torch.Tensor
+    handle: object | None = None
+    rows: np.ndarray | None = None
+
+    def ready(self) -> bool:
+        return self.rows is not None or self.handle is not None
+
+    def take_rows(self) -> np.ndarray:
+        return self.rows if self.rows is not None else self.handle.wait()
 
 
 class HashEmbeddingBag(HashEmbedding):

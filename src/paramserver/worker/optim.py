@@ -88,7 +88,7 @@ class PSOptimizer(torch.optim.Optimizer):
         name = module.table_name or f"{self.name}.{param_name.removesuffix('.placeholder')}"
         spec = module.optimizer_spec or sparse_counterpart(self.kind, group)
         self.context.tables.register(name, module.dim, spec, module.init, module.policy, module.capacity)
-        module.attach(self.context.tables, name)
+        module.attach(self.context.tables, name, rides_with_step=not self.overlap)
         self._embeddings.append(module)
 
     @torch.no_grad()
@@ -104,27 +104,41 @@ class PSOptimizer(torch.optim.Optimizer):
                 if param.grad.is_sparse:
                     raise InvalidArgumentError(f"{var}: sparse gradients are not supported for dense variables")
                 grads[var] = param.grad.detach().cpu().numpy()
-        sparse_calls = []
-        for module in self._embeddings:
-            touched = module.take_gradients()
-            if touched is not None:
-                sparse_calls += self.context.tables.push(module.table_name, *touched)
+        riders, prefetches = self._embedding_riders()
         bases = dict(self.context.client.record.base_versions)  # the values these gradients came from
         self.synchronize()
         # in overlap mode other calls (lookups, the next pushes) go out before this reply is read
         handle = self.context.client.push_pull(grads, [var for var, _ in self._vars], self._changed_lrs(), bases,
-                                               owned=self.overlap)
+                                               owned=self.overlap, riders=riders)
         if self.overlap:
             handle.wait_sent(self.context.options.rpc_timeout_s)  # the gradients may now be freed
             self._pending = handle
         else:
             self._write(handle.wait(self.context.options.rpc_timeout_s)[1])
-        self.context.tables.wait_all(sparse_calls)
+            if prefetches:
+                rows = riders.rows(handle.riders)
+                for module, index in prefetches:
+                    module.deliver(rows[index])
         self.steps += 1
         if self.context.pauses_at(self.steps):
             self.synchronize()  # the workers are about to meet: nothing of this worker may be in flight
         self.context.on_step(self.steps)
         return loss
+
+    def _embedding_riders(self):
+        """(the embedding tables' row gradients and prefetched lookups to send with this step,
+        [(module, lookup index)]); (None, []) without embedding tables."""
+        if not self._embeddings:
+            return None, []
+        riders, prefetches = self.context.tables.riders(), []
+        for module in self._embeddings:
+            touched = module.take_gradients()
+            if touched is not None:
+                riders.push(module.table_name, *touched)
+            waiting = module.ride_lookup()
+            if waiting is not None:
+                prefetches.append((module, riders.lookup(module.table_name, waiting)))
+        return riders, prefetches
 
     @torch.no_grad()
     def synchronize(self) -> None:
