@@ -39,6 +39,19 @@ def test_malformed_lines_name_their_number(line, fragment):
         list(criteo.batches([LINE, line], 4))
 
 
+def test_a_malformed_line_of_a_workers_share_is_named_by_its_number_in_the_file(tmp_path):
+    path = tmp_path / "part.tsv"
+    path.write_text(LINE * 5 + "1\tnot-a-number\n" + LINE)
+    with pytest.raises(criteo.CriteoFormatError, match="line 6: "):
+        list(criteo.batches(path, 2, skip=1, every=2))  # this worker reads lines 2, 4, 6
+
+
+@pytest.mark.parametrize("skip, every", [(2, 2), (-1, 2), (0, 0)])
+def test_a_share_outside_the_workers_is_refused(skip, every):
+    with pytest.raises(criteo.InvalidArgumentError, match="0 <= skip < every"):
+        list(criteo.batches([LINE], 1, skip=skip, every=every))
+
+
 def test_generator_writes_the_exact_format_with_learnable_labels(tmp_path):
     path = tmp_path / "train.tsv"
     subprocess.run([sys.executable, str(ROOT / "examples" / "ctr_data.py"), "--rows", "2000", "--out", str(path)],

@@ -13,11 +13,13 @@ is a value of its own); labels float32 (B,).
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Iterable, Iterator
 
 import numpy as np
 
+from ..errors import InvalidArgumentError
 from ..server import kernels
 from ..server.hash_index import mix64
 from .loader import BatchLoader
@@ -32,12 +34,14 @@ class CriteoFormatError(ValueError):
     """A line that is not in Criteo's format; names the line."""
 
 
-def parse_lines(lines: list[str], first_number: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(dense, sparse, labels) arrays of a list of lines; a bad line raises CriteoFormatError naming it."""
+def parse_lines(lines: list[str], numbers: int | list[int] = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(dense, sparse, labels) arrays of a list of lines; a bad line raises CriteoFormatError
+    naming its number (`numbers`: each line's, or the first's)."""
     try:
         return _parse(lines)
     except (ValueError, CriteoFormatError):
-        for number, line in enumerate(lines, first_number):  # find the culprit for the message
+        numbers = range(numbers, numbers + len(lines)) if isinstance(numbers, int) else numbers
+        for number, line in zip(numbers, lines):  # find the culprit for the message
             try:
                 _parse([line])
             except (ValueError, CriteoFormatError) as exc:
@@ -111,18 +115,21 @@ def batches(source, batch_size: int, skip: int = 0, every: int = 1, prefetch: in
 
 def array_batches(source, batch_size: int, skip: int = 0, every: int = 1) -> Iterator[tuple[np.ndarray, ...]]:
     """As `batches`, as numpy arrays, in this process."""
-    chunk, first = [], 1
-    for number, line in enumerate(_lines(source), 1):
-        if (number - 1) % every != skip or not line.strip():
+    if not (isinstance(every, int) and every >= 1 and isinstance(skip, int) and 0 <= skip < every):
+        raise InvalidArgumentError(f"line sharding needs 0 <= skip < every, got skip={skip!r}, every={every!r}")
+    chunk, numbers = [], []
+    # the striding runs in C (islice), numbering each kept line by its line in the source
+    kept = zip(itertools.count(skip + 1, every), itertools.islice(_lines(source), skip, None, every))
+    for number, line in kept:
+        if not line.strip():
             continue
-        if not chunk:
-            first = number
         chunk.append(line)
+        numbers.append(number)
         if len(chunk) == batch_size:
-            yield parse_lines(chunk, first)
-            chunk = []
+            yield parse_lines(chunk, numbers)
+            chunk, numbers = [], []
     if chunk:
-        yield parse_lines(chunk, first)
+        yield parse_lines(chunk, numbers)
 
 
 def _tensors(arrays) -> tuple:
