@@ -4,8 +4,8 @@
 one shared PS embedding table (no vocabulary: ids are hashed values); the dense features
 and the 26 embeddings go through an MLP 256-128-1. With `--wide`, a linear part over the
 same ids (a second, 1-wide table) is added. Worker 0 reports held-out AUC. Lines are parsed in
-a loader process (`--prefetch`); `--prefetch-rows` looks the next batch's rows up during this
-batch's backward (one update staler; see docs/embeddings.md).
+a loader process (`--prefetch`); the next batch's rows come back with each step's reply
+(`--no-prefetch-rows` looks them up at the forward instead; see docs/embeddings.md).
 
     python examples/ctr_data.py --rows 200000 --out /tmp/train.tsv --seed 1
     python examples/ctr_data.py --rows 20000 --out /tmp/test.tsv --seed 2
@@ -61,8 +61,8 @@ def main() -> None:
     parser.add_argument("--prefetch", type=int, default=8, help="batches parsed ahead in a loader process (0: inline)")
     parser.add_argument("--table-rows", type=int, default=1_000_000,
                         help="rows to reserve in the embedding table up front (it grows past them if needed)")
-    parser.add_argument("--prefetch-rows", action="store_true",
-                        help="look the next batch's rows up during this batch's backward (one update staler)")
+    parser.add_argument("--prefetch-rows", action=argparse.BooleanOptionalAction, default=True,
+                        help="have each step bring the next batch's rows back with its reply (default: on)")
     parser.add_argument("--wide", action="store_true", help="add a wide (linear) part: Wide&Deep")
     args = parser.parse_args()
 

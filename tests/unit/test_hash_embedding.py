@@ -185,3 +185,24 @@ def test_with_overlap_a_prefetch_goes_out_at_once_one_update_staler(fresh_contex
     torch.testing.assert_close(embedding(upcoming).detach(), before)  # read before this step's update
     opt.synchronize()
     torch.testing.assert_close(embedding(upcoming.clone()).detach()[0, 0], before[0, 0] - 1)
+
+
+def train_ctr_like(prefetch: bool) -> torch.Tensor:
+    ps.init(num_ps=2)
+    model = Model(ps.nn.HashEmbedding(DIM, std=0.1))
+    opt = ps.optim.Adam(model.named_parameters(), lr=0.05)
+    batches = data(12)
+    for (ids, target), (upcoming, _) in zip(batches, batches[1:] + [(None, None)]):
+        opt.zero_grad()
+        loss = F.mse_loss(model(ids), target)
+        if prefetch and upcoming is not None:
+            model.embedding.prefetch(upcoming)
+        loss.backward()
+        opt.step()
+    rows = model.embedding.lookup(torch.arange(VOCAB)).detach().clone()
+    ps.worker.context.current_context().shutdown()
+    return torch.cat([rows.flatten(), model.head.weight.detach().flatten()])
+
+
+def test_prefetching_the_next_batches_rows_changes_no_result_of_one_worker(fresh_context):
+    torch.testing.assert_close(train_ctr_like(prefetch=True), train_ctr_like(prefetch=False), rtol=0, atol=0)
