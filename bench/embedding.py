@@ -7,8 +7,9 @@ One JSON line per case:
 - memory: bytes per stored row (dim 16, Adagrad state) from the RSS growth of a process holding
   `--rows` rows, against the row's own bytes (values + state + 8-byte key);
 - ctr: examples/ctr.py (batch 512) on (1 PS, 1 worker) and (2 PS, 2 workers), examples/s and peak RSS,
-  as it is (the next batch's rows come back with each step) and with `--no-prefetch-rows` (a lookup
-  at each forward).
+  as it is (the next batch's rows come back with each step), with `--no-prefetch-rows` (a lookup
+  at each forward) and with `--overlap` (a step does not wait for its reply: parameters one
+  update staler).
 
     python bench/embedding.py [--rows 10000000] [--ctr-rows 200000] [--skip-memory] [--skip-ctr]
 """
@@ -121,7 +122,8 @@ def ctr(rows: int) -> list[dict]:
         for name, count, seed in (("train", rows, 1), ("test", max(rows // 10, 1000), 2)):
             subprocess.run([sys.executable, str(ROOT / "examples" / "ctr_data.py"), "--rows", str(count), "--seed",
                             str(seed), "--out", f"{tmp}/{name}.tsv"], check=True)
-        for (num_ps, workers), flags in itertools.product(((1, 1), (2, 2)), ([], ["--no-prefetch-rows"])):
+        for (num_ps, workers), flags in itertools.product(((1, 1), (2, 2)),
+                                                          ([], ["--no-prefetch-rows"], ["--overlap"])):
             cluster = LocalCluster(num_ps, workers, str(ROOT / "examples" / "ctr.py"),
                                    ["--train", f"{tmp}/train.tsv", "--test", f"{tmp}/test.tsv", *flags],
                                    Options(torch_threads=1), out=io.StringIO(), progress_every=0, log_level="WARNING")
@@ -129,7 +131,7 @@ def ctr(rows: int) -> list[dict]:
                 raise SystemExit(cluster._lines.out.getvalue()[-3000:])
             summary = cluster.summary()
             results.append({"bench": "embedding", "case": "ctr", "ps": num_ps, "workers": workers, "batch_size": 512,
-                            "prefetch_rows": not flags,
+                            "flags": " ".join(flags),
                             "examples_per_s": summary["examples_per_s"], "test_auc": summary["test_auc"],
                             "peak_rss_mb": summary["peak_rss_mb"]})
     return results

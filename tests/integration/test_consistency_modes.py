@@ -1,8 +1,10 @@
 """Consistency modes end to end: real PS processes, workers as threads with their own connections."""
 
+import copy
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,6 +12,7 @@ import torch.nn.functional as F
 import paramserver as ps
 from paramserver.client.ps_client import PSClient
 from paramserver.config import ClusterSpec, NodeConfig, Options, Task
+from paramserver.server.embedding import initial_rows
 from paramserver.transport.grpc_transport import GrpcChannel
 from paramserver.worker.cluster import cluster_context
 from tests.integration.test_node import free_port
@@ -79,6 +82,43 @@ def test_sync_equals_single_process_training_on_the_summed_batch(procs, name, kw
     run_workers(worker_contexts(addresses, workers, "sync"), train)
     for model in models:  # every worker ends on the PS's values: the same model
         assert max_relative_error(model, reference) < 1e-5
+
+
+@pytest.mark.parametrize("num_ps", [2, 3])  # with 3, two shards hold only embedding rows
+def test_sync_with_an_embedding_table_equals_single_process_training_on_the_summed_batch(procs, num_ps):
+    workers, batch, steps, vocab, dim = 2, 8, 30, 40, 4
+    addresses = [procs.start_ps(i)[1] for i in range(num_ps)]
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randint(0, vocab, (workers * batch, 3), generator=g), torch.randn(workers * batch, generator=g))
+            for _ in range(steps)]
+    torch.manual_seed(0)
+    head = torch.nn.Linear(3 * dim, 1)
+    reference, reference_head = torch.nn.Embedding(vocab, dim, sparse=True), copy.deepcopy(head)
+    with torch.no_grad():
+        reference.weight.copy_(torch.from_numpy(initial_rows(np.arange(vocab), dim, {"kind": "normal", "std": 0.1})))
+    dense_opt = torch.optim.Adam(reference_head.parameters(), lr=0.01)
+    sparse_opt = torch.optim.SparseAdam(reference.parameters(), lr=0.01)
+    for ids, y in data:
+        dense_opt.zero_grad()
+        sparse_opt.zero_grad()
+        F.mse_loss(reference_head(reference(ids).flatten(1)).squeeze(1), y).backward()
+        dense_opt.step()
+        sparse_opt.step()
+    trained = {}
+
+    def train(ctx):
+        embedding, my_head = ps.nn.HashEmbedding(dim, std=0.1, name="t"), copy.deepcopy(head)
+        opt = ps.optim.Adam(list(embedding.parameters()) + list(my_head.parameters()), lr=0.01, context=ctx)
+        mine = slice(ctx.worker_index * batch, (ctx.worker_index + 1) * batch)
+        for ids, y in data:
+            opt.zero_grad()
+            F.mse_loss(my_head(embedding(ids[mine]).flatten(1)).squeeze(1), y[mine]).backward()
+            opt.step()
+        trained[ctx.worker_index] = (embedding.lookup(torch.arange(vocab)).detach(), my_head.weight.detach())
+    run_workers(worker_contexts(addresses, workers, "sync"), train)
+    for rows, weight in trained.values():
+        torch.testing.assert_close(rows, reference.weight.detach(), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(weight, reference_head.weight.detach(), rtol=1e-4, atol=1e-5)
 
 
 def _train_steps(steps, delays, log, mode_of_ctx=None):

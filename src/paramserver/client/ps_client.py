@@ -156,9 +156,14 @@ class PSClient:
                 pulled.setdefault(part.shard, []).append(part.name)
         calls = []
         ride_meta, ride_tensors = (riders.meta, riders.tensors) if riders is not None else ({}, {})
-        for shard in sorted(set(pushed) | set(pulled) | set(ride_meta)):
+        # with embedding tables every shard hears of every step (a marker where there is nothing
+        # else for it), so that a sync step on a shard holding only rows does not wait for this worker
+        shards = range(self.num_shards) if riders is not None else set(pushed) | set(pulled)
+        for shard in sorted(shards):
             meta = {"pull": pulled.get(shard, []), "worker": self.worker, "step": self.record.step,
                     **ride_meta.get(shard, {})}
+            if riders is not None and shard not in pushed and "sparse" not in meta:
+                meta["marker"] = True
             if shard in bases:
                 meta["base"] = bases[shard]
             shard_lrs = {g: lr for g, lr in (lrs or {}).items() if g in self._groups_on.get(shard, ())}

@@ -89,16 +89,20 @@ class StepRiders:
 class TableClient:
     """Registers tables, looks rows up, pushes row gradients."""
 
-    def __init__(self, channels: list[ShardChannel], rpc_timeout_s: float) -> None:
+    def __init__(self, channels: list[ShardChannel], rpc_timeout_s: float, consistency: dict | None = None) -> None:
         self.channels = channels
         self.rpc_timeout_s = rpc_timeout_s
+        self.consistency = consistency  # the mode, told to shards that hold no dense variable
 
     def register(self, table: str, dim: int, optimizer_spec: dict, init: dict, policy: dict | None = None,
                  capacity: int = 0) -> None:
         """Create the table on every shard; `capacity` (rows, all shards together) is reserved up front."""
         per_shard = -(-capacity // len(self.channels))  # ids spread evenly over shards by hash
-        payload = codec.encode({"table": table, "dim": dim, "optimizer": optimizer_spec, "init": init,
-                                "policy": policy or {}, "capacity": per_shard, "num_shards": len(self.channels)})
+        meta = {"table": table, "dim": dim, "optimizer": optimizer_spec, "init": init, "policy": policy or {},
+                "capacity": per_shard, "num_shards": len(self.channels)}
+        if self.consistency is not None:
+            meta["consistency"] = self.consistency
+        payload = codec.encode(meta)
         self.wait_all([channel.call("RegisterTable", payload, self.rpc_timeout_s) for channel in self.channels])
 
     def lookup(self, table: str, ids: np.ndarray) -> np.ndarray:

@@ -85,6 +85,7 @@ class SyncRound:
     step: int
     contributors: set[int] = field(default_factory=set)
     counts: dict[str, int] = field(default_factory=dict)
+    rows: list[list] = field(default_factory=list)  # each contributor's embedding row pushes
 
     def add(self, worker: int, grads: dict[str, np.ndarray], sums: dict[str, np.ndarray]) -> None:
         """Add a worker's gradients into `sums` (buffers reused across rounds)."""

@@ -15,7 +15,10 @@ Methods (request meta -> reply meta; tensors as named):
   pushed names). With no gradients it is a plain pull. Embedding work may ride along:
   "sparse": [[table, ids name, grads name]] (row pushes) and "lookup": [[table, ids name,
   rows name]] (rows read after the pushes, returned under the rows name); rider tensors are
-  named "~...". Every part is checked before any is applied.
+  named "~...". Every part is checked before any is applied. Row pushes count as a push of the
+  worker's step (applied on arrival, or averaged over a sync step's workers); "marker": true
+  makes a request without gradients count as one too (a worker with nothing for this shard
+  this step, so that a sync step does not wait for it).
 - ``SetMode``: {"consistency"} -> {"version", "step"}
 - ``Leave``: {"worker"} -> {"version", "step"}: the worker is done; steps stop waiting for it
 - ``RegisterTable``: {"table", "dim", "optimizer", "init", "policy"?} -> {}
@@ -26,7 +29,8 @@ Methods (request meta -> reply meta; tensors as named):
 ``Register`` (meta may name the "worker") replies also carry "restored", that worker's step in
 the checkpoint the shard started from (0: none), and "position", the steps that worker trained as
 the shard saw them.
-``RegisterTable`` may carry "capacity" and "num_shards" (the shards the table spreads over).
+``RegisterTable`` may carry "capacity", "num_shards" (the shards the table spreads over) and
+"consistency" (the mode, for a shard that holds no dense variable to learn it from).
 Thread-safe.
 """
 
@@ -50,6 +54,7 @@ class ShardService:
     def __init__(self, shard: Shard, tables: TableStore | None = None) -> None:
         self.shard = shard
         self.tables = tables or TableStore(shard.index)
+        self.shard.row_applier = self.tables.apply_rows  # the shard applies row pushes with its steps
         self.announce: dict[str, Any] = {}  # extra Hello fields, e.g. the node's stream port
         self.methods: dict[str, Callable[[bytes, Sink], Any]] = {
             "Hello": self.hello, "Register": self.register, "PushPull": self.push_pull, "SetMode": self.set_mode,
@@ -93,18 +98,20 @@ class ShardService:
         lookups = [(rows, self.tables.check_lookup(table, _take(frame, ids)))
                    for table, ids, rows in _rider_entries(meta, "lookup")]
         extra = {"step": self.shard.sync_step, "staleness": 0, "applied": False}
-        if frame.tensors:
+        if frame.tensors or row_pushes or meta.get("marker"):
             push = Push(frame.tensors, lrs, _optional_int(meta, "worker"), _optional_int(meta, "step"),
-                        _optional_int(meta, "base"))
+                        _optional_int(meta, "base"), row_pushes)
             outcome = self.shard.push(push)
             extra = {"step": self.shard.sync_step, "staleness": outcome.staleness, "applied": outcome.applied}
-        self.tables.push_checked(row_pushes)
         found = self.tables.lookup_checked([lookup for _, lookup in lookups])
         rows = [(name, array) for (name, _), array in zip(lookups, found)]
         return self.shard.pull(frame.tensors if names is None else names, _reply(sink, extra, rows))
 
     def register_table(self, payload: bytes, sink: Sink) -> Any:
         meta = codec.decode(payload).meta
+        consistency = meta.get("consistency")
+        if isinstance(consistency, dict):
+            self.shard.adopt_mode(ConsistencySpec.from_dict(consistency))
         policy = meta.get("policy")
         self.tables.register(_field(meta, "table", str), _field(meta, "dim", int), _field(meta, "optimizer", dict),
                              _field(meta, "init", dict), policy if isinstance(policy, dict) else None,

@@ -34,6 +34,7 @@ class Push:
     worker: int | None = None
     step: int | None = None
     base_version: int | None = None
+    rows: list = field(default_factory=list)  # embedding row pushes, checked; applied by `row_applier`
 
 
 @dataclass
@@ -69,6 +70,9 @@ class Shard:
         self._round: SyncRound | None = None
         self._sums: dict[str, np.ndarray] = {}
         self._cond = threading.Condition()
+        # applies embedding row pushes: [one list per worker] (set by the service to its TableStore's
+        # apply_rows); a sync step applies the rows it gathered with its dense gradients
+        self.row_applier: Callable[[list[list]], None] | None = None
 
     # ---- variables -------------------------------------------------------------------------
     def register(self, group: str, optimizer_spec: dict, initial: dict[str, np.ndarray],
@@ -169,6 +173,7 @@ class Shard:
                 return self._push_sync(spec, push, staleness)
             self._set_lrs(push.lrs)
             self._apply(by_group)
+            self._apply_rows([push.rows])
             self._count(staleness)
             if spec.mode == "ssp":
                 self._clocks[push.worker] = self._clocks.get(push.worker, 0) + 1
@@ -218,6 +223,7 @@ class Shard:
             raise InvalidArgumentError(f"worker {push.worker} already pushed step {step}")
         self._set_lrs(push.lrs)
         self._round.add(push.worker, push.grads, self._sums)
+        self._round.rows.append(push.rows)
         self._count(staleness)
         if len(self._round.contributors) >= self._quorum():
             self._apply_round()
@@ -242,8 +248,20 @@ class Shard:
         for name, grad in averages.items():
             by_group.setdefault(self._group_of[name], {})[name] = grad
         self._apply(by_group)
+        self._apply_rows(self._round.rows)
         self.sync_step += 1
         self._round = None
+
+    def _apply_rows(self, by_worker: list[list]) -> None:
+        if self.row_applier is not None and any(by_worker):
+            self.row_applier(by_worker)
+
+    def adopt_mode(self, spec: ConsistencySpec) -> None:
+        """Take `spec` as the consistency mode if none was set yet (a shard holding only embedding
+        rows learns the mode from a table registration)."""
+        with self._cond:
+            if self.spec is None:
+                self.spec = spec
 
     def _apply(self, by_group: dict[DenseGroup, dict[str, np.ndarray]]) -> None:
         for group, grads in by_group.items():

@@ -1,7 +1,8 @@
 """The embedding tables of a shard, and the checks every lookup and sparse push passes.
 
-Thread-safe: one lock serializes all calls. Sparse pushes are applied on arrival in every
-consistency mode (sync mode averages dense gradients only; see docs/embeddings.md).
+Thread-safe: one lock serializes all calls. Row pushes are applied when their shard's step
+applies them (`apply_rows`): on arrival in async and ssp modes, averaged with the other
+workers' of the same step in sync mode.
 """
 
 from __future__ import annotations
@@ -91,6 +92,24 @@ class TableStore:
         with self._lock:
             for push in pushes:
                 push.table.apply(push.ids, push.grads)
+
+    def apply_rows(self, by_worker: list[list["CheckedPush"]]) -> None:
+        """Apply the row pushes of one step of several workers as one update per table: each row's
+        gradient is the sum of the workers' divided by their number (every worker counts, also
+        those without a gradient for the row), as a sync step averages dense gradients."""
+        if len(by_worker) == 1:
+            self.push_checked(by_worker[0])
+            return
+        by_table: dict[str, list[CheckedPush]] = {}
+        for push in (push for pushes in by_worker for push in pushes):
+            by_table.setdefault(push.table.name, []).append(push)
+        with self._lock:
+            for pushes in by_table.values():
+                ids, inverse = np.unique(np.concatenate([p.ids for p in pushes]), return_inverse=True)
+                summed = np.zeros((ids.shape[0], pushes[0].table.dim), np.float32)
+                np.add.at(summed, inverse.reshape(-1), np.concatenate([p.grads for p in pushes]))
+                summed /= np.float32(len(by_worker))
+                pushes[0].table.apply(ids, summed)
 
     def snapshot(self, read):
         """Call `read(tables)` while no lookup or push can change them (a checkpoint)."""

@@ -67,7 +67,7 @@ class Context:
     @functools.cached_property
     def tables(self) -> TableClient:
         """The embedding tables of the cluster (used by HashEmbedding through the optimizer)."""
-        return TableClient(self.client.channels, self.options.rpc_timeout_s)
+        return TableClient(self.client.channels, self.options.rpc_timeout_s, self.client.consistency.to_dict())
 
     @property
     def is_chief(self) -> bool:
