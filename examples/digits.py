@@ -1,6 +1,8 @@
 """The seed article's model on real handwritten digits, trained on a parameter-server cluster.
 
-Dense 1024-relu, 512-relu, 10 (softmax in the loss), Adam, cross-entropy; scikit-learn's
+Dense 1024-relu, 512-relu, 10 (softmax in the loss), Adam with a cosine learning-rate schedule
+over the epochs (the final model then does not depend on where the last steps happened to
+land), cross-entropy; scikit-learn's
 bundled 8x8 digits upscaled to 28x28 so the input is the article's 784 pixels. Each worker
 trains on its own shard of the training set; worker 0 then reports held-out accuracy.
 
@@ -49,7 +51,8 @@ def main() -> None:
     opt = ps.optim.Adam(model.named_parameters(), lr=args.lr)
     trainer = ps.Trainer(model, opt, F.cross_entropy)
     started = time.perf_counter()
-    history = trainer.fit(train, epochs=args.epochs)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.epochs)
+    history = trainer.fit(train, epochs=args.epochs, scheduler=schedule)
     ctx.barrier("trained")  # evaluate the final model, after every worker's last push
     if ctx.is_chief:
         metrics = trainer.evaluate(test)

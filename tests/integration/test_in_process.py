@@ -38,6 +38,31 @@ def test_trainer_fit_reports_per_epoch_metrics_and_learns(fresh_context):
     assert trainer.evaluate(loader)["accuracy"] > 0.8
 
 
+def test_trainer_steps_a_scheduler_after_each_epoch_and_the_ps_uses_its_rate(fresh_context):
+    ps.init(num_ps=1)
+    torch.manual_seed(0)
+    reference = mlp(sizes=(784, 8, 2))
+    model = mlp(sizes=(784, 8, 2))
+    model.load_state_dict(reference.state_dict())
+    x = torch.randn(64, 784, generator=torch.Generator().manual_seed(0))
+    loader = DataLoader(TensorDataset(x, (x[:, 0] > 0).long()), batch_size=16)
+    opt = ps.optim.SGD(model.parameters(), lr=0.1)
+    schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    ps.Trainer(model, opt, F.cross_entropy, verbose=False).fit(loader, epochs=3, scheduler=schedule)
+    opt_ref = torch.optim.SGD(reference.parameters(), lr=0.1)
+    schedule_ref = torch.optim.lr_scheduler.StepLR(opt_ref, step_size=1, gamma=0.5)
+    for _ in range(3):
+        for xb, yb in loader:
+            opt_ref.zero_grad()
+            F.cross_entropy(reference(xb), yb).backward()
+            opt_ref.step()
+        schedule_ref.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.0125)
+    opt.pull()
+    for a, b in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
 def test_pulled_values_land_on_each_parameters_own_device(fresh_context):
     ps.init(num_ps=2)

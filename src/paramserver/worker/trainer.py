@@ -55,8 +55,13 @@ class Trainer:
         self.verbose = verbose
         self.steps = 0
 
-    def fit(self, loader: Iterable, epochs: int = 1, steps_per_epoch: int | None = None) -> list[EpochMetrics]:
-        """Train for `epochs`; with `steps_per_epoch`, each epoch takes that many batches, cycling `loader`."""
+    def fit(self, loader: Iterable, epochs: int = 1, steps_per_epoch: int | None = None,
+            scheduler: Any = None) -> list[EpochMetrics]:
+        """Train for `epochs`; with `steps_per_epoch`, each epoch takes that many batches, cycling `loader`.
+
+        `scheduler` (a torch.optim.lr_scheduler over this trainer's optimizer) steps after each
+        epoch; the new learning rate travels to the PS with the next push.
+        """
         history = []
         batches = _forever(loader) if steps_per_epoch else None
         self._skip = self.optimizer.steps  # resumed from a checkpoint: its batches were trained already
@@ -64,6 +69,8 @@ class Trainer:
         for epoch in range(1, epochs + 1):
             source = itertools.islice(batches, steps_per_epoch) if batches else loader
             history.append(self._epoch(epoch, source))
+            if scheduler is not None:
+                scheduler.step()
             if self.verbose:
                 m = history[-1]
                 print(f"epoch {epoch}/{epochs}: loss={m.loss:.4f} steps={m.steps} "
