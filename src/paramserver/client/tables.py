@@ -27,13 +27,18 @@ class RowsHandle:
         self._calls, self._count, self._deadline = calls, count, deadline
 
     def wait(self) -> np.ndarray:
-        rows = None
-        for where, call in self._calls:
-            got = codec.decode(call.wait(max(0.0, self._deadline - time.monotonic()))).tensors["rows"]
-            if rows is None:
-                rows = np.empty((self._count, got.shape[1]), np.float32)
-            rows[where] = got
-        return rows if rows is not None else np.empty((0, 0), np.float32)
+        return _joined(self._count, ((where, codec.decode(call.wait(max(0.0, self._deadline - time.monotonic())))
+                                      .tensors["rows"]) for where, call in self._calls))
+
+
+def _joined(count: int, pieces) -> np.ndarray:
+    """(count x dim) rows put together from each shard's (positions, rows)."""
+    rows = None
+    for where, got in pieces:
+        if rows is None:
+            rows = np.empty((count, got.shape[1]), np.float32)
+        rows[where] = got
+    return rows if rows is not None else np.empty((0, 0), np.float32)
 
 
 class StepRiders:
@@ -71,16 +76,8 @@ class StepRiders:
 
     def rows(self, replies: dict[int, dict[str, np.ndarray]]) -> list[np.ndarray]:
         """The rows of each lookup (copies), from each shard's reply tensors."""
-        out = []
-        for count, placed in self._lookups:
-            rows = None
-            for shard, where, name in placed:
-                got = replies[shard][name]
-                if rows is None:
-                    rows = np.empty((count, got.shape[1]), np.float32)
-                rows[where] = got
-            out.append(rows if rows is not None else np.empty((0, 0), np.float32))
-        return out
+        return [_joined(count, ((where, replies[shard][name]) for shard, where, name in placed))
+                for count, placed in self._lookups]
 
     def _name(self, shard: int, kind: str) -> str:
         return f"~{kind}{len(self.tensors.get(shard, ()))}"

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..errors import InvalidArgumentError, NotInitializedError
-from .distinct_ids import SpreadRows, distinct
+from .distinct_ids import SpreadRows, distinct, sum_rows
 
 _INT64_MAX = np.iinfo(np.int64).max
 
@@ -146,11 +146,9 @@ class HashEmbedding(nn.Module):
             return None
         if len(used) == 1:  # one lookup this step: its ids are distinct already
             return used[0][0].numpy(), used[0][1].numpy()
-        ids = torch.cat([i for i, _ in used])
-        grads = torch.cat([g for _, g in used])
-        unique, inverse = torch.unique(ids, return_inverse=True)
-        summed = torch.zeros(unique.shape[0], self.dim).index_add_(0, inverse, grads)
-        return unique.numpy(), summed.numpy()
+        unique, inverse = distinct(torch.cat([i for i, _ in used]).numpy())
+        summed = sum_rows(torch.cat([g for _, g in used]), torch.from_numpy(inverse), unique.shape[0])
+        return unique, summed.numpy()
 
 
 @dataclass
