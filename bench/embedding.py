@@ -8,8 +8,8 @@ One JSON line per case:
   `--rows` rows, against the row's own bytes (values + state + 8-byte key);
 - ctr: examples/ctr.py (batch 512) on (1 PS, 1 worker) and (2 PS, 2 workers), examples/s and peak RSS,
   as it is (the next batch's rows come back with each step), with `--no-prefetch-rows` (a lookup
-  at each forward) and with `--overlap` (a step does not wait for its reply: parameters one
-  update staler).
+  at each forward), with `--overlap` (a step does not wait for its reply: parameters one
+  update staler), and with `--overlap --prefetch 8` (parsing in a loader process).
 
     python bench/embedding.py [--rows 10000000] [--ctr-rows 200000] [--skip-memory] [--skip-ctr]
 """
@@ -123,7 +123,8 @@ def ctr(rows: int) -> list[dict]:
             subprocess.run([sys.executable, str(ROOT / "examples" / "ctr_data.py"), "--rows", str(count), "--seed",
                             str(seed), "--out", f"{tmp}/{name}.tsv"], check=True)
         for (num_ps, workers), flags in itertools.product(((1, 1), (2, 2)),
-                                                          ([], ["--no-prefetch-rows"], ["--overlap"])):
+                                                          ([], ["--no-prefetch-rows"], ["--overlap"],
+                                                           ["--overlap", "--prefetch", "8"])):
             cluster = LocalCluster(num_ps, workers, str(ROOT / "examples" / "ctr.py"),
                                    ["--train", f"{tmp}/train.tsv", "--test", f"{tmp}/test.tsv", *flags],
                                    Options(torch_threads=1), out=io.StringIO(), progress_every=0, log_level="WARNING")

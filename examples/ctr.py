@@ -3,9 +3,10 @@
 13 dense features and 26 categorical features; every categorical id gets a 16-wide row in
 one shared PS embedding table (no vocabulary: ids are hashed values); the dense features
 and the 26 embeddings go through an MLP 256-128-1. With `--wide`, a linear part over the
-same ids (a second, 1-wide table) is added. Worker 0 reports held-out AUC. Lines are parsed in
-a loader process (`--prefetch`); the next batch's rows come back with each step's reply
-(`--no-prefetch-rows` looks them up at the forward instead; see docs/embeddings.md).
+same ids (a second, 1-wide table) is added. Worker 0 reports held-out AUC. Lines are parsed
+in the training loop by the C parser (`--prefetch N` parses in a loader process, N batches
+ahead); the next batch's rows come back with each step's reply (`--no-prefetch-rows` looks
+them up at the forward instead; see docs/embeddings.md).
 
     python examples/ctr_data.py --rows 200000 --out /tmp/train.tsv --seed 1
     python examples/ctr_data.py --rows 20000 --out /tmp/test.tsv --seed 2
@@ -58,7 +59,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=512)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--overlap", action="store_true", help="overlap the dense push with the next batch")
-    parser.add_argument("--prefetch", type=int, default=8, help="batches parsed ahead in a loader process (0: inline)")
+    parser.add_argument("--prefetch", type=int, default=0,
+                        help="batches parsed ahead in a loader process (default 0: parsed in the training loop)")
     parser.add_argument("--table-rows", type=int, default=1_000_000,
                         help="rows to reserve in the embedding table up front (it grows past them if needed)")
     parser.add_argument("--prefetch-rows", action=argparse.BooleanOptionalAction, default=True,
@@ -92,7 +94,7 @@ def main() -> None:
     ctx.barrier("trained")
     if ctx.is_chief:
         opt.pull()
-        auc = evaluate(model, args.test, 4096)
+        auc = evaluate(model, args.test, 512)
         print(f"held-out AUC {auc:.4f}", flush=True)
         ctx.report_result(test_auc=round(auc, 4), worker0_examples_per_s=round(examples / wall, 1))
 

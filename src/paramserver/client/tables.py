@@ -128,8 +128,10 @@ class TableClient:
         for call in calls:
             call.wait(max(0.0, deadline - time.monotonic()))
 
-    def _split(self, ids: np.ndarray) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    def _split(self, ids: np.ndarray) -> list[tuple[int, np.ndarray | slice, np.ndarray]]:
         """(shard, positions in ids, ids there) for each shard that holds some of `ids`."""
+        if len(self.channels) == 1:  # every id is there: no hashing, no copies
+            return [(0, slice(None), ids)] if ids.size else []
         owners = shard_of(ids, len(self.channels))
         return [(shard, where, ids[where]) for shard in range(len(self.channels))
                 for where in [np.flatnonzero(owners == shard)] if where.size]

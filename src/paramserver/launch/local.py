@@ -38,6 +38,8 @@ from ..server.node import READY_PREFIX
 from .processes import Child, LineWriter, wait_any
 
 log = logging.getLogger(__name__)
+_MEMORY_EVERY_S = 0.5  # how often the nodes' resident memory is sampled for the peak figures
+_TREE_EVERY_S = 2.0  # how often the nodes' child processes (data loaders) are listed again
 
 
 def free_port() -> int:
@@ -252,19 +254,29 @@ class LocalCluster:
 
     def _watch(self) -> None:
         """Sample peak memory per role and print the progress line until stopped."""
-        last_print = time.monotonic()
-        while not self._stopped.wait(0.2):
-            for role, children in (("ps", self.ps), ("worker", self.workers)):
-                for child in list(children):
-                    try:  # a node's own children (e.g. its data loader) count toward it
-                        node = psutil.Process(child.pid)
-                        rss = node.memory_info().rss + sum(_rss(p) for p in node.children(recursive=True))
-                    except psutil.Error:
-                        continue
-                    self.peak_rss[role] = max(self.peak_rss[role], rss)
-            if self.progress_every > 0 and time.monotonic() - last_print >= self.progress_every:
-                last_print = time.monotonic()
+        last_print = last_tree = 0.0
+        tree: list[tuple[str, list[psutil.Process]]] = []
+        while not self._stopped.wait(_MEMORY_EVERY_S):
+            now = time.monotonic()
+            if now - last_tree >= _TREE_EVERY_S:  # listing a node's children reads all of /proc: not each time
+                tree, last_tree = self._process_tree(), now
+            for role, processes in tree:
+                self.peak_rss[role] = max(self.peak_rss[role], sum(_rss(p) for p in processes))
+            if self.progress_every > 0 and now - last_print >= self.progress_every:
+                last_print = now
                 self._print_progress()
+
+    def _process_tree(self) -> list[tuple[str, list[psutil.Process]]]:
+        """(role, [node process, its children]) per running node: a node's loaders count toward it."""
+        tree = []
+        for role, children in (("ps", self.ps), ("worker", self.workers)):
+            for child in list(children):
+                try:
+                    node = psutil.Process(child.pid)
+                    tree.append((role, [node, *node.children(recursive=True)]))
+                except psutil.Error:
+                    continue
+        return tree
 
     def _print_progress(self) -> None:
         t = self.board.totals()
