@@ -13,6 +13,7 @@ from tests.conftest import ROOT
 pytestmark = pytest.mark.slow  # whole clusters of processes: a minute for this file
 
 SMALL = str(ROOT / "tests" / "integration" / "scripts" / "train_small.py")
+CHILD_MEMORY = str(ROOT / "tests" / "integration" / "scripts" / "child_memory.py")
 
 
 def paramserver(*args: str) -> list[str]:
@@ -36,6 +37,17 @@ def test_run_trains_with_prefixed_logs_progress_and_a_summary(procs):
     assert summary["steps"] == 120 and summary["examples"] == 960
     assert summary["worker0_steps"] == 60 and summary["workers"] == 2 and summary["ps"] == 2
     assert 0 < summary["peak_rss_mb"]["ps"] < 250
+    assert procs.leftovers() == []
+
+
+def test_a_workers_child_processes_count_toward_its_peak_memory(procs):
+    proc = procs.start(paramserver("run", "--ps", "1", "--workers", "1", "--progress-every", "0", CHILD_MEMORY,
+                                   "--", "--mb", "300"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    code, out = finish(proc, timeout=120)
+    assert code == 0, out
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["peak_rss_mb"]["worker"] > 300  # the child's 300 MB on top of the worker's own
+    assert summary["peak_rss_mb"]["ps"] < 250
     assert procs.leftovers() == []
 
 
