@@ -256,7 +256,8 @@ class LocalCluster:
         """Sample peak memory per role and print the progress line until stopped."""
         last_print = last_tree = 0.0
         tree: list[tuple[str, list[psutil.Process]]] = []
-        while not self._stopped.wait(_MEMORY_EVERY_S):
+        tick = min(_MEMORY_EVERY_S, self.progress_every) if self.progress_every > 0 else _MEMORY_EVERY_S
+        while not self._stopped.wait(tick):
             now = time.monotonic()
             if now - last_tree >= _TREE_EVERY_S:  # listing a node's children reads all of /proc: not each time
                 tree, last_tree = self._process_tree(), now
