@@ -5,8 +5,8 @@ one shared PS embedding table (no vocabulary: ids are hashed values); the dense 
 and the 26 embeddings go through an MLP 256-128-1. With `--wide`, a linear part over the
 same ids (a second, 1-wide table) is added. Worker 0 reports held-out AUC. Lines are parsed
 in the training loop by the C parser (`--prefetch N` parses in a loader process, N batches
-ahead); the next batch's rows come back with each step's reply (`--no-prefetch-rows` looks
-them up at the forward instead; see docs/embeddings.md).
+ahead); the next batch's rows (the batch after next's with `--overlap`) come back with each
+step's reply (`--no-prefetch-rows` looks them up at the forward instead; see docs/embeddings.md).
 
     python examples/ctr_data.py --rows 200000 --out /tmp/train.tsv --seed 1
     python examples/ctr_data.py --rows 20000 --out /tmp/test.tsv --seed 2
@@ -14,6 +14,7 @@ them up at the forward instead; see docs/embeddings.md).
 """
 
 import argparse
+import itertools
 import time
 
 import numpy as np
@@ -67,7 +68,8 @@ def main() -> None:
     parser.add_argument("--table-rows", type=int, default=1_000_000,
                         help="rows to reserve in the embedding table up front (it grows past them if needed)")
     parser.add_argument("--prefetch-rows", action=argparse.BooleanOptionalAction, default=True,
-                        help="have each step bring the next batch's rows back with its reply (default: on)")
+                        help="have each step bring the next batch's rows back with its reply (with --overlap, "
+                             "the batch after next; default: on)")
     parser.add_argument("--wide", action="store_true", help="add a wide (linear) part: Wide&Deep")
     args = parser.parse_args()
 
@@ -79,16 +81,19 @@ def main() -> None:
     for epoch in range(args.epochs):
         batches = criteo.batches(args.train, args.batch_size, ctx.worker_index, ctx.num_workers,
                                  prefetch=args.prefetch)
-        upcoming = next(batches, None)
-        while upcoming is not None:
-            dense, sparse, labels = upcoming
+        # rows prefetched now come back with this step's reply: with --overlap that reply is read
+        # at the next step, so the rows are for the batch after next
+        ahead = 2 if args.overlap else 1
+        window = list(itertools.islice(batches, ahead))
+        while window:
+            dense, sparse, labels = window.pop(0)
             opt.zero_grad()
             loss = F.binary_cross_entropy_with_logits(model(dense, sparse), labels)
-            upcoming = next(batches, None)
-            if args.prefetch_rows and upcoming is not None:
+            window.extend(itertools.islice(batches, ahead - len(window)))
+            if args.prefetch_rows and len(window) == ahead:
                 embedded = [model.embedding] + ([model.wide] if model.wide is not None else [])
                 for module in embedded:
-                    module.prefetch(upcoming[1])
+                    module.prefetch(window[-1][1])
             loss.backward()
             opt.step()
             examples += len(labels)

@@ -175,16 +175,41 @@ def test_a_prefetch_is_used_by_the_same_ids_object_only(fresh_context):
     assert methods == ["Lookup", "Lookup"]
 
 
-def test_with_overlap_a_prefetch_goes_out_at_once_one_update_staler(fresh_context):
-    ps.init(num_ps=2)
+def test_with_overlap_a_prefetch_rides_the_step_and_serves_the_batch_after_next(fresh_context):
+    ctx = ps.init(num_ps=2)
+    embedding = ps.nn.HashEmbedding(DIM, std=0.1)
+    opt = ps.optim.SGD(embedding.parameters(), lr=1.0, overlap=True)
+    b0, b1, b2 = torch.tensor([[1, 2]]), torch.tensor([[3, 7]]), torch.tensor([[2, 3]])
+    before = embedding(b2).detach().clone()
+    opt.zero_grad()
+    loss = embedding(b0).sum()
+    embedding.prefetch(b2)  # two batches ahead: the step's reply is read at the next step
+    loss.backward()
+    methods = record_calls(ctx)
+    opt.step()  # moves rows 1 and 2 by -1
+    assert methods == ["PushPull", "PushPull"]  # one request per shard: row gradients and lookup together
+    opt.zero_grad()
+    embedding(b1).sum().backward()
+    opt.step()  # reads the first step's reply (b2's rows), then moves rows 3 and 7
+    methods.clear()
+    prefetched = embedding(b2).detach()
+    assert methods == []  # the forward used the rows that came back
+    torch.testing.assert_close(prefetched[0, 0], before[0, 0] - 1)  # row 2: read after the first update
+    torch.testing.assert_close(prefetched[0, 1], before[0, 1])  # row 3: one update staler
+    opt.synchronize()
+    torch.testing.assert_close(embedding(b2.clone()).detach()[0, 1], before[0, 1] - 1)
+
+
+def test_with_overlap_a_prefetch_for_the_next_batch_is_looked_up_at_its_forward(fresh_context):
+    ctx = ps.init(num_ps=2)
     embedding = ps.nn.HashEmbedding(DIM, std=0.1)
     opt = ps.optim.SGD(embedding.parameters(), lr=1.0, overlap=True)
     first, upcoming = torch.tensor([[1, 2]]), torch.tensor([[2, 3]])
-    before = embedding(upcoming).detach().clone()
-    train_step_with_prefetch(embedding, opt, first, upcoming)
-    torch.testing.assert_close(embedding(upcoming).detach(), before)  # read before this step's update
-    opt.synchronize()
-    torch.testing.assert_close(embedding(upcoming.clone()).detach()[0, 0], before[0, 0] - 1)
+    train_step_with_prefetch(embedding, opt, first, upcoming)  # rides this step, whose reply is read later
+    methods = record_calls(ctx)
+    rows = embedding(upcoming).detach()
+    assert methods and set(methods) == {"Lookup"}  # the rows are not back yet: looked up at once
+    torch.testing.assert_close(rows, embedding(upcoming.clone()).detach())
 
 
 def train_ctr_like(prefetch: bool) -> torch.Tensor:

@@ -77,44 +77,46 @@ class HashEmbedding(nn.Module):
         self.placeholder = nn.Parameter(torch.empty(0))
         self.placeholder._ps_embedding = self  # how the PS optimizer recognizes this table
         self._tables = None
-        self._rides_with_step = False
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._prefetched: _Prefetch | None = None
+        self._prefetches: list[_Prefetch] = []  # oldest first: rows delivered or in flight, then waiting
 
-    def attach(self, tables, table_name: str, rides_with_step: bool = True) -> None:
-        """Called by the optimizer once the table exists on the PS. `rides_with_step`: prefetched
-        lookups go out with the optimizer's next step (False: at once, on their own)."""
-        self._tables, self.table_name, self._rides_with_step = tables, table_name, rides_with_step
+    def attach(self, tables, table_name: str) -> None:
+        """Called by the optimizer once the table exists on the PS."""
+        self._tables, self.table_name = tables, table_name
 
     def prefetch(self, ids) -> None:
-        """Look the rows of `ids` up ahead of their forward (typically the next batch's ids, called
-        before this batch's backward); the forward given that same ids object uses them.
+        """Have the rows of `ids` come back with the optimizer's next `step()` (one request per
+        shard carries the gradients and the lookup); the forward given that same ids object uses
+        them, with no request of its own.
 
-        The lookup rides along the optimizer's next `step()` (one request per shard carries the
-        gradients and the lookup), and the rows are read after that step's update: the rows a
-        lookup at the forward would get, without its round trip. With an optimizer created with
-        `overlap=True` the lookup goes out at once instead, one update staler.
+        The shard reads the rows after that step's update. A step's reply is read by the step
+        itself, so call this with the next batch's ids; with an optimizer created with
+        `overlap=True` it is read at the following step, so pass the ids of the batch after next
+        (the rows miss one update, the one of the step in between). A forward whose rows have not
+        come back yet looks them up at once.
         """
         self._check_attached()
         shape, unique, inverse = self._distinct(ids)
-        handle = None if self._rides_with_step else self._tables.start_lookup(self.table_name, unique)
-        self._prefetched = _Prefetch(ids, shape, unique, inverse, handle)
+        # at most one earlier prefetch can still be used: the one riding the step in flight
+        self._prefetches = self._prefetches[-1:] + [_Prefetch(ids, shape, unique, inverse)]
 
-    def ride_lookup(self) -> np.ndarray | None:
-        """The distinct ids of a prefetch waiting to ride along a step (called by the optimizer)."""
-        waiting = self._prefetched
-        return waiting.unique if waiting is not None and waiting.handle is None and waiting.rows is None else None
-
-    def deliver(self, rows: np.ndarray) -> None:
-        """The rows of the prefetch returned by `ride_lookup` (called by the optimizer)."""
-        self._prefetched.rows = rows
+    def ride_lookup(self) -> "_Prefetch | None":
+        """The prefetch waiting to ride along a step, marked as sent; None if there is none.
+        Called by the optimizer, which hands it its rows (`deliver`) when it reads the step's reply."""
+        waiting = self._prefetches[-1] if self._prefetches else None
+        if waiting is None or waiting.sent:
+            return None
+        waiting.sent = True
+        return waiting
 
     def lookup(self, ids) -> torch.Tensor:
         self._check_attached()
-        prefetched, self._prefetched = self._prefetched, None
-        if prefetched is not None and prefetched.ids is ids and prefetched.ready():
+        prefetched = next((p for p in self._prefetches if p.ids is ids), None)
+        # rows that came back for other ids are dropped; those still on their way are kept
+        self._prefetches = [p for p in self._prefetches if p is not prefetched and p.rows is None]
+        if prefetched is not None and prefetched.rows is not None:
             shape, unique, inverse = prefetched.shape, prefetched.unique, prefetched.inverse
-            rows = torch.from_numpy(prefetched.take_rows())
+            rows = torch.from_numpy(prefetched.rows)
         else:
             shape, unique, inverse = self._distinct(ids)
             rows = torch.from_numpy(self._tables.lookup(self.table_name, unique))
@@ -153,21 +155,17 @@ class HashEmbedding(nn.Module):
 
 @dataclass
 class _Prefetch:
-    """A lookup made ahead of its forward: rows come from `handle` (a lookup of its own) or are
-    delivered by the optimizer's step."""
+    """A lookup that rides along a step: its rows arrive when the optimizer reads that step's reply."""
 
     ids: object  # the ids object as given: only a forward given this same object uses the rows
     shape: torch.Size
     unique: np.ndarray
     inverse: torch.Tensor
-    handle: object | None = None
-    rows: np.ndarray | None = None
+    sent: bool = False  # riding along a step
+    rows: np.ndarray | None = None  # set by deliver(), once that step's reply is read
 
-    def ready(self) -> bool:
-        return self.rows is not None or self.handle is not None
-
-    def take_rows(self) -> np.ndarray:
-        return self.rows if self.rows is not None else self.handle.wait()
+    def deliver(self, rows: np.ndarray) -> None:
+        self.rows = rows
 
 
 class HashEmbeddingBag(HashEmbedding):

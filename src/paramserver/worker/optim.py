@@ -47,7 +47,7 @@ class PSOptimizer(torch.optim.Optimizer):
         self.overlap = overlap
         self.steps = 0
         self.context = context or current_context()
-        self._pending: PushPullHandle | None = None
+        self._pending: tuple[PushPullHandle, Any, list] | None = None  # overlap: a step whose reply is unread
         self._embeddings: list = []
         self.name = self.context.next_optimizer_name()
         self._vars: list[tuple[str, torch.Tensor]] = []
@@ -88,7 +88,7 @@ class PSOptimizer(torch.optim.Optimizer):
         name = module.table_name or f"{self.name}.{param_name.removesuffix('.placeholder')}"
         spec = module.optimizer_spec or sparse_counterpart(self.kind, group)
         self.context.tables.register(name, module.dim, spec, module.init, module.policy, module.capacity)
-        module.attach(self.context.tables, name, rides_with_step=not self.overlap)
+        module.attach(self.context.tables, name)
         self._embeddings.append(module)
 
     @torch.no_grad()
@@ -112,13 +112,9 @@ class PSOptimizer(torch.optim.Optimizer):
                                                owned=self.overlap, riders=riders)
         if self.overlap:
             handle.wait_sent(self.context.options.rpc_timeout_s)  # the gradients may now be freed
-            self._pending = handle
+            self._pending = (handle, riders, prefetches)
         else:
-            self._write(handle.wait(self.context.options.rpc_timeout_s)[1])
-            if prefetches:
-                rows = riders.rows(handle.riders)
-                for module, index in prefetches:
-                    module.deliver(rows[index])
+            self._settle(handle, riders, prefetches)
         self.steps += 1
         if self.context.pauses_at(self.steps):
             self.synchronize()  # the workers are about to meet: nothing of this worker may be in flight
@@ -127,7 +123,7 @@ class PSOptimizer(torch.optim.Optimizer):
 
     def _embedding_riders(self):
         """(the embedding tables' row gradients and prefetched lookups to send with this step,
-        [(module, lookup index)]); (None, []) without embedding tables."""
+        [(prefetch, lookup index)]); (None, []) without embedding tables."""
         if not self._embeddings:
             return None, []
         riders, prefetches = self.context.tables.riders(), []
@@ -137,15 +133,23 @@ class PSOptimizer(torch.optim.Optimizer):
                 riders.push(module.table_name, *touched)
             waiting = module.ride_lookup()
             if waiting is not None:
-                prefetches.append((module, riders.lookup(module.table_name, waiting)))
+                prefetches.append((waiting, riders.lookup(module.table_name, waiting.unique)))
         return riders, prefetches
 
     @torch.no_grad()
     def synchronize(self) -> None:
         """Load the reply of a step still in flight (overlap mode); a no-op otherwise."""
         if self._pending is not None:
-            handle, self._pending = self._pending, None
-            self._write(handle.wait(self.context.options.rpc_timeout_s)[1])
+            pending, self._pending = self._pending, None
+            self._settle(*pending)
+
+    def _settle(self, handle: PushPullHandle, riders, prefetches: list) -> None:
+        """Load a step's reply: the PS's values, and the prefetched rows that rode along."""
+        self._write(handle.wait(self.context.options.rpc_timeout_s)[1])
+        if prefetches:
+            rows = riders.rows(handle.riders)
+            for prefetch, index in prefetches:
+                prefetch.deliver(rows[index])
 
     @torch.no_grad()
     def pull(self) -> None:
