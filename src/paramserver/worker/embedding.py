@@ -114,11 +114,13 @@ class HashEmbedding(nn.Module):
         prefetched = next((p for p in self._prefetches if p.ids is ids), None)
         # rows that came back for other ids are dropped; those still on their way are kept
         self._prefetches = [p for p in self._prefetches if p is not prefetched and p.rows is None]
-        if prefetched is not None and prefetched.rows is not None:
+        if prefetched is not None:
             shape, unique, inverse = prefetched.shape, prefetched.unique, prefetched.inverse
-            rows = torch.from_numpy(prefetched.rows)
         else:
             shape, unique, inverse = self._distinct(ids)
+        if prefetched is not None and prefetched.rows is not None:
+            rows = torch.from_numpy(prefetched.rows)
+        else:  # not prefetched, or its step's reply not read yet
             rows = torch.from_numpy(self._tables.lookup(self.table_name, unique))
         if torch.is_grad_enabled() and self.training:
             rows.requires_grad_(True)
