@@ -116,26 +116,36 @@ def memory(rows: int) -> dict:
             "own_bytes_per_row": own, "ratio": round(per_row / own, 3)}
 
 
+def write_ctr_data(directory: str, rows: int) -> tuple[str, str]:
+    """Synthetic Criteo lines (examples/ctr_data.py): `rows` to train on and a tenth to test; their paths."""
+    paths = []
+    for name, count, seed in (("train", rows, 1), ("test", max(rows // 10, 1000), 2)):
+        paths.append(f"{directory}/{name}.tsv")
+        subprocess.run([sys.executable, str(ROOT / "examples" / "ctr_data.py"), "--rows", str(count), "--seed",
+                        str(seed), "--out", paths[-1]], check=True)
+    return paths[0], paths[1]
+
+
+def run_ctr(num_ps: int, workers: int, flags: list[str], train: str, test: str) -> dict:
+    """examples/ctr.py on a local cluster (one torch thread per worker); its JSON record."""
+    cluster = LocalCluster(num_ps, workers, str(ROOT / "examples" / "ctr.py"),
+                           ["--train", train, "--test", test, *flags],
+                           Options(torch_threads=1), out=io.StringIO(), progress_every=0, log_level="WARNING")
+    if cluster.run() != 0:
+        raise SystemExit(cluster._lines.out.getvalue()[-3000:])
+    summary = cluster.summary()
+    return {"bench": "embedding", "case": "ctr", "ps": num_ps, "workers": workers, "batch_size": 512,
+            "flags": " ".join(flags), "examples_per_s": summary["examples_per_s"], "test_auc": summary["test_auc"],
+            "peak_rss_mb": summary["peak_rss_mb"]}
+
+
 def ctr(rows: int) -> list[dict]:
-    results = []
     with tempfile.TemporaryDirectory() as tmp:
-        for name, count, seed in (("train", rows, 1), ("test", max(rows // 10, 1000), 2)):
-            subprocess.run([sys.executable, str(ROOT / "examples" / "ctr_data.py"), "--rows", str(count), "--seed",
-                            str(seed), "--out", f"{tmp}/{name}.tsv"], check=True)
-        for (num_ps, workers), flags in itertools.product(((1, 1), (2, 2)),
-                                                          ([], ["--no-prefetch-rows"], ["--overlap"],
-                                                           ["--overlap", "--prefetch", "8"])):
-            cluster = LocalCluster(num_ps, workers, str(ROOT / "examples" / "ctr.py"),
-                                   ["--train", f"{tmp}/train.tsv", "--test", f"{tmp}/test.tsv", *flags],
-                                   Options(torch_threads=1), out=io.StringIO(), progress_every=0, log_level="WARNING")
-            if cluster.run() != 0:
-                raise SystemExit(cluster._lines.out.getvalue()[-3000:])
-            summary = cluster.summary()
-            results.append({"bench": "embedding", "case": "ctr", "ps": num_ps, "workers": workers, "batch_size": 512,
-                            "flags": " ".join(flags),
-                            "examples_per_s": summary["examples_per_s"], "test_auc": summary["test_auc"],
-                            "peak_rss_mb": summary["peak_rss_mb"]})
-    return results
+        train, test = write_ctr_data(tmp, rows)
+        return [run_ctr(num_ps, workers, flags, train, test)
+                for (num_ps, workers), flags in itertools.product(((1, 1), (2, 2)),
+                                                                  ([], ["--no-prefetch-rows"], ["--overlap"],
+                                                                   ["--overlap", "--prefetch", "8"]))]
 
 
 def main() -> None:
