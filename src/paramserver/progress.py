@@ -3,6 +3,8 @@
 A worker writes JSON lines to a file descriptor the launcher gave it:
 ``{"worker": i, "steps": n, "examples": n, "loss": x, "staleness_sum": n, "t": unix_time}`` at most every
 `interval` seconds, and ``{"worker": i, "result": {...}}`` once, for the run's final JSON line.
+`t` is the time of the worker's latest step, not of the write: a line written after training
+(with the result, after an evaluation) does not stretch the run's examples/s.
 The launcher's ProgressBoard aggregates the lines of all workers.
 """
 
@@ -27,11 +29,14 @@ class ProgressWriter:
         self.loss: float | None = None
         self.staleness_sum = 0
         self._last_write = 0.0
+        self._step_t: float | None = None
 
     def update(self, steps: int = 0, examples: int = 0, loss: float | None = None, staleness: int = 0) -> None:
         self.steps += steps
         self.examples += examples
         self.staleness_sum += staleness
+        if steps or examples:
+            self._step_t = time.time()
         if loss is not None:
             self.loss = loss
         if self._file and time.monotonic() - self._last_write >= self.interval:
@@ -39,12 +44,19 @@ class ProgressWriter:
 
     def flush(self) -> None:
         self._write({"steps": self.steps, "examples": self.examples, "loss": self.loss,
-                     "staleness_sum": self.staleness_sum, "t": time.time()})
+                     "staleness_sum": self.staleness_sum,
+                     "t": self._step_t if self._step_t is not None else time.time()})
         self._last_write = time.monotonic()
 
     def result(self, values: dict[str, Any]) -> None:
         self.flush()
         self._write({"result": values})
+
+    def close(self) -> None:
+        """Close the channel (idempotent); later updates are not written."""
+        if self._file:
+            self._file.close()
+            self._file = None
 
     def _write(self, record: dict[str, Any]) -> None:
         if self._file:
@@ -62,6 +74,7 @@ class ProgressBoard:
         self._latest: dict[int, dict[str, Any]] = {}
         self._banked = {"steps": 0, "examples": 0, "staleness_sum": 0}  # totals of workers since restarted
         self._first_t: float | None = None
+        self._first_examples = 0  # counted by the first line, so done before _first_t
         self.results: dict[int, dict[str, Any]] = {}
         self._window = (time.time(), 0, 0)
 
@@ -77,7 +90,7 @@ class ProgressBoard:
             else:
                 self._latest[worker] = record
                 if self._first_t is None:
-                    self._first_t = record["t"]
+                    self._first_t, self._first_examples = record["t"], record.get("examples", 0)
 
     def restart(self, worker: int | None = None) -> None:
         """A worker (or, with None, every worker) starts again from zero: keep what it reported so
@@ -89,10 +102,11 @@ class ProgressBoard:
                     self._banked[key] += record.get(key, 0)
 
     def totals(self) -> dict[str, Any]:
-        """Summed steps and examples, mean last loss, and steps/s and examples/s since the previous call."""
+        """Summed steps and examples, mean last loss, steps/s and examples/s since the previous call, and
+        `examples_per_s` of the run: examples after the first line over the time from it to the latest step."""
         with self._lock:
             latest = list(self._latest.values())
-            first_t = self._first_t
+            first_t, first_examples = self._first_t, self._first_examples
         steps = self._banked["steps"] + sum(r["steps"] for r in latest)
         examples = self._banked["examples"] + sum(r["examples"] for r in latest)
         losses = [r["loss"] for r in latest if r.get("loss") is not None]
@@ -107,4 +121,5 @@ class ProgressBoard:
                 "staleness_mean": staleness / steps if steps else 0.0,
                 "recent_steps_per_s": (steps - steps_before) / elapsed,
                 "recent_examples_per_s": (examples - examples_before) / elapsed,
-                "examples_per_s": examples / (last_t - first_t) if first_t and last_t > first_t else 0.0}
+                "examples_per_s": ((examples - first_examples) / (last_t - first_t)
+                                   if first_t and last_t > first_t else 0.0)}
