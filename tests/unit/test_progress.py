@@ -18,7 +18,7 @@ def test_a_line_written_after_training_carries_the_time_of_the_last_step():
     writer.update(steps=1, examples=512)
     writer.update(steps=1, examples=512)
     last_step = time.time()
-    time.sleep(0.3)  # an evaluation after training
+    time.sleep(0.05)  # an evaluation after training
     writer.result({"auc": 0.8})
     writer.close()
     records = _lines(read_fd)

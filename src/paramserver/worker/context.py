@@ -134,6 +134,7 @@ class Context:
         """
         global _current
         self.progress.flush()
+        self.progress.close()
         self.client.leave(timeout=5.0)
         self.client.close()
         self.coordinator.stop()
