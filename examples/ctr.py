@@ -78,26 +78,27 @@ def main() -> None:
     model = CTRModel(wide=args.wide, table_rows=args.table_rows)
     opt = ps.optim.Adam(model.named_parameters(), lr=args.lr, overlap=args.overlap)
     started, examples = time.perf_counter(), 0
-    for epoch in range(args.epochs):
-        batches = criteo.batches(args.train, args.batch_size, ctx.worker_index, ctx.num_workers,
-                                 prefetch=args.prefetch)
-        # rows prefetched now come back with this step's reply: with --overlap that reply is read
-        # at the next step, so the rows are for the batch after next
-        ahead = 2 if args.overlap else 1
-        window = list(itertools.islice(batches, ahead))
-        while window:
-            dense, sparse, labels = window.pop(0)
-            opt.zero_grad()
-            loss = F.binary_cross_entropy_with_logits(model(dense, sparse), labels)
-            window.extend(itertools.islice(batches, ahead - len(window)))
-            if args.prefetch_rows and len(window) == ahead:
-                embedded = [model.embedding] + ([model.wide] if model.wide is not None else [])
-                for module in embedded:
-                    module.prefetch(window[-1][1])
-            loss.backward()
-            opt.step()
-            examples += len(labels)
-            ctx.report(examples=len(labels), loss=loss.item())
+    # this worker's share, from its data position on (a restarted worker skips what it trained)
+    batches = iter(ctx.resumable(lambda epoch: criteo.batches(args.train, args.batch_size, ctx.worker_index,
+                                                              ctx.num_workers, prefetch=args.prefetch),
+                                 epochs=args.epochs))
+    # rows prefetched now come back with this step's reply: with --overlap that reply is read
+    # at the next step, so the rows are for the batch after next
+    ahead = 2 if args.overlap else 1
+    window = list(itertools.islice(batches, ahead))
+    while window:
+        dense, sparse, labels = window.pop(0)
+        opt.zero_grad()
+        loss = F.binary_cross_entropy_with_logits(model(dense, sparse), labels)
+        window.extend(itertools.islice(batches, ahead - len(window)))
+        if args.prefetch_rows and len(window) == ahead:
+            embedded = [model.embedding] + ([model.wide] if model.wide is not None else [])
+            for module in embedded:
+                module.prefetch(window[-1][1])
+        loss.backward()
+        opt.step()
+        examples += len(labels)
+        ctx.report(examples=len(labels), loss=loss.item())
     wall = time.perf_counter() - started
     ctx.barrier("trained")
     if ctx.is_chief:

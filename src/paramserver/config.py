@@ -187,9 +187,10 @@ def options_from_environ(environ: Mapping[str, str] = os.environ) -> Options:
         raise ConfigError(f"{OPTIONS_ENV} is not valid JSON: {exc}") from None
 
 
-def config_from_environ(environ: Mapping[str, str] = os.environ) -> NodeConfig | None:
-    """The node config given by TF_CONFIG (and PARAMSERVER_OPTIONS), or None when TF_CONFIG is unset."""
+def config_from_environ(environ: Mapping[str, str] = os.environ, options: Options | None = None) -> NodeConfig | None:
+    """The node config given by TF_CONFIG, or None when TF_CONFIG is unset. Its options are `options`
+    (e.g. PARAMSERVER_OPTIONS combined with command-line flags), else PARAMSERVER_OPTIONS."""
     text = environ.get(TF_CONFIG_ENV)
     if not text:
         return None
-    return parse_tf_config(text, options_from_environ(environ))
+    return parse_tf_config(text, options or options_from_environ(environ))

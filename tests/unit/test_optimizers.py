@@ -79,7 +79,7 @@ def test_param_groups_keep_their_own_hyperparameters(fresh_context):
 
 def test_second_worker_adopts_the_first_workers_initial_values(fresh_context):
     ctx = ps.init(num_ps=2)
-    other = dataclasses.replace(ctx, worker_index=1, client=PSClient(ctx.client.channels, 10.0), _optimizers=0)
+    other = dataclasses.replace(ctx, worker_index=1, client=PSClient(ctx.client.channels, 10.0), optimizers=[])
     first, second = mlp(seed=0), mlp(seed=1)
     ps.optim.Adam(first.parameters(), context=ctx)
     ps.optim.Adam(second.parameters(), context=other)

@@ -181,14 +181,22 @@ class PSClient:
         self.consistency = spec
 
     def leave(self, timeout: float) -> None:
-        """Tell every shard this worker is done, so steps stop waiting for it. Best effort."""
-        payload = codec.encode({"worker": self.worker})
+        """Tell every shard this worker finished its data or waits at a barrier, so that steps stop
+        waiting for it (its next push brings it back). Best effort."""
+        self._tell_all({"worker": self.worker}, timeout)
+
+    def forget(self, worker: int, why: str, timeout: float) -> None:
+        """Tell every shard that `worker` is gone for good (`why`): waits that need it fail at once."""
+        self._tell_all({"worker": worker, "gone": why}, timeout)
+
+    def _tell_all(self, meta: dict, timeout: float) -> None:
+        payload = codec.encode(meta)
         calls = [channel.call("Leave", payload, timeout) for channel in self.channels]
         for call in calls:
             try:
                 call.wait(timeout)
             except ParamServerError as exc:
-                log.warning("leave: %s", exc)
+                log.warning("leave %s: %s", meta, exc)
 
     def checkpoint(self, directory: str, name: str, timeout: float) -> list[dict]:
         """Have every shard write its file of checkpoint `name` under `directory`, all at once;

@@ -1,9 +1,19 @@
 """Membership, global step and barriers: the coordinator's state, without any transport.
 
-A worker joins, sends heartbeats carrying its step, and leaves when done. A member silent
-for longer than `heartbeat_timeout_s` counts as gone. The global step is the sum of the
-members' reported steps (every worker step is one update in async mode). A barrier opens
-when every live member has arrived at it. Thread-safe.
+Every worker of the cluster is a member, in one of these states:
+
+- ``joining``: not joined yet (it may just start slowly); awaited everywhere.
+- ``training``: joined, and heard from within `heartbeat_timeout_s`.
+- ``finished``: its data is done (it left every quorum); still awaited at barriers.
+- ``exited``: it left the cluster (its script ended); awaited nowhere.
+- ``dead``: silent for longer than `heartbeat_timeout_s` while training. A restart that joins
+  again brings it back; until then it is gone for good: a barrier that needs it fails at once,
+  naming it. A finished member that goes silent counts as exited (its work is done).
+
+A barrier opens once every member that is not exited has arrived (not finished either, for the
+pauses that only training workers reach: checkpoints and mode switches). Waits are long polls of at
+most `wait_s` each, so that no call's deadline fails a peer that is alive and merely slow.
+The global step is the sum of the members' reported steps. Thread-safe.
 """
 
 from __future__ import annotations
@@ -13,9 +23,10 @@ import threading
 import time
 from dataclasses import dataclass
 
-from ..errors import DeadlineExceededError, InvalidArgumentError
+from ..errors import InvalidArgumentError, UnavailableError
 
 log = logging.getLogger(__name__)
+STATES = ("joining", "training", "finished", "exited", "dead")
 
 
 @dataclass
@@ -23,7 +34,10 @@ class Member:
     worker: int
     step: int = 0
     last_seen: float = 0.0
-    left: bool = False
+    joined: bool = False
+    finished: bool = False
+    exited: bool = False
+    reported_gone: bool = False  # `newly_gone` told the caller already
 
 
 class Coordinator:
@@ -33,69 +47,76 @@ class Coordinator:
         self.num_workers = num_workers
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self._clock = clock
-        self._members: dict[int, Member] = {}
+        self._members = {worker: Member(worker) for worker in range(num_workers)}
         self._barriers: dict[str, set[int]] = {}
         self._opened: set[str] = set()
         self._checkpoints_requested = 0  # timed checkpoints asked for by the chief so far
+        self._started = clock()
         self._cond = threading.Condition()
 
+    # ---- a member's own calls ----------------------------------------------------------------
     def join(self, worker: int) -> dict:
+        """A worker starts, or starts again after a restart: it is training."""
         self._check(worker)
         with self._cond:
-            member = self._members.get(worker)
-            if member is None or member.left:
-                self._members[worker] = Member(worker, member.step if member else 0, self._clock())
-                log.info("coordinator: worker %d joined", worker)
+            member = self._members[worker]
+            again = member.joined
+            member.joined, member.finished, member.exited, member.reported_gone = True, False, False, False
+            member.last_seen = self._clock()
+            log.info("coordinator: worker %d %s", worker, "joined again" if again else "joined")
             self._cond.notify_all()
             return self._view()
 
     def heartbeat(self, worker: int, step: int) -> dict:
         self._check(worker)
         with self._cond:
-            member = self._members.setdefault(worker, Member(worker))
-            member.step, member.last_seen, member.left = max(member.step, step), self._clock(), False
+            member = self._members[worker]
+            if not member.joined:  # a coordinator that started again after this worker joined
+                member.joined = True
+            member.step, member.last_seen = max(member.step, step), self._clock()
+            self._cond.notify_all()
+            return self._view()
+
+    def finish(self, worker: int) -> dict:
+        """The worker's data is done; it may still meet the others at barriers."""
+        self._check(worker)
+        with self._cond:
+            member = self._members[worker]
+            member.finished, member.last_seen = True, self._clock()
+            log.info("coordinator: worker %d finished its data", worker)
             self._cond.notify_all()
             return self._view()
 
     def leave(self, worker: int) -> dict:
+        """The worker's script ended: nothing waits for it any more."""
         self._check(worker)
         with self._cond:
-            if worker in self._members:
-                self._members[worker].left = True
+            self._members[worker].exited = True
             self._cond.notify_all()
             return self._view()
 
-    def barrier(self, name: str, worker: int, timeout: float) -> dict:
-        """Block until every expected worker has arrived at barrier `name` (or it already opened):
-        the live ones and those that have not joined yet."""
+    def barrier(self, name: str, worker: int, wait_s: float, training_only: bool = False) -> dict:
+        """Arrive at barrier `name` and wait at most `wait_s` for it to open. The view returned
+        says "open" and, if not, the workers still "waiting"; the caller asks again.
+
+        A barrier waits for every member that has not exited; a `training_only` one (the pauses
+        for checkpoints and mode switches, which a worker past its data never reaches) does not
+        wait for finished members. Raises UnavailableError at once when a worker it needs is dead.
+        """
         self._check(worker)
+        if not 0 <= wait_s <= 3600:  # also refuses NaN
+            raise InvalidArgumentError(f"barrier wait must be between 0 and 3600 s, got {wait_s!r}")
         with self._cond:
             self._barriers.setdefault(name, set()).add(worker)
             self._cond.notify_all()
-            deadline = self._clock() + timeout
-            while not self._barrier_open(name):  # re-checked each second: a silent member times out
-                if self._clock() >= deadline:
-                    waiting = sorted(self._expected() - self._barriers[name])
-                    raise DeadlineExceededError(
-                        f"barrier {name!r}: workers {waiting} did not arrive in {timeout:.0f}s")
-                self._cond.wait(min(1.0, max(0.01, deadline - self._clock())))
-            return self._view()
-
-    def _barrier_open(self, name: str) -> bool:
-        # a worker that has not joined yet is still expected (it may just start slowly);
-        # one that left, or joined and went silent, is not
-        if name in self._opened or self._expected() <= self._barriers[name]:
-            self._opened.add(name)
-            return True
-        return False
-
-    def _expected(self) -> set[int]:
-        return self._live() | (set(range(self.num_workers)) - set(self._members))
-
-    def _live(self) -> set[int]:
-        now = self._clock()
-        return {m.worker for m in self._members.values()
-                if not m.left and now - m.last_seen <= self.heartbeat_timeout_s}
+            deadline = self._clock() + wait_s
+            while not self._barrier_open(name, training_only):
+                self._fail_if_dead(name, training_only)
+                left = deadline - self._clock()
+                if left <= 0:
+                    return {**self._view(), "open": False, "waiting": self._missing(name, training_only)}
+                self._cond.wait(min(1.0, left))  # re-checked each second: a silent member dies
+            return {**self._view(), "open": True}
 
     def request_checkpoint(self, worker: int) -> dict:
         """Ask every worker to meet for a checkpoint after its current step (they learn it from the view)."""
@@ -105,20 +126,79 @@ class Coordinator:
             self._cond.notify_all()
             return self._view()
 
-    def _view(self) -> dict:
-        return {"global_step": sum(m.step for m in self._members.values()),
-                "live": sorted(self._live()), "workers": self.num_workers,
-                "checkpoints_requested": self._checkpoints_requested}
+    # ---- what the host asks ------------------------------------------------------------------
+    def state(self, worker: int) -> str:
+        with self._cond:
+            return self._state(self._members[worker])
 
     def view(self) -> dict:
         with self._cond:
             return self._view()
 
-    def all_done(self) -> bool:
-        """Every worker joined once and is gone now (left, or silent past the heartbeat timeout)."""
+    def newly_gone(self) -> list[tuple[int, str]]:
+        """Members found dead since the last call, with why: for the host to tell the shards."""
         with self._cond:
-            return len(self._members) == self.num_workers and not self._live()
+            found = []
+            for member in self._members.values():
+                if self._state(member) == "dead" and not member.reported_gone:
+                    member.reported_gone = True
+                    found.append((member.worker, self._why_dead(member)))
+            return found
+
+    def all_done(self, joining_grace_s: float = 0.0) -> bool:
+        """No worker may need the coordinator any more: every one exited or is dead, and those that
+        never joined were given `joining_grace_s` since the coordinator started."""
+        with self._cond:
+            states = [self._state(m) for m in self._members.values()]
+            waiting_to_join = "joining" in states and self._clock() - self._started < joining_grace_s
+            return not waiting_to_join and all(s in ("exited", "dead", "joining") for s in states)
+
+    def wait_all_done(self, joining_grace_s: float, poll_s: float = 1.0) -> None:
+        """Block until `all_done`: while any worker is alive, however long it takes."""
+        with self._cond:
+            while not self.all_done(joining_grace_s):
+                self._cond.wait(poll_s)
+
+    # ---- internals ---------------------------------------------------------------------------
+    def _state(self, member: Member) -> str:
+        if not member.joined:
+            return "joining"
+        if member.exited:
+            return "exited"
+        if self._clock() - member.last_seen > self.heartbeat_timeout_s:
+            return "exited" if member.finished else "dead"
+        return "finished" if member.finished else "training"
+
+    def _why_dead(self, member: Member) -> str:
+        return f"no heartbeat for {self._clock() - member.last_seen:.0f}s, and it has not joined again"
+
+    def _missing(self, name: str, training_only: bool) -> list[int]:
+        arrived = self._barriers.get(name, set())
+        skipped = ("exited", "finished") if training_only else ("exited",)
+        return [m.worker for m in self._members.values()
+                if m.worker not in arrived and self._state(m) not in skipped]
+
+    def _barrier_open(self, name: str, training_only: bool) -> bool:
+        if name in self._opened or not self._missing(name, training_only):
+            self._opened.add(name)
+            return True
+        return False
+
+    def _fail_if_dead(self, name: str, training_only: bool) -> None:
+        for worker in self._missing(name, training_only):
+            member = self._members[worker]
+            if self._state(member) == "dead":
+                raise UnavailableError(f"barrier {name!r}: worker {worker} is gone ({self._why_dead(member)})")
+
+    def _live(self) -> list[int]:
+        return [m.worker for m in self._members.values() if self._state(m) in ("training", "finished")]
+
+    def _view(self) -> dict:
+        return {"global_step": sum(m.step for m in self._members.values()),
+                "live": self._live(), "workers": self.num_workers,
+                "states": {str(m.worker): self._state(m) for m in self._members.values()},
+                "checkpoints_requested": self._checkpoints_requested}
 
     def _check(self, worker: int) -> None:
-        if not isinstance(worker, int) or not 0 <= worker < self.num_workers:
+        if not isinstance(worker, int) or isinstance(worker, bool) or not 0 <= worker < self.num_workers:
             raise InvalidArgumentError(f"worker {worker!r} is outside the cluster's {self.num_workers} workers")

@@ -1,18 +1,20 @@
 """The coordinator over the wire: a thin service, and the worker's client with its heartbeat thread.
 
 Methods of service ``paramserver.Coordinator`` (frames without tensors; replies carry
-{"global_step", "live", "workers"}): ``Hello`` {}, ``Join`` {"worker"}, ``Heartbeat``
-{"worker", "step"}, ``Barrier`` {"worker", "name", "timeout"}, ``Leave`` {"worker"},
-``RequestCheckpoint`` {"worker"} (views also carry "checkpoints_requested").
+{"global_step", "live", "workers", "states", "checkpoints_requested"}): ``Hello`` {},
+``Join`` {"worker"}, ``Heartbeat`` {"worker", "step"}, ``Finish`` {"worker"} (its data is done),
+``Barrier`` {"worker", "name", "wait", "training_only"?} (a long poll: the reply says "open", or
+the workers still "waiting"), ``Leave`` {"worker"}, ``RequestCheckpoint`` {"worker"}.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any, Callable
 
-from ..errors import MalformedFrameError, ParamServerError
+from ..errors import DeadlineExceededError, MalformedFrameError, ParamServerError
 from ..transport import codec
 from .membership import Coordinator
 
@@ -29,8 +31,9 @@ class CoordinatorService:
             "Hello": lambda meta: coordinator.view(),
             "Join": lambda meta: coordinator.join(_int(meta, "worker")),
             "Heartbeat": lambda meta: coordinator.heartbeat(_int(meta, "worker"), _int(meta, "step")),
-            "Barrier": lambda meta: coordinator.barrier(str(meta.get("name")), _int(meta, "worker"),
-                                                        float(meta.get("timeout", 60))),
+            "Finish": lambda meta: coordinator.finish(_int(meta, "worker")),
+            "Barrier": lambda meta: coordinator.barrier(_str(meta, "name"), _int(meta, "worker"),
+                                                        _number(meta, "wait"), _bool(meta, "training_only")),
             "Leave": lambda meta: coordinator.leave(_int(meta, "worker")),
             "RequestCheckpoint": lambda meta: coordinator.request_checkpoint(_int(meta, "worker")),
         }
@@ -49,6 +52,27 @@ def _int(meta: dict, key: str) -> int:
     return value
 
 
+def _str(meta: dict, key: str) -> str:
+    value = meta.get(key)
+    if not isinstance(value, str) or not value:
+        raise MalformedFrameError(f"coordinator request needs a non-empty string {key!r}, got {value!r}")
+    return value
+
+
+def _bool(meta: dict, key: str) -> bool:
+    value = meta.get(key, False)
+    if not isinstance(value, bool):
+        raise MalformedFrameError(f"coordinator request needs {key!r} as true or false, got {value!r}")
+    return value
+
+
+def _number(meta: dict, key: str) -> float:
+    value = meta.get(key)
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise MalformedFrameError(f"coordinator request needs a number {key!r}, got {value!r}")
+    return float(value)
+
+
 class CoordinatorClient:
     """A worker's membership: joins, heartbeats on a named thread, barriers, leaves.
 
@@ -61,6 +85,7 @@ class CoordinatorClient:
         self.worker = worker
         self.rpc_timeout_s = rpc_timeout_s
         self.heartbeat_s = heartbeat_s
+        self.poll_s = 5.0  # longest wait of one Barrier call
         self.step = 0
         self.view: dict = {}
         self._stopping = threading.Event()
@@ -78,9 +103,28 @@ class CoordinatorClient:
         self._call("Join")
         self._thread.start()
 
-    def barrier(self, name: str, timeout: float) -> dict:
-        """Wait until every live worker reached barrier `name`."""
-        return self._call("Barrier", timeout + 5, name=name, timeout=timeout)
+    def barrier(self, name: str, timeout: float | None = None, training_only: bool = False) -> dict:
+        """Wait until every worker that has not exited (with `training_only`: nor finished its data)
+        reached barrier `name`: as long as they are alive (polls of `poll_s`), or at most `timeout`
+        seconds when given. Fails at once with UnavailableError when one it needs is dead."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            wait = self.poll_s if deadline is None else max(0.0, min(self.poll_s, deadline - time.monotonic()))
+            view = self._call("Barrier", wait + self.rpc_timeout_s, name=name, wait=wait,
+                              training_only=training_only)
+            if view.get("open"):
+                return view
+            if deadline is not None and time.monotonic() >= deadline:
+                raise DeadlineExceededError(
+                    f"barrier {name!r}: workers {view.get('waiting')} did not arrive in {timeout:.0f}s")
+
+    def finish(self) -> dict:
+        """Tell the coordinator this worker's data is done."""
+        return self._call("Finish")
+
+    def resume(self) -> dict:
+        """Tell the coordinator this worker trains again after `finish` (it joins again)."""
+        return self._call("Join")
 
     def request_checkpoint(self) -> dict:
         """Ask every worker for a checkpoint after its current step (the chief's timer)."""

@@ -27,7 +27,7 @@ def resolve(cluster_file: str | None, role: str | None, index: int | None, optio
         if role is None:
             raise ConfigError("--cluster needs --role (ps, worker or chief)")
         return config_mod.load_cluster_file(cluster_file, role, index or 0, options)
-    config = config_mod.config_from_environ(os.environ)
+    config = config_mod.config_from_environ(os.environ, options)
     if config is not None and role is not None and (role, index or 0) != (config.task.type, config.task.index):
         raise ConfigError(f"--role {role} --index {index or 0} contradicts TF_CONFIG's task "
                           f"{config.task.type}:{config.task.index}")
@@ -66,12 +66,15 @@ def run_script(config: NodeConfig, script: str, args: list[str]) -> int:
     sys.argv = [str(path), *args]
     sys.path.insert(0, str(path.resolve().parent))
     log.info("%s %d: running %s", config.task.type, config.task.index, path)
+    completed = False
     try:
         runpy.run_path(str(path), run_name="__main__")
+        completed = True
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        completed = code == 0
         return code
     finally:
         if context._current is not None:
-            context._current.shutdown()
+            context._current.shutdown(completed)
     return 0

@@ -20,7 +20,9 @@ Methods (request meta -> reply meta; tensors as named):
   makes a request without gradients count as one too (a worker with nothing for this shard
   this step, so that a sync step does not wait for it).
 - ``SetMode``: {"consistency"} -> {"version", "step"}
-- ``Leave``: {"worker"} -> {"version", "step"}: the worker is done; steps stop waiting for it
+- ``Leave``: {"worker", "gone"?} -> {"version", "step"}: the worker finished its data or waits at a
+  barrier; steps stop waiting for it until its next push. With "gone" (why), the coordinator found
+  it gone for good: a wait that needs it fails at once, naming it
 - ``RegisterTable``: {"table", "dim", "optimizer", "init", "policy"?} -> {}
 - ``Lookup``: {"table"} + "ids" (int64, distinct) -> {} + "rows" (len(ids) x dim float32)
 - ``PushSparse``: {"table"} + "ids", "grads" -> {}
@@ -80,8 +82,8 @@ class ShardService:
         optimizer = _field(frame.meta, "optimizer", dict)
         consistency = frame.meta.get("consistency")
         spec = ConsistencySpec.from_dict(consistency) if isinstance(consistency, dict) else None
-        self.shard.register(group, optimizer, frame.tensors, spec)
         worker = _optional_int(frame.meta, "worker")
+        self.shard.register(group, optimizer, frame.tensors, spec, worker)
         extra = {"position": self.shard.position(worker), "restored": self.shard.restored_position(worker)}
         return self.shard.pull(frame.tensors, _reply(sink, extra))
 
@@ -143,7 +145,13 @@ class ShardService:
         worker = _optional_int(frame.meta, "worker")
         if worker is None:
             raise MalformedFrameError("Leave needs the worker's index")
-        self.shard.leave(worker)
+        gone = frame.meta.get("gone")
+        if gone is not None and not isinstance(gone, str):
+            raise MalformedFrameError(f"Leave meta 'gone' must be a string (why), got {gone!r}")
+        if gone is None:
+            self.shard.leave(worker)
+        else:
+            self.shard.forget(worker, gone)
         return sink(codec.encode_parts({"version": self.shard.version, "step": self.shard.sync_step}))
 
     def set_mode(self, payload: bytes, sink: Sink) -> Any:

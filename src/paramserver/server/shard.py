@@ -15,7 +15,8 @@ from typing import Callable, Iterable, TypeVar
 
 import numpy as np
 
-from ..errors import DeadlineExceededError, FailedPreconditionError, InvalidArgumentError, NotFoundError
+from ..errors import (DeadlineExceededError, FailedPreconditionError, InvalidArgumentError, NotFoundError,
+                      UnavailableError)
 from .consistency import ConsistencySpec, SyncRound
 from .dense import DenseGroup
 from .optimizers import build_optimizer, check_lr
@@ -66,9 +67,12 @@ class Shard:
         self._group_of: dict[str, DenseGroup] = {}
         self._clocks: dict[int, int] = {}  # pushes applied per worker (ssp)
         self._pushes_by: dict[int, int] = {}  # pushes taken per worker since this shard started
-        self._left: set[int] = set()  # workers that finished: steps no longer wait for them
+        self._left: set[int] = set()  # workers that finished or pause: steps no longer wait for them
+        self._gone: dict[int, str] = {}  # workers the coordinator declared gone for good -> why
+        self._returning: set[int] = set()  # registered or left since their last push: join the current step
         self._round: SyncRound | None = None
         self._sums: dict[str, np.ndarray] = {}
+        self._switched = False  # the mode was switched while training (SetMode)
         self._cond = threading.Condition()
         # applies embedding row pushes: [one list per worker] (set by the service to its TableStore's
         # apply_rows); a sync step applies the rows it gathered with its dense gradients
@@ -76,21 +80,20 @@ class Shard:
 
     # ---- variables -------------------------------------------------------------------------
     def register(self, group: str, optimizer_spec: dict, initial: dict[str, np.ndarray],
-                 consistency: ConsistencySpec | None = None) -> int:
+                 consistency: ConsistencySpec | None = None, worker: int | None = None) -> int:
         """Create a group of variables from initial values, or check an existing one matches.
 
         The first registration wins, for the values and for the consistency mode: later callers
-        (other workers) receive the stored values. A mismatched shape or optimizer raises
-        FailedPreconditionError and changes nothing.
+        (other workers) receive the stored values. A mismatched shape, optimizer or consistency
+        mode raises FailedPreconditionError and changes nothing. A registering `worker` (a fresh
+        start or a restart) joins the sync step under way with its first push.
         """
         for name, value in initial.items():
             if value.dtype != np.float32:
                 raise InvalidArgumentError(f"variable {name!r}: dtype {value.dtype} not supported (float32 only)")
         optimizer = build_optimizer(optimizer_spec)
         with self._cond:
-            if self.spec is None and consistency is not None:
-                self.spec = consistency
-                log.info("shard %d: consistency %s, %d workers", self.index, consistency, consistency.workers)
+            self._check_agrees(consistency, worker)
             existing = self._groups.get(group)
             if existing is None:
                 clash = sorted(set(initial) & set(self._group_of))
@@ -107,7 +110,26 @@ class Shard:
                          len(initial), created.values.size, optimizer.name)
             else:
                 self._check_same(existing, optimizer_spec, initial)
+            self._adopt(consistency)
+            if worker is not None:
+                self._returning.add(worker)
+                self._gone.pop(worker, None)
             return self.version
+
+    def _check_agrees(self, consistency: ConsistencySpec | None, worker: int | None) -> None:
+        """Nodes started with different modes are refused at join, never silently reconciled.
+        After a switch (SetMode) a worker registering with the mode it was started with is fine."""
+        if consistency is None or self.spec is None or self._switched or consistency == self.spec:
+            return
+        raise FailedPreconditionError(
+            f"{'a worker' if worker is None else f'worker {worker}'} joined with mode {consistency} for {consistency.workers} workers, but shard "
+            f"{self.index} runs {self.spec} for {self.spec.workers} workers: start every node with the same "
+            f"--mode, --backup-workers and worker count")
+
+    def _adopt(self, consistency: ConsistencySpec | None) -> None:
+        if self.spec is None and consistency is not None:
+            self.spec = consistency
+            log.info("shard %d: consistency %s, %d workers", self.index, consistency, consistency.workers)
 
     @staticmethod
     def _check_same(group: DenseGroup, optimizer_spec: dict, initial: dict[str, np.ndarray]) -> None:
@@ -122,15 +144,13 @@ class Shard:
                     f"variable {name!r} was registered with shape {group.slots[name].shape}, not {tuple(value.shape)}")
 
     def position(self, worker: int | None) -> int:
-        """Steps `worker` has trained as this shard saw them: its position in the checkpoint the
-        shard started from, plus its pushes since; in sync mode, where workers go in lockstep, the
-        steps applied since (a worker restarted alone joins the current step, as a backup would).
-        A restarted worker resumes its data from here."""
+        """Batches `worker` has trained as this shard saw them: its position in the checkpoint the
+        shard started from, plus its pushes since (a push dropped as late consumed a batch too).
+        A restarted worker resumes its data from here; a fresh one starts at 0, in every mode:
+        the cluster's step never moves a worker's data."""
         if worker is None:
             return self.restored_position(None)
         with self._cond:
-            if self.spec is not None and self.spec.mode == "sync":
-                return self.restored_position(worker) + self.sync_step
             return self.restored_position(worker) + self._pushes_by.get(worker, 0)
 
     def restored_position(self, worker: int | None) -> int:
@@ -165,12 +185,16 @@ class Shard:
         with self._cond:
             spec = self.spec or ConsistencySpec()
             self._check_worker(spec, push.worker)
+            self._check_step(spec, push)
+            returning = push.worker in self._returning or push.worker in self._left
             self._left.discard(push.worker)
+            self._returning.discard(push.worker)
+            self._gone.pop(push.worker, None)
             if push.worker is not None:
                 self._pushes_by[push.worker] = self._pushes_by.get(push.worker, 0) + 1
             staleness = max(0, self.version - push.base_version) if push.base_version is not None else 0
             if spec.mode == "sync":
-                return self._push_sync(spec, push, staleness)
+                return self._push_sync(push, staleness, returning)
             self._set_lrs(push.lrs)
             self._apply(by_group)
             self._apply_rows([push.rows])
@@ -178,20 +202,32 @@ class Shard:
             if spec.mode == "ssp":
                 self._clocks[push.worker] = self._clocks.get(push.worker, 0) + 1
                 self._cond.notify_all()
-                self._wait(lambda: self._ssp_may_go(push.worker), f"worker {push.worker} ahead of the slowest")
+                self._wait(lambda: self._ssp_may_go(push.worker),
+                           lambda: f"worker {push.worker} ahead of the slowest of workers {self._awaited()}")
             return PushOutcome(True, staleness)
 
     def leave(self, worker: int) -> None:
-        """Worker `worker` is done: sync steps and ssp bounds stop waiting for it. Its next push
-        (a restarted worker) brings it back."""
+        """Worker `worker` finished its data, or waits at a barrier: sync steps and ssp bounds stop
+        waiting for it. Its next push brings it back, into the step under way."""
         with self._cond:
             self._check_worker(self.spec or ConsistencySpec(), worker)
             self._left.add(worker)
+            self._gone.pop(worker, None)
             if self._round is not None and self._round.contributors and \
                     len(self._round.contributors) >= self._quorum():
                 self._apply_round()
             self._cond.notify_all()
         log.info("shard %d: worker %d left (%d left so far)", self.index, worker, len(self._left))
+
+    def forget(self, worker: int, why: str) -> None:
+        """The coordinator found `worker` gone for good (dead, with no restart): a wait that needs it
+        fails at once, naming it, instead of running into its deadline. A registration brings it back."""
+        with self._cond:
+            self._check_worker(self.spec or ConsistencySpec(), worker)
+            if worker not in self._left:
+                self._gone[worker] = why
+                self._cond.notify_all()
+        log.warning("shard %d: worker %d is gone (%s)", self.index, worker, why)
 
     def _quorum(self) -> int:
         spec = self.spec or ConsistencySpec()
@@ -205,22 +241,30 @@ class Shard:
                 self._apply_round()
             self._round = None
             self.spec = spec
+            self._switched = True
             self._cond.notify_all()
         log.info("shard %d: consistency is now %s (at version %d, sync step %d)", self.index, spec,
                  self.version, self.sync_step)
 
-    def _push_sync(self, spec: ConsistencySpec, push: Push, staleness: int) -> PushOutcome:
-        step = push.step if push.step is not None else self.sync_step
+    def _check_step(self, spec: ConsistencySpec, push: Push) -> None:
+        """With backups, shards apply a step at different moments: a worker may push the step after
+        this shard's current one (it adopted another shard's), never further ahead."""
+        if spec.mode == "sync" and push.step is not None and push.step > self.sync_step + 1:
+            raise FailedPreconditionError(f"worker {push.worker} pushed step {push.step}, but shard {self.index} "
+                                          f"is at step {self.sync_step}")
+
+    def _push_sync(self, push: Push, staleness: int, returning: bool) -> PushOutcome:
+        step = self._target_step(push, returning)
+        if step > self.sync_step:  # another shard applied the step under way here already: in order
+            self._wait(lambda: self.sync_step >= step or not self._is_sync(),
+                       lambda: f"step {step} waiting for step {self.sync_step}, for workers {self._awaited()}")
+            if not self._is_sync():
+                return self._apply_now(push, staleness)
         if step < self.sync_step:
             self.stats.dropped_late += 1  # a backup's gradient for a step already applied
             return PushOutcome(False, self.sync_step - step)
-        if step > self.sync_step:
-            raise FailedPreconditionError(f"worker {push.worker} pushed step {step}, but shard {self.index} "
-                                          f"is at step {self.sync_step}")
         if self._round is None or self._round.step != step:
             self._round = SyncRound(step)
-        if push.worker in self._round.contributors:
-            raise InvalidArgumentError(f"worker {push.worker} already pushed step {step}")
         self._set_lrs(push.lrs)
         self._round.add(push.worker, push.grads, self._sums)
         self._round.rows.append(push.rows)
@@ -229,9 +273,41 @@ class Shard:
             self._apply_round()
             self._cond.notify_all()
         else:
-            self._wait(lambda: self.sync_step > step or (self.spec and self.spec.mode != "sync"),
-                       f"step {step} waiting for {self._quorum()} workers")
+            self._wait(lambda: self.sync_step > step or not self._is_sync(),
+                       lambda: f"step {step} waiting for workers {self._awaited()}")
         return PushOutcome(True, staleness)
+
+    def _target_step(self, push: Push, returning: bool) -> int:
+        """The step a sync push belongs to. A worker back from a start, a restart or a barrier joins
+        the step under way (the one after it, if an earlier life of it already pushed that one)."""
+        step = push.step if push.step is not None else self.sync_step
+        contributed = self._round is not None and self._round.step == self.sync_step and \
+            push.worker in self._round.contributors
+        if returning:
+            return self.sync_step + 1 if contributed else max(step, self.sync_step)
+        if contributed and step == self.sync_step:
+            raise InvalidArgumentError(f"worker {push.worker} already pushed step {step}")
+        return step
+
+    def _apply_now(self, push: Push, staleness: int) -> PushOutcome:
+        """A push that waited for a step while the mode switched away from sync: applied on arrival."""
+        self._set_lrs(push.lrs)
+        by_group: dict[DenseGroup, dict[str, np.ndarray]] = {}
+        for name, grad in push.grads.items():
+            by_group.setdefault(self._group_of[name], {})[name] = grad
+        self._apply(by_group)
+        self._apply_rows([push.rows])
+        self._count(staleness)
+        return PushOutcome(True, staleness)
+
+    def _is_sync(self) -> bool:
+        return self.spec is not None and self.spec.mode == "sync"
+
+    def _awaited(self) -> list[int]:
+        """Workers a step under way still waits for (not left, not in yet)."""
+        spec = self.spec or ConsistencySpec()
+        pushed = self._round.contributors if self._round is not None else set()
+        return [w for w in range(spec.workers) if w not in self._left and w not in pushed]
 
     def describe(self) -> dict:
         """Counters and mode, for Hello replies and monitoring."""
@@ -258,10 +334,10 @@ class Shard:
 
     def adopt_mode(self, spec: ConsistencySpec) -> None:
         """Take `spec` as the consistency mode if none was set yet (a shard holding only embedding
-        rows learns the mode from a table registration)."""
+        rows learns the mode from a table registration); a different mode is refused."""
         with self._cond:
-            if self.spec is None:
-                self.spec = spec
+            self._check_agrees(spec, None)
+            self._adopt(spec)
 
     def _apply(self, by_group: dict[DenseGroup, dict[str, np.ndarray]]) -> None:
         for group, grads in by_group.items():
@@ -280,9 +356,27 @@ class Shard:
         slowest = min(self._clocks.get(w, 0) for w in active)
         return self._clocks[worker] - slowest <= spec.staleness
 
-    def _wait(self, ready: Callable[[], bool], what: str) -> None:
-        if not self._cond.wait_for(ready, self.wait_timeout_s):
-            raise DeadlineExceededError(f"shard {self.index}: {what} for over {self.wait_timeout_s:.0f}s")
+    def _wait(self, ready: Callable[[], bool], what: Callable[[], str]) -> None:
+        """Wait for other workers' pushes while those awaited are alive; fail at once, naming the
+        worker, when one that is needed is gone for good. `wait_timeout_s` is the last resort
+        against a peer that neither pushes nor is found gone (it is the PS's rpc_timeout_s)."""
+        if not self._cond.wait_for(lambda: ready() or self._needed_gone(), self.wait_timeout_s):
+            raise DeadlineExceededError(f"shard {self.index}: {what()} for over {self.wait_timeout_s:.0f}s")
+        gone = self._needed_gone()
+        if gone and not ready():
+            raise UnavailableError(f"shard {self.index}: {what()}, but worker {gone[0]} is gone "
+                                   f"({self._gone[gone[0]]})")
+
+    def _needed_gone(self) -> list[int]:
+        """Gone workers whose pushes a wait here still needs."""
+        awaited = [w for w in self._awaited() if w in self._gone]
+        if not awaited or self.spec is None:
+            return []
+        if self.spec.mode == "sync":
+            pushed = len(self._round.contributors) if self._round is not None else 0
+            alive = len(self._awaited()) - len(awaited)
+            return awaited if pushed + alive < self._quorum() else []
+        return awaited
 
     def _count(self, staleness: int) -> None:
         self.stats.pushes += 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 
 import torch
 
@@ -23,24 +24,48 @@ log = logging.getLogger(__name__)
 
 
 class CoordinatorHost:
-    """The coordinator served over gRPC by the worker that hosts it. `start()`, then `stop(grace)`."""
+    """The coordinator served over gRPC by the worker that hosts it. `start()`, then `wait_done()`
+    and `stop(grace)`. A named thread tells the shards of workers found dead (`on_gone`)."""
 
     def __init__(self, num_workers: int, address: str, options: Options) -> None:
         self.address = address
+        self.options = options
         self.coordinator = Coordinator(num_workers, options.heartbeat_timeout_s)
         self.server = GrpcServer(CoordinatorService(self.coordinator), bind_address(address),
                                  options.max_message_bytes, max(8, 2 * num_workers), COORDINATOR)
+        self.notices: PSClient | None = None  # gRPC-only channels: a notice never queues behind a push
+        self._stopping = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, name="coordinator-watch", daemon=True)
 
     def start(self) -> str:
         """Serve; returns the address to reach it (the bound port, if the cluster spec said port 0)."""
         port = self.server.start()
+        self._watcher.start()
         return f"127.0.0.1:{port}" if self.address.endswith(":0") else self.address
 
-    def all_done(self) -> bool:
-        return self.coordinator.all_done()
+    def tell_shards(self, ps_addresses: list[str]) -> None:
+        """From now on, tell these shards of every worker found dead, so their waits fail at once."""
+        channels = [GrpcChannel(a, self.options.max_message_bytes, use_stream=False) for a in ps_addresses]
+        self.notices = PSClient(channels, self.options.rpc_timeout_s)
+
+    def _watch(self) -> None:
+        while not self._stopping.wait(self.options.heartbeat_s):
+            for worker, why in self.coordinator.newly_gone():
+                log.warning("coordinator: worker %d is gone: %s", worker, why)
+                if self.notices is not None:
+                    self.notices.forget(worker, why, self.options.rpc_timeout_s)
+
+    def wait_done(self, joining_grace_s: float) -> None:
+        """Block while any worker may still need the coordinator (see Coordinator.all_done)."""
+        self.coordinator.wait_all_done(joining_grace_s)
 
     def stop(self, grace: float) -> None:
+        self._stopping.set()
         self.server.stop(grace)
+        if self._watcher.is_alive():
+            self._watcher.join(grace + self.options.rpc_timeout_s)
+        if self.notices is not None:
+            self.notices.close()
 
 
 def in_process_context(num_ps: int) -> Context:
@@ -72,18 +97,26 @@ def cluster_context(config: NodeConfig) -> Context:
                 for address in cluster.ps]
     client = PSClient(channels, options.rpc_timeout_s, options.split_bytes, index, spec)
     client.connect(options.connect_timeout_s)
+    if host is not None:
+        host.tell_shards(list(cluster.ps))
     coordinator = CoordinatorClient(GrpcChannel(coordinator_address, options.max_message_bytes, use_stream=False,
                                                 service_name=COORDINATOR),
                                     index, options.rpc_timeout_s, options.heartbeat_s)
     coordinator.start(options.connect_timeout_s)
-    modes = ModeSwitcher(client, index, workers, options.mode_schedule, options.backup_workers, coordinator.barrier)
-    checkpointer = None
-    if options.checkpoint_dir and (options.checkpoint_every or options.checkpoint_every_seconds):
+
+    def meet(name: str, _timeout: float | None = None) -> None:
+        """The pauses for mode switches and checkpoints wait on membership, not on a deadline; only
+        the final checkpoint's waits for workers past their data too."""
+        coordinator.barrier(name, training_only=not (final and name.startswith(final)))
+
+    modes = ModeSwitcher(client, index, workers, options.mode_schedule, options.backup_workers, meet)
+    checkpointer = final = None
+    if options.checkpoint_dir:  # imported here: a worker that never checkpoints never loads fsspec
         from ..checkpoint.store import CheckpointStore
-        from .checkpoints import Checkpointer
+        from .checkpoints import FINAL as final, Checkpointer
 
         checkpointer = Checkpointer(client, CheckpointStore(options.checkpoint_dir), options.checkpoint_every,
-                                    options.checkpoint_keep, index, coordinator.barrier,
+                                    options.checkpoint_keep, index, meet,
                                     options.checkpoint_every_seconds, coordinator)
     log.info("worker %d of %d joined %d PS (%s); coordinator at %s", index, workers, len(channels), spec,
              coordinator_address)

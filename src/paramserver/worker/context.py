@@ -44,15 +44,37 @@ class Context:
     modes: ModeSwitcher
     coordinator: CoordinatorClient
     coordinator_host: Any = None  # the coordinator's server, on the worker that hosts it
-    checkpointer: Any = None  # worker.checkpoints.Checkpointer when checkpoints are on
-    _optimizers: int = field(default=0, repr=False)
+    checkpointer: Any = None  # worker.checkpoints.Checkpointer when a checkpoint_dir is set
+    optimizers: list = field(default_factory=list, repr=False)  # this worker's PS optimizers, in creation order
+    finished: bool = False  # finish_training() ran: this worker's data is done
 
     @property
     def resume_step(self) -> int:
-        """Steps this worker has trained already: the step of the checkpoint the cluster resumed
-        from, or, for a worker restarted alone, its pushes the PS counted (0: a fresh start).
-        Known once the first optimizer exists; a script skips that many batches."""
+        """Batches this worker has trained already (its data position): its own count in the
+        checkpoint the cluster resumed from, plus its pushes the PS counted since (0: a fresh
+        start, however far the cluster is). Known once the first optimizer exists; `resumable()`
+        skips that many batches for you."""
         return self.client.record.position
+
+    def resumable(self, source, epochs: int = 1, steps_per_epoch: int | None = None):
+        """`source`'s batches for `epochs` passes, starting at this worker's data position, and
+        `finish_training()` once the last one is consumed. See worker/resumable.py."""
+        from .resumable import ResumableBatches
+        return ResumableBatches(source, epochs, steps_per_epoch, self)
+
+    def finish_training(self) -> None:
+        """This worker's data is done: it leaves every sync/ssp quorum (no step waits for it) and
+        tells the coordinator, before it waits anywhere. Idempotent; `resumable()`, `Trainer.fit`,
+        `barrier()` and a clean end of the script call it. A later push brings it back."""
+        if self.finished:
+            return
+        for optimizer in self.optimizers:
+            optimizer.synchronize()
+        self.client.leave(timeout=self.options.rpc_timeout_s)
+        self.coordinator.finish()
+        self.progress.done()
+        self.finished = True
+        log.info("worker %d finished its data after %d steps", self.worker_index, self.progress.steps)
 
     @property
     def rejoined(self) -> bool:
@@ -101,8 +123,17 @@ class Context:
         return self.client.shard_stats()
 
     def barrier(self, name: str, timeout: float | None = None) -> None:
-        """Wait until every live worker has called `barrier(name)` (e.g. before evaluating)."""
-        self.coordinator.barrier(name, timeout or self.options.rpc_timeout_s)
+        """Wait until every worker that has not exited called `barrier(name)` (e.g. before evaluating).
+
+        First this worker steps out of every sync/ssp quorum, so that no step waits for it while it
+        waits here (its next push brings it back, into the step under way). Waits while the others
+        are alive, however slow; fails at once, naming the worker, when one it needs is dead; with
+        `timeout`, fails after that many seconds too.
+        """
+        for optimizer in self.optimizers:
+            optimizer.synchronize()
+        self.client.leave(timeout=self.options.rpc_timeout_s)
+        self.coordinator.barrier(name, timeout)
 
     def cluster_view(self) -> dict:
         """The coordinator's latest word: global step (all workers' steps), live workers, worker count."""
@@ -112,6 +143,9 @@ class Context:
         """Called by the optimizer after each step: progress, heartbeat step, the mode schedule."""
         self.progress.update(steps=1, staleness=self.client.record.staleness)
         self.coordinator.step = self.progress.steps
+        if self.finished:  # a push after finish_training() brought this worker back into the quorums
+            self.finished = False
+            self.coordinator.resume()
         self.pause(step)
 
     def pause(self, step: int) -> None:
@@ -120,31 +154,43 @@ class Context:
         if self.checkpointer is not None:
             self.checkpointer.on_step(step, self.options.rpc_timeout_s)
 
-    def next_optimizer_name(self) -> str:
-        """A name for the next optimizer, equal on every worker that creates optimizers in the same order."""
-        name = f"opt{self._optimizers}"
-        self._optimizers += 1
-        return name
+    def add_optimizer(self, optimizer: Any) -> str:
+        """Record a new optimizer; returns its name, equal on every worker that creates optimizers
+        in the same order."""
+        self.optimizers.append(optimizer)
+        return f"opt{len(self.optimizers) - 1}"
 
-    def shutdown(self, grace: float = 30.0) -> None:
+    def shutdown(self, completed: bool = False) -> None:
         """Leave the cluster (steps stop waiting for this worker) and close the connections.
 
-        The worker hosting the coordinator keeps it up, at most `grace` seconds, until every worker
-        has joined and left (a fast host must not leave before a slow worker even joined).
+        `completed`: the script ended cleanly; this worker then finishes its data (if not done
+        yet) and, with a checkpoint_dir, meets the others for the final checkpoint. The worker
+        hosting the coordinator keeps it up while any worker may still need it: until every worker
+        exited or died, and those that never joined were given `connect_timeout_s`.
         """
         global _current
+        try:
+            if completed and self.optimizers:
+                self.finish_training()
+                if self.checkpointer is not None:
+                    self.checkpointer.save_final(self.progress.steps, self.options.rpc_timeout_s)
+        finally:
+            self._close()
+        if _current is self:
+            _current = None
+
+    def _close(self) -> None:
         self.progress.flush()
         self.progress.close()
         self.client.leave(timeout=5.0)
         self.client.close()
         self.coordinator.stop()
         if self.coordinator_host is not None:
-            deadline = time.monotonic() + grace
-            while not self.coordinator_host.all_done() and time.monotonic() < deadline:
-                time.sleep(0.1)
+            started = time.monotonic()
+            log.info("coordinator: serving until every worker is done")
+            self.coordinator_host.wait_done(self.options.connect_timeout_s)
+            log.info("coordinator: every worker is done after %.2fs; stopping", time.monotonic() - started)
             self.coordinator_host.stop(1.0)
-        if _current is self:
-            _current = None
 
 
 def set_launched_config(config: NodeConfig) -> None:

@@ -49,7 +49,7 @@ class PSOptimizer(torch.optim.Optimizer):
         self.context = context or current_context()
         self._pending: tuple[PushPullHandle, Any, list] | None = None  # overlap: a step whose reply is unread
         self._embeddings: list = []
-        self.name = self.context.next_optimizer_name()
+        self.name = self.context.add_optimizer(self)
         self._vars: list[tuple[str, torch.Tensor]] = []
         self._sent_lr: dict[str, float] = {}
         started = time.monotonic()

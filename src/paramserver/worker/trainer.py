@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -31,17 +30,6 @@ class EpochMetrics:
         return self.examples / self.wall_s if self.wall_s > 0 else 0.0
 
 
-def _forever(loader: Iterable) -> Iterator:
-    """The loader's batches, pass after pass (a new iteration each pass, so shuffling reshuffles)."""
-    while True:
-        empty = True
-        for batch in loader:
-            empty = False
-            yield batch
-        if empty:
-            raise ValueError("the loader yielded no batch; steps_per_epoch needs a loader that can be re-iterated")
-
-
 class Trainer:
     """Runs the training loop of one worker. Not thread-safe; call `fit` from the training thread."""
 
@@ -59,21 +47,21 @@ class Trainer:
             scheduler: Any = None) -> list[EpochMetrics]:
         """Train for `epochs`; with `steps_per_epoch`, each epoch takes that many batches, cycling `loader`.
 
-        `scheduler` (a torch.optim.lr_scheduler over this trainer's optimizer) steps after each
-        epoch; the new learning rate travels to the PS with the next push.
+        Training starts at this worker's data position (a restarted worker skips what it trained,
+        `Context.resumable`), and this worker finishes its data at the end, so that no step of the
+        others waits for it. `scheduler` (a torch.optim.lr_scheduler over this trainer's optimizer)
+        steps after each epoch, skipped ones too; the new learning rate travels with the next push.
         """
         history = []
-        batches = _forever(loader) if steps_per_epoch else None
-        self._skip = self.optimizer.steps  # resumed from a checkpoint: its batches were trained already
+        data = self.context.resumable(loader, epochs, steps_per_epoch)
         self.model.train()
-        for epoch in range(1, epochs + 1):
-            source = itertools.islice(batches, steps_per_epoch) if batches else loader
-            history.append(self._epoch(epoch, source))
+        for epoch, batches in data.by_epoch():
+            history.append(self._epoch(epoch + 1, batches))
             if scheduler is not None:
                 scheduler.step()
             if self.verbose:
                 m = history[-1]
-                print(f"epoch {epoch}/{epochs}: loss={m.loss:.4f} steps={m.steps} "
+                print(f"epoch {epoch + 1}/{epochs}: loss={m.loss:.4f} steps={m.steps} "
                       f"examples/s={m.examples_per_s:,.0f} wall_s={m.wall_s:.2f}", flush=True)
         return history
 
@@ -82,9 +70,6 @@ class Trainer:
         steps = examples = 0
         loss_sum = 0.0
         for x, y in batches:
-            if self._skip > 0:
-                self._skip -= 1
-                continue
             self.optimizer.zero_grad()
             loss = self.loss_fn(self.model(x), y)
             loss.backward()
