@@ -95,3 +95,42 @@ def test_node_configuration_errors_are_clear(procs, args, fragment):
     proc = node(procs, procs.env(), *args)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 2 and fragment in out
+
+
+def shard_counters(address: str) -> dict:
+    channel = GrpcChannel(address, 1 << 20, use_stream=False)
+    try:
+        return codec.decode(channel.call("Hello", codec.encode({}), 10).wait(10)).meta
+    finally:
+        channel.close()
+
+
+def test_node_flags_combine_with_tf_config(procs):
+    cluster = seed_cluster()
+
+    def tf_config(role, index):
+        return procs.env(TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": role, "index": index}}))
+    ps_node = node(procs, tf_config("ps", 0))
+    workers = [node(procs, tf_config("worker", i), "--mode", "sync", SMALL, "--steps", "30") for i in range(2)]
+    outputs = [w.communicate(timeout=180)[0] for w in workers]
+    assert [w.returncode for w in workers] == [0, 0], outputs
+    counters = shard_counters(cluster["ps"][0])
+    assert counters["mode"] == "sync"
+    assert (counters["sync_step"], counters["version"], counters["pushes"]) == (30, 30, 60)  # one update a step
+    ps_node.terminate()
+    assert ps_node.wait(30) == 0
+
+
+def test_nodes_started_with_different_modes_are_refused_at_join(procs):
+    cluster = seed_cluster()
+
+    def tf_config(role, index):
+        return procs.env(TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": role, "index": index}}))
+    node(procs, tf_config("ps", 0))
+    modes = [["--mode", "sync"], []]  # worker 1 forgot the flag: async
+    workers = [node(procs, tf_config("worker", i), *modes[i], SMALL, "--steps", "30") for i in range(2)]
+    outputs = [w.communicate(timeout=180)[0] for w in workers]
+    codes = [w.returncode for w in workers]
+    assert sorted(codes) == [0, 2], outputs  # the one that joined second is refused; the other trains on
+    refused = outputs[codes.index(2)]
+    assert "joined with mode" in refused and "start every node with the same --mode" in refused, refused

@@ -143,3 +143,101 @@ def test_a_sync_step_that_never_completes_times_out():
 def test_bad_modes_are_clear_errors(text, workers, backups, fragment):
     with pytest.raises(InvalidArgumentError, match=fragment):
         ConsistencySpec.parse(text, workers, backups)
+
+
+# ---- members joining late, finishing, coming back, gone for good ------------------------------
+def wait_until(predicate, what):
+    """Wait for a state the test expects (never a verdict by itself: a state never reached fails)."""
+    deadline = time.monotonic() + 30
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_a_worker_starting_late_joins_the_step_under_way_and_nothing_is_dropped():
+    shard = make_shard("sync", 3, backups=1)
+    first, _ = in_thread(push, shard, 0, [1, 1, 1], 0)
+    push(shard, 1, [3, 3, 3], 0)  # step 0 applied with workers 0 and 1
+    first.join(5)
+    shard.register("g", SGD1, {"w": np.zeros(3, np.float32)}, ConsistencySpec.parse("sync", 3, 1), worker=2)
+    assert shard.position(2) == 0  # a fresh worker starts its data at 0, whatever the cluster's step
+    late, result = in_thread(push, shard, 2, [5, 5, 5], 0)  # it knows no step yet: claims 0
+    push(shard, 0, [1, 1, 1], 1)
+    late.join(5)
+    assert result["value"].applied and shard.describe()["dropped_late"] == 0
+    np.testing.assert_allclose(value(shard), [-5, -5, -5])  # -(1+3)/2 - (5+1)/2
+    assert (shard.position(0), shard.position(1), shard.position(2)) == (2, 1, 1)
+
+
+def test_a_push_for_the_step_after_this_shards_waits_for_it_instead_of_being_refused():
+    shard = make_shard("sync", 3, backups=1)
+    first, _ = in_thread(push, shard, 0, [1, 1, 1], 0)
+    wait_until(lambda: shard.describe()["pushes"] == 1, "worker 0's push of step 0 arrived")
+    # worker 2 adopted step 1 from a shard that applied step 0 already; here step 0 is still open
+    ahead, ahead_result = in_thread(push, shard, 2, [5, 5, 5], 1)
+    push(shard, 1, [3, 3, 3], 0)
+    first.join(5)
+    push(shard, 0, [1, 1, 1], 1)
+    ahead.join(5)
+    assert "error" not in ahead_result and ahead_result["value"].applied
+    np.testing.assert_allclose(value(shard), [-5, -5, -5])
+    assert shard.sync_step == 2 and shard.describe()["dropped_late"] == 0
+
+
+def test_a_finished_worker_leaves_the_quorum_and_its_next_push_joins_the_step_under_way():
+    shard = make_shard("sync", 2)
+    shard.leave(1)
+    push(shard, 0, [2, 2, 2], 0)  # applied alone: no step waits for a finished worker
+    push(shard, 0, [2, 2, 2], 1)
+    assert shard.sync_step == 2
+    back, result = in_thread(push, shard, 1, [4, 4, 4], 0)  # back from a barrier with an old step
+    push(shard, 0, [2, 2, 2], 2)
+    back.join(5)
+    assert result["value"].applied and shard.sync_step == 3 and shard.describe()["dropped_late"] == 0
+    np.testing.assert_allclose(value(shard), [-7, -7, -7])
+
+
+def test_a_restarted_worker_that_pushed_the_open_step_before_dying_pushes_the_next_one():
+    shard = make_shard("sync", 2)
+    dying, _ = in_thread(push, shard, 1, [4, 4, 4], 0)  # its first life's push; then it is killed
+    wait_until(lambda: shard.describe()["pushes"] == 1, "the first life's push arrived")
+    shard.register("g", SGD1, {"w": np.zeros(3, np.float32)}, ConsistencySpec.parse("sync", 2), worker=1)
+    assert shard.position(1) == 1  # it trained one batch: its second life goes on from there
+    second, result = in_thread(push, shard, 1, [6, 6, 6], 0)
+    push(shard, 0, [2, 2, 2], 0)  # completes step 0 with the first life's gradient
+    dying.join(5)
+    push(shard, 0, [2, 2, 2], 1)
+    second.join(5)
+    assert result["value"].applied and shard.sync_step == 2
+    np.testing.assert_allclose(value(shard), [-7, -7, -7])  # -(4+2)/2 - (6+2)/2
+
+
+def test_a_wait_that_needs_a_gone_worker_fails_at_once_naming_it():
+    shard = make_shard("sync", 2, timeout=600)
+    waiting, result = in_thread(push, shard, 0, [1, 1, 1], 0)
+    shard.forget(1, "no heartbeat for 31s")
+    waiting.join(30)
+    assert not waiting.is_alive()
+    assert "worker 1 is gone (no heartbeat for 31s)" in str(result["error"])
+
+
+def test_with_a_backup_a_gone_worker_is_not_needed():
+    shard = make_shard("sync", 3, backups=1, timeout=600)
+    shard.forget(2, "no heartbeat for 31s")
+    first, result = in_thread(push, shard, 0, [1, 1, 1], 0)
+    push(shard, 1, [3, 3, 3], 0)
+    first.join(30)
+    assert result["value"].applied and shard.sync_step == 1
+
+
+def test_a_worker_started_with_another_mode_is_refused_at_join_and_changes_nothing():
+    shard = make_shard("sync", 2)
+    for other in (ConsistencySpec.parse("async", 2), ConsistencySpec.parse("sync", 3)):
+        with pytest.raises(FailedPreconditionError, match="joined with mode .* start every node with the same"):
+            shard.register("g", SGD1, {"w": np.ones(3, np.float32)}, other, worker=1)
+    with pytest.raises(FailedPreconditionError, match="joined with mode"):
+        shard.adopt_mode(ConsistencySpec.parse("async", 2))
+    assert str(shard.spec) == "sync" and shard.version == 0
+    np.testing.assert_allclose(value(shard), [0, 0, 0])
+    shard.set_mode(ConsistencySpec.parse("async", 2))  # a switch while training: a restarted worker
+    shard.register("g", SGD1, {"w": np.ones(3, np.float32)}, ConsistencySpec.parse("sync", 2), worker=1)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -58,7 +59,9 @@ class Trainer:
         for epoch, batches in data.by_epoch():
             history.append(self._epoch(epoch + 1, batches))
             if scheduler is not None:
-                scheduler.step()
+                with warnings.catch_warnings():  # an epoch trained before a restart has no optimizer step
+                    warnings.filterwarnings("ignore", "Detected call of `lr_scheduler")
+                    scheduler.step()
             if self.verbose:
                 m = history[-1]
                 print(f"epoch {epoch + 1}/{epochs}: loss={m.loss:.4f} steps={m.steps} "
