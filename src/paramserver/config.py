@@ -86,7 +86,7 @@ class Options:
     mode_schedule: str = ""  # e.g. "sync@500": switch modes when the workers reach those steps
     max_table_ids: int = 1 << 20  # most ids one lookup or sparse push may carry (a PS refuses more)
     heartbeat_s: float = 1.0  # how often a worker tells the coordinator it is alive
-    heartbeat_timeout_s: float = 30.0  # a worker silent this long counts as gone
+    heartbeat_timeout_s: float = 30.0  # a worker silent this long counts as dead (until it joins again)
     checkpoint_dir: str = ""  # where checkpoints go: a path or fsspec URL; "" turns them off
     checkpoint_every: int = 0  # steps (each worker's own count) between checkpoints; 0: none
     checkpoint_every_seconds: float = 0.0  # seconds (the chief's clock) between checkpoints; 0: none
@@ -97,6 +97,9 @@ class Options:
         if self.checkpoint_every < 0 or self.checkpoint_every_seconds < 0 or self.checkpoint_keep < 1:
             raise ConfigError(f"checkpoint options out of range: every {self.checkpoint_every} steps (>= 0), "
                               f"every {self.checkpoint_every_seconds} s (>= 0), keep {self.checkpoint_keep} (>= 1)")
+        if not self.heartbeat_s > 0 or not self.heartbeat_timeout_s > 2 * self.heartbeat_s:
+            raise ConfigError(f"heartbeat_timeout_s ({self.heartbeat_timeout_s}) must exceed twice heartbeat_s "
+                              f"({self.heartbeat_s}), which must be positive")
         if (self.checkpoint_every or self.checkpoint_every_seconds or self.resume) and not self.checkpoint_dir:
             raise ConfigError("checkpoint_every, checkpoint_every_seconds and resume need a checkpoint_dir")
 

@@ -2,10 +2,13 @@
 
 A worker writes JSON lines to a file descriptor the launcher gave it:
 ``{"worker": i, "steps": n, "examples": n, "loss": x, "staleness_sum": n, "t": unix_time}`` at most every
-`interval` seconds, and ``{"worker": i, "result": {...}}`` once, for the run's final JSON line.
+`interval` seconds, ``{"worker": i, "result": {...}}`` once, for the run's final JSON line, and
+``{"worker": i, "done": true}`` once the worker finished its script (the launcher never restarts
+a worker that said so, even if it is killed afterwards).
 `t` is the time of the worker's latest step, not of the write: a line written after training
 (with the result, after an evaluation) does not stretch the run's examples/s.
-The launcher's ProgressBoard aggregates the lines of all workers.
+The launcher's ProgressBoard aggregates the lines of all workers; once frozen (the run was
+interrupted) it ignores further counts and results.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ class ProgressWriter:
         self.staleness_sum = 0
         self._last_write = 0.0
         self._step_t: float | None = None
+        self._done = False
 
     def update(self, steps: int = 0, examples: int = 0, loss: float | None = None, staleness: int = 0) -> None:
         self.steps += steps
@@ -52,11 +56,24 @@ class ProgressWriter:
         self.flush()
         self._write({"result": values})
 
-    def close(self) -> None:
-        """Close the channel (idempotent); later updates are not written."""
+    def done(self) -> None:
+        """Tell the launcher this worker finished its script: the final counts, then the done line.
+        Idempotent. After it, the launcher counts the worker as finished even if it is killed."""
+        if self._done:
+            return
+        self._done = True
+        self.flush()
+        self._write({"done": True})
+
+    def close(self, done: bool = True) -> None:
+        """Close the channel (idempotent); later updates are not written. Sends the done line first
+        unless it was sent already or `done` is False (the script did not finish)."""
         if self._file:
-            self._file.close()
-            self._file = None
+            if done:
+                self.done()
+            if self._file:  # done() drops the file when the launcher went away
+                self._file.close()
+                self._file = None
 
     def _write(self, record: dict[str, Any]) -> None:
         if self._file:
@@ -76,6 +93,8 @@ class ProgressBoard:
         self._first_t: float | None = None
         self._first_examples = 0  # counted by the first line, so done before _first_t
         self.results: dict[int, dict[str, Any]] = {}
+        self._done: set[int] = set()
+        self._frozen = False
         self._window = (time.time(), 0, 0)
 
     def feed(self, line: str) -> None:
@@ -85,12 +104,28 @@ class ProgressBoard:
         except (ValueError, KeyError, TypeError):
             return
         with self._lock:
-            if "result" in record:
+            if record.get("done"):
+                self._done.add(worker)
+            elif self._frozen:
+                return
+            elif "result" in record:
                 self.results[worker] = record["result"]
             else:
                 self._latest[worker] = record
                 if self._first_t is None:
                     self._first_t, self._first_examples = record["t"], record.get("examples", 0)
+
+    def is_done(self, worker: int) -> bool:
+        """Whether `worker` (its current run, since the last restart) reported that it finished its script."""
+        with self._lock:
+            return worker in self._done
+
+    def freeze(self) -> dict[str, Any]:
+        """Stop counting: lines fed from now on change neither the totals nor the results (a stopping
+        worker's last steps are not the run's). Returns the totals at this moment."""
+        with self._lock:
+            self._frozen = True
+        return self.totals()
 
     def restart(self, worker: int | None = None) -> None:
         """A worker (or, with None, every worker) starts again from zero: keep what it reported so
@@ -100,6 +135,10 @@ class ProgressBoard:
                 record = self._latest.pop(index, {})
                 for key in self._banked:
                     self._banked[key] += record.get(key, 0)
+            if worker is None:
+                self._done.clear()
+            else:
+                self._done.discard(worker)
 
     def totals(self) -> dict[str, Any]:
         """Summed steps and examples, mean last loss, steps/s and examples/s since the previous call, and

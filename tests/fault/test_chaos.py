@@ -7,65 +7,22 @@ Sync mode makes training deterministic given each worker's data position, so a r
 back three times ends at the undisturbed run's accuracy (within float summation order).
 """
 
-import json
 import random
-import subprocess
-import sys
-import threading
 import time
 
-import psutil
 import pytest
 
-from tests.conftest import ROOT
+from tests.fault.launcher_run import LauncherRun
 
 pytestmark = pytest.mark.slow  # three short digits runs: about a minute
 
-DIGITS = str(ROOT / "examples" / "digits.py")
+DIGITS = "examples/digits.py"
 
 
-class Run:
-    """`paramserver run` with its output collected line by line, to kill nodes at chosen moments."""
-
-    def __init__(self, procs, *flags: str, epochs: int = 6) -> None:
-        self.lines: list[str] = []
-        mode = [] if "--mode" in flags else ["--mode", "sync"]
-        self.proc = procs.start([sys.executable, "-m", "paramserver", "run", "--ps", "2", "--workers", "2",
-                                 *mode, "--progress-every", "0", *flags, DIGITS, "--",
-                                 "--epochs", str(epochs)],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self._reader = threading.Thread(target=lambda: self.lines.extend(iter(self.proc.stdout.readline, "")))
-        self._reader.start()
-
-    def wait_for(self, text: str, after: int = 0, timeout: float = 90) -> int:
-        """Index of the first line from `after` on that contains `text`."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for i in range(after, len(self.lines)):
-                if text in self.lines[i]:
-                    return i
-            assert self.proc.poll() is None or self._reader.is_alive(), "".join(self.lines[-40:])
-            time.sleep(0.05)
-        raise AssertionError(f"no {text!r} within {timeout}s:\n" + "".join(self.lines[-40:]))
-
-    def kill(self, label: str) -> None:
-        """SIGKILL the node the launcher calls `label` (ps0, worker1, ...)."""
-        for child in psutil.Process(self.proc.pid).children():
-            command = " ".join(child.cmdline())
-            role = f"--role ps --index {label[2:]}" if label.startswith("ps") else None
-            is_worker = label.startswith("worker") and "examples/digits.py" in command
-            if (role and role in command) or (is_worker and f'"index": {label[6:]}' in child.environ().get(
-                    "TF_CONFIG", "")):
-                child.kill()
-                return
-        raise AssertionError(f"no node {label} to kill")
-
-    def finish(self, timeout: float = 240) -> dict:
-        self.proc.wait(timeout)
-        self._reader.join(10)
-        out = "".join(self.lines)
-        assert self.proc.returncode == 0, out[-4000:]
-        return json.loads(out.strip().splitlines()[-1])
+def Run(procs, *flags: str, epochs: int = 6) -> LauncherRun:
+    """examples/digits.py on 2 PS + 2 workers (sync unless `flags` set a mode)."""
+    mode = [] if "--mode" in flags else ["--mode", "sync"]
+    return LauncherRun(procs, ["--ps", "2", "--workers", "2", *mode, *flags], DIGITS, ["--epochs", str(epochs)])
 
 
 def test_killing_a_worker_a_ps_and_the_chief_costs_no_accuracy(procs, tmp_path):

@@ -1,5 +1,6 @@
 """Checkpoints with real clusters: a resumed run ends where an uninterrupted one ends, on more or
-fewer PS than wrote the checkpoint; damaged checkpoints are skipped; the CLI reads them."""
+fewer PS than wrote the checkpoint; damaged checkpoints are skipped; the CLI reads them; a clean
+end of training writes the final checkpoint, which export turns into the trained model."""
 
 import json
 import shutil
@@ -9,16 +10,20 @@ import sys
 import pytest
 import torch
 
+from paramserver.checkpoint.restore import RestoreSource
+from paramserver.checkpoint.store import CheckpointStore
 from tests.conftest import ROOT
 
-pytestmark = pytest.mark.slow  # several short clusters: ~40 s
+pytestmark = pytest.mark.slow  # several short clusters: ~60 s
 
-RESUME = str(ROOT / "tests" / "integration" / "scripts" / "train_resume.py")
+SCRIPTS = ROOT / "tests" / "integration" / "scripts"
+RESUME = str(SCRIPTS / "train_resume.py")
 
 
-def run(procs, num_ps: int, *flags: str, steps: int = 20) -> dict:
-    proc = procs.start([sys.executable, "-m", "paramserver", "run", "--ps", str(num_ps), "--workers", "1",
-                        "--progress-every", "0", *flags, RESUME, "--", "--steps", str(steps)],
+def run(procs, num_ps: int, *flags: str, steps: int = 20, script: str = RESUME, workers: int = 1,
+        args: tuple[str, ...] = ()) -> dict:
+    proc = procs.start([sys.executable, "-m", "paramserver", "run", "--ps", str(num_ps), "--workers", str(workers),
+                        "--progress-every", "0", *flags, script, "--", "--steps", str(steps), *args],
                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out, _ = proc.communicate(timeout=180)
     assert proc.returncode == 0, out
@@ -77,9 +82,6 @@ def test_resume_skips_a_damaged_checkpoint_and_the_cli_names_the_file(procs, tmp
 
 
 def test_timed_checkpoints_keep_each_async_workers_own_position(procs, tmp_path):
-    from paramserver.checkpoint.restore import RestoreSource
-    from paramserver.checkpoint.store import CheckpointStore
-
     script = str(ROOT / "tests" / "integration" / "scripts" / "train_positions.py")
     directory = str(tmp_path / "ckpt")
 
@@ -94,10 +96,82 @@ def test_timed_checkpoints_keep_each_async_workers_own_position(procs, tmp_path)
     first = run_positions("--checkpoint-every-seconds", "0.4")
     assert first["worker0_resumed_at"] == 0 and first["worker1_resumed_at"] == 0
     store = CheckpointStore(directory)
-    assert len(store.complete()) >= 2
+    assert store.complete()[-1] == "ckpt-000000080"  # the final checkpoint: every worker's data is done
+    assert RestoreSource(store, "ckpt-000000080").positions == {0: 80, 1: 80}
+    shutil.rmtree(tmp_path / "ckpt" / "ckpt-000000080")  # as if the job had died before its end
+    assert len(store.complete()) >= 1
     source = RestoreSource(store, store.complete()[-1])
     positions = source.positions
     assert set(positions) == {0, 1} and 0 < min(positions.values()) and max(positions.values()) <= 80
     assert positions[0] != positions[1]  # async workers at different speeds: each has its own position
     resumed = run_positions("--resume")
     assert resumed["worker0_resumed_at"] == positions[0] and resumed["worker1_resumed_at"] == positions[1]
+
+
+def export_file(directory: str, out) -> tuple[dict, subprocess.CompletedProcess]:
+    exported = cli("export", directory, "--out", str(out))
+    assert exported.returncode == 0, exported.stderr
+    assert exported.stdout.strip() == str(out)
+    return torch.load(out), exported
+
+
+def test_a_clean_end_writes_the_final_checkpoint_and_export_gives_the_trained_model(procs, tmp_path):
+    only_final = str(tmp_path / "final")
+    end = run(procs, 2, "--checkpoint-dir", only_final, steps=23)  # no period: the final checkpoint alone
+    assert [json.loads(line)["name"] for line in cli("list", only_final).stdout.splitlines()] == ["ckpt-000000023"]
+    saved, exported = export_file(only_final, tmp_path / "model.pt")
+    assert saved["step"] == 23 and set(saved["state_dict"]) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    assert "positional" not in exported.stderr
+    dense = sum(t.double().sum().item() for t in saved["state_dict"].values())
+    assert dense == pytest.approx(end["dense_checksum"], abs=1e-5)  # the values the worker ended with
+    table = saved["embeddings"]["resume.table"]
+    assert sorted(table["ids"].tolist()) == list(range(50))  # the rows the script read at its end
+    assert table["weight"].double().abs().sum().item() == pytest.approx(end["table_checksum"], abs=1e-5)
+
+    periodic = str(tmp_path / "periodic")
+    run(procs, 2, "--checkpoint-dir", periodic, "--checkpoint-every", "10", steps=23)
+    assert CheckpointStore(periodic).complete() == ["ckpt-000000010", "ckpt-000000020", "ckpt-000000023"]
+    assert export_file(periodic, tmp_path / "periodic.pt")[0]["step"] == 23
+
+    shutil.rmtree(tmp_path / "periodic" / "ckpt-000000023")  # as if the job had died after step 20's checkpoint
+    resumed = run(procs, 3, "--checkpoint-dir", periodic, "--resume", steps=23)
+    assert resumed["resumed_from"] == 20
+    same_end(resumed, end)
+    assert CheckpointStore(periodic).complete() == ["ckpt-000000010", "ckpt-000000020", "ckpt-000000023"]
+    assert procs.leftovers() == []
+
+
+def test_the_final_checkpoint_holds_the_steps_of_workers_that_trained_on_after_the_chief(procs, tmp_path):
+    directory = str(tmp_path / "ckpt")
+    end = run(procs, 2, "--checkpoint-dir", directory, "--checkpoint-every", "10", workers=2, steps=20,
+              script=str(SCRIPTS / "train_uneven.py"), args=("--extra", "15"))
+    assert end["worker0_steps"] == 20 and end["worker1_steps"] == 35
+    store = CheckpointStore(directory)
+    # worker 1 passed step 30 alone (the chief was past its data): no checkpoint there; the final
+    # one has the chief's step, and replaced the periodic checkpoint of that step
+    assert store.complete() == ["ckpt-000000010", "ckpt-000000020"]
+    assert RestoreSource(store, "ckpt-000000020").positions == {0: 20, 1: 35}
+    saved, _ = export_file(directory, tmp_path / "model.pt")
+    assert saved["step"] == 20
+    assert sum(t.double().sum().item() for t in saved["state_dict"].values()) == pytest.approx(end["checksum"],
+                                                                                                 abs=1e-5)
+
+
+def test_export_of_unnamed_parameters_says_so_and_its_recipe_loads_the_model(procs, tmp_path):
+    directory = str(tmp_path / "ckpt")
+    proc = procs.start([sys.executable, "-m", "paramserver", "run", "--ps", "2", "--workers", "1",
+                        "--progress-every", "0", "--checkpoint-dir", directory,
+                        str(SCRIPTS / "train_small.py"), "--", "--steps", "15"],
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 0, out
+    checksum = float(out.split("worker 0/1 done: checksum ")[1].split()[0])
+    saved, exported = export_file(directory, tmp_path / "model.pt")
+    assert saved["step"] == 15 and list(saved["state_dict"]) == ["param0", "param1", "param2", "param3"]
+    note = exported.stderr
+    assert "positional" in note and "ps.optim.Adam(model.named_parameters(), ...)" in note
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(20, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))  # train_small's
+    recipe = "\n".join(line[4:] for line in note.splitlines() if line.startswith("    ") and "ps.optim" not in line)
+    exec(recipe, {"torch": torch, "model": model})
+    assert sum(p.double().sum().item() for p in model.parameters()) == pytest.approx(checksum, abs=1e-5)

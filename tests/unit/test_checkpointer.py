@@ -1,6 +1,19 @@
-"""When workers meet for a checkpoint: every N steps, or when the chief's clock says so."""
+"""When workers meet for a checkpoint: every N steps, when the chief's clock says so, and once at
+the end of training; a store or shard that fails is logged and never stops a worker. And what
+`checkpoint export` says of parameters registered without names."""
 
-from paramserver.checkpoint.store import CheckpointStore
+import errno
+import logging
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from paramserver.checkpoint import shard_file, tools
+from paramserver.checkpoint.store import CheckpointStore, checkpoint_name
+from paramserver.errors import ParamServerError, UnavailableError
+from paramserver.server.shard import Shard
+from paramserver.server.tables import TableStore
 from paramserver.worker.checkpoints import Checkpointer
 
 
@@ -14,21 +27,40 @@ class Coordinator:
 
 
 class Client:
+    """Writes a one-shard checkpoint through the store; `pushes` stands for the shards' counters."""
+
     channels = [object()]
     consistency = type("Spec", (), {"to_dict": lambda self: {"mode": "async"}})()
 
     def __init__(self):
         self.saved = []
+        self.pushes = 0
+        self.fail = None  # an exception the shards' write raises
 
     def checkpoint(self, directory, name, timeout):
+        if self.fail is not None:
+            raise self.fail
         self.saved.append(name)
-        return [{"index": 0, "file": "shard-0.safetensors", "bytes": 1, "sha256": "x"}]
+        entry = CheckpointStore(directory).write_shard(name, 0, b"shard")
+        return [entry.__dict__]
+
+    def shard_stats(self):
+        return [{"shard": 0, "version": self.pushes, "pushes": self.pushes, "sync_step": 0, "mode": "async",
+                 "tables": {}, "staleness_mean": 0.5}]
 
 
-def checkpointer(tmp_path, worker, coordinator, clock, every=0, every_seconds=0.0):
-    barriers, client = [], Client()
-    return Checkpointer(client, CheckpointStore(str(tmp_path)), every, 3, worker,
-                        lambda name, timeout: barriers.append(name), every_seconds, coordinator,
+class FullDisk(CheckpointStore):
+    """A store whose commits fail as a full disk does."""
+
+    def commit(self, name, manifest):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def checkpointer(tmp_path, worker, coordinator=None, clock=None, every=0, every_seconds=0.0, store=None,
+                 barrier=None):
+    barriers, client, clock = [], Client(), clock or [0.0]
+    return Checkpointer(client, store or CheckpointStore(str(tmp_path)), every, 3, worker,
+                        barrier or (lambda name, timeout: barriers.append(name)), every_seconds, coordinator,
                         clock=lambda: clock[0]), barriers, client
 
 
@@ -51,8 +83,149 @@ def test_the_chiefs_clock_asks_and_every_worker_meets_after_its_next_step(tmp_pa
 
 
 def test_step_checkpoints_meet_at_every_nth_step_only(tmp_path):
-    coordinator, clock = Coordinator(), [0.0]
-    chief, barriers, client = checkpointer(tmp_path, 0, coordinator, clock, every=5)
+    chief, barriers, client = checkpointer(tmp_path, 0, Coordinator(), every=5)
     assert [step for step in range(1, 16) if chief.due(step)] == [5, 10, 15]
     chief.on_step(5, 1.0)
     assert barriers == ["checkpoint@5", "checkpoint@5:written"] and client.saved == ["ckpt-000000005"]
+
+
+def test_without_a_period_nothing_is_written_while_training_but_the_final_checkpoint_is(tmp_path):
+    coordinator, clock = Coordinator(), [1e6]
+    chief, chief_barriers, client = checkpointer(tmp_path, 0, coordinator, clock)
+    other, other_barriers, other_client = checkpointer(tmp_path, 1, coordinator, clock)
+    for step in range(1, 231):
+        assert not chief.due(step) and not other.due(step)
+        chief.on_step(step, 1.0)
+        other.on_step(step, 1.0)
+    assert chief_barriers == other_barriers == [] and client.saved == []
+    assert other.save_final(230, 1.0) is None  # the other worker meets the chief, and writes nothing
+    assert other_barriers == ["checkpoint:final", "checkpoint:final:written"] and other_client.saved == []
+    assert chief.save_final(230, 1.0) == "ckpt-000000230"
+    assert chief_barriers == ["checkpoint:final", "checkpoint:final:written"] and client.saved == ["ckpt-000000230"]
+    store = CheckpointStore(str(tmp_path))
+    assert store.complete() == ["ckpt-000000230"] and store.manifest("ckpt-000000230")["step"] == 230
+
+
+def test_the_final_checkpoint_is_not_written_twice_unless_the_shards_changed(tmp_path):
+    chief, barriers, client = checkpointer(tmp_path, 0, Coordinator(), every=10)
+    client.pushes = 20
+    chief.on_step(20, 1.0)
+    assert chief.save_final(20, 1.0) == "ckpt-000000020"  # the checkpoint at step 20 holds it already
+    assert client.saved == ["ckpt-000000020"]
+    assert barriers == ["checkpoint@20", "checkpoint@20:written", "checkpoint:final", "checkpoint:final:written"]
+    client.pushes = 27  # another (async) worker trained on after the chief's last step
+    assert chief.save_final(20, 1.0) == "ckpt-000000020"
+    assert client.saved == ["ckpt-000000020", "ckpt-000000020"]  # written again, with the later state
+    assert CheckpointStore(str(tmp_path)).complete() == ["ckpt-000000020"]
+    assert chief.save_final(20, 1.0) == "ckpt-000000020" and len(client.saved) == 2  # and now it holds it
+    client.pushes = 30
+    assert chief.save_final(23, 1.0) == "ckpt-000000023"  # a later step: a new checkpoint
+    assert CheckpointStore(str(tmp_path)).complete() == ["ckpt-000000020", "ckpt-000000023"]
+
+
+def test_a_store_that_fails_is_logged_and_the_workers_go_on(tmp_path, caplog):
+    store = FullDisk(str(tmp_path))
+    chief, barriers, client = checkpointer(tmp_path, 0, Coordinator(), every=5, store=store)
+    with caplog.at_level(logging.ERROR, logger="paramserver.worker.checkpoints"):
+        chief.on_step(5, 1.0)  # the periodic checkpoint: no exception
+        assert chief.save_final(7, 1.0) is None  # nor the final one
+    assert barriers == ["checkpoint@5", "checkpoint@5:written", "checkpoint:final", "checkpoint:final:written"]
+    failures = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(failures) == 2 and all("No space left on device" in message for message in failures)
+    assert "ckpt-000000005 failed" in failures[0] and "ckpt-000000007 failed" in failures[1]
+    assert store.complete() == []
+
+    chief, barriers, client = checkpointer(tmp_path, 0, Coordinator())
+    client.fail = ParamServerError("shard 1: [Errno 30] Read-only file system")  # a shard could not write its file
+    with caplog.at_level(logging.ERROR, logger="paramserver.worker.checkpoints"):
+        assert chief.save_final(7, 1.0) is None
+    assert barriers == ["checkpoint:final", "checkpoint:final:written"]
+    assert "Read-only file system" in caplog.records[-1].getMessage()
+
+
+def test_old_checkpoints_that_cannot_be_deleted_leave_the_new_one_committed(tmp_path, caplog, monkeypatch):
+    chief, _, _ = checkpointer(tmp_path, 0, Coordinator())
+
+    def prune(keep):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(chief.store, "prune", prune)
+    with caplog.at_level(logging.WARNING, logger="paramserver.worker.checkpoints"):
+        assert chief.save_final(3, 1.0) == "ckpt-000000003"
+    assert chief.store.complete() == ["ckpt-000000003"]
+    assert any("could not be deleted" in r.getMessage() for r in caplog.records)
+
+
+def test_a_final_barrier_that_fails_writes_nothing_and_does_not_raise(tmp_path, caplog):
+    met = []
+
+    def barrier(name, timeout):
+        met.append((name, timeout))
+        raise UnavailableError(f"barrier {name!r}: worker 1 is gone")
+
+    chief, _, client = checkpointer(tmp_path, 0, Coordinator(), barrier=barrier)
+    with caplog.at_level(logging.ERROR, logger="paramserver.worker.checkpoints"):
+        assert chief.save_final(9, 2.0) is None
+    assert met == [("checkpoint:final", None)]  # waited as long as the others are alive; then nothing more
+    assert client.saved == [] and "worker 1 is gone" in caplog.records[-1].getMessage()
+
+
+# ---- export ----------------------------------------------------------------------------------
+
+def write_checkpoint(tmp_path, variables: dict[str, np.ndarray], step=5) -> str:
+    shard, tables = Shard(0), TableStore(0)
+    shard.register("opt0.group0", {"name": "sgd", "hyper": {"lr": 0.1}}, variables)
+    store, name = CheckpointStore(str(tmp_path / "ckpt")), checkpoint_name(step)
+    entry = shard_file.write(store, name, shard, tables)
+    store.commit(name, {"step": step, "num_shards": 1, "shards": [entry.__dict__]})
+    return str(tmp_path / "ckpt")
+
+
+def model() -> nn.Module:
+    return nn.Sequential(*[nn.Linear(3, 3) for _ in range(6)])  # 12 parameters: param10 sorts after param9
+
+
+def test_export_of_unnamed_parameters_says_they_are_positional_and_how_to_load_them(tmp_path, capsys):
+    torch.manual_seed(0)
+    trained = model()
+    directory = write_checkpoint(tmp_path, {f"opt0.param{i}": p.detach().numpy().copy()
+                                            for i, p in enumerate(trained.parameters())})
+    out = str(tmp_path / "model.pt")
+    assert tools.run_tool("export", directory, None, out) == 0
+    printed = capsys.readouterr()
+    assert printed.out.strip() == out  # stdout: the path alone
+    note = printed.err
+    assert "positional" in note and "param0" in note and "model.parameters()" in note
+    assert "ps.optim.Adam(model.named_parameters(), ...)" in note
+    assert "strict=False" not in note
+    saved = torch.load(out)
+    assert list(saved["state_dict"]) == [f"param{i}" for i in range(12)]  # in the optimizer's order
+    fresh = model()
+    snippet = "\n".join(line[4:] for line in note.splitlines() if line.startswith("    ") and "ps.optim" not in line)
+    exec(snippet, {"torch": torch, "model": fresh})  # the note's recipe, as printed
+    for loaded, original in zip(fresh.parameters(), trained.parameters()):
+        assert torch.equal(loaded, original)
+
+
+def test_export_of_named_parameters_keeps_the_models_names_and_says_nothing(tmp_path, capsys):
+    torch.manual_seed(0)
+    trained = model()
+    directory = write_checkpoint(tmp_path, {f"opt0.{name}": p.detach().numpy().copy()
+                                            for name, p in trained.named_parameters()})
+    out = str(tmp_path / "model.pt")
+    tools.run_tool("export", directory, None, out)
+    assert capsys.readouterr().err == ""
+    fresh = model()
+    fresh.load_state_dict({**fresh.state_dict(), **torch.load(out)["state_dict"]})  # as docs/checkpoints.md says
+    for loaded, original in zip(fresh.parameters(), trained.parameters()):
+        assert torch.equal(loaded, original)
+
+
+def test_export_keeps_the_optimizer_prefix_where_two_optimizers_hold_the_same_name():
+    names = tools.export_names(["opt1.param0", "opt0.param1", "opt0.param0", "opt2.fc.weight", "opt0.param10",
+                                "opt0.param2"])
+    assert names == {"opt0.param0": "opt0.param0", "opt0.param1": "opt0.param1", "opt0.param2": "opt0.param2",
+                     "opt0.param10": "opt0.param10", "opt1.param0": "opt1.param0", "opt2.fc.weight": "fc.weight"}
+    note = tools.positional_note(list(names.values()), "m.pt")
+    assert note.startswith("note: 5 of the 6 parameter names in m.pt are positional") and "optK.paramN" in note
+    assert tools.positional_note(["fc.weight", "fc.bias"], "m.pt") is None

@@ -22,10 +22,10 @@ def test_a_line_written_after_training_carries_the_time_of_the_last_step():
     writer.result({"auc": 0.8})
     writer.close()
     records = _lines(read_fd)
-    progress = [r for r in records if "result" not in r]
+    progress = [r for r in records if "steps" in r]
     assert progress[-1]["examples"] == 1024
     assert progress[-1]["t"] <= last_step
-    assert records[-1] == {"worker": 0, "result": {"auc": 0.8}}
+    assert {"worker": 0, "result": {"auc": 0.8}} in records
 
 
 def test_examples_per_s_counts_the_examples_after_the_first_line_over_the_time_since_it():
@@ -45,3 +45,50 @@ def test_a_malformed_line_is_ignored():
     board.feed("not json")
     board.feed(json.dumps({"steps": 3}))
     assert board.totals()["examples"] == 0
+
+
+def test_done_sends_the_final_counts_then_one_done_line_even_when_closed_after():
+    read_fd, write_fd = os.pipe()
+    writer = ProgressWriter(write_fd, worker=1, interval=60.0)  # no periodic line: only done() writes counts
+    writer.update(steps=3, examples=24)
+    writer.done()
+    writer.done()
+    writer.close()
+    records = _lines(read_fd)
+    assert [r for r in records if r.get("done")] == [{"worker": 1, "done": True}]
+    assert records[-1] == {"worker": 1, "done": True}
+    assert records[-2]["steps"] == 3 and records[-2]["examples"] == 24
+
+
+def test_close_sends_the_done_line_unless_told_the_script_did_not_finish():
+    sent, held = os.pipe(), os.pipe()
+    ProgressWriter(sent[1], worker=0).close()
+    ProgressWriter(held[1], worker=0).close(done=False)
+    assert _lines(sent[0])[-1] == {"worker": 0, "done": True}
+    assert not any(r.get("done") for r in _lines(held[0]))
+
+
+def test_the_board_records_done_workers_until_they_restart():
+    board = ProgressBoard()
+    board.feed(json.dumps({"worker": 1, "done": True}))
+    assert board.is_done(1) and not board.is_done(0)
+    board.restart(1)
+    assert not board.is_done(1)
+    board.feed(json.dumps({"worker": 0, "done": True}))
+    board.restart()
+    assert not board.is_done(0)
+
+
+def test_a_frozen_board_ignores_the_lines_fed_after_the_freeze():
+    board = ProgressBoard()
+    board.feed(json.dumps({"worker": 0, "steps": 10, "examples": 80, "t": 100.0}))
+    board.feed(json.dumps({"worker": 1, "steps": 5, "examples": 40, "t": 100.0}))
+    at_interrupt = board.freeze()
+    board.feed(json.dumps({"worker": 0, "steps": 900, "examples": 7200, "t": 105.0}))  # steps while stopping
+    board.feed(json.dumps({"worker": 2, "steps": 1, "examples": 8, "t": 105.0}))
+    board.feed(json.dumps({"worker": 0, "result": {"auc": 0.5}}))
+    board.feed(json.dumps({"worker": 0, "done": True}))
+    assert at_interrupt["steps"] == 15 and at_interrupt["examples"] == 120
+    assert board.totals()["steps"] == 15 and board.totals()["examples"] == 120
+    assert board.results == {}
+    assert board.is_done(0)

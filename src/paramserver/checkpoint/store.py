@@ -81,6 +81,17 @@ class CheckpointStore:
         body = {"format": FORMAT, "version": FORMAT_VERSION, "name": name, "time": time.time(), **manifest}
         self._write_atomic(self.path(name, MANIFEST), json.dumps(body, indent=1, sort_keys=True).encode())
 
+    def uncommit(self, name: str) -> bool:
+        """Remove the manifest of checkpoint `name` if it has one (before its files are written
+        again): from then on it is incomplete. Returns whether there was one."""
+        path = self.path(name, MANIFEST)
+        if not self.fs.exists(path):
+            return False
+        self.fs.rm(path)
+        if self.local:
+            _fsync_directory(posixpath.dirname(path))  # the removal itself survives a crash
+        return True
+
     def prune(self, keep: int) -> list[str]:
         """Delete all but the newest `keep` complete checkpoints (and incomplete older ones)."""
         complete = self.complete()
@@ -104,11 +115,7 @@ class CheckpointStore:
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
-        directory = os.open(posixpath.dirname(path), os.O_RDONLY)
-        try:
-            os.fsync(directory)  # the rename itself survives a crash
-        finally:
-            os.close(directory)
+        _fsync_directory(posixpath.dirname(path))  # the rename itself survives a crash
 
     # ---- reading ---------------------------------------------------------------------------
     def _all(self) -> list[str]:
@@ -162,3 +169,11 @@ class CheckpointStore:
             raise CheckpointError(f"checkpoint {name}: shard file {entry.file} does not match its SHA-256 "
                                   "(changed after it was written)")
         return data
+
+
+def _fsync_directory(path: str) -> None:
+    directory = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)

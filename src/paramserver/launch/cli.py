@@ -74,6 +74,9 @@ def _add_mode_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keep", type=int, help=f"complete checkpoints kept (default {Options.checkpoint_keep})")
     parser.add_argument("--resume", action="store_true", default=None,
                         help="start from the latest complete checkpoint in --checkpoint-dir (fresh if none)")
+    parser.add_argument("--heartbeat-timeout", type=float,
+                        help=f"seconds of silence after which a worker counts as dead (default "
+                             f"{Options.heartbeat_timeout_s:.0f}); a restart must rejoin within it")
 
 
 def mode_options(args: argparse.Namespace) -> dict:
@@ -81,7 +84,8 @@ def mode_options(args: argparse.Namespace) -> dict:
     given = {"mode": args.mode, "backup_workers": args.backup_workers, "mode_schedule": args.mode_schedule,
              "checkpoint_dir": args.checkpoint_dir, "checkpoint_every": args.checkpoint_every,
              "checkpoint_every_seconds": args.checkpoint_every_seconds,
-             "checkpoint_keep": args.keep, "resume": 1 if args.resume else None}
+             "checkpoint_keep": args.keep, "resume": 1 if args.resume else None,
+             "heartbeat_timeout_s": args.heartbeat_timeout}
     return {key: value for key, value in given.items() if value is not None}
 
 

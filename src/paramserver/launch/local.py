@@ -7,14 +7,20 @@ workers' steps, examples/s and loss. The run ends when every worker has exited: 
 all succeeded, else with the first failing worker's code, and no child left behind.
 
 Recovery from a node killed by a signal (SIGKILL, the OOM killer, a crash), at most
-`max_restarts` times in all: in async and ssp modes, and in sync mode with backup workers, a
-worker other than the chief is restarted alone (the others never stop; it adopts the PS's values
-and resumes its data at its position as the PS counted it). Any other node (a PS, the chief
-hosting the coordinator, or a sync worker without backups),
-with checkpoints on (`checkpoint_dir`), makes the launcher roll the whole cluster back: it stops
+`max_restarts` times in all: in every mode a worker other than the chief is restarted alone
+(the others never stop; it adopts the PS's values, resumes its data at its position as the PS
+counted it, and in sync mode joins the step under way). A PS or the chief hosting the
+coordinator, with checkpoints on (`checkpoint_dir`), makes the launcher roll the whole cluster back: it stops
 every node and starts them all again with `resume`, so every shard and every worker's data
 position go back to the same checkpoint. A worker that exits with an error code (a bug in the
-script) still ends the run.
+script) still ends the run. A worker that reported it finished its data (ProgressWriter.done)
+and is killed afterwards counts as finished: it is neither restarted nor a cause of a roll-back
+(the chief excepted while other workers run: they need its coordinator).
+
+Stopping (Ctrl-C, SIGTERM, the end of the run, a roll-back) SIGTERMs every node at once, workers
+first, waits for all of them together and SIGKILLs what is left after the grace. On an
+interrupt the progress board is frozen first, so the closing JSON line counts the steps up to
+the interrupt, not those the workers took while stopping.
 """
 
 from __future__ import annotations
@@ -35,11 +41,12 @@ from ..config import OPTIONS_ENV, TF_CONFIG_ENV, Options
 from ..errors import UnavailableError
 from ..progress import ProgressBoard
 from ..server.node import READY_PREFIX
-from .processes import Child, LineWriter, wait_any
+from .processes import Child, LineWriter, stop_all, wait_any
 
 log = logging.getLogger(__name__)
 _MEMORY_EVERY_S = 0.5  # how often the nodes' resident memory is sampled for the peak figures
 _TREE_EVERY_S = 2.0  # how often the nodes' child processes (data loaders) are listed again
+_PROGRESS_EOF_S = 5.0  # how long to wait for a dead worker's last progress lines (normally instant)
 
 
 def free_port() -> int:
@@ -77,6 +84,7 @@ class LocalCluster:
         self.peak_rss: dict[str, int] = {"ps": 0, "worker": 0}
         self.ps: list[Child] = []
         self.workers: list[Child] = []
+        self._progress_readers: dict[int, threading.Thread] = {}
         self.ps_addresses: list[str | None] = [None] * num_ps
         self.worker_addresses: list[str] = []
         self._ps_ready = threading.Condition()
@@ -108,9 +116,18 @@ class LocalCluster:
         child = Child(f"worker{index}", self._node_argv(self.script, *self.args), env, self._on_line,
                       pass_fds=(write_fd,))
         os.close(write_fd)
-        threading.Thread(target=self._read_progress, args=(read_fd,), name=f"progress-worker{index}",
-                         daemon=True).start()
+        reader = threading.Thread(target=self._read_progress, args=(read_fd,), name=f"progress-worker{index}",
+                                  daemon=True)
+        reader.start()
+        self._progress_readers[index] = reader
         return child
+
+    def _drain_progress(self, index: int) -> None:
+        """Wait until every progress line worker `index` wrote was fed to the board (its pipe reached
+        end of file: the worker and its group are gone)."""
+        reader = self._progress_readers.get(index)
+        if reader is not None:
+            reader.join(_PROGRESS_EOF_S)
 
     def wait(self, timeout: float | None = None) -> int:
         """Block until all workers exited (or one failed, or a PS died); returns the run's exit code.
@@ -123,6 +140,9 @@ class LocalCluster:
         while pending:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             child = wait_any(pending + self.ps, min(left, 1.0) if left is not None else 1.0)
+            if child is not None and self._killed_after_done(child, pending):
+                pending.remove(child)
+                continue
             if child is not None and self._restartable_alone(child):
                 pending[pending.index(child)] = self._restart_worker(child)
                 continue
@@ -142,13 +162,29 @@ class LocalCluster:
                 raise TimeoutError(f"workers still running after {timeout}s")
         return 0
 
+    def _killed_after_done(self, child: Child, pending: list[Child]) -> bool:
+        """A worker killed by a signal after it reported that it finished its script: a success,
+        unless it is worker 0 and others still run (they need the coordinator it hosted)."""
+        code = child.poll()
+        if code is None or code >= 0 or child not in self.workers:
+            return False
+        if child is self.workers[0] and any(other is not child for other in pending):
+            return False
+        index = self.workers.index(child)
+        child.stop(1.0)  # what it left in its group; then its progress pipe ends
+        self._drain_progress(index)
+        if not self.board.is_done(index):
+            return False
+        self._lines.write("run", f"{child.label} was killed (signal {-code}) after it finished; not restarting it")
+        return True
+
     def _killed_with_restarts_left(self, child: Child) -> bool:
         code = child.poll()
         return code is not None and code < 0 and self.restarts < self.max_restarts
 
     def _restartable_alone(self, child: Child) -> bool:
-        alone_is_safe = not self.options.mode.startswith("sync") or self.options.backup_workers > 0
-        return self._killed_with_restarts_left(child) and child in self.workers[1:] and alone_is_safe
+        # in every mode: a restarted worker joins the sync step under way (docs/consistency.md)
+        return self._killed_with_restarts_left(child) and child in self.workers[1:]
 
     def _restart_worker(self, child: Child) -> Child:
         self.restarts += 1
@@ -156,6 +192,7 @@ class LocalCluster:
         self._lines.write("run", f"{child.label} was killed (signal {-child.poll()}); restarting it alone "
                                  f"(restart {self.restarts} of {self.max_restarts}); the others go on")
         child.stop(1.0)
+        self._drain_progress(index)  # its last lines count toward the totals it banks, not the new one's
         self.board.restart(index)
         self.workers[index] = self._start_worker(index)
         return self.workers[index]
@@ -170,8 +207,9 @@ class LocalCluster:
         self._lines.write("run", f"{child.label} was killed (signal {-child.poll()}); rolling the whole cluster back "
                                  f"to the latest checkpoint in {self.options.checkpoint_dir} "
                                  f"(restart {self.restarts} of {self.max_restarts})")
-        for node in self.workers + self.ps:
-            node.stop(2.0)
+        stop_all(self.workers + self.ps, 2.0)
+        for index in range(len(self.workers)):
+            self._drain_progress(index)
         self.board.restart()
         self.ps, self.workers = [], []
         self.ps_addresses = [None] * self.num_ps
@@ -180,13 +218,17 @@ class LocalCluster:
         self._lines.write("run", f"cluster restarted in {time.monotonic() - started:.2f}s")
 
     def stop(self, grace: float = 5.0) -> None:
-        """Stop workers, then PS: SIGTERM, and SIGKILL after `grace` seconds."""
+        """SIGTERM every node at once (workers first), wait for all of them together, SIGKILL what is
+        left after `grace` seconds."""
         if self._stopped.is_set():
             return
         self._stopped.set()
         self.wall_s = time.monotonic() - self._started_at if self._started_at else 0.0
-        for child in self.workers + self.ps:
-            child.stop(grace)
+        stop_all(self.workers + self.ps, grace)
+
+    def interrupt(self) -> dict[str, Any]:
+        """Freeze the progress board (steps taken from now on are not counted); returns its totals."""
+        return self.board.freeze()
 
     def run(self, timeout: float = 120.0) -> int:
         """start + wait + stop, turning Ctrl-C into a clean stop (exit code 130)."""
@@ -194,7 +236,9 @@ class LocalCluster:
             self.start(timeout)
             return self.wait()
         except KeyboardInterrupt:
-            self._lines.write("run", "interrupted; stopping every node")
+            totals = self.interrupt()
+            self._lines.write("run", f"interrupted at steps={totals['steps']:,} examples={totals['examples']:,}; "
+                                     "stopping every node")
             return 130
         finally:
             self.stop()

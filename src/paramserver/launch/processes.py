@@ -23,7 +23,8 @@ def die_with_parent() -> None:
 class Child:
     """One node process whose output is read line by line on a named thread.
 
-    Lifecycle: construct (starts the process), then `stop(grace)`; `stop` is idempotent.
+    Lifecycle: construct (starts the process), then `stop(grace)` (or `stop_all` with others);
+    `stop` is idempotent.
     """
 
     def __init__(self, label: str, argv: list[str], env: dict[str, str], on_line: Callable[[str, str], None],
@@ -48,22 +49,55 @@ class Child:
 
     def stop(self, grace: float) -> int:
         """SIGTERM the child's process group, SIGKILL it after `grace` seconds; returns the exit code."""
+        return stop_all([self], grace)[0]
+
+    def terminate(self) -> None:
+        """SIGTERM the child's process group if the child still runs; returns at once."""
         if self.proc.poll() is None:
             self._signal(signal.SIGTERM)
-            try:
-                self.proc.wait(grace)
-            except subprocess.TimeoutExpired:
-                self._signal(signal.SIGKILL)
-                self.proc.wait(5)
-        self._signal(signal.SIGKILL)  # anything the node left in its group
-        self._reader.join(2)
-        return self.proc.returncode
+
+    def wait_until(self, deadline: float) -> int | None:
+        """The exit code, waiting for it until `deadline` (time.monotonic()); None if still running then."""
+        try:
+            return self.proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            return None
+
+    def kill(self) -> None:
+        """SIGKILL the child's process group: the child, if it still runs, and anything it left in the group."""
+        self._signal(signal.SIGKILL)
+
+    def join_output(self, timeout: float) -> None:
+        """Wait until the child's last output line was handled (at most `timeout` seconds)."""
+        self._reader.join(timeout)
 
     def _signal(self, sig: int) -> None:
         try:
             os.killpg(self.proc.pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
+
+
+def stop_all(children: list[Child], grace: float) -> list[int]:
+    """Stop `children` together: SIGTERM every group at once (in list order, nothing waited for in between),
+    wait for all of them at once, SIGKILL those still running `grace` seconds after the SIGTERM. Returns the
+    exit codes, in order (negative: killed by that signal). Safe on children that already exited."""
+    for child in children:
+        child.terminate()
+    deadline = time.monotonic() + grace
+    for child in children:  # one deadline for all: the whole wait is `grace` at most, not `grace` per child
+        child.wait_until(deadline)
+    for child in children:
+        if child.poll() is None:
+            child.kill()
+    codes = []
+    for child in children:
+        codes.append(child.proc.wait(5))
+        child.kill()  # anything the node left in its group
+    output_deadline = time.monotonic() + 2.0
+    for child in children:
+        child.join_output(max(0.0, output_deadline - time.monotonic()))
+    return codes
 
 
 class LineWriter:

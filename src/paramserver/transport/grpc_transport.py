@@ -21,6 +21,7 @@ from .stream import StreamClient, host_id
 
 log = logging.getLogger(__name__)
 SERVICE = "paramserver.Shard"
+_PEER_KINDS = {"paramserver.Coordinator": "coordinator"}  # service name -> what error messages call it
 
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -114,7 +115,7 @@ class GrpcChannel:
         try:
             grpc.channel_ready_future(self._channel).result(timeout=timeout)
         except grpc.FutureTimeoutError:
-            raise UnavailableError(f"parameter server {self.address} not reachable within {timeout:.1f}s") from None
+            raise UnavailableError(f"{self.peer_kind} {self.address} not reachable within {timeout:.1f}s") from None
         reply = codec.decode(self.call("Hello", codec.encode({}), max(0.1, deadline - time.monotonic()))
                              .wait(max(0.1, deadline - time.monotonic())))
         port = reply.meta.get("stream_port")
@@ -127,3 +128,8 @@ class GrpcChannel:
         if self._stream is not None:
             self._stream.close()
         self._channel.close()
+
+    @property
+    def peer_kind(self) -> str:
+        """What this channel talks to, for error messages: "coordinator" or "parameter server"."""
+        return _PEER_KINDS.get(self.service_name, "parameter server")

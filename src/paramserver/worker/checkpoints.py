@@ -1,4 +1,5 @@
-"""Periodic checkpoints from the workers' side: pause at a step, let every shard write, commit.
+"""Checkpoints from the workers' side: periodic ones (pause at a step, let every shard write,
+commit) and the final one at a clean end of training.
 
 Every `every` steps (each worker's own count), or every `every_seconds` by the chief's clock
 (the chief asks through the coordinator; the others learn it from their next heartbeat reply
@@ -6,9 +7,17 @@ and stop after their current step), all workers meet at a barrier, so no push is
 flight and every shard holds the same set of applied pushes (pause-apply-snapshot: a cut that is
 consistent across shards in async mode too, at the price of one pause per checkpoint). The chief
 then has every shard write its file, writes the manifest (the commit), prunes old checkpoints,
-and a second barrier lets everyone go on. A checkpoint that fails (a full disk, an unreachable
-store) is logged as an error and training goes on: the previous checkpoint stays the latest.
-Not thread-safe: call from the training thread.
+and a second barrier lets everyone go on. With `every` and `every_seconds` both 0 nothing is
+written while training runs.
+
+When its training is over, every worker calls `save_final` once: the workers meet at
+"checkpoint:final", the chief writes a checkpoint at its own step (unless the latest one it
+wrote holds exactly the shards' current state), and "checkpoint:final:written" lets everyone go.
+So the newest checkpoint of a run that ended cleanly is the trained model.
+
+A checkpoint that fails (an error from a shard, a full disk, a read-only directory, an
+unreachable store) is logged as an error and training goes on: the previous checkpoint stays the
+latest. Not thread-safe: call from the training thread.
 """
 
 from __future__ import annotations
@@ -21,11 +30,13 @@ from ..checkpoint.store import CheckpointStore, checkpoint_name
 from ..errors import ParamServerError
 
 log = logging.getLogger(__name__)
+FINAL = "checkpoint:final"
+_WRITE_ERRORS = (ParamServerError, OSError)  # what a failed write raises; logged, never fatal
 
 
 class Checkpointer:
     def __init__(self, client, store: CheckpointStore | None, every: int, keep: int, worker_index: int,
-                 barrier: Callable[[str, float], None], every_seconds: float = 0.0, coordinator=None,
+                 barrier: Callable[[str, float | None], object], every_seconds: float = 0.0, coordinator=None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.client = client
         self.store = store
@@ -39,6 +50,9 @@ class Checkpointer:
         self._last = clock()
         self._timed_done = self._requested()  # timed checkpoints met (or asked for before this worker started)
         self._barrier_after: dict[int, str] = {}  # step -> the barrier `due` decided on for it
+        # (name, the shards' counters just before it was written) of the last checkpoint this chief
+        # committed: the final checkpoint is not written again when nothing changed since
+        self._written: tuple[str, list] | None = None
 
     def due(self, step: int) -> bool:
         """Whether the workers meet after `step`; decided here, once, so that the optimizer can
@@ -67,25 +81,98 @@ class Checkpointer:
         try:
             if self.worker_index == 0:
                 self.save(step, timeout)
-        except ParamServerError:
+        except _WRITE_ERRORS:
             pass  # logged by save(); the previous checkpoint stays the latest
         finally:
             self._last = self._clock()
             self.barrier(f"{barrier}:written", timeout)
 
-    def save(self, step: int, timeout: float) -> str:
-        """Write checkpoint `step` now (chief only; no push may be in flight). Returns its name."""
-        name, started = checkpoint_name(step), time.monotonic()
-        log.info("checkpoint %s: writing %d shards to %s", name, len(self.client.channels), self.store.url)
+    def save_final(self, step: int, timeout: float, wait: float | None = None) -> str | None:
+        """The final checkpoint: every worker calls this once, when its training is over and no
+        push of its own is in flight (every optimizer synchronized).
+
+        The workers meet at "checkpoint:final" (a worker waits there for the others to finish
+        their data: as long as they are alive, or at most `wait` seconds), the chief writes
+        checkpoint `step` (its own step) within `timeout`, and "checkpoint:final:written" lets
+        everyone go. The chief does not write when the latest complete checkpoint is the one it
+        wrote last, at this step, and the shards' counters (version, pushes, sync step, mode,
+        tables) are what they were then. Returns the final checkpoint's name on the chief (written
+        or already there); None on the other workers, and when it could not be written or the
+        workers did not all arrive: that is logged as an error and never raised.
+        """
+        if self.store is None:
+            return None
         try:
+            self.barrier(FINAL, wait)
+        except ParamServerError as exc:
+            log.error("final checkpoint not written: %s; the latest checkpoint stays the last one", exc)
+            return None
+        name = None
+        try:
+            if self.worker_index == 0:
+                name = self._save_final(step, timeout)
+        finally:
+            try:
+                self.barrier(f"{FINAL}:written", wait)
+            except ParamServerError as exc:
+                log.error("after the final checkpoint: %s", exc)
+        return name
+
+    def _save_final(self, step: int, timeout: float) -> str | None:
+        name = checkpoint_name(step)
+        counters = self._counters()
+        try:
+            complete = self.store.complete()
+        except OSError as exc:
+            log.error("final checkpoint %s not written: cannot list %s: %s", name, self.store.url, exc)
+            return None
+        if counters is not None and self._written == (name, counters) and complete[-1:] == [name]:
+            log.info("final checkpoint: %s (step %d) holds the final state already", name, step)
+            return name
+        if complete and complete[-1] > name:
+            log.warning("final checkpoint %s: %s holds a later checkpoint, %s; resuming and exporting "
+                        "take the latest", name, self.store.url, complete[-1])
+        try:
+            return self.save(step, timeout, counters, final=True)
+        except _WRITE_ERRORS:
+            return None  # logged by save()
+
+    def _counters(self) -> list | None:
+        """What changes on a shard with every update it applies (None when a shard did not answer)."""
+        try:
+            stats = self.client.shard_stats()
+        except ParamServerError as exc:
+            log.warning("checkpoint: cannot read the shards' counters: %s", exc)
+            return None
+        return [{key: shard.get(key) for key in ("shard", "version", "sync_step", "pushes", "mode", "tables")}
+                for shard in stats]
+
+    def save(self, step: int, timeout: float, counters: list | None = None, final: bool = False) -> str:
+        """Write checkpoint `step` now (chief only; no push may be in flight). Returns its name;
+        raises ParamServerError or OSError (logged here) when it could not be committed.
+
+        A complete checkpoint of the same name is uncommitted first and written again, so that
+        its manifest never names files of another state."""
+        name, started, what = checkpoint_name(step), time.monotonic(), "final checkpoint" if final else "checkpoint"
+        if counters is None:
+            counters = self._counters()
+        log.info("%s %s: writing %d shards to %s", what, name, len(self.client.channels), self.store.url)
+        try:
+            if self.store.uncommit(name):
+                log.info("%s %s: replaces the complete checkpoint of that name", what, name)
             entries = self.client.checkpoint(self.store.url, name, timeout)
             self.store.commit(name, {"step": step, "num_shards": len(entries), "shards": entries,
                                      "mode": self.client.consistency.to_dict()})
-        except ParamServerError as exc:
-            log.error("checkpoint %s failed after %.2fs; the previous one stays: %s", name,
+        except _WRITE_ERRORS as exc:
+            log.error("%s %s failed after %.2fs; the previous one stays: %s", what, name,
                       time.monotonic() - started, exc)
             raise
-        removed = self.store.prune(self.keep)
-        log.info("checkpoint %s: committed (%d bytes) in %.2fs%s", name, sum(e["bytes"] for e in entries),
+        self._written = (name, counters) if counters is not None else None
+        try:
+            removed = self.store.prune(self.keep)
+        except OSError as exc:
+            removed = []
+            log.warning("%s %s: committed, but older checkpoints could not be deleted: %s", what, name, exc)
+        log.info("%s %s: committed (%d bytes) in %.2fs%s", what, name, sum(e["bytes"] for e in entries),
                  time.monotonic() - started, f"; removed {', '.join(removed)}" if removed else "")
         return name

@@ -105,8 +105,11 @@ def cluster_context(config: NodeConfig) -> Context:
     coordinator.start(options.connect_timeout_s)
 
     def meet(name: str, _timeout: float | None = None) -> None:
-        """The pauses for mode switches and checkpoints wait on membership, not on a deadline; only
-        the final checkpoint's waits for workers past their data too."""
+        """The pauses for mode switches and checkpoints: out of every quorum first (a worker behind,
+        e.g. one that started late, must reach the pause without waiting for those already there);
+        then wait on membership, not on a deadline. Only the final checkpoint's waits for workers
+        past their data too."""
+        client.leave(options.rpc_timeout_s)
         coordinator.barrier(name, training_only=not (final and name.startswith(final)))
 
     modes = ModeSwitcher(client, index, workers, options.mode_schedule, options.backup_workers, meet)

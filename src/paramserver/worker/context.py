@@ -173,15 +173,16 @@ class Context:
             if completed and self.optimizers:
                 self.finish_training()
                 if self.checkpointer is not None:
-                    self.checkpointer.save_final(self.progress.steps, self.options.rpc_timeout_s)
+                    # named by the optimizer's step count, which goes on from a resumed checkpoint's
+                    self.checkpointer.save_final(max(o.steps for o in self.optimizers), self.options.rpc_timeout_s)
         finally:
-            self._close()
+            self._close(completed)
         if _current is self:
             _current = None
 
-    def _close(self) -> None:
+    def _close(self, completed: bool) -> None:
         self.progress.flush()
-        self.progress.close()
+        self.progress.close(done=completed)
         self.client.leave(timeout=5.0)
         self.client.close()
         self.coordinator.stop()

@@ -1,0 +1,91 @@
+"""Any order of starts, finishes and restarts: the run finishes by itself, every batch trained once.
+
+For each mode (async, sync, sync + 1 backup, ssp:2) one real cluster of 2 PS and 3 workers runs
+tests/integration/scripts/train_counted.py, where each batch marks its own cell of a PS
+variable. Workers start with seeded skews of 0-5 s, one of them is 10x slower, and seeded kills
+(-9) hit a worker while it trains and then a PS, the chief, or a worker just after it finished.
+Each run must end with code 0, every worker's position in the final checkpoint must be its
+number of batches (none skipped, none counted twice), and the cells must show each batch
+applied exactly once (async and ssp: 1; sync: 1/k for a step of k workers; with a backup a
+late batch may be dropped, 0).
+
+Replay a failure with PARAMSERVER_CHAOS_SEED=<the seed in its message>.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+
+import pytest
+
+from tests.fault.launcher_run import LauncherRun
+
+pytestmark = pytest.mark.slow  # four clusters with kills: two to four minutes
+
+SCRIPT = "tests/integration/scripts/train_counted.py"
+BATCHES, WORKERS = 60, 3
+SEED = int(os.environ.get("PARAMSERVER_CHAOS_SEED", time.time_ns() % 1_000_000))
+MODES = {"async": ["--mode", "async"], "sync": ["--mode", "sync"],
+         "sync-backup": ["--mode", "sync", "--backup-workers", "1"], "ssp": ["--mode", "ssp:2"]}
+
+
+def plan(rng: random.Random) -> list[tuple[str, str]]:
+    """(line to wait for, node to kill) in order: a worker while training, then one of the others."""
+    victim = rng.choice([1, 2])
+    first = (f"worker {victim} at batch {rng.choice([10, 20, 30])}", f"worker{victim}")
+    second = rng.choice(["ps", "chief", "finished"])
+    if second == "ps":
+        return [first, ("committed", f"ps{rng.randrange(2)}")]
+    if second == "chief":
+        return [first, (f"worker 0 at batch {rng.choice([20, 30, 40])}", "worker0")]
+    return [first, ("finished its data", "the worker that finished")]
+
+
+def finished_worker(line: str) -> str:
+    return line.split("]")[0].lstrip("[")  # "[worker2] ... finished its data" -> worker2
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_run_finishes_by_itself_whatever_the_order_of_starts_finishes_and_kills(procs, tmp_path, mode):
+    seed = SEED + list(MODES).index(mode)
+    rng = random.Random(seed)
+    slow = rng.randrange(WORKERS)
+    events = plan(rng)
+    out = tmp_path / "cells.json"
+    run = LauncherRun(procs, ["--ps", "2", "--workers", str(WORKERS), *MODES[mode], "--heartbeat-timeout", "15",
+                              "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "15"],
+                      SCRIPT, ["--batches", str(BATCHES), "--skew-seed", str(seed), "--slow-worker", str(slow),
+                               "--out", str(out)])
+    replay = f"seed {seed} (PARAMSERVER_CHAOS_SEED={seed - list(MODES).index(mode)}): slow worker {slow}, {events}"
+    seen = 0
+    try:
+        for trigger, victim in events:
+            seen = run.wait_for(trigger, seen)
+            while victim == "the worker that finished" and run.lines[seen].startswith("[worker0]"):
+                seen = run.wait_for(trigger, seen + 1)  # the chief's own finish: wait for another's
+            run.kill(finished_worker(run.lines[seen]) if victim == "the worker that finished" else victim)
+            seen += 1
+        run.finish()
+    except AssertionError as exc:
+        raise AssertionError(f"{replay}\n{exc}") from None
+    check_every_batch_trained_once(mode, json.loads(out.read_text()), tmp_path / "ckpt", replay)
+    assert procs.leftovers() == []
+
+
+def check_every_batch_trained_once(mode: str, cells: list[list[float]], directory, replay: str) -> None:
+    from paramserver.checkpoint.restore import RestoreSource
+    from paramserver.checkpoint.store import CheckpointStore
+
+    store = CheckpointStore(str(directory))
+    positions = RestoreSource(store, store.complete()[-1]).positions
+    assert positions == {w: BATCHES for w in range(WORKERS)}, (replay, positions)
+    values = {round(v, 5) for row in cells for v in row}
+    if mode in ("async", "ssp"):
+        assert values == {1.0}, (replay, cells)
+    elif mode == "sync":
+        assert values <= {1.0, 0.5, round(1 / 3, 5)}, (replay, cells)
+    else:
+        assert values <= {0.0, 1.0, 0.5, round(1 / 3, 5)} and min(map(max, cells)) > 0, (replay, cells)
