@@ -17,13 +17,16 @@ from __future__ import annotations
 import json
 import os
 import random
+import subprocess
+import sys
 import time
 
 import pytest
 
+from tests.conftest import ROOT
 from tests.fault.launcher_run import LauncherRun
 
-pytestmark = pytest.mark.slow  # four clusters with kills: two to four minutes
+pytestmark = pytest.mark.slow  # clusters with kills, ten digits runs, two CTR runs: five to eight minutes
 
 SCRIPT = "tests/integration/scripts/train_counted.py"
 BATCHES, WORKERS = 60, 3
@@ -89,3 +92,45 @@ def check_every_batch_trained_once(mode: str, cells: list[list[float]], director
         assert values <= {1.0, 0.5, round(1 / 3, 5)}, (replay, cells)
     else:
         assert values <= {0.0, 1.0, 0.5, round(1 / 3, 5)} and min(map(max, cells)) > 0, (replay, cells)
+
+
+def test_digits_in_sync_mode_with_a_backup_worker_passes_ten_runs_of_ten(procs):
+    """The workers' data is uneven (1,437 digits over 3 workers): the two that finish first must
+    not hold the third's last steps at a quorum it cannot reach."""
+    for attempt in range(10):
+        run = LauncherRun(procs, ["--ps", "2", "--workers", "3", "--mode", "sync", "--backup-workers", "1"],
+                          "examples/digits.py", ["--epochs", "2"])
+        summary = run.finish()
+        assert summary["examples"] == 2 * 1437, (attempt, summary)  # every worker trained all of its data
+        assert summary["test_accuracy"] > 0.5, (attempt, summary)
+    assert procs.leftovers() == []
+
+
+def test_the_ctr_example_survives_a_killed_ps_then_a_killed_worker_at_the_same_auc(procs, tmp_path):
+    """examples/ctr.py on 2 PS + 2 workers with checkpoints every 25 steps: kill -9 a PS (the
+    cluster rolls back), then worker 1 (restarted alone: its data resumes at its own position).
+    The run finishes by itself with the held-out AUC of an undisturbed run (within 0.01)."""
+    data = {}
+    for name, rows, seed in (("train", 24_000, 1), ("test", 6_000, 2)):
+        data[name] = tmp_path / f"{name}.tsv"
+        subprocess.run([sys.executable, str(ROOT / "examples" / "ctr_data.py"), "--rows", str(rows), "--vocab",
+                        "50000", "--seed", str(seed), "--out", str(data[name])], check=True, timeout=120)
+    args = ["--train", str(data["train"]), "--test", str(data["test"]), "--batch-size", "128",
+            "--table-rows", "100000"]
+
+    def ctr_run(directory):
+        return LauncherRun(procs, ["--ps", "2", "--workers", "2", "--checkpoint-dir", str(directory),
+                                   "--checkpoint-every", "25"], "examples/ctr.py", args)
+    undisturbed = ctr_run(tmp_path / "undisturbed").finish()
+    run = ctr_run(tmp_path / "disturbed")
+    seen = run.wait_for("ckpt-000000025: committed") + 1
+    run.kill("ps1")
+    seen = run.wait_for("cluster restarted", seen) + 1
+    seen = run.wait_for(": committed", seen) + 1  # training again after the roll-back
+    run.kill("worker1")
+    summary = run.finish()
+    log = "".join(run.lines)
+    assert "rolling the whole cluster back" in log
+    assert "worker1 was killed (signal 9); restarting it alone" in log or "after it finished" in log
+    assert abs(summary["test_auc"] - undisturbed["test_auc"]) <= 0.01, (summary, undisturbed)
+    assert procs.leftovers() == []

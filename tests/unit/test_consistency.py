@@ -241,3 +241,25 @@ def test_a_worker_started_with_another_mode_is_refused_at_join_and_changes_nothi
     np.testing.assert_allclose(value(shard), [0, 0, 0])
     shard.set_mode(ConsistencySpec.parse("async", 2))  # a switch while training: a restarted worker
     shard.register("g", SGD1, {"w": np.ones(3, np.float32)}, ConsistencySpec.parse("sync", 2), worker=1)
+
+
+def test_workers_back_from_a_barrier_are_back_at_once_and_no_one_takes_a_step_alone():
+    shard = make_shard("sync", 2)
+    shard.leave(0, barrier="checkpoint@10")
+    shard.leave(1, barrier="checkpoint@10")
+    first, result = in_thread(lambda: shard.push(Push({"w": np.full(3, 2, np.float32)}, worker=0, step=0,
+                                                      resumed="checkpoint@10")))
+    wait_until(lambda: shard.describe()["pushes"] == 1, "worker 0's push arrived")
+    assert shard.sync_step == 0  # it waits for worker 1, which the barrier's opening brought back
+    shard.push(Push({"w": np.full(3, 4, np.float32)}, worker=1, step=0, resumed="checkpoint@10"))
+    first.join(5)
+    assert result["value"].applied and shard.sync_step == 1
+    np.testing.assert_allclose(value(shard), [-3, -3, -3])
+
+
+def test_a_worker_behind_a_barrier_steps_alone_until_it_gets_there():
+    shard = make_shard("sync", 2)
+    shard.leave(0, barrier="checkpoint@10")  # worker 0 is at the barrier; worker 1 is behind it
+    push(shard, 1, [2, 2, 2], 0)
+    push(shard, 1, [2, 2, 2], 1)
+    assert shard.sync_step == 2

@@ -10,7 +10,7 @@ subclasses; the transport turns them into status codes.
 Methods (request meta -> reply meta; tensors as named):
 - ``Hello``: {} -> {"shard", "protocol", "stream_port"?, "host_id"?} + the shard's counters
 - ``Register``: {"group", "optimizer", "consistency"?} + initial values -> {"version"} + current values
-- ``PushPull``: {"lr"?: {group: lr}, "pull"?: [names], "worker"?, "step"?, "base"?} + gradients
+- ``PushPull``: {"lr"?: {group: lr}, "pull"?: [names], "worker"?, "step"?, "base"?, "resumed"?} + gradients
   -> {"version", "step", "staleness", "applied"} + values of the pulled names (default: the
   pushed names). With no gradients it is a plain pull. Embedding work may ride along:
   "sparse": [[table, ids name, grads name]] (row pushes) and "lookup": [[table, ids name,
@@ -20,9 +20,10 @@ Methods (request meta -> reply meta; tensors as named):
   makes a request without gradients count as one too (a worker with nothing for this shard
   this step, so that a sync step does not wait for it).
 - ``SetMode``: {"consistency"} -> {"version", "step"}
-- ``Leave``: {"worker", "gone"?} -> {"version", "step"}: the worker finished its data or waits at a
-  barrier; steps stop waiting for it until its next push. With "gone" (why), the coordinator found
-  it gone for good: a wait that needs it fails at once, naming it
+- ``Leave``: {"worker", "barrier"?, "gone"?} -> {"version", "step"}: the worker finished its data,
+  or waits at "barrier"; steps stop waiting for it until its next push, or until a push that
+  carries "resumed": that barrier (it opened). With "gone" (why), the coordinator found it gone
+  for good: a wait that needs it fails at once, naming it
 - ``RegisterTable``: {"table", "dim", "optimizer", "init", "policy"?} -> {}
 - ``Lookup``: {"table"} + "ids" (int64, distinct) -> {} + "rows" (len(ids) x dim float32)
 - ``PushSparse``: {"table"} + "ids", "grads" -> {}
@@ -102,7 +103,7 @@ class ShardService:
         extra = {"step": self.shard.sync_step, "staleness": 0, "applied": False}
         if frame.tensors or row_pushes or meta.get("marker"):
             push = Push(frame.tensors, lrs, _optional_int(meta, "worker"), _optional_int(meta, "step"),
-                        _optional_int(meta, "base"), row_pushes)
+                        _optional_int(meta, "base"), row_pushes, _optional_str(meta, "resumed"))
             outcome = self.shard.push(push)
             extra = {"step": self.shard.sync_step, "staleness": outcome.staleness, "applied": outcome.applied}
         found = self.tables.lookup_checked([lookup for _, lookup in lookups])
@@ -145,11 +146,9 @@ class ShardService:
         worker = _optional_int(frame.meta, "worker")
         if worker is None:
             raise MalformedFrameError("Leave needs the worker's index")
-        gone = frame.meta.get("gone")
-        if gone is not None and not isinstance(gone, str):
-            raise MalformedFrameError(f"Leave meta 'gone' must be a string (why), got {gone!r}")
+        gone = _optional_str(frame.meta, "gone")
         if gone is None:
-            self.shard.leave(worker)
+            self.shard.leave(worker, _optional_str(frame.meta, "barrier"))
         else:
             self.shard.forget(worker, gone)
         return sink(codec.encode_parts({"version": self.shard.version, "step": self.shard.sync_step}))
@@ -193,6 +192,13 @@ def _optional_int(meta: dict[str, Any], key: str) -> int | None:
     value = meta.get(key)
     if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
         raise MalformedFrameError(f"request meta {key!r} must be an integer, got {value!r}")
+    return value
+
+
+def _optional_str(meta: dict[str, Any], key: str) -> str | None:
+    value = meta.get(key)
+    if value is not None and not isinstance(value, str):
+        raise MalformedFrameError(f"request meta {key!r} must be a string, got {value!r}")
     return value
 
 

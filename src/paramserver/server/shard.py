@@ -36,6 +36,7 @@ class Push:
     step: int | None = None
     base_version: int | None = None
     rows: list = field(default_factory=list)  # embedding row pushes, checked; applied by `row_applier`
+    resumed: str | None = None  # the barrier this worker comes from: it opened, all who waited there are back
 
 
 @dataclass
@@ -67,7 +68,8 @@ class Shard:
         self._group_of: dict[str, DenseGroup] = {}
         self._clocks: dict[int, int] = {}  # pushes applied per worker (ssp)
         self._pushes_by: dict[int, int] = {}  # pushes taken per worker since this shard started
-        self._left: set[int] = set()  # workers that finished or pause: steps no longer wait for them
+        # workers steps no longer wait for -> the barrier they wait at (None: their data is done)
+        self._left: dict[int, str | None] = {}
         self._gone: dict[int, str] = {}  # workers the coordinator declared gone for good -> why
         self._returning: set[int] = set()  # registered or left since their last push: join the current step
         self._round: SyncRound | None = None
@@ -187,7 +189,8 @@ class Shard:
             self._check_worker(spec, push.worker)
             self._check_step(spec, push)
             returning = push.worker in self._returning or push.worker in self._left
-            self._left.discard(push.worker)
+            self._back_from(push.resumed)
+            self._left.pop(push.worker, None)
             self._returning.discard(push.worker)
             self._gone.pop(push.worker, None)
             if push.worker is not None:
@@ -206,18 +209,26 @@ class Shard:
                            lambda: f"worker {push.worker} ahead of the slowest of workers {self._awaited()}")
             return PushOutcome(True, staleness)
 
-    def leave(self, worker: int) -> None:
-        """Worker `worker` finished its data, or waits at a barrier: sync steps and ssp bounds stop
-        waiting for it. Its next push brings it back, into the step under way."""
+    def leave(self, worker: int, barrier: str | None = None) -> None:
+        """Worker `worker` finished its data, or waits at `barrier`: sync steps and ssp bounds stop
+        waiting for it. Its next push brings it back, into the step under way; so does any push
+        that comes from `barrier` (the barrier opened: everyone who waited there is back at once,
+        so that the first one to push does not take a step alone)."""
         with self._cond:
             self._check_worker(self.spec or ConsistencySpec(), worker)
-            self._left.add(worker)
+            self._left[worker] = barrier
             self._gone.pop(worker, None)
             if self._round is not None and self._round.contributors and \
                     len(self._round.contributors) >= self._quorum():
                 self._apply_round()
             self._cond.notify_all()
-        log.info("shard %d: worker %d left (%d left so far)", self.index, worker, len(self._left))
+        log.info("shard %d: worker %d %s", self.index, worker, f"waits at {barrier!r}" if barrier else "left")
+
+    def _back_from(self, barrier: str | None) -> None:
+        if barrier is not None:
+            for worker in [w for w, at in self._left.items() if at == barrier]:
+                del self._left[worker]
+                self._returning.add(worker)
 
     def forget(self, worker: int, why: str) -> None:
         """The coordinator found `worker` gone for good (dead, with no restart): a wait that needs it

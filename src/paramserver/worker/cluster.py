@@ -109,7 +109,7 @@ def cluster_context(config: NodeConfig) -> Context:
         e.g. one that started late, must reach the pause without waiting for those already there);
         then wait on membership, not on a deadline. Only the final checkpoint's waits for workers
         past their data too."""
-        client.leave(options.rpc_timeout_s)
+        client.leave(options.rpc_timeout_s, barrier=name)
         coordinator.barrier(name, training_only=not (final and name.startswith(final)))
 
     modes = ModeSwitcher(client, index, workers, options.mode_schedule, options.backup_workers, meet)

@@ -132,7 +132,7 @@ class Context:
         """
         for optimizer in self.optimizers:
             optimizer.synchronize()
-        self.client.leave(timeout=self.options.rpc_timeout_s)
+        self.client.leave(self.options.rpc_timeout_s, barrier=name)
         self.coordinator.barrier(name, timeout)
 
     def cluster_view(self) -> dict:
