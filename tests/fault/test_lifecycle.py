@@ -58,7 +58,7 @@ def test_a_run_finishes_by_itself_whatever_the_order_of_starts_finishes_and_kill
     slow = rng.randrange(WORKERS)
     events = plan(rng)
     out = tmp_path / "cells.json"
-    run = LauncherRun(procs, ["--ps", "2", "--workers", str(WORKERS), *MODES[mode], "--heartbeat-timeout", "15",
+    run = LauncherRun(procs, ["--ps", "2", "--workers", str(WORKERS), *MODES[mode], "--heartbeat-timeout", "20",
                               "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "15"],
                       SCRIPT, ["--batches", str(BATCHES), "--skew-seed", str(seed), "--slow-worker", str(slow),
                                "--out", str(out)])

@@ -19,11 +19,11 @@ from tests.integration.test_node import free_port
 from tests.reference import batches, max_relative_error, mlp, twin
 
 
-def worker_contexts(addresses, workers, mode, backups=0, schedule=""):
+def worker_contexts(addresses, workers, mode, backups=0, schedule="", **options):
     """One Context per worker, as `paramserver.init()` builds them (worker 0 hosts the coordinator)."""
     cluster = ClusterSpec(ps=tuple(addresses), worker=tuple(f"127.0.0.1:{free_port()}" for _ in range(workers)))
-    options = Options(rpc_timeout_s=30, connect_timeout_s=20, split_bytes=4096, mode=mode, backup_workers=backups,
-                      mode_schedule=schedule)
+    options = Options(**{"rpc_timeout_s": 30, "connect_timeout_s": 20, **options}, split_bytes=4096, mode=mode,
+                      backup_workers=backups, mode_schedule=schedule)
     return [cluster_context(NodeConfig(cluster, Task("worker", i), options)) for i in range(workers)]
 
 
@@ -202,3 +202,31 @@ def test_only_the_chief_switches_modes(procs):
         contexts[1].set_mode("sync")
     for ctx in reversed(contexts):
         ctx.shutdown()
+
+
+def silence(ctx):
+    """Worker `ctx` dies as far as the others can tell: no heartbeat, no leave."""
+    ctx.coordinator._stopping.set()
+    ctx.coordinator._thread.join(10)
+
+
+@pytest.mark.parametrize("wait", ["push", "barrier"])
+def test_a_wait_that_needs_a_dead_worker_fails_at_once_naming_it(procs, wait):
+    """No deadline decides (the PS would wait 60 s, the worker 600 s): the coordinator finds worker 1 silent for
+    3 s and the wait fails with UNAVAILABLE naming it."""
+    addresses = [procs.start_ps()[1]]
+    contexts = worker_contexts(addresses, 2, "sync", rpc_timeout_s=600, heartbeat_timeout_s=3)
+    models = [mlp(sizes=(8, 4)) for _ in contexts]
+    opts = [ps.optim.SGD(m.parameters(), lr=0.1, context=ctx) for m, ctx in zip(models, contexts)]
+    silence(contexts[1])
+    try:
+        with pytest.raises(ps.UnavailableError, match="worker 1 is gone"):
+            if wait == "push":
+                for param in models[0].parameters():
+                    param.grad = torch.ones_like(param)
+                opts[0].step()  # a sync step that needs worker 1's push
+            else:
+                contexts[0].barrier("evaluate")
+    finally:
+        for ctx in reversed(contexts):
+            ctx.shutdown()

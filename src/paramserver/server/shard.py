@@ -19,6 +19,7 @@ from ..errors import (DeadlineExceededError, FailedPreconditionError, InvalidArg
                       UnavailableError)
 from .consistency import ConsistencySpec, SyncRound
 from .dense import DenseGroup
+from .quorum import Quorum
 from .optimizers import build_optimizer, check_lr
 
 log = logging.getLogger(__name__)
@@ -68,10 +69,7 @@ class Shard:
         self._group_of: dict[str, DenseGroup] = {}
         self._clocks: dict[int, int] = {}  # pushes applied per worker (ssp)
         self._pushes_by: dict[int, int] = {}  # pushes taken per worker since this shard started
-        # workers steps no longer wait for -> the barrier they wait at (None: their data is done)
-        self._left: dict[int, str | None] = {}
-        self._gone: dict[int, str] = {}  # workers the coordinator declared gone for good -> why
-        self._returning: set[int] = set()  # registered or left since their last push: join the current step
+        self._quorum = Quorum()  # who sync steps and ssp bounds wait for
         self._round: SyncRound | None = None
         self._sums: dict[str, np.ndarray] = {}
         self._switched = False  # the mode was switched while training (SetMode)
@@ -114,8 +112,7 @@ class Shard:
                 self._check_same(existing, optimizer_spec, initial)
             self._adopt(consistency)
             if worker is not None:
-                self._returning.add(worker)
-                self._gone.pop(worker, None)
+                self._quorum.registered(worker)
             return self.version
 
     def _check_agrees(self, consistency: ConsistencySpec | None, worker: int | None) -> None:
@@ -123,10 +120,11 @@ class Shard:
         After a switch (SetMode) a worker registering with the mode it was started with is fine."""
         if consistency is None or self.spec is None or self._switched or consistency == self.spec:
             return
+        who = "a worker" if worker is None else f"worker {worker}"
         raise FailedPreconditionError(
-            f"{'a worker' if worker is None else f'worker {worker}'} joined with mode {consistency} for {consistency.workers} workers, but shard "
-            f"{self.index} runs {self.spec} for {self.spec.workers} workers: start every node with the same "
-            f"--mode, --backup-workers and worker count")
+            f"{who} joined with mode {consistency} for {consistency.workers} workers, but shard {self.index} "
+            f"runs {self.spec} for {self.spec.workers} workers: start every node with the same --mode, "
+            f"--backup-workers and worker count")
 
     def _adopt(self, consistency: ConsistencySpec | None) -> None:
         if self.spec is None and consistency is not None:
@@ -188,11 +186,7 @@ class Shard:
             spec = self.spec or ConsistencySpec()
             self._check_worker(spec, push.worker)
             self._check_step(spec, push)
-            returning = push.worker in self._returning or push.worker in self._left
-            self._back_from(push.resumed)
-            self._left.pop(push.worker, None)
-            self._returning.discard(push.worker)
-            self._gone.pop(push.worker, None)
+            returning = self._quorum.pushed(push.worker, push.resumed)
             if push.worker is not None:
                 self._pushes_by[push.worker] = self._pushes_by.get(push.worker, 0) + 1
             staleness = max(0, self.version - push.base_version) if push.base_version is not None else 0
@@ -216,33 +210,26 @@ class Shard:
         so that the first one to push does not take a step alone)."""
         with self._cond:
             self._check_worker(self.spec or ConsistencySpec(), worker)
-            self._left[worker] = barrier
-            self._gone.pop(worker, None)
+            self._quorum.leave(worker, barrier)
             if self._round is not None and self._round.contributors and \
-                    len(self._round.contributors) >= self._quorum():
+                    len(self._round.contributors) >= self._needed():
                 self._apply_round()
             self._cond.notify_all()
         log.info("shard %d: worker %d %s", self.index, worker, f"waits at {barrier!r}" if barrier else "left")
-
-    def _back_from(self, barrier: str | None) -> None:
-        if barrier is not None:
-            for worker in [w for w, at in self._left.items() if at == barrier]:
-                del self._left[worker]
-                self._returning.add(worker)
 
     def forget(self, worker: int, why: str) -> None:
         """The coordinator found `worker` gone for good (dead, with no restart): a wait that needs it
         fails at once, naming it, instead of running into its deadline. A registration brings it back."""
         with self._cond:
             self._check_worker(self.spec or ConsistencySpec(), worker)
-            if worker not in self._left:
-                self._gone[worker] = why
-                self._cond.notify_all()
+            self._quorum.forget(worker, why)
+            self._cond.notify_all()
         log.warning("shard %d: worker %d is gone (%s)", self.index, worker, why)
 
-    def _quorum(self) -> int:
+    def _needed(self) -> int:
+        """Pushes the sync step under way needs."""
         spec = self.spec or ConsistencySpec()
-        return max(1, min(spec.quorum, spec.workers - len(self._left)))
+        return self._quorum.size(spec.quorum, spec.workers)
 
     def set_mode(self, spec: ConsistencySpec) -> None:
         """Switch the consistency mode now. A sync step partly gathered is applied first, so no
@@ -280,7 +267,7 @@ class Shard:
         self._round.add(push.worker, push.grads, self._sums)
         self._round.rows.append(push.rows)
         self._count(staleness)
-        if len(self._round.contributors) >= self._quorum():
+        if len(self._round.contributors) >= self._needed():
             self._apply_round()
             self._cond.notify_all()
         else:
@@ -315,10 +302,11 @@ class Shard:
         return self.spec is not None and self.spec.mode == "sync"
 
     def _awaited(self) -> list[int]:
-        """Workers a step under way still waits for (not left, not in yet)."""
-        spec = self.spec or ConsistencySpec()
-        pushed = self._round.contributors if self._round is not None else set()
-        return [w for w in range(spec.workers) if w not in self._left and w not in pushed]
+        """Workers a step under way still waits for (in the quorum, not in yet)."""
+        return self._quorum.awaited((self.spec or ConsistencySpec()).workers, self._pushed())
+
+    def _pushed(self) -> set[int]:
+        return self._round.contributors if self._round is not None else set()
 
     def describe(self) -> dict:
         """Counters and mode, for Hello replies and monitoring."""
@@ -363,7 +351,7 @@ class Shard:
         spec = self.spec
         if spec is None or spec.mode != "ssp":
             return True
-        active = [w for w in range(spec.workers) if w not in self._left] or [worker]
+        active = [w for w in range(spec.workers) if w not in self._quorum.left] or [worker]
         slowest = min(self._clocks.get(w, 0) for w in active)
         return self._clocks[worker] - slowest <= spec.staleness
 
@@ -376,18 +364,14 @@ class Shard:
         gone = self._needed_gone()
         if gone and not ready():
             raise UnavailableError(f"shard {self.index}: {what()}, but worker {gone[0]} is gone "
-                                   f"({self._gone[gone[0]]})")
+                                   f"({self._quorum.gone[gone[0]]})")
 
     def _needed_gone(self) -> list[int]:
         """Gone workers whose pushes a wait here still needs."""
-        awaited = [w for w in self._awaited() if w in self._gone]
-        if not awaited or self.spec is None:
+        if self.spec is None:
             return []
-        if self.spec.mode == "sync":
-            pushed = len(self._round.contributors) if self._round is not None else 0
-            alive = len(self._awaited()) - len(awaited)
-            return awaited if pushed + alive < self._quorum() else []
-        return awaited
+        needed = self._needed() if self.spec.mode == "sync" else None
+        return self._quorum.needed_gone(self.spec.workers, self._pushed(), needed)
 
     def _count(self, staleness: int) -> None:
         self.stats.pushes += 1

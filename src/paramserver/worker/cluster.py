@@ -87,41 +87,59 @@ def cluster_context(config: NodeConfig) -> Context:
     if options.torch_threads > 0:
         torch.set_num_threads(options.torch_threads)
     workers = cluster.num_workers
-    coordinator_address = (cluster.chief or cluster.worker)[0]
-    host = None
-    if index == 0:
-        host = CoordinatorHost(workers, coordinator_address, options)
-        coordinator_address = host.start()
+    host, coordinator_address = _host_coordinator(config)
     spec = ConsistencySpec.parse(options.mode, workers, options.backup_workers)
-    channels = [GrpcChannel(address, options.max_message_bytes, bool(options.use_stream), bool(options.shared_memory))
-                for address in cluster.ps]
-    client = PSClient(channels, options.rpc_timeout_s, options.split_bytes, index, spec)
-    client.connect(options.connect_timeout_s)
+    client = _connect_shards(config, spec)
     if host is not None:
         host.tell_shards(list(cluster.ps))
     coordinator = CoordinatorClient(GrpcChannel(coordinator_address, options.max_message_bytes, use_stream=False,
                                                 service_name=COORDINATOR),
                                     index, options.rpc_timeout_s, options.heartbeat_s)
     coordinator.start(options.connect_timeout_s)
+    checkpointer, meet = _pauses(config, client, coordinator)
+    modes = ModeSwitcher(client, index, workers, options.mode_schedule, options.backup_workers, meet)
+    log.info("worker %d of %d joined %d PS (%s); coordinator at %s", index, workers, client.num_shards, spec,
+             coordinator_address)
+    return Context(index, workers, client.num_shards, client, options, False,
+                   ProgressWriter(options.progress_fd, index), modes, coordinator, host, checkpointer)
+
+
+def _host_coordinator(config: NodeConfig) -> tuple[CoordinatorHost | None, str]:
+    """(the coordinator this worker hosts, or None; the address to reach the coordinator)."""
+    address = (config.cluster.chief or config.cluster.worker)[0]
+    if config.worker_index != 0:
+        return None, address
+    host = CoordinatorHost(config.cluster.num_workers, address, config.options)
+    return host, host.start()
+
+
+def _connect_shards(config: NodeConfig, spec: ConsistencySpec) -> PSClient:
+    options = config.options
+    channels = [GrpcChannel(address, options.max_message_bytes, bool(options.use_stream), bool(options.shared_memory))
+                for address in config.cluster.ps]
+    client = PSClient(channels, options.rpc_timeout_s, options.split_bytes, config.worker_index, spec)
+    client.connect(options.connect_timeout_s)
+    return client
+
+
+def _pauses(config: NodeConfig, client: PSClient, coordinator: CoordinatorClient):
+    """(the Checkpointer, or None without a checkpoint_dir; `meet(name, timeout)`, the barrier of
+    the pauses for checkpoints and mode switches)."""
+    options, final = config.options, None
+    checkpointer = None
 
     def meet(name: str, _timeout: float | None = None) -> None:
-        """The pauses for mode switches and checkpoints: out of every quorum first (a worker behind,
-        e.g. one that started late, must reach the pause without waiting for those already there);
-        then wait on membership, not on a deadline. Only the final checkpoint's waits for workers
-        past their data too."""
+        """Out of every quorum first (a worker behind, e.g. one that started late, must reach the
+        pause without waiting for those already there); then wait on membership, not on a
+        deadline. Only the final checkpoint's waits for workers past their data too."""
         client.leave(options.rpc_timeout_s, barrier=name)
         coordinator.barrier(name, training_only=not (final and name.startswith(final)))
 
-    modes = ModeSwitcher(client, index, workers, options.mode_schedule, options.backup_workers, meet)
-    checkpointer = final = None
     if options.checkpoint_dir:  # imported here: a worker that never checkpoints never loads fsspec
         from ..checkpoint.store import CheckpointStore
         from .checkpoints import FINAL as final, Checkpointer
 
         checkpointer = Checkpointer(client, CheckpointStore(options.checkpoint_dir), options.checkpoint_every,
-                                    options.checkpoint_keep, index, meet,
+                                    options.checkpoint_keep, config.worker_index, meet,
                                     options.checkpoint_every_seconds, coordinator)
-    log.info("worker %d of %d joined %d PS (%s); coordinator at %s", index, workers, len(channels), spec,
-             coordinator_address)
-    return Context(index, workers, len(channels), client, options, False, ProgressWriter(options.progress_fd, index),
-                   modes, coordinator, host, checkpointer)
+    return checkpointer, meet

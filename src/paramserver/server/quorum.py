@@ -1,0 +1,61 @@
+"""Which workers a shard's sync steps and ssp bounds wait for.
+
+A worker is out of the quorum while its data is done or while it waits at a barrier (it left),
+and needed-but-gone once the coordinator found it dead. It comes back with its next push or
+registration; a push that comes from a barrier brings back everyone who waited there (the
+barrier opened). A worker back from a start, a restart or a barrier is "returning": its next
+sync push joins the step under way.
+
+Not thread-safe: the Shard calls it under its own lock.
+"""
+
+from __future__ import annotations
+
+
+class Quorum:
+    def __init__(self) -> None:
+        self.left: dict[int, str | None] = {}  # worker -> the barrier it waits at (None: its data is done)
+        self.gone: dict[int, str] = {}  # worker -> why the coordinator declared it dead
+        self.returning: set[int] = set()  # registered or left since its last push
+
+    def registered(self, worker: int) -> None:
+        self.returning.add(worker)
+        self.gone.pop(worker, None)
+
+    def pushed(self, worker: int | None, resumed: str | None) -> bool:
+        """Worker `worker` pushes (after barrier `resumed` opened, if given); returns whether it
+        is returning."""
+        returning = worker in self.returning or worker in self.left
+        if resumed is not None:
+            for other in [w for w, at in self.left.items() if at == resumed]:
+                del self.left[other]
+                self.returning.add(other)
+        self.left.pop(worker, None)
+        self.returning.discard(worker)
+        self.gone.pop(worker, None)
+        return returning
+
+    def leave(self, worker: int, barrier: str | None) -> None:
+        self.left[worker] = barrier
+        self.gone.pop(worker, None)
+
+    def forget(self, worker: int, why: str) -> None:
+        if worker not in self.left:
+            self.gone[worker] = why
+
+    def size(self, quorum: int, workers: int) -> int:
+        """How many pushes a sync step needs: the mode's quorum, at most the workers still in."""
+        return max(1, min(quorum, workers - len(self.left)))
+
+    def awaited(self, workers: int, pushed: set[int]) -> list[int]:
+        """Workers a step under way still waits for (in the quorum, not pushed yet)."""
+        return [w for w in range(workers) if w not in self.left and w not in pushed]
+
+    def needed_gone(self, workers: int, pushed: set[int], needed: int | None) -> list[int]:
+        """Gone workers a wait still needs: for a sync step (`needed` pushes), only when the
+        workers alive cannot make up the quorum without them; for an ssp bound, any."""
+        awaited = self.awaited(workers, pushed)
+        gone = [w for w in awaited if w in self.gone]
+        if not gone or needed is None:
+            return gone
+        return gone if len(pushed) + len(awaited) - len(gone) < needed else []
