@@ -99,9 +99,9 @@ def test_digits_in_sync_mode_with_a_backup_worker_passes_ten_runs_of_ten(procs):
     not hold the third's last steps at a quorum it cannot reach."""
     for attempt in range(10):
         run = LauncherRun(procs, ["--ps", "2", "--workers", "3", "--mode", "sync", "--backup-workers", "1"],
-                          "examples/digits.py", ["--epochs", "2"])
+                          "examples/digits.py", ["--epochs", "1"])
         summary = run.finish()
-        assert summary["examples"] == 2 * 1437, (attempt, summary)  # every worker trained all of its data
+        assert summary["examples"] == 1437, (attempt, summary)  # every worker trained all of its data
         assert summary["test_accuracy"] > 0.5, (attempt, summary)
     assert procs.leftovers() == []
 
