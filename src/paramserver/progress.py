@@ -65,6 +65,12 @@ class ProgressWriter:
         self.flush()
         self._write({"done": True})
 
+    def undone(self) -> None:
+        """This worker trains again after `done()` (a push after its data was finished)."""
+        if self._done:
+            self._done = False
+            self._write({"done": False})
+
     def close(self, done: bool = True) -> None:
         """Close the channel (idempotent); later updates are not written. Sends the done line first
         unless it was sent already or `done` is False (the script did not finish)."""
@@ -106,6 +112,8 @@ class ProgressBoard:
         with self._lock:
             if record.get("done"):
                 self._done.add(worker)
+            elif record.get("done") is False:
+                self._done.discard(worker)
             elif self._frozen:
                 return
             elif "result" in record:

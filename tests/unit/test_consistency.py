@@ -169,19 +169,42 @@ def test_a_worker_starting_late_joins_the_step_under_way_and_nothing_is_dropped(
     assert (shard.position(0), shard.position(1), shard.position(2)) == (2, 1, 1)
 
 
-def test_a_push_for_the_step_after_this_shards_waits_for_it_instead_of_being_refused():
+def test_a_push_for_the_step_after_this_shards_joins_the_open_step_and_never_waits_for_itself():
     shard = make_shard("sync", 3, backups=1)
     first, _ = in_thread(push, shard, 0, [1, 1, 1], 0)
     wait_until(lambda: shard.describe()["pushes"] == 1, "worker 0's push of step 0 arrived")
     # worker 2 adopted step 1 from a shard that applied step 0 already; here step 0 is still open
-    ahead, ahead_result = in_thread(push, shard, 2, [5, 5, 5], 1)
-    push(shard, 1, [3, 3, 3], 0)
+    # and needs a second push: worker 2's is it (it never waits for its own push)
+    ahead = push(shard, 2, [5, 5, 5], 1)
     first.join(5)
-    push(shard, 0, [1, 1, 1], 1)
-    ahead.join(5)
-    assert "error" not in ahead_result and ahead_result["value"].applied
-    np.testing.assert_allclose(value(shard), [-5, -5, -5])
-    assert shard.sync_step == 2 and shard.describe()["dropped_late"] == 0
+    assert ahead.applied and shard.sync_step == 1 and shard.describe()["dropped_late"] == 0
+    np.testing.assert_allclose(value(shard), [-3, -3, -3])
+
+
+def test_a_push_for_the_next_step_from_a_worker_that_pushed_the_open_one_waits_for_it():
+    shard = make_shard("sync", 2)
+    first, _ = in_thread(push, shard, 0, [1, 1, 1], 0)
+    wait_until(lambda: shard.describe()["pushes"] == 1, "worker 0's push of step 0 arrived")
+    early, result = in_thread(push, shard, 0, [3, 3, 3], 1)  # e.g. another shard let it go on already
+    push(shard, 1, [1, 1, 1], 0)
+    push(shard, 1, [1, 1, 1], 1)
+    first.join(5)
+    early.join(5)
+    assert "error" not in result and shard.sync_step == 2
+    np.testing.assert_allclose(value(shard), [-3, -3, -3])
+
+
+def test_a_refused_push_changes_nothing():
+    shard = make_shard("sync", 3)
+    shard.leave(2, barrier="b")
+    first, _ = in_thread(push, shard, 0, [1, 1, 1], 0)
+    wait_until(lambda: shard.describe()["pushes"] == 1, "worker 0's push arrived")
+    with pytest.raises(InvalidArgumentError, match="already pushed step 0"):
+        shard.push(Push({"w": np.ones(3, np.float32)}, worker=0, step=0, resumed="b"))
+    assert shard.position(0) == 1 and shard.describe()["pushes"] == 1
+    push(shard, 1, [3, 3, 3], 0)  # worker 2 still waits at "b": the step needs workers 0 and 1 only
+    first.join(5)
+    assert shard.sync_step == 1
 
 
 def test_a_finished_worker_leaves_the_quorum_and_its_next_push_joins_the_step_under_way():
@@ -263,3 +286,13 @@ def test_a_worker_behind_a_barrier_steps_alone_until_it_gets_there():
     push(shard, 1, [2, 2, 2], 0)
     push(shard, 1, [2, 2, 2], 1)
     assert shard.sync_step == 2
+
+
+def test_a_worker_found_dead_at_a_barrier_is_still_known_gone_when_the_barrier_opens():
+    shard = make_shard("sync", 2, timeout=600)
+    shard.leave(1, barrier="b")
+    shard.forget(1, "no heartbeat for 31s")
+    waiting, result = in_thread(lambda: shard.push(Push({"w": np.ones(3, np.float32)}, worker=0, step=0,
+                                                        resumed="b")))
+    waiting.join(30)
+    assert not waiting.is_alive() and "worker 1 is gone" in str(result["error"])

@@ -156,3 +156,17 @@ def test_a_barrier_wait_out_of_range_is_refused_and_records_no_arrival(wait):
     with pytest.raises(InvalidArgumentError, match="barrier wait"):
         coordinator.barrier("b", 0, wait_s=wait)
     assert coordinator.barrier("b", 1, wait_s=0)["waiting"] == [0]
+
+
+def test_a_stalled_member_heard_from_again_is_reported_again_if_it_dies_later():
+    coordinator, clock = make(2)
+    coordinator.join(0)
+    coordinator.join(1)
+    clock.now = 11
+    coordinator.heartbeat(0, 1)
+    assert [w for w, _ in coordinator.newly_gone()] == [1]
+    coordinator.heartbeat(1, 1)  # only stalled
+    assert coordinator.state(1) == "training"
+    clock.now = 30
+    coordinator.heartbeat(0, 2)
+    assert [w for w, _ in coordinator.newly_gone()] == [1]

@@ -11,7 +11,8 @@ from paramserver.worker.resumable import ResumableBatches
 
 
 def fake_context(resume_step=0, optimizers=("opt",)):
-    ctx = SimpleNamespace(resume_step=resume_step, optimizers=list(optimizers), worker_index=1, finished=0)
+    ctx = SimpleNamespace(resume_step=resume_step, optimizers=list(optimizers), worker_index=1, finished=0,
+                          data_position=0)
     ctx.finish_training = lambda: setattr(ctx, "finished", ctx.finished + 1)
     return ctx
 
@@ -87,3 +88,9 @@ def test_trainer_fit_resumes_and_steps_the_scheduler_for_skipped_epochs(fresh_co
     assert [h.steps for h in history] == [0, 1, 5]  # 9 of the 15 batches were trained before
     assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** 3)
     assert ctx.finished
+
+
+def test_a_loop_that_wraps_each_epoch_on_its_own_skips_only_what_was_trained():
+    ctx = fake_context(resume_step=5)
+    trained = [list(ResumableBatches([1, 2, 3], context=ctx)) for _ in range(3)]
+    assert trained == [[], [3], [1, 2, 3]] and ctx.finished == 3

@@ -100,7 +100,8 @@ class PSClient:
         self.worker = worker
         self.consistency = consistency or ConsistencySpec()
         self.record = PushRecord()
-        self.resumed_from: str | None = None  # the barrier this worker left the quorums for, until its next push
+        self.resumed_from: str | None = None  # the barrier this worker last left the quorums for
+        self._owed_resumed: set[int] = set()  # shards not yet told (with a push) that it opened
         self.rpc_timeout_s = rpc_timeout_s
         self.placer = Placer(len(channels), split_bytes)
         self.parts_of: dict[str, list[Part]] = {}
@@ -163,8 +164,9 @@ class PSClient:
         for shard in sorted(shards):
             meta = {"pull": pulled.get(shard, []), "worker": self.worker, "step": self.record.step,
                     **ride_meta.get(shard, {})}
-            if self.resumed_from is not None and (shard in pushed or riders is not None):
+            if shard in self._owed_resumed and (shard in pushed or riders is not None):
                 meta["resumed"] = self.resumed_from
+                self._owed_resumed.discard(shard)
             if riders is not None and shard not in pushed and "sparse" not in meta:
                 meta["marker"] = True
             if shard in bases:
@@ -174,8 +176,6 @@ class PSClient:
                 meta["lr"] = shard_lrs
             payload = codec.encode_parts(meta, [*pushed.get(shard, ()), *ride_tensors.get(shard, ())])
             calls.append((shard, self.channels[shard].call("PushPull", payload, self.rpc_timeout_s, owned)))
-        if grads or riders is not None:
-            self.resumed_from = None
         return PushPullHandle(calls, self._part_by_name, lambda metas: self.record.note(metas, bool(grads)))
 
     def set_mode(self, spec: ConsistencySpec) -> None:
@@ -191,6 +191,7 @@ class PSClient:
         next push says so (`resumed_from`): every worker that waited there is back at once."""
         self._tell_all({"worker": self.worker, **({"barrier": barrier} if barrier else {})}, timeout)
         self.resumed_from = barrier
+        self._owed_resumed = set(range(self.num_shards)) if barrier else set()
 
     def forget(self, worker: int, why: str, timeout: float) -> None:
         """Tell every shard that `worker` is gone for good (`why`): waits that need it fail at once."""

@@ -73,6 +73,10 @@ class Coordinator:
             member = self._members[worker]
             if not member.joined:  # a coordinator that started again after this worker joined
                 member.joined = True
+            if self._state(member) == "dead":  # it was only stalled: if it dies later, report it again
+                member.reported_gone = False
+                log.warning("coordinator: worker %d is heard from again after %.0fs", worker,
+                            self._clock() - member.last_seen)
             member.step, member.last_seen = max(member.step, step), self._clock()
             self._cond.notify_all()
             return self._view()

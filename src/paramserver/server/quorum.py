@@ -22,10 +22,11 @@ class Quorum:
         self.returning.add(worker)
         self.gone.pop(worker, None)
 
-    def pushed(self, worker: int | None, resumed: str | None) -> bool:
-        """Worker `worker` pushes (after barrier `resumed` opened, if given); returns whether it
-        is returning."""
-        returning = worker in self.returning or worker in self.left
+    def is_returning(self, worker: int | None) -> bool:
+        return worker in self.returning or worker in self.left
+
+    def pushed(self, worker: int | None, resumed: str | None) -> None:
+        """Worker `worker` pushes (after barrier `resumed` opened, if given)."""
         if resumed is not None:
             for other in [w for w, at in self.left.items() if at == resumed]:
                 del self.left[other]
@@ -33,15 +34,17 @@ class Quorum:
         self.left.pop(worker, None)
         self.returning.discard(worker)
         self.gone.pop(worker, None)
-        return returning
 
     def leave(self, worker: int, barrier: str | None) -> None:
-        self.left[worker] = barrier
+        """Out of the quorum; a worker whose data is done stays so until its own next push, even if
+        it then waits at a barrier."""
+        if not (barrier is not None and worker in self.left and self.left[worker] is None):
+            self.left[worker] = barrier
         self.gone.pop(worker, None)
 
     def forget(self, worker: int, why: str) -> None:
-        if worker not in self.left:
-            self.gone[worker] = why
+        """Recorded even while the worker is out of the quorum: a barrier's opening may bring it back."""
+        self.gone[worker] = why
 
     def size(self, quorum: int, workers: int) -> int:
         """How many pushes a sync step needs: the mode's quorum, at most the workers still in."""

@@ -186,12 +186,14 @@ class Shard:
             spec = self.spec or ConsistencySpec()
             self._check_worker(spec, push.worker)
             self._check_step(spec, push)
-            returning = self._quorum.pushed(push.worker, push.resumed)
+            # every check (the sync step included) before anything changes: a refused push changes nothing
+            step = self._target_step(push, self._quorum.is_returning(push.worker)) if spec.mode == "sync" else None
+            self._quorum.pushed(push.worker, push.resumed)
             if push.worker is not None:
                 self._pushes_by[push.worker] = self._pushes_by.get(push.worker, 0) + 1
             staleness = max(0, self.version - push.base_version) if push.base_version is not None else 0
-            if spec.mode == "sync":
-                return self._push_sync(push, staleness, returning)
+            if step is not None:
+                return self._push_sync(push, step, staleness)
             self._set_lrs(push.lrs)
             self._apply(by_group)
             self._apply_rows([push.rows])
@@ -251,8 +253,7 @@ class Shard:
             raise FailedPreconditionError(f"worker {push.worker} pushed step {push.step}, but shard {self.index} "
                                           f"is at step {self.sync_step}")
 
-    def _push_sync(self, push: Push, staleness: int, returning: bool) -> PushOutcome:
-        step = self._target_step(push, returning)
+    def _push_sync(self, push: Push, step: int, staleness: int) -> PushOutcome:
         if step > self.sync_step:  # another shard applied the step under way here already: in order
             self._wait(lambda: self.sync_step >= step or not self._is_sync(),
                        lambda: f"step {step} waiting for step {self.sync_step}, for workers {self._awaited()}")
@@ -276,14 +277,18 @@ class Shard:
         return PushOutcome(True, staleness)
 
     def _target_step(self, push: Push, returning: bool) -> int:
-        """The step a sync push belongs to. A worker back from a start, a restart or a barrier joins
-        the step under way (the one after it, if an earlier life of it already pushed that one)."""
+        """The step a sync push belongs to. A worker that has not pushed the open step joins it: one
+        back from a start, a restart or a barrier, and one that adopted the step after it from a
+        shard that is ahead (so no worker ever waits for itself). A returning worker whose earlier
+        life pushed the open step pushes the next one; a claimed step already applied is late."""
         step = push.step if push.step is not None else self.sync_step
         contributed = self._round is not None and self._round.step == self.sync_step and \
             push.worker in self._round.contributors
+        if not contributed:
+            return self.sync_step if returning or step > self.sync_step else step
         if returning:
-            return self.sync_step + 1 if contributed else max(step, self.sync_step)
-        if contributed and step == self.sync_step:
+            return self.sync_step + 1
+        if step == self.sync_step:
             raise InvalidArgumentError(f"worker {push.worker} already pushed step {step}")
         return step
 

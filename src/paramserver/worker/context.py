@@ -47,6 +47,7 @@ class Context:
     checkpointer: Any = None  # worker.checkpoints.Checkpointer when a checkpoint_dir is set
     optimizers: list = field(default_factory=list, repr=False)  # this worker's PS optimizers, in creation order
     finished: bool = False  # finish_training() ran: this worker's data is done
+    data_position: int = 0  # batches resumable() handed out or skipped so far in this process
 
     @property
     def resume_step(self) -> int:
@@ -64,8 +65,8 @@ class Context:
 
     def finish_training(self) -> None:
         """This worker's data is done: it leaves every sync/ssp quorum (no step waits for it) and
-        tells the coordinator, before it waits anywhere. Idempotent; `resumable()`, `Trainer.fit`,
-        `barrier()` and a clean end of the script call it. A later push brings it back."""
+        tells the coordinator and the launcher, before it waits anywhere. Idempotent; `resumable()`,
+        `Trainer.fit` and a clean end of the script call it. A later push brings it back."""
         if self.finished:
             return
         for optimizer in self.optimizers:
@@ -146,6 +147,7 @@ class Context:
         if self.finished:  # a push after finish_training() brought this worker back into the quorums
             self.finished = False
             self.coordinator.resume()
+            self.progress.undone()
         self.pause(step)
 
     def pause(self, step: int) -> None:

@@ -58,19 +58,21 @@ class ResumableBatches:
         """(epoch from 0, its batches still to train) for every epoch, fully skipped ones included
         (so that per-epoch work such as an LR scheduler's step happens as in an undisturbed run)."""
         context = self._context()
-        skip = context.resume_step
-        if skip:
-            log.info("worker %d: data resumes at batch %d", context.worker_index, skip)
+        if context.resume_step > context.data_position:
+            log.info("worker %d: data resumes at batch %d", context.worker_index, context.resume_step)
         cycle = self._cycle() if self.steps_per_epoch else None
         for epoch in range(self.epochs):
             batches = itertools.islice(cycle, self.steps_per_epoch) if cycle else iter(self._epoch_source(epoch))
-            yield epoch, self._counted(batches, skip)
+            yield epoch, self._counted(batches, context)
         context.finish_training()
 
-    def _counted(self, batches: Iterator, skip: int) -> Iterator:
+    def _counted(self, batches: Iterator, context) -> Iterator:
+        """The batches past this worker's position. The position counts on across every
+        resumable() of the process, so a loop that wraps each epoch in its own skips right too."""
         for batch in batches:
             self.position += 1
-            if self.position <= skip:
+            context.data_position += 1
+            if context.data_position <= context.resume_step:
                 self.skipped += 1
                 continue
             yield batch
