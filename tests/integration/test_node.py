@@ -30,13 +30,18 @@ def node(procs, env, *args):
                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 
-def applied_pushes(address: str) -> int:
-    """The PS's version (pushes applied so far), read through its Hello."""
+def shard_counters(address: str) -> dict:
+    """The PS's counters (version, sync step, mode, pushes), read through its Hello."""
     channel = GrpcChannel(address, 1 << 20, use_stream=False)
     try:
-        return codec.decode(channel.call("Hello", codec.encode({}), 10).wait(10)).meta["version"]
+        return codec.decode(channel.call("Hello", codec.encode({}), 10).wait(10)).meta
     finally:
         channel.close()
+
+
+def applied_pushes(address: str) -> int:
+    """The PS's version: pushes applied so far."""
+    return shard_counters(address)["version"]
 
 
 def test_seed_cluster_from_tf_config(procs):
@@ -95,14 +100,6 @@ def test_node_configuration_errors_are_clear(procs, args, fragment):
     proc = node(procs, procs.env(), *args)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 2 and fragment in out
-
-
-def shard_counters(address: str) -> dict:
-    channel = GrpcChannel(address, 1 << 20, use_stream=False)
-    try:
-        return codec.decode(channel.call("Hello", codec.encode({}), 10).wait(10)).meta
-    finally:
-        channel.close()
 
 
 def test_node_flags_combine_with_tf_config(procs):
