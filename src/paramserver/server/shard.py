@@ -295,13 +295,17 @@ class Shard:
     def _apply_now(self, push: Push, staleness: int) -> PushOutcome:
         """A push that waited for a step while the mode switched away from sync: applied on arrival."""
         self._set_lrs(push.lrs)
-        by_group: dict[DenseGroup, dict[str, np.ndarray]] = {}
-        for name, grad in push.grads.items():
-            by_group.setdefault(self._group_of[name], {})[name] = grad
-        self._apply(by_group)
+        self._apply(self._by_group(push.grads))
         self._apply_rows([push.rows])
         self._count(staleness)
         return PushOutcome(True, staleness)
+
+    def _by_group(self, grads: dict[str, np.ndarray]) -> dict[DenseGroup, dict[str, np.ndarray]]:
+        """Gradients (of known variables) sorted by the group that holds each."""
+        by_group: dict[DenseGroup, dict[str, np.ndarray]] = {}
+        for name, grad in grads.items():
+            by_group.setdefault(self._group_of[name], {})[name] = grad
+        return by_group
 
     def _is_sync(self) -> bool:
         return self.spec is not None and self.spec.mode == "sync"
@@ -323,11 +327,7 @@ class Shard:
                     "staleness_mean": stats.staleness_sum / stats.pushes if stats.pushes else 0.0}
 
     def _apply_round(self) -> None:
-        averages = self._round.averages(self._sums)
-        by_group: dict[DenseGroup, dict[str, np.ndarray]] = {}
-        for name, grad in averages.items():
-            by_group.setdefault(self._group_of[name], {})[name] = grad
-        self._apply(by_group)
+        self._apply(self._by_group(self._round.averages(self._sums)))
         self._apply_rows(self._round.rows)
         self.sync_step += 1
         self._round = None
