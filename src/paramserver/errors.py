@@ -16,8 +16,10 @@ class ParamServerError(Exception):
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
 
 
-class InvalidArgumentError(ParamServerError):
-    """A request is wrong in itself: bad shape, dtype, non-finite value, bad option."""
+class InvalidArgumentError(ParamServerError, ValueError):
+    """A request is wrong in itself: bad shape, dtype, non-finite value, bad option.
+
+    Also a ValueError, so that code written for torch (`except ValueError`) catches it."""
 
     code = grpc.StatusCode.INVALID_ARGUMENT
 
@@ -26,8 +28,8 @@ class MalformedFrameError(InvalidArgumentError):
     """A binary frame could not be decoded."""
 
 
-class NotFoundError(ParamServerError):
-    """A named variable or table does not exist on the shard."""
+class NotFoundError(ParamServerError, LookupError):
+    """A named variable or table does not exist on the shard. Also a LookupError."""
 
     code = grpc.StatusCode.NOT_FOUND
 
@@ -54,14 +56,15 @@ class DeadlineExceededError(UnavailableError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
-class ConfigError(ParamServerError):
-    """The cluster or node configuration is invalid. Raised before any node starts."""
+class ConfigError(ParamServerError, ValueError):
+    """The cluster or node configuration is invalid. Raised before any node starts. Also a ValueError."""
 
     code = grpc.StatusCode.INVALID_ARGUMENT
 
 
-class NotInitializedError(ParamServerError):
-    """An API that needs a cluster was used before :func:`paramserver.init`."""
+class NotInitializedError(ParamServerError, RuntimeError):
+    """An API that needs a cluster was used before :func:`paramserver.init`. Also a RuntimeError,
+    as torch.distributed raises before its process group exists."""
 
     code = grpc.StatusCode.FAILED_PRECONDITION
 

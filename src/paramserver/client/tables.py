@@ -51,14 +51,19 @@ class StepRiders:
     the rows include this step's update. Built by TableClient.riders(); not thread-safe.
     """
 
-    def __init__(self, split: Callable[[np.ndarray], list]) -> None:
+    def __init__(self, split: Callable[[np.ndarray], list], num_shards: int) -> None:
         self._split = split
+        self._num_shards = num_shards
         self.meta: dict[int, dict[str, list]] = {}
         self.tensors: dict[int, list[tuple[str, np.ndarray]]] = {}
         self._lookups: list[tuple[int, list[tuple[int, np.ndarray, str]]]] = []  # (count, [(shard, where, rows name)])
 
     def push(self, table: str, ids: np.ndarray, grads: np.ndarray) -> None:
-        for shard, where, part in self._split(ids):
+        """Add a row push. Every shard gets one, empty where it holds none of `ids`: each shard
+        counts the table's steps, and torch counts a step whenever the table has a gradient."""
+        parts = {shard: (where, part) for shard, where, part in self._split(ids)}
+        for shard in range(self._num_shards):
+            where, part = parts.get(shard, (slice(0, 0), ids[:0]))
             name = self._name(shard, "s")
             self.meta.setdefault(shard, {}).setdefault("sparse", []).append([table, name + ".ids", name + ".grads"])
             self.tensors.setdefault(shard, []).extend([(name + ".ids", part), (name + ".grads", grads[where])])
@@ -120,7 +125,7 @@ class TableClient:
 
     def riders(self) -> StepRiders:
         """An empty set of row pushes and lookups to send with a step's PushPull."""
-        return StepRiders(self._split)
+        return StepRiders(self._split, len(self.channels))
 
     def wait_all(self, calls: list) -> None:
         """Wait for calls in flight (e.g. from `push`), all within one deadline."""

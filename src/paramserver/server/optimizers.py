@@ -188,8 +188,23 @@ class AdamW(Adam):
 
 
 OPTIMIZERS: dict[str, type[Optimizer]] = {cls.name: cls for cls in (SGD, Adagrad, Adam, AdamW)}
-# torch.optim arguments that choose an implementation, not the math: accepted and ignored.
-_IMPLEMENTATION_ARGS = frozenset({"foreach", "fused", "capturable", "differentiable"})
+# torch.optim arguments that choose an implementation, not the math. foreach and fused only
+# choose how torch loops (the PS runs its own fused kernels), so they are accepted and ignored;
+# the other two ask for something a PS update cannot be, so they are refused.
+_IGNORED_IMPLEMENTATION_ARGS = frozenset({"foreach", "fused"})
+_REFUSED_IMPLEMENTATION_ARGS = {
+    "differentiable": "the PS applies updates outside autograd, so a step cannot be differentiated through",
+    "capturable": "it is for CUDA graph capture, and a PS step runs on the PS, outside any graph",
+}
+
+
+def check_implementation(name: str, args: dict[str, Any]) -> None:
+    """Refuse implementation switches a PS optimizer cannot honour, naming the switch and why."""
+    for key, why in _REFUSED_IMPLEMENTATION_ARGS.items():
+        if args.get(key):
+            raise InvalidArgumentError(f"{name}: {key}=True is not supported: {why}")
+    if args.get("foreach") and args.get("fused"):
+        raise InvalidArgumentError(f"{name}: `fused` and `foreach` cannot be `True` together")
 
 
 def build_optimizer(spec: dict[str, Any]) -> Optimizer:
@@ -199,7 +214,9 @@ def build_optimizer(spec: dict[str, Any]) -> Optimizer:
             f"unknown optimizer {spec.get('name') if isinstance(spec, dict) else spec!r}; "
             f"known: {sorted(OPTIMIZERS)}")
     cls = OPTIMIZERS[spec["name"]]
-    hyper = {k: v for k, v in dict(spec.get("hyper", {})).items() if k not in _IMPLEMENTATION_ARGS}
+    hyper = dict(spec.get("hyper", {}))
+    check_implementation(cls.name, hyper)
+    hyper = {k: v for k, v in hyper.items() if k not in _IGNORED_IMPLEMENTATION_ARGS | set(_REFUSED_IMPLEMENTATION_ARGS)}
     unknown = sorted(set(hyper) - set(cls.defaults))
     if unknown:
         raise InvalidArgumentError(f"{cls.name}: unknown arguments {unknown}; known: {sorted(cls.defaults)}")

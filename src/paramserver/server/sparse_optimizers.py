@@ -3,7 +3,9 @@
 Each follows torch.optim's sparse path where torch has one (SGD, Adagrad, SparseAdam), so a
 table trained here equals `nn.Embedding(sparse=True)` trained by torch; FTRL-Proximal follows
 McMahan et al. (2013), as TensorFlow's Ftrl does with learning_rate_power -0.5.
-`step` counts the table's updates (torch counts steps per parameter, not per row); Adam with
+`step` counts the table's updates: every push of a worker counts on every shard, also on one that
+got no row of it, so that the count is torch's (per parameter, not per row) for any number of
+shards; Adam with
 `per_row_step=True` counts per row instead (lazy Adam whose bias correction follows each row).
 Sparse Adagrad and Adam (table steps) run as one C loop over the rows when the kernels
 were built (paramserver.server.kernels), with the same formulas.
@@ -45,6 +47,10 @@ class SparseOptimizer:
         """Initial value of each state array (one row per table row, `dim` wide)."""
         return {name: 0.0 for name in self.state_names}
 
+    def directed(self, grads: np.ndarray) -> np.ndarray:
+        """The gradients to descend: negated when maximizing, as torch negates them first."""
+        return np.negative(grads) if self.hyper.get("maximize") else grads
+
     def update(self, values: np.ndarray, rows: np.ndarray, grads: np.ndarray,
                state: dict[str, np.ndarray], step: int) -> None:
         """Update `values[rows]` (distinct rows) from `grads` (len(rows) x dim)."""
@@ -53,22 +59,22 @@ class SparseOptimizer:
 
 class SparseSGD(SparseOptimizer):
     name = "sgd"
-    defaults = {"lr": 1e-3}
+    defaults = {"lr": 1e-3, "maximize": False}
 
     def update(self, values, rows, grads, state, step) -> None:
-        values[rows] -= np.float32(self.hyper["lr"]) * grads
+        values[rows] -= np.float32(self.hyper["lr"]) * self.directed(grads)
 
 
 class SparseAdagrad(SparseOptimizer):
     name = "adagrad"
-    defaults = {"lr": 1e-2, "lr_decay": 0.0, "initial_accumulator_value": 0.0, "eps": 1e-10}
+    defaults = {"lr": 1e-2, "lr_decay": 0.0, "initial_accumulator_value": 0.0, "eps": 1e-10, "maximize": False}
     state_names = ("sum",)
 
     def state_init(self) -> dict[str, float]:
         return {"sum": float(self.hyper["initial_accumulator_value"])}
 
     def update(self, values, rows, grads, state, step) -> None:
-        h = self.hyper
+        h, grads = self.hyper, self.directed(grads)
         clr = h["lr"] / (1 + (step - 1) * h["lr_decay"])
         if kernels.KERNELS is not None and _fits(values, rows, grads):
             kernels.KERNELS.ps_sparse_adagrad(ptr(values), ptr(state["sum"]), ptr(rows), ptr(grads), rows.shape[0],
@@ -81,11 +87,11 @@ class SparseAdagrad(SparseOptimizer):
 
 class SparseAdam(SparseOptimizer):
     name = "adam"
-    defaults = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "per_row_step": False}
+    defaults = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "per_row_step": False, "maximize": False}
     state_names = ("exp_avg", "exp_avg_sq")
 
     def update(self, values, rows, grads, state, step) -> None:
-        h = self.hyper
+        h, grads = self.hyper, self.directed(grads)
         beta1, beta2 = h["betas"]
         if h["per_row_step"]:
             steps = state["row_step"][rows] + 1

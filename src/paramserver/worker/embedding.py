@@ -195,11 +195,31 @@ class HashEmbeddingBag(HashEmbedding):
         return total
 
 
-def sparse_counterpart(kind: str, group: dict) -> dict:
-    """The row-wise optimizer a table gets from a dense optimizer's kind and param group."""
-    if kind == "sgd":
-        return {"name": "sgd", "hyper": {"lr": group["lr"]}}
-    if kind == "adagrad":
-        return {"name": "adagrad", "hyper": {k: group[k] for k in ("lr", "lr_decay", "initial_accumulator_value",
-                                                                     "eps")}}
-    return {"name": "adam", "hyper": {"lr": group["lr"], "betas": list(group["betas"]), "eps": group["eps"]}}
+# Options of a dense optimizer that its row-wise counterpart cannot apply, with torch's reason.
+_NOT_ROW_WISE = {
+    "sgd": {"momentum": "momentum on a sparse gradient moves every row of the table at every step",
+            "weight_decay": "weight decay on a sparse gradient decays every row of the table at every step"},
+    "adagrad": {"weight_decay": "weight_decay option is not compatible with sparse gradients (as torch.optim.Adagrad)"},
+    "adam": {"weight_decay": "torch.optim.SparseAdam, the row-wise Adam, has no weight decay",
+             "amsgrad": "torch.optim.SparseAdam, the row-wise Adam, has no amsgrad"},
+}
+_NOT_ROW_WISE["adamw"] = _NOT_ROW_WISE["adam"]
+_ROW_WISE_HYPER = {"sgd": ("lr",), "adagrad": ("lr", "lr_decay", "initial_accumulator_value", "eps"),
+                   "adam": ("lr", "betas", "eps"), "adamw": ("lr", "betas", "eps")}
+
+
+def sparse_counterpart(kind: str, hyper: dict, table: str = "table") -> dict:
+    """The row-wise optimizer a table gets from a dense optimizer's kind and (plain) hyper-parameters:
+    SGD, Adagrad, or Adam as torch.optim.SparseAdam. Options torch refuses for sparse gradients
+    (or that would move every row) raise InvalidArgumentError naming the option."""
+    for option, why in _NOT_ROW_WISE[kind].items():
+        if hyper.get(option):
+            raise InvalidArgumentError(
+                f"embedding table {table!r}: {kind} with {option}={hyper[option]!r} cannot update a table row by "
+                f"row: {why}. Put the embedding modules in a param group with {option}=0 (or False), or give the "
+                f"HashEmbedding its own optimizer spec")
+    name = "adam" if kind == "adamw" else kind
+    spec_hyper = {k: list(hyper[k]) if k == "betas" else hyper[k] for k in _ROW_WISE_HYPER[kind]}
+    if hyper.get("maximize"):  # only when set: a spec equal to older ones restores their checkpoints
+        spec_hyper["maximize"] = True
+    return {"name": name, "hyper": spec_hyper}

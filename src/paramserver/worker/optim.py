@@ -23,10 +23,22 @@ import numpy as np
 import torch
 
 from ..errors import InvalidArgumentError
-from ..server.optimizers import OPTIMIZERS, build_optimizer
+from ..server.optimizers import OPTIMIZERS, build_optimizer, check_implementation
 from ..client.ps_client import PushPullHandle
 from .context import Context, current_context
 from .embedding import sparse_counterpart
+
+
+def plain_hyper(key: str, value: Any) -> Any:
+    """A hyper-parameter as the PS takes it: one-element tensors (`lr=torch.tensor(0.01)`, tensor
+    betas, as torch accepts on CPU) become floats; a larger tensor is refused as torch refuses it."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise InvalidArgumentError(f"Tensor {key} must be 1-element, got shape {tuple(value.shape)}")
+        return float(value.item())
+    if isinstance(value, (tuple, list)):
+        return type(value)(plain_hyper(key, v) for v in value)
+    return value
 
 log = logging.getLogger(__name__)
 
@@ -49,12 +61,15 @@ class PSOptimizer(torch.optim.Optimizer):
         self.context = context or current_context()
         self._pending: tuple[PushPullHandle, Any, list] | None = None  # overlap: a step whose reply is unread
         self._embeddings: list = []
-        self.name = self.context.add_optimizer(self)
         self._vars: list[tuple[str, torch.Tensor]] = []
         self._sent_lr: dict[str, float] = {}
+        plans = []  # every group is checked before anything is registered
+        for group in self.param_groups:
+            plans.append(self._plan_group(group, sum(len(plan[1]) for plan in plans)))
+        self.name = self.context.add_optimizer(self)
         started = time.monotonic()
-        for i, group in enumerate(self.param_groups):  # one at a time: a reply may view the stream's buffer
-            self._write(self._register_group(i, group).wait(self.context.options.rpc_timeout_s)[1])
+        for i, plan in enumerate(plans):  # one at a time: a reply may view the stream's buffer
+            self._write(self._register_group(i, *plan).wait(self.context.options.rpc_timeout_s)[1])
         log.info("%s: %d parameters registered on %d PS in %.2fs", self.name, len(self._vars),
                  self.context.num_ps, time.monotonic() - started)
         self.steps = self.context.resume_step  # step counts (checkpoints, schedules) go on from a restore
@@ -66,30 +81,39 @@ class PSOptimizer(torch.optim.Optimizer):
     def _group_name(self, index: int) -> str:
         return f"{self.name}.group{index}"
 
-    def _register_group(self, index: int, group: dict[str, Any]):
-        hyper = {k: v for k, v in group.items() if k in OPTIMIZERS[self.kind].defaults}
+    def _plan_group(self, group: dict[str, Any], dense_before: int) -> tuple[dict, list, list]:
+        """Check a param group without registering anything: (PS optimizer spec, [(name, dense
+        parameter)], [(name, embedding module, its table's spec)]); raises InvalidArgumentError.
+        Unnamed parameters are numbered after the `dense_before` of earlier groups."""
+        check_implementation(self.kind, group)
+        hyper = {k: plain_hyper(k, v) for k, v in group.items() if k in OPTIMIZERS[self.kind].defaults}
         spec = {"name": self.kind, "hyper": hyper}
-        build_optimizer(spec)  # refuse bad arguments here, before anything reaches a PS
-        names = group.get("param_names") or [f"param{len(self._vars) + j}" for j in range(len(group["params"]))]
-        values = {}
+        build_optimizer(spec)
+        names = group.get("param_names") or [f"param{dense_before + j}" for j in range(len(group["params"]))]
+        dense, tables = [], []
         for name, param in zip(names, group["params"]):
-            if hasattr(param, "_ps_embedding"):
-                self._register_table(param._ps_embedding, name, group)
-                continue
-            if param.dtype != torch.float32:
+            module = getattr(param, "_ps_embedding", None)
+            if module is not None:
+                tables.append((name, module, module.optimizer_spec or sparse_counterpart(self.kind, hyper, name)))
+            elif param.dtype != torch.float32:
                 raise InvalidArgumentError(f"parameter {name!r} is {param.dtype}; PS variables are float32")
+            else:
+                dense.append((name, param))
+        return spec, dense, tables
+
+    def _register_group(self, index: int, spec: dict, dense: list, tables: list):
+        for param_name, module, table_spec in tables:
+            name = module.table_name or f"{self.name}.{param_name.removesuffix('.placeholder')}"
+            self.context.tables.register(name, module.dim, table_spec, module.init, module.policy, module.capacity)
+            module.attach(self.context.tables, name)
+            self._embeddings.append(module)
+        values = {}
+        for name, param in dense:
             var = f"{self.name}.{name}"
             values[var] = param.detach().cpu().numpy()
             self._vars.append((var, param))
-        self._sent_lr[self._group_name(index)] = group["lr"]
+        self._sent_lr[self._group_name(index)] = spec["hyper"]["lr"]
         return self.context.client.register(self._group_name(index), spec, values)
-
-    def _register_table(self, module, param_name: str, group: dict[str, Any]) -> None:
-        name = module.table_name or f"{self.name}.{param_name.removesuffix('.placeholder')}"
-        spec = module.optimizer_spec or sparse_counterpart(self.kind, group)
-        self.context.tables.register(name, module.dim, spec, module.init, module.policy, module.capacity)
-        module.attach(self.context.tables, name)
-        self._embeddings.append(module)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -163,8 +187,9 @@ class PSOptimizer(torch.optim.Optimizer):
         changed = {}
         for index, group in enumerate(self.param_groups):
             name = self._group_name(index)
-            if group["lr"] != self._sent_lr[name]:
-                changed[name] = self._sent_lr[name] = group["lr"]
+            lr = plain_hyper("lr", group["lr"])
+            if lr != self._sent_lr[name]:
+                changed[name] = self._sent_lr[name] = lr
         return changed
 
     def _write(self, values) -> None:
@@ -178,6 +203,12 @@ class PSOptimizer(torch.optim.Optimizer):
                 target.copy_(torch.from_numpy(np.array(array)), non_blocking=False)
 
 
+def _implementation(foreach, fused, capturable=False, differentiable=False) -> dict[str, Any]:
+    """torch's implementation switches, kept in each param group as torch keeps them (checked at
+    registration: see server.optimizers.check_implementation)."""
+    return dict(foreach=foreach, fused=fused, capturable=capturable, differentiable=differentiable)
+
+
 class SGD(PSOptimizer):
     """torch.optim.SGD's arguments and math, applied on the PS."""
 
@@ -188,7 +219,9 @@ class SGD(PSOptimizer):
                  foreach: bool | None = None, differentiable: bool = False, fused: bool | None = None,
                  overlap: bool = False, context: Context | None = None) -> None:
         super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-                                      nesterov=nesterov, maximize=maximize), overlap, context)
+                                      nesterov=nesterov, maximize=maximize,
+                                      **_implementation(foreach, fused, differentiable=differentiable)),
+                         overlap, context)
 
 
 class Adagrad(PSOptimizer):
@@ -201,7 +234,8 @@ class Adagrad(PSOptimizer):
                  maximize: bool = False, differentiable: bool = False, fused: bool | None = None,
                  overlap: bool = False, context: Context | None = None) -> None:
         super().__init__(params, dict(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay, eps=eps,
-                                      initial_accumulator_value=initial_accumulator_value, maximize=maximize),
+                                      initial_accumulator_value=initial_accumulator_value, maximize=maximize,
+                                      **_implementation(foreach, fused, differentiable=differentiable)),
                          overlap, context)
 
 
@@ -216,8 +250,9 @@ class Adam(PSOptimizer):
                  fused: bool | None = None, decoupled_weight_decay: bool = False,
                  overlap: bool = False, context: Context | None = None) -> None:
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                                      amsgrad=amsgrad, maximize=maximize,
-                                      decoupled_weight_decay=decoupled_weight_decay), overlap, context)
+                                      amsgrad=amsgrad, maximize=maximize, decoupled_weight_decay=decoupled_weight_decay,
+                                      **_implementation(foreach, fused, capturable, differentiable)),
+                         overlap, context)
 
 
 class AdamW(PSOptimizer):
@@ -230,4 +265,6 @@ class AdamW(PSOptimizer):
                  foreach: bool | None = None, capturable: bool = False, differentiable: bool = False,
                  fused: bool | None = None, overlap: bool = False, context: Context | None = None) -> None:
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                                      amsgrad=amsgrad, maximize=maximize), overlap, context)
+                                      amsgrad=amsgrad, maximize=maximize,
+                                      **_implementation(foreach, fused, capturable, differentiable)),
+                         overlap, context)
