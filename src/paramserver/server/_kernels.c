@@ -194,47 +194,108 @@ void ps_scatter_add_rows(const float *grads, const int64_t *inverse, int64_t n, 
 
 /* ---- The Criteo TSV parser (paramserver.data.criteo). ---- */
 
-static int parse_count(const char *s, int64_t n, int64_t *out) { /* [-]digits, at most 18 of them */
+static int parse_long_count(const char *s, int64_t n, int64_t *out);
+
+/* An integer field: -?[0-9]+ whose value fits in int64, any number of digits (leading zeros are
+ * fine); never truncated. Only max(x, 0) is used, so a negative one reads as 0. Counts have a few
+ * digits: up to 18 cannot overflow, and skip the overflow checks (they cost ~5% of the parse). */
+static inline int parse_count(const char *s, int64_t n, int64_t *out) {
     int negative = n > 0 && s[0] == '-';
     int64_t value = 0;
-    if (n - negative < 1 || n - negative > 18) return 0;
+    if (n - negative < 1) return 0;
+    if (n - negative > 18) return parse_long_count(s, n, out);
     for (int64_t k = negative; k < n; k++) {
         if (s[k] < '0' || s[k] > '9') return 0;
         value = value * 10 + (s[k] - '0');
     }
-    *out = negative ? -value : value;
+    *out = negative ? 0 : value;
     return 1;
 }
 
-/* `lines` Criteo lines ('\n'-terminated, 40 tab-separated fields) -> labels (lines), dense
- * (lines x 13: log1p of max(x, 0), missing = 0) and sparse (lines x 26: feature << 56 | a 56-bit
- * hash of the value's first 16 bytes). Takes the plain subset of the format (ASCII, integer
- * labels and counts of at most 18 digits) and gives exactly what the numpy parser gives there;
- * returns `lines`, or -1 when the text is outside that subset (the caller then parses it with
- * numpy, which takes the rest or names the bad line). */
+__attribute__((noinline)) static int parse_long_count(const char *s, int64_t n, int64_t *out) {
+    int negative = s[0] == '-';
+    uint64_t value = 0, limit = negative ? (uint64_t)INT64_MAX + 1 : (uint64_t)INT64_MAX;
+    for (int64_t k = negative; k < n; k++) {
+        unsigned digit = (unsigned)((unsigned char)s[k] - '0');
+        if (digit > 9) return 0;
+        if (__builtin_mul_overflow(value, 10, &value) || __builtin_add_overflow(value, digit, &value)) return 0;
+    }
+    if (value > limit) return 0;
+    *out = negative ? 0 : (int64_t)value;
+    return 1;
+}
+
+/* Length of the UTF-8 sequence at s (a byte >= 0x80), or 0 where it is not one that Python's
+ * strict decoder takes (overlong forms, surrogates, beyond U+10FFFF, cut short). */
+static int utf8_length(const unsigned char *s, const unsigned char *end) {
+    unsigned char c = s[0], low = 0x80, high = 0xBF;
+    int length = c >= 0xC2 && c <= 0xDF ? 2 : c >= 0xE0 && c <= 0xEF ? 3 : c >= 0xF0 && c <= 0xF4 ? 4 : 0;
+    if (length == 0 || end - s < length) return 0;
+    if (c == 0xE0) low = 0xA0;        /* overlong */
+    if (c == 0xED) high = 0x9F;       /* surrogates */
+    if (c == 0xF0) low = 0x90;        /* overlong */
+    if (c == 0xF4) high = 0x8F;       /* beyond U+10FFFF */
+    if (s[1] < low || s[1] > high) return 0;
+    for (int k = 2; k < length; k++) {
+        if (s[k] < 0x80 || s[k] > 0xBF) return 0;
+    }
+    return length;
+}
+
+/* The hash of a categorical value's n bytes (criteo.py's docstring defines it): w0, w1 its first
+ * 16 bytes, zero-padded, h = mix64(w0 ^ mix64(w1)) -- the whole hash for 16 bytes or fewer, as
+ * before whole values were hashed, so their ids keep their rows; past 16 bytes every further word
+ * is folded in, h = mix64(h ^ w), then the length, h = mix64(h ^ n), so values sharing their first
+ * 16 bytes differ. */
+static inline uint64_t hash_value(const char *s, int64_t n) {
+    uint64_t words[2] = {0, 0};
+    memcpy(words, s, n < 16 ? n : 16);
+    uint64_t h = mix64(words[0] ^ mix64(words[1]));
+    if (__builtin_expect(n <= 16, 1)) return h; /* Criteo's values are 8 hex digits */
+    for (int64_t k = 16; k < n; k += 8) {
+        uint64_t word = 0;
+        memcpy(&word, s + k, n - k < 8 ? n - k : 8);
+        h = mix64(h ^ word);
+    }
+    return mix64(h ^ (uint64_t)n);
+}
+
+/* `lines` Criteo lines ('\n'-terminated, an optional '\r' before it, 40 tab-separated fields) ->
+ * labels (lines), dense (lines x 13: log1p of max(x, 0), missing = 0) and sparse (lines x 26:
+ * feature << 56 | the value's 56-bit hash). Takes exactly the lines criteo.py's numpy parser
+ * takes and gives exactly what it gives: label "0" or "1", integers as parse_count, text of valid
+ * UTF-8 without NUL bytes. Returns `lines`, or -1 at the first bad line (the caller then parses
+ * the text with numpy, which names the line and what is wrong with it). */
 int64_t ps_parse_criteo(const char *text, int64_t length, int64_t lines, float *labels, float *dense,
                         int64_t *sparse) {
     const char *p = text, *end = text + length;
+    if (length < 1 || end[-1] != '\n') return -1; /* then the last '\n' ends every scan: no bound check per byte */
     for (int64_t i = 0; i < lines; i++) {
+        if (p == end) return -1; /* fewer lines than `lines` */
         for (int f = 0; f < 40; f++) {
             const char *start = p;
-            while (p < end && *p != '\t' && *p != '\n') {
-                if ((unsigned char)*p >= 128) return -1;
-                p++;
+            while (*p != '\t' && *p != '\n') {
+                if ((signed char)*p > 0) { /* ASCII, not NUL: one test, as the old ASCII-only check */
+                    p++;
+                    continue;
+                }
+                int k = *p == 0 ? 0 : utf8_length((const unsigned char *)p, (const unsigned char *)end);
+                if (k == 0) return -1;
+                p += k;
             }
-            if (p == end || *p != (f < 39 ? '\t' : '\n')) return -1; /* not 40 fields */
+            if (*p != (f < 39 ? '\t' : '\n')) return -1; /* not 40 fields */
             int64_t n = p - start, value = 0;
             p++;
+            if (f == 39 && n > 0 && start[n - 1] == '\r') n--; /* a Windows line end is a line end */
             if (f == 0) {
-                if (n < 1 || n > 18 || start[0] == '-' || !parse_count(start, n, &value)) return -1;
-                labels[i] = (float)value;
+                if (n != 1 || (start[0] != '0' && start[0] != '1')) return -1;
+                labels[i] = (float)(start[0] - '0');
             } else if (f <= 13) {
                 if (n > 0 && !parse_count(start, n, &value)) return -1;
+                /* max(value, 0) again: the sign it tells the compiler spares a call to libm's wrapper */
                 dense[i * 13 + f - 1] = (float)log1p((double)(value > 0 ? value : 0));
             } else {
-                uint64_t words[2] = {0, 0};
-                memcpy(words, start, n < 16 ? n : 16);
-                uint64_t h = mix64(words[0] ^ mix64(words[1]));
+                uint64_t h = hash_value(start, n);
                 sparse[i * 26 + f - 14] = (int64_t)((h & 0x00FFFFFFFFFFFFFFULL) | ((uint64_t)(f - 14) << 56));
             }
         }
