@@ -28,4 +28,4 @@ bench: setup
 	$(BIN)/python bench/dense.py
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info src/paramserver/server/_kernels*.so
+	rm -rf $(VENV) build src/*.egg-info src/paramserver/base/_kernels*.so

@@ -2,5 +2,5 @@
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("paramserver.server._kernels", ["src/paramserver/server/_kernels.c"],
+setup(ext_modules=[Extension("paramserver.base._kernels", ["src/paramserver/base/_kernels.c"],
                              extra_compile_args=["-O3", "-fno-math-errno"], optional=True)])

@@ -14,7 +14,7 @@ import io
 import json
 from pathlib import Path
 
-from paramserver.config import Options
+from paramserver.base.config import Options
 from paramserver.launch.local import LocalCluster, default_torch_threads
 
 BENCH = Path(__file__).resolve().parent

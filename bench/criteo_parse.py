@@ -34,7 +34,11 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = "fc777628e7bba72a70e36c08946771fbb7d8f003"  # the reader before bad lines were refused
-KERNELS_C, CRITEO_PY = "src/paramserver/server/_kernels.c", "src/paramserver/data/criteo.py"
+CRITEO_PY = "src/paramserver/data/criteo.py"
+KERNELS_C = {BASE: "src/paramserver/server/_kernels.c", None: "src/paramserver/base/_kernels.c"}
+# the base commit's criteo.py imports from where those modules lived then
+OLD_IMPORTS = {"from ..errors ": "from ..base.errors ", "from ..server import kernels": "from ..base import kernels",
+               "from ..server.hash_index ": "from ..base.hashing ", "from .loader ": "from paramserver.data.loader "}
 CFLAGS = ["-O3", "-fno-math-errno", "-fwrapv", "-fPIC", "-shared"]  # setup.py's, as setuptools adds them
 
 
@@ -49,7 +53,7 @@ def source(rev: str | None, path: str) -> str:
 def side(rev: str | None, name: str, tmp: Path) -> types.ModuleType:
     """criteo.py of `rev` as module `name`, its kernels the library built from `rev`'s _kernels.c."""
     c_file = tmp / f"{name}.c"
-    c_file.write_text(source(rev, KERNELS_C))
+    c_file.write_text(source(rev, KERNELS_C[rev]))
     lib_file = tmp / f"{name}.so"
     subprocess.run(["cc", *CFLAGS, str(c_file), "-o", str(lib_file), "-lm"], check=True)
     lib = ctypes.CDLL(str(lib_file))
@@ -59,7 +63,10 @@ def side(rev: str | None, name: str, tmp: Path) -> types.ModuleType:
     spec = importlib.util.spec_from_loader(f"paramserver.data.{name}", loader=None)
     module = importlib.util.module_from_spec(spec)
     module.__package__ = "paramserver.data"
-    exec(compile(source(rev, CRITEO_PY), f"{rev or 'tree'}:{CRITEO_PY}", "exec"), module.__dict__)
+    text = source(rev, CRITEO_PY)
+    for old, new in (OLD_IMPORTS.items() if rev else ()):
+        text = text.replace(old, new)
+    exec(compile(text, f"{rev or 'tree'}:{CRITEO_PY}", "exec"), module.__dict__)
     module.kernels = types.SimpleNamespace(KERNELS=lib, ptr=lambda a: None if a is None else a.ctypes.data)
     module.lib = lib
     return module

@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from paramserver.config import Options
+from paramserver.base.config import Options
 from paramserver.launch.local import LocalCluster
 
 WORKER = str(Path(__file__).with_name("dense_worker.py"))

@@ -27,10 +27,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from paramserver.client.tables import TableClient
-from paramserver.config import Options
+from paramserver.base.config import Options
+from paramserver.client.table_client import TableClient
 from paramserver.launch.local import LocalCluster
-from paramserver.server.embedding import EmbeddingTable
+from paramserver.server.embedding_table import EmbeddingTable
 from paramserver.server.sparse_optimizers import build_sparse_optimizer
 from paramserver.transport.grpc_transport import GrpcChannel
 
@@ -96,7 +96,7 @@ def shard_throughput(count: int) -> dict:
 
 MEMORY_PROBE = """
 import sys, psutil, numpy as np
-from paramserver.server.embedding import EmbeddingTable
+from paramserver.server.embedding_table import EmbeddingTable
 from paramserver.server.sparse_optimizers import build_sparse_optimizer
 spec = {"name": "adagrad", "hyper": {"lr": 0.01}}
 rows = int(sys.argv[1])

@@ -82,7 +82,7 @@ def procs():
 @pytest.fixture(params=["c", "numpy"])
 def both_kernel_paths(request, monkeypatch):
     """Runs a test once with the PS's C kernels (skipped if not built) and once on numpy."""
-    from paramserver.server import kernels
+    from paramserver.base import kernels
 
     if request.param == "numpy":
         monkeypatch.setattr(kernels, "KERNELS", None)

@@ -14,15 +14,15 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .config import ClusterSpec, NodeConfig, Options, Task
-from .errors import (ConfigError, DeadlineExceededError, FailedPreconditionError, InvalidArgumentError,
-                     MalformedFrameError, NotFoundError, NotInitializedError, ParamServerError,
-                     ProtocolVersionError, UnavailableError)
+from .base.config import ClusterSpec, NodeConfig, Options, Task
+from .base.errors import (ConfigError, DeadlineExceededError, FailedPreconditionError, InvalidArgumentError,
+                          MalformedFrameError, NotFoundError, NotInitializedError, ParamServerError,
+                          ProtocolVersionError, UnavailableError)
 
 __version__ = "0.1.0"
 
 _LAZY = {
-    "init": ("paramserver.worker.context", "init"),
+    "init": ("paramserver.api", "init"),
     "Context": ("paramserver.worker.context", "Context"),
     "current_context": ("paramserver.worker.context", "current_context"),
     "set_mode": ("paramserver.worker.context", "set_mode"),

@@ -1,5 +1,5 @@
 """`paramserver.nn`: modules whose weights live on the PS."""
 
-from .worker.embedding import HashEmbedding, HashEmbeddingBag
+from .worker.hash_embedding import HashEmbedding, HashEmbeddingBag
 
 __all__ = ["HashEmbedding", "HashEmbeddingBag"]

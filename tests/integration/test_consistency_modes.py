@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 import paramserver as ps
+from paramserver.base.config import ClusterSpec, NodeConfig, Options, Task
 from paramserver.client.ps_client import PSClient
-from paramserver.config import ClusterSpec, NodeConfig, Options, Task
-from paramserver.server.embedding import initial_rows
+from paramserver.server.embedding_table import initial_rows
 from paramserver.transport.grpc_transport import GrpcChannel
 from paramserver.worker.cluster import cluster_context
 from tests.integration.test_node import free_port

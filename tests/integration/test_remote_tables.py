@@ -6,8 +6,9 @@ import torch
 import torch.nn.functional as F
 
 import paramserver as ps
-from paramserver.client.tables import TableClient, shard_of
-from paramserver.config import ClusterSpec, NodeConfig, Options, Task
+from paramserver.base.config import ClusterSpec, NodeConfig, Options, Task
+from paramserver.base.hashing import shard_of
+from paramserver.client.table_client import TableClient
 from paramserver.transport import codec
 from paramserver.transport.grpc_transport import GrpcChannel
 from tests.integration.test_node import free_port

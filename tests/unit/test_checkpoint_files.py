@@ -6,13 +6,13 @@ import json
 import numpy as np
 import pytest
 
+from paramserver.base.hashing import shard_of
 from paramserver.checkpoint import shard_file
 from paramserver.checkpoint.restore import RestoreSource
 from paramserver.checkpoint.store import CheckpointError, CheckpointStore, checkpoint_name
 from paramserver.client.placement import Placer
-from paramserver.client.tables import shard_of
 from paramserver.server.shard import Push, Shard
-from paramserver.server.tables import TableStore
+from paramserver.server.table_store import TableStore
 
 SGD = {"name": "sgd", "hyper": {"lr": 0.1, "momentum": 0.9}}
 ADAGRAD = {"name": "adagrad", "hyper": {"lr": 0.1}}

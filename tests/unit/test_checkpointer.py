@@ -9,11 +9,11 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from paramserver.base.errors import ParamServerError, UnavailableError
 from paramserver.checkpoint import shard_file, tools
 from paramserver.checkpoint.store import CheckpointStore, checkpoint_name
-from paramserver.errors import ParamServerError, UnavailableError
 from paramserver.server.shard import Shard
-from paramserver.server.tables import TableStore
+from paramserver.server.table_store import TableStore
 from paramserver.worker.checkpoints import Checkpointer
 
 

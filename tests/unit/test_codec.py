@@ -3,7 +3,7 @@ import struct
 import numpy as np
 import pytest
 
-from paramserver.errors import MalformedFrameError, ProtocolVersionError
+from paramserver.base.errors import MalformedFrameError, ProtocolVersionError
 from paramserver.transport import codec
 
 

@@ -2,8 +2,8 @@ import json
 
 import pytest
 
-from paramserver.config import ClusterSpec, Options, config_from_environ, load_cluster_file, parse_tf_config
-from paramserver.errors import ConfigError
+from paramserver.base.config import ClusterSpec, Options, config_from_environ, load_cluster_file, parse_tf_config
+from paramserver.base.errors import ConfigError
 
 SEED = {"ps": ["localhost:2222"], "worker": ["localhost:2223", "localhost:2224"]}
 

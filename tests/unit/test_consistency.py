@@ -6,9 +6,9 @@ import time
 import numpy as np
 import pytest
 
-from paramserver.errors import (DeadlineExceededError, FailedPreconditionError, InvalidArgumentError,
-                                ParamServerError)
-from paramserver.server.consistency import ConsistencySpec
+from paramserver.base.consistency_spec import ConsistencySpec
+from paramserver.base.errors import (DeadlineExceededError, FailedPreconditionError, InvalidArgumentError,
+                                     ParamServerError)
 from paramserver.server.shard import Push, Shard
 
 SGD1 = {"name": "sgd", "hyper": {"lr": 1.0}}
@@ -44,8 +44,8 @@ def in_thread(fn, *args):
 def test_sync_averages_a_step_and_applies_it_once():
     shard = make_shard("sync", 2)
     first, result = in_thread(push, shard, 0, [1, 2, 3], 0)
-    time.sleep(0.2)
-    assert first.is_alive() and shard.version == 0  # waits for worker 1
+    wait_until(lambda: shard.describe()["waiting"] == 1, "worker 0's push waits")
+    assert shard.version == 0 and "value" not in result  # it waits for worker 1
     push(shard, 1, [3, 2, 1], 0)
     first.join(5)
     assert result["value"].applied
@@ -56,7 +56,7 @@ def test_sync_averages_a_step_and_applies_it_once():
 def test_sync_refuses_a_second_push_for_the_same_step_and_keeps_the_average_clean():
     shard = make_shard("sync", 2)
     first, _ = in_thread(push, shard, 0, [1, 1, 1], 0)
-    time.sleep(0.1)
+    wait_until(lambda: shard.describe()["waiting"] == 1, "worker 0's push waits")
     with pytest.raises(InvalidArgumentError, match="already pushed step 0"):
         push(shard, 0, [100, 100, 100], 0)
     push(shard, 1, [3, 3, 3], 0)
@@ -76,7 +76,7 @@ def test_sync_refuses_a_worker_outside_the_cluster_and_a_step_from_the_future():
 def test_backup_workers_apply_without_the_straggler_and_drop_its_late_gradient():
     shard = make_shard("sync", 3, backups=1)
     first, _ = in_thread(push, shard, 0, [1, 1, 1], 0)
-    time.sleep(0.1)
+    wait_until(lambda: shard.describe()["waiting"] == 1, "worker 0's push waits")
     push(shard, 1, [3, 3, 3], 0)
     first.join(5)
     np.testing.assert_allclose(value(shard), [-2, -2, -2])
@@ -91,8 +91,8 @@ def test_ssp_blocks_a_worker_exactly_k_steps_ahead_of_the_slowest():
     push(shard, 0, [1, 1, 1])  # ahead by 1
     push(shard, 0, [1, 1, 1])  # ahead by 2
     third, result = in_thread(push, shard, 0, [1, 1, 1])  # would be 3 ahead: waits
-    time.sleep(0.3)
-    assert third.is_alive()
+    wait_until(lambda: shard.describe()["waiting"] == 1, "the third push waits")
+    assert "value" not in result
     assert shard.version == 3  # its gradient is applied; only its worker waits
     push(shard, 1, [0, 0, 0])
     third.join(5)
@@ -106,7 +106,7 @@ def test_ssp_0_is_sync():
 def test_switching_from_sync_applies_the_partly_gathered_step():
     shard = make_shard("sync", 2)
     waiting, result = in_thread(push, shard, 0, [2, 2, 2], 0)
-    time.sleep(0.1)
+    wait_until(lambda: shard.describe()["waiting"] == 1, "worker 0's push waits")
     shard.set_mode(ConsistencySpec.parse("async", 2))
     waiting.join(5)
     assert result["value"].applied

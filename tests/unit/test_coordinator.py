@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
+from paramserver.base.errors import InvalidArgumentError, UnavailableError
 from paramserver.coordinator.membership import Coordinator
-from paramserver.errors import InvalidArgumentError, UnavailableError
 
 
 class Clock:

@@ -13,8 +13,8 @@ import sys
 import numpy as np
 import pytest
 
+from paramserver.base import kernels
 from paramserver.data import criteo
-from paramserver.server import kernels
 from tests.conftest import ROOT
 
 LINE = "1\t" + "\t".join(["3", ""] + ["0"] * 11) + "\t" + "\t".join(["0000000a", ""] + ["ff"] * 24) + "\n"

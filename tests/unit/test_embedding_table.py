@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from paramserver.errors import InvalidArgumentError
-from paramserver.server.embedding import EmbeddingTable, RowPolicy, initial_rows
+from paramserver.base.errors import InvalidArgumentError
+from paramserver.server.embedding_table import EmbeddingTable, RowPolicy, initial_rows
 from paramserver.server.sparse_optimizers import build_sparse_optimizer
 
 pytestmark = pytest.mark.usefixtures("both_kernel_paths")
@@ -152,7 +152,7 @@ def test_a_bad_row_policy_is_a_clear_error():
 
 
 def test_c_kernels_and_numpy_give_the_same_initial_rows_and_updates(monkeypatch):
-    from paramserver.server import kernels
+    from paramserver.base import kernels
 
     if kernels.KERNELS is None:
         pytest.skip("C kernels not built")
@@ -175,7 +175,7 @@ def test_c_kernels_and_numpy_give_the_same_initial_rows_and_updates(monkeypatch)
 
 
 def test_a_reserved_capacity_takes_that_many_rows_without_regrowing():
-    from paramserver.server.tables import TableStore
+    from paramserver.server.table_store import TableStore
 
     store = TableStore(0)
     store.register("t", 4, {"name": "sgd", "hyper": {"lr": 0.1}}, {"kind": "zeros"}, capacity=5000)

@@ -4,8 +4,8 @@ import socket
 
 import pytest
 
-from paramserver.coordinator.service import SERVICE as COORDINATOR
-from paramserver.errors import UnavailableError
+from paramserver.base.errors import UnavailableError
+from paramserver.coordinator.coordinator_service import SERVICE as COORDINATOR
 from paramserver.transport.grpc_transport import SERVICE as SHARD
 from paramserver.transport.grpc_transport import GrpcChannel
 

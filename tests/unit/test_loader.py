@@ -8,9 +8,9 @@ import numpy as np
 import psutil
 import pytest
 
+from paramserver.base.errors import InvalidArgumentError
 from paramserver.data import criteo
 from paramserver.data.loader import BatchLoader, LoaderError
-from paramserver.errors import InvalidArgumentError
 
 
 def line(rng: np.random.Generator) -> str:

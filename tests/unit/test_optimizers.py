@@ -6,8 +6,9 @@ import pytest
 import torch
 
 import paramserver as ps
+from paramserver.base import kernels
 from paramserver.client.ps_client import PSClient
-from paramserver.server import kernels, optimizers
+from paramserver.server import optimizers
 from tests.reference import batches, max_relative_error, mlp, train, twin
 
 CASES = [

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from paramserver.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
+from paramserver.base.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
 from paramserver.server.shard import Push, Shard
 
 ADAM = {"name": "adam", "hyper": {"lr": 0.1}}

@@ -17,8 +17,9 @@ SIZES, STEPS = (32, 16, 10), 30
 
 def _matrix() -> list:
     try:  # a private module of torch's own tests: it may move between releases
-        from torch.testing._internal.common_optimizers import (
-            _get_optim_inputs_including_global_cliquey_kwargs as configs, optim_db)
+        from torch.testing._internal.common_optimizers import \
+            _get_optim_inputs_including_global_cliquey_kwargs as configs
+        from torch.testing._internal.common_optimizers import optim_db
     except Exception as exc:  # noqa: BLE001 - any import failure means the matrix is unavailable
         return [pytest.param(None, None, marks=pytest.mark.skip(reason=f"torch's optim_db unavailable: {exc}"))]
     return [pytest.param(info.optim_cls.__name__, config.kwargs, id=f"{info.optim_cls.__name__}-{config.desc}")

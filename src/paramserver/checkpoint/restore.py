@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..client.tables import shard_of
+from ..base.hashing import shard_of
 from . import shard_file
 from .store import CheckpointError, CheckpointStore
 

@@ -18,9 +18,9 @@ from safetensors import SafetensorError
 from safetensors import numpy as safetensors_numpy
 
 from ..server.dense import DenseGroup
-from ..server.embedding import EmbeddingTable
+from ..server.embedding_table import EmbeddingTable
 from ..server.shard import Shard
-from ..server.tables import TableStore
+from ..server.table_store import TableStore
 from .store import CheckpointError, CheckpointStore, ShardFile
 
 _META_KEY = "paramserver"

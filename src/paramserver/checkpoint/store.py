@@ -26,7 +26,7 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from ..errors import FailedPreconditionError
+from ..base.errors import FailedPreconditionError
 
 log = logging.getLogger(__name__)
 MANIFEST = "MANIFEST.json"

@@ -16,12 +16,12 @@ from typing import Callable
 
 import numpy as np
 
-from ..errors import InvalidArgumentError, ParamServerError
-from ..server.consistency import ConsistencySpec
+from ..base.consistency_spec import ConsistencySpec
+from ..base.errors import InvalidArgumentError, ParamServerError
 from ..transport import codec
 from ..transport.channel import CallHandle, ShardChannel
 from .placement import DEFAULT_SPLIT_BYTES, Part, Placer
-from .tables import StepRiders
+from .table_client import StepRiders
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from ..errors import InvalidArgumentError, UnavailableError
+from ..base.errors import InvalidArgumentError, UnavailableError
 
 log = logging.getLogger(__name__)
 STATES = ("joining", "training", "finished", "exited", "dead")

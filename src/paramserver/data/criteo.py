@@ -41,9 +41,9 @@ from typing import Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 
-from ..errors import InvalidArgumentError
-from ..server import kernels
-from ..server.hash_index import mix64
+from ..base import kernels
+from ..base.errors import InvalidArgumentError
+from ..base.hashing import mix64
 from .loader import BatchLoader
 
 NUM_DENSE, NUM_SPARSE = 13, 26

@@ -29,8 +29,8 @@ import sys
 import threading
 from typing import Any, Callable, Iterator
 
-from ..errors import InvalidArgumentError, ParamServerError
-from ..launch.processes import die_with_parent
+from ..base.errors import InvalidArgumentError, ParamServerError
+from ..base.parent_death import die_with_parent
 
 log = logging.getLogger(__name__)
 _LENGTH = struct.Struct("<Q")

@@ -9,9 +9,9 @@ import signal
 import sys
 from pathlib import Path
 
-from ..config import Options
-from ..errors import ParamServerError
-from ..server.consistency import ConsistencySpec
+from ..base.config import Options
+from ..base.consistency_spec import ConsistencySpec
+from ..base.errors import ParamServerError
 from ..worker.modes import parse_schedule
 
 log = logging.getLogger(__name__)

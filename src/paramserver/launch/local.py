@@ -37,11 +37,11 @@ from typing import Any, TextIO
 
 import psutil
 
-from ..config import OPTIONS_ENV, TF_CONFIG_ENV, Options
-from ..errors import UnavailableError
-from ..progress import ProgressBoard
-from ..server.node import READY_PREFIX
+from ..base.config import OPTIONS_ENV, TF_CONFIG_ENV, Options
+from ..base.errors import UnavailableError
+from ..base.progress import ProgressBoard
 from .processes import Child, LineWriter, stop_all, wait_any
+from .ps_node import READY_PREFIX
 
 log = logging.getLogger(__name__)
 _MEMORY_EVERY_S = 0.5  # how often the nodes' resident memory is sampled for the peak figures

@@ -14,9 +14,9 @@ import runpy
 import sys
 from pathlib import Path
 
-from .. import config as config_mod
-from ..config import NodeConfig, Options, bind_address
-from ..errors import ConfigError
+from ..base import config as config_mod
+from ..base.config import NodeConfig, Options, bind_address
+from ..base.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ def run_node(cluster_file: str | None, role: str | None, index: int | None, bind
     config = resolve(cluster_file, role, index, options)
     role = config.task.type if config else role
     if role == "ps":
-        from ..server.node import run_ps_node
+        from .ps_node import run_ps_node
         if bind is None and config is None:
             raise ConfigError("a PS node needs TF_CONFIG, --cluster, or --bind HOST:PORT")
         return run_ps_node(bind or bind_address(config.address), config.task.index if config else index or 0,

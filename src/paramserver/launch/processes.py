@@ -2,22 +2,14 @@
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from typing import Callable, TextIO
 
-_PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent() -> None:
-    """The kernel SIGKILLs this process when its parent dies, even by SIGKILL (Linux; a no-op elsewhere)."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+from ..base.parent_death import die_with_parent
 
 
 class Child:

@@ -17,9 +17,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from ..errors import InvalidArgumentError
-from . import kernels
-from .kernels import ptr as _ptr
+from ..base import kernels
+from ..base.errors import InvalidArgumentError
+from ..base.kernels import ptr as _ptr
 
 log = logging.getLogger(__name__)
 _CHUNK = 65536  # elements per pass: 256 KiB of float32, fits in L2 with the scratch buffers

@@ -15,12 +15,13 @@ from typing import Callable, Iterable, TypeVar
 
 import numpy as np
 
-from ..errors import (DeadlineExceededError, FailedPreconditionError, InvalidArgumentError, NotFoundError,
-                      UnavailableError)
-from .consistency import ConsistencySpec, SyncRound
+from ..base.consistency_spec import ConsistencySpec
+from ..base.errors import (DeadlineExceededError, FailedPreconditionError, InvalidArgumentError, NotFoundError,
+                           UnavailableError)
+from .consistency import SyncRound
 from .dense import DenseGroup
-from .quorum import Quorum
 from .optimizers import build_optimizer, check_lr
+from .quorum import Quorum
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -65,6 +66,7 @@ class Shard:
         self.spec: ConsistencySpec | None = None
         self.stats = ShardStats()
         self.wait_timeout_s = wait_timeout_s
+        self.waiting = 0  # pushes blocked in a sync step or an ssp bound right now
         self._groups: dict[str, DenseGroup] = {}
         self._group_of: dict[str, DenseGroup] = {}
         self._clocks: dict[int, int] = {}  # pushes applied per worker (ssp)
@@ -323,7 +325,7 @@ class Shard:
             stats = self.stats
             return {"version": self.version, "sync_step": self.sync_step,
                     "mode": str(self.spec or ConsistencySpec()), "pushes": stats.pushes,
-                    "dropped_late": stats.dropped_late, "staleness_max": stats.staleness_max,
+                    "dropped_late": stats.dropped_late, "waiting": self.waiting, "staleness_max": stats.staleness_max,
                     "staleness_mean": stats.staleness_sum / stats.pushes if stats.pushes else 0.0}
 
     def _apply_round(self) -> None:
@@ -364,7 +366,12 @@ class Shard:
         """Wait for other workers' pushes while those awaited are alive; fail at once, naming the
         worker, when one that is needed is gone for good. `wait_timeout_s` is the last resort
         against a peer that neither pushes nor is found gone (it is the PS's rpc_timeout_s)."""
-        if not self._cond.wait_for(lambda: ready() or self._needed_gone(), self.wait_timeout_s):
+        self.waiting += 1  # pushes blocked right now (monitoring; tests wait on it)
+        try:
+            done = self._cond.wait_for(lambda: ready() or self._needed_gone(), self.wait_timeout_s)
+        finally:
+            self.waiting -= 1
+        if not done:
             raise DeadlineExceededError(f"shard {self.index}: {what()} for over {self.wait_timeout_s:.0f}s")
         gone = self._needed_gone()
         if gone and not ready():

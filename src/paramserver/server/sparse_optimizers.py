@@ -8,7 +8,7 @@ got no row of it, so that the count is torch's (per parameter, not per row) for 
 shards; Adam with
 `per_row_step=True` counts per row instead (lazy Adam whose bias correction follows each row).
 Sparse Adagrad and Adam (table steps) run as one C loop over the rows when the kernels
-were built (paramserver.server.kernels), with the same formulas.
+were built (paramserver.base.kernels), with the same formulas.
 Not thread-safe: the owning table serializes calls.
 """
 
@@ -19,9 +19,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from ..errors import InvalidArgumentError
-from . import kernels
-from .kernels import ptr
+from ..base import kernels
+from ..base.errors import InvalidArgumentError
+from ..base.kernels import ptr
 
 
 def _fits(values: np.ndarray, rows: np.ndarray, grads: np.ndarray) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from concurrent.futures import Future
 from typing import Protocol
 
-from ..errors import DeadlineExceededError
+from ..base.errors import DeadlineExceededError
 
 
 class CallHandle:

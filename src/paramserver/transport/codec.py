@@ -25,7 +25,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from ..errors import MalformedFrameError, ProtocolVersionError
+from ..base.errors import MalformedFrameError, ProtocolVersionError
 
 MAGIC = b"PSFR"
 PROTOCOL_MAJOR = 1

@@ -13,9 +13,10 @@ from concurrent.futures import Future
 
 import grpc
 
-from ..errors import ParamServerError, UnavailableError, error_for_status
+from ..base.errors import UnavailableError, error_for_status
 from . import codec
 from .channel import CallHandle, FutureCall
+from .dispatch import answer
 from .stream import METHODS as STREAM_METHODS
 from .stream import StreamClient, host_id
 
@@ -52,14 +53,10 @@ class GrpcServer:
 
     def _handler(self, method: str):
         def handle(request: bytes, context: grpc.ServicerContext) -> bytes:
-            try:
-                return self.service.call(method, request)
-            except ParamServerError as exc:
-                log.warning("%s refused from %s: %s", method, context.peer(), exc)
-                context.abort(exc.code, str(exc))
-            except Exception:  # a bug: report it to the caller and keep serving
-                log.exception("%s failed", method)
-                context.abort(grpc.StatusCode.INTERNAL, f"{method} failed on the server; see its log")
+            result = answer(self.service, method, request, context.peer())
+            if not result.ok:
+                context.abort(result.code, result.reply)
+            return result.reply
         return handle
 
     def start(self) -> int:

@@ -1,4 +1,5 @@
-"""In-process twin of the gRPC transport: calls a ShardService directly, same bytes, same errors.
+"""In-process twin of the gRPC transport: calls a ShardService directly, same bytes, same errors
+(transport.dispatch answers for every transport).
 
 For fast unit tests and for `paramserver.init()` in a plain `python script.py`. Calls run
 synchronously on the caller's thread; the returned handle is already complete.
@@ -8,9 +9,9 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 
-from ..errors import ParamServerError
 from . import codec
 from .channel import CallHandle, FutureCall
+from .dispatch import answer
 
 
 class InProcessChannel:
@@ -22,10 +23,11 @@ class InProcessChannel:
 
     def call(self, method: str, payload: bytes, timeout: float, owned: bool = False) -> CallHandle:
         future: Future = Future()
-        try:
-            future.set_result(self.service.call(method, payload if isinstance(payload, bytes) else b"".join(payload)))
-        except ParamServerError as exc:
-            future.set_exception(exc)
+        result = answer(self.service, method, payload if isinstance(payload, bytes) else b"".join(payload), "in-process")
+        if result.ok:
+            future.set_result(result.reply)
+        else:
+            future.set_exception(result.error(f"{self.address} {method}"))
         return FutureCall(future, f"{self.address} {method}")
 
     def wait_ready(self, timeout: float) -> None:

@@ -32,10 +32,11 @@ from pathlib import Path
 
 import grpc
 
-from ..errors import (DeadlineExceededError, MalformedFrameError, ParamServerError, UnavailableError,
-                      error_for_status)
+from ..base.errors import (DeadlineExceededError, MalformedFrameError, ParamServerError, UnavailableError,
+                           error_for_status)
 from . import codec
 from .channel import CallHandle
+from .dispatch import answer
 
 log = logging.getLogger(__name__)
 MAGIC = b"PSTS"
@@ -238,17 +239,11 @@ class StreamServer:
             size = segment.write(parts) if segment is not None else None
             return b"".join(parts) if size is None else size
 
-        try:
-            if method_id >= len(METHODS):
-                raise MalformedFrameError(f"unknown tensor stream method id {method_id}")
-            return 0, self.service.call(METHODS[method_id], payload, sink)
-        except ParamServerError as exc:
-            log.warning("%s refused from %s: %s", METHODS[method_id] if method_id < len(METHODS) else method_id,
-                        peer, exc)
-            return exc.code.value[0], str(exc).encode()
-        except Exception:  # a bug: report it to the caller and keep serving
-            log.exception("tensor stream call failed")
-            return grpc.StatusCode.INTERNAL.value[0], b"call failed on the server; see its log"
+        if method_id >= len(METHODS):
+            message = f"unknown tensor stream method id {method_id}"
+            return grpc.StatusCode.INVALID_ARGUMENT.value[0], message.encode()
+        result = answer(self.service, METHODS[method_id], payload, str(peer), sink)
+        return (0, result.reply) if result.ok else (result.code.value[0], result.reply.encode())
 
 
 class StreamCall(CallHandle):

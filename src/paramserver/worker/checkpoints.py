@@ -26,8 +26,8 @@ import logging
 import time
 from typing import Callable
 
+from ..base.errors import ParamServerError
 from ..checkpoint.store import CheckpointStore, checkpoint_name
-from ..errors import ParamServerError
 
 log = logging.getLogger(__name__)
 FINAL = "checkpoint:final"

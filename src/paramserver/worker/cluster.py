@@ -7,14 +7,16 @@ import threading
 
 import torch
 
+from ..base.config import NodeConfig, Options, bind_address
+from ..base.consistency_spec import ConsistencySpec
+from ..base.progress import ProgressWriter
+from ..checkpoint import save_shard
 from ..client.ps_client import PSClient
-from ..config import NodeConfig, Options, bind_address
+from ..coordinator.coordinator_service import SERVICE as COORDINATOR
+from ..coordinator.coordinator_service import CoordinatorClient, CoordinatorService
 from ..coordinator.membership import Coordinator
-from ..coordinator.service import SERVICE as COORDINATOR, CoordinatorClient, CoordinatorService
-from ..progress import ProgressWriter
-from ..server.consistency import ConsistencySpec
-from ..server.service import ShardService
 from ..server.shard import Shard
+from ..server.shard_service import ShardService
 from ..transport.grpc_transport import GrpcChannel, GrpcServer
 from ..transport.inprocess import InProcessChannel
 from .context import Context
@@ -70,7 +72,7 @@ class CoordinatorHost:
 
 def in_process_context(num_ps: int) -> Context:
     options = Options()
-    channels = [InProcessChannel(ShardService(Shard(i))) for i in range(num_ps)]
+    channels = [InProcessChannel(ShardService(Shard(i), save_checkpoint=save_shard)) for i in range(num_ps)]
     client = PSClient(channels, options.rpc_timeout_s, options.split_bytes)
     client.connect(options.connect_timeout_s)
     coordinator = CoordinatorClient(InProcessChannel(CoordinatorService(Coordinator(1)), "inprocess:coordinator"),
@@ -137,7 +139,8 @@ def _pauses(config: NodeConfig, client: PSClient, coordinator: CoordinatorClient
 
     if options.checkpoint_dir:  # imported here: a worker that never checkpoints never loads fsspec
         from ..checkpoint.store import CheckpointStore
-        from .checkpoints import FINAL as final, Checkpointer
+        from .checkpoints import FINAL as final
+        from .checkpoints import Checkpointer
 
         checkpointer = Checkpointer(client, CheckpointStore(options.checkpoint_dir), options.checkpoint_every,
                                     options.checkpoint_keep, config.worker_index, meet,

@@ -15,14 +15,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import config as config_mod
+from ..base import config as config_mod
+from ..base.config import NodeConfig, Options
+from ..base.consistency_spec import ConsistencySpec
+from ..base.errors import NotInitializedError
+from ..base.progress import ProgressWriter
 from ..client.ps_client import PSClient
-from ..client.tables import TableClient
-from ..config import NodeConfig, Options
-from ..coordinator.service import CoordinatorClient
-from ..errors import NotInitializedError
-from ..progress import ProgressWriter
-from ..server.consistency import ConsistencySpec
+from ..client.table_client import TableClient
+from ..coordinator.coordinator_service import CoordinatorClient
 from .modes import ModeSwitcher
 
 log = logging.getLogger(__name__)
@@ -202,6 +202,11 @@ def set_launched_config(config: NodeConfig) -> None:
     _launched = config
 
 
+def existing() -> Context | None:
+    """This process's Context, or None before `paramserver.init()`."""
+    return _current
+
+
 def current_context() -> Context:
     if _current is None:
         raise NotInitializedError("call paramserver.init() before creating a paramserver optimizer")
@@ -213,24 +218,19 @@ def set_mode(mode: str, backup_workers: int | None = None) -> ConsistencySpec:
     return current_context().set_mode(mode, backup_workers)
 
 
-def init(config: NodeConfig | None = None, *, num_ps: int = 1) -> Context:
-    """Join the cluster and return this worker's Context (see the module doc for the sources).
-
-    On a PS task this serves the shard until the node is stopped and then exits the process,
-    so one script can be started unchanged on every node. `num_ps` sets the number of shards
-    of the in-process cluster only.
-    """
+def join(config: NodeConfig | None, num_ps: int = 1) -> Context:
+    """This worker's Context: the one already made, else a new one joining the cluster of
+    `config` (a worker task), or an in-process cluster of `num_ps` shards without one.
+    Called by `paramserver.init()`, which sends PS tasks to their node instead."""
     global _current
     if _current is not None:
         return _current
     from .cluster import cluster_context, in_process_context
 
-    config = config or _launched or config_mod.config_from_environ(os.environ)
-    if config is None:
-        _current = in_process_context(num_ps)
-    elif config.task.type == "ps":
-        from ..server.node import run_ps_node
-        raise SystemExit(run_ps_node(config.address, config.task.index, config.options))
-    else:
-        _current = cluster_context(config)
+    _current = in_process_context(num_ps) if config is None else cluster_context(config)
     return _current
+
+
+def node_config() -> NodeConfig | None:
+    """The config this process runs under: given by `paramserver node`, else TF_CONFIG, else None."""
+    return _launched or config_mod.config_from_environ(os.environ)

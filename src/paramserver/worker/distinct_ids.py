@@ -2,7 +2,7 @@
 
 A forward looks up each distinct id once and spreads the rows back over the batch; the
 backward sums the gradient rows of each distinct id. Both run as one C loop when the kernels
-were built (paramserver.server.kernels), numpy/torch otherwise. Thread-safe (no shared state).
+were built (paramserver.base.kernels), numpy/torch otherwise. Thread-safe (no shared state).
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..server import kernels
-from ..server.hash_index import empty_slots
+from ..base import kernels
+from ..base.hashing import empty_slots
 
 
 def distinct(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import ConfigError, ParamServerError
-from ..server.consistency import ConsistencySpec
+from ..base.consistency_spec import ConsistencySpec
+from ..base.errors import ConfigError, ParamServerError
 
 
 @dataclass(frozen=True)

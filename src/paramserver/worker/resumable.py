@@ -26,7 +26,7 @@ import itertools
 import logging
 from typing import Any, Callable, Iterable, Iterator
 
-from ..errors import InvalidArgumentError, NotInitializedError
+from ..base.errors import InvalidArgumentError, NotInitializedError
 
 log = logging.getLogger(__name__)
 

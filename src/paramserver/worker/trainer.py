@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from .context import Context, current_context
-from .optim import PSOptimizer
+from .ps_optimizers import PSOptimizer
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from ..errors import DeadlineExceededError, MalformedFrameError, ParamServerError
+from ..base.errors import DeadlineExceededError, MalformedFrameError, ParamServerError
 from ..transport import codec
 from .membership import Coordinator
 

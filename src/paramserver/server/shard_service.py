@@ -39,14 +39,13 @@ Thread-safe.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Callable
 
-from ..errors import MalformedFrameError, NotFoundError
+from ..base.consistency_spec import ConsistencySpec
+from ..base.errors import FailedPreconditionError, MalformedFrameError, NotFoundError
 from ..transport import codec
-from .consistency import ConsistencySpec
 from .shard import Push, Shard
-from .tables import TableStore
+from .table_store import TableStore
 
 Sink = Callable[[list], Any]
 
@@ -54,8 +53,12 @@ Sink = Callable[[list], Any]
 class ShardService:
     """Serves one Shard over any transport."""
 
-    def __init__(self, shard: Shard, tables: TableStore | None = None) -> None:
+    def __init__(self, shard: Shard, tables: TableStore | None = None,
+                 save_checkpoint: Callable[[str, str, Shard, TableStore], dict] | None = None) -> None:
+        """`save_checkpoint(dir, name, shard, tables)` writes the shard's checkpoint file and
+        returns its description; without it, a Checkpoint request is refused."""
         self.shard = shard
+        self.save_checkpoint = save_checkpoint
         self.tables = tables or TableStore(shard.index)
         self.shard.row_applier = self.tables.apply_rows  # the shard applies row pushes with its steps
         self.announce: dict[str, Any] = {}  # extra Hello fields, e.g. the node's stream port
@@ -128,13 +131,11 @@ class ShardService:
         return sink(codec.encode_parts({}, [("rows", rows)]))
 
     def checkpoint(self, payload: bytes, sink: Sink) -> Any:
-        from ..checkpoint import shard_file  # here: a PS that never checkpoints never loads safetensors
-        from ..checkpoint.store import CheckpointStore
-
         meta = codec.decode(payload).meta
-        written = shard_file.write(CheckpointStore(_field(meta, "dir", str)), _field(meta, "name", str), self.shard,
-                                  self.tables)
-        return sink(codec.encode_parts(dataclasses.asdict(written)))
+        directory, name = _field(meta, "dir", str), _field(meta, "name", str)
+        if self.save_checkpoint is None:
+            raise FailedPreconditionError(f"shard {self.shard.index} was started without a checkpoint writer")
+        return sink(codec.encode_parts(self.save_checkpoint(directory, name, self.shard, self.tables)))
 
     def push_sparse(self, payload: bytes, sink: Sink) -> Any:
         frame = codec.decode(payload)

@@ -12,10 +12,11 @@ import sys
 import threading
 import time
 
-from ..config import Options
-from ..server.service import ShardService
+from ..base.config import Options
+from ..checkpoint import save_shard
 from ..server.shard import Shard
-from ..server.tables import TableStore
+from ..server.shard_service import ShardService
+from ..server.table_store import TableStore
 from ..transport.grpc_transport import GrpcServer
 from ..transport.stream import StreamServer, host_id
 
@@ -30,7 +31,8 @@ class PSNode:
         self.index = index
         restore = _restore_source(options)
         self.shard = Shard(index, wait_timeout_s=options.rpc_timeout_s, restore=restore)
-        self.service = ShardService(self.shard, TableStore(index, options.max_table_ids, restore=restore))
+        self.service = ShardService(self.shard, TableStore(index, options.max_table_ids, restore=restore),
+                                    save_checkpoint=save_shard)
         self.server = GrpcServer(self.service, bind, options.max_message_bytes, options.ps_threads)
         host = bind.rsplit(":", 1)[0].strip("[]")
         self.stream = StreamServer(self.service, host, options.stream_port, options.max_message_bytes)

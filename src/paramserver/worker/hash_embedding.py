@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..errors import InvalidArgumentError, NotInitializedError
+from ..base.errors import InvalidArgumentError, NotInitializedError
 from .distinct_ids import SpreadRows, distinct, sum_rows
 
 _INT64_MAX = np.iinfo(np.int64).max
@@ -51,7 +51,7 @@ class HashEmbedding(nn.Module):
     optimizer: a row-wise optimizer spec for this table, e.g. {"name": "ftrl", "hyper": {"lr": 0.05}};
     by default the counterpart of the PS optimizer that owns the module's parameters.
     policy: admission and eviction, e.g. {"admit_after": 3, "ttl_steps": 100000, "evict_every": 1000}
-    (see paramserver.server.embedding.RowPolicy).
+    (see paramserver.server.embedding_table.RowPolicy).
     capacity: rows the table is expected to hold (all shards together), reserved up front so the
     table does not re-grow (copying its arrays) while training; it grows past it if needed.
     Reserved rows cost memory only once used, except the id index (32 bytes per reserved row).

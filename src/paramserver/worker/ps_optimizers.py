@@ -22,11 +22,11 @@ from typing import Any, Callable, ClassVar, Iterable
 import numpy as np
 import torch
 
-from ..errors import InvalidArgumentError
-from ..server.optimizers import OPTIMIZERS, build_optimizer, check_implementation
+from ..base.errors import InvalidArgumentError
 from ..client.ps_client import PushPullHandle
+from ..server.optimizers import OPTIMIZERS, build_optimizer, check_implementation
 from .context import Context, current_context
-from .embedding import sparse_counterpart
+from .hash_embedding import sparse_counterpart
 
 
 def plain_hyper(key: str, value: Any) -> Any:

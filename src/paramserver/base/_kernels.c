@@ -1,6 +1,6 @@
 /* C kernels for the PS's hot loops: one pass over the arrays instead of numpy's dozen.
  *
- * Plain C called through ctypes (no Python API; loaded by paramserver.server.kernels). The
+ * Plain C called through ctypes (no Python API; loaded by paramserver.base.kernels). The
  * optimizer kernels follow torch.optim's single-tensor formulas operation by operation, in
  * float32, so results match torch's to float32 rounding; the index and initializer kernels
  * do what their numpy counterparts do. Built as an optional extension; every caller falls

@@ -11,13 +11,9 @@ from typing import Callable
 
 import numpy as np
 
-from ..server.hash_index import mix64
+from ..base.hashing import shard_of
 from ..transport import codec
 from ..transport.channel import ShardChannel
-
-
-def shard_of(ids: np.ndarray, num_shards: int) -> np.ndarray:
-    return (mix64(ids) % np.uint64(num_shards)).astype(np.int64)
 
 
 class RowsHandle:

@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 
 
 def _load() -> ctypes.CDLL | None:
-    spec = importlib.util.find_spec("paramserver.server._kernels")
+    spec = importlib.util.find_spec("paramserver.base._kernels")
     if spec is None or not spec.origin:
         log.info("C kernels not built; using numpy")
         return None

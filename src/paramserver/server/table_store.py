@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
-from .embedding import EmbeddingTable, RowPolicy
+from ..base.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
+from .embedding_table import EmbeddingTable, RowPolicy
 from .sparse_optimizers import build_sparse_optimizer
 
 log = logging.getLogger(__name__)

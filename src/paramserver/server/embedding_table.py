@@ -12,9 +12,10 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from ..errors import InvalidArgumentError
-from . import kernels
-from .hash_index import HashIndex, mix64
+from ..base import kernels
+from ..base.errors import InvalidArgumentError
+from ..base.hashing import mix64
+from .hash_index import HashIndex
 from .sparse_optimizers import SparseOptimizer
 
 _GROWTH = 1.5  # capacity growth of the row arrays: bounds wasted memory at a third

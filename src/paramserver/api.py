@@ -1,0 +1,23 @@
+"""`paramserver.init()`: the one call at the top of a training script, the same on every node."""
+
+from __future__ import annotations
+
+from .base.config import NodeConfig
+from .worker import context
+
+
+def init(config: NodeConfig | None = None, *, num_ps: int = 1) -> context.Context:
+    """Join the cluster and return this worker's Context (see paramserver.worker.context for
+    where the cluster's description comes from).
+
+    On a PS task this serves the shard until the node is stopped and then exits the process,
+    so one script can be started unchanged on every node. `num_ps` sets the number of shards
+    of the in-process cluster only. Calling it again returns the same Context.
+    """
+    if context.existing() is not None:
+        return context.existing()
+    config = config or context.node_config()
+    if config is not None and config.task.type == "ps":
+        from .launch.ps_node import run_ps_node  # here: a worker never loads the PS node
+        raise SystemExit(run_ps_node(config.address, config.task.index, config.options))
+    return context.join(config, num_ps)

@@ -1,0 +1,67 @@
+"""A cluster's consistency mode, as every layer names it: "async", "sync" (with backup
+workers) or "ssp:K". What each mode does is the shards' business (server/consistency.py)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from .errors import InvalidArgumentError
+
+MODES = ("async", "sync", "ssp")
+
+
+@dataclass(frozen=True)
+class ConsistencySpec:
+    """A cluster's consistency mode. `workers` 0 means unknown (async only)."""
+
+    mode: str = "async"
+    workers: int = 0
+    backups: int = 0
+    staleness: int = 0  # K of ssp:K
+
+    @classmethod
+    def parse(cls, text: str, workers: int, backups: int = 0) -> "ConsistencySpec":
+        """From the command line's form: "async", "sync" or "ssp:K"."""
+        name, _, arg = str(text).partition(":")
+        if name == "ssp":
+            if not arg.isdigit():
+                raise InvalidArgumentError(f"mode {text!r}: ssp needs a staleness bound, e.g. ssp:2")
+            if int(arg) == 0:
+                return cls.from_dict({"mode": "sync", "workers": workers, "backups": backups})
+            return cls.from_dict({"mode": "ssp", "workers": workers, "backups": backups, "staleness": int(arg)})
+        if arg:
+            raise InvalidArgumentError(f"mode {text!r}: only ssp takes an argument")
+        return cls.from_dict({"mode": name, "workers": workers, "backups": backups})
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ConsistencySpec":
+        try:
+            spec = cls(**data)
+        except TypeError as exc:
+            raise InvalidArgumentError(f"bad consistency spec {data!r}: {exc}") from None
+        spec.validate()
+        return spec
+
+    def validate(self) -> None:
+        if self.mode not in MODES:
+            raise InvalidArgumentError(f"unknown mode {self.mode!r}; known: async, sync, ssp:K")
+        for key in ("workers", "backups", "staleness"):
+            if not isinstance(getattr(self, key), int) or getattr(self, key) < 0:
+                raise InvalidArgumentError(f"{key} must be a non-negative integer, got {getattr(self, key)!r}")
+        if self.mode != "async" and self.workers < 1:
+            raise InvalidArgumentError(f"mode {self.mode} needs the number of workers")
+        if self.backups and (self.mode != "sync" or self.backups >= self.workers):
+            raise InvalidArgumentError(
+                f"{self.backups} backup workers need sync mode and fewer backups than workers ({self.workers})")
+
+    @property
+    def quorum(self) -> int:
+        """How many workers' gradients a sync step waits for."""
+        return self.workers - self.backups
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        text = f"ssp:{self.staleness}" if self.mode == "ssp" else self.mode
+        return text + (f" with {self.backups} backup workers" if self.backups else "")

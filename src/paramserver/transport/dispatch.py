@@ -1,0 +1,47 @@
+"""One answer to a request, for every transport: gRPC, the tensor stream and the in-process twin
+all call `answer`, so a request gets the same reply, status and message whichever way it came.
+
+A service is any object with `call(method, payload, sink)` (ShardService, CoordinatorService)
+that raises a ParamServerError for a refused request; anything else it raises is a bug, logged
+here and answered INTERNAL, and the transport keeps serving.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import grpc
+
+from ..base.errors import ParamServerError, error_for_status
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Answer:
+    """`reply` is what the sink made of the reply when `code` is OK, else the error message."""
+
+    code: grpc.StatusCode
+    reply: Any
+
+    @property
+    def ok(self) -> bool:
+        return self.code == grpc.StatusCode.OK
+
+    def error(self, describe: str) -> ParamServerError:
+        """The typed error a client raises for this answer (`describe`: "address method")."""
+        return error_for_status(self.code, f"{describe}: {self.reply}")
+
+
+def answer(service, method: str, payload, peer: str, sink: Callable[[list], Any] = b"".join) -> Answer:
+    """Call `service` and turn what happens into an Answer. Thread-safe as the service is."""
+    try:
+        return Answer(grpc.StatusCode.OK, service.call(method, payload, sink))
+    except ParamServerError as exc:
+        log.warning("%s refused from %s: %s", method, peer, exc)
+        return Answer(exc.code, str(exc))
+    except Exception:  # noqa: BLE001 - a bug: report it to the caller and keep serving
+        log.exception("%s from %s failed", method, peer)
+        return Answer(grpc.StatusCode.INTERNAL, f"{method} failed on the server; see its log")
