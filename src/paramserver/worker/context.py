@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,7 +21,7 @@ from ..client.ps_client import PSClient
 from ..client.tables import TableClient
 from ..config import NodeConfig, Options
 from ..coordinator.service import CoordinatorClient
-from ..errors import NotInitializedError
+from ..errors import ConfigError, NotInitializedError
 from ..progress import ProgressWriter
 from ..server.consistency import ConsistencySpec
 from .modes import ModeSwitcher
@@ -196,6 +197,17 @@ class Context:
             self.coordinator_host.stop(1.0)
 
 
+def _in_spawned_reimport() -> bool:
+    """Whether this call comes from the module-level code of `__mp_main__`: multiprocessing's
+    'spawn' (or 'forkserver') running the main script again in a child process."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__mp_main__":
+            return True
+        frame = frame.f_back
+    return False
+
+
 def set_launched_config(config: NodeConfig) -> None:
     """Called by `paramserver node` so that `init()` in the script uses the node's config."""
     global _launched
@@ -226,6 +238,10 @@ def init(config: NodeConfig | None = None, *, num_ps: int = 1) -> Context:
     from .cluster import cluster_context, in_process_context
 
     config = config or _launched or config_mod.config_from_environ(os.environ)
+    if config is not None and _in_spawned_reimport():
+        raise ConfigError("paramserver.init() ran while a process started with 'spawn' (e.g. a DataLoader "
+                          "worker) imported your script again; it would join the cluster a second time. Put "
+                          "the training under `if __name__ == \"__main__\":`, as torch documents for spawn")
     if config is None:
         _current = in_process_context(num_ps)
     elif config.task.type == "ps":
