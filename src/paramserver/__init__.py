@@ -14,6 +14,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+# first: gRPC reads its fork setting when it loads, and base.errors imports it
+from .base import grpc_fork  # noqa: F401  (isort: skip)
 from .base.config import ClusterSpec, NodeConfig, Options, Task
 from .base.errors import (ConfigError, DeadlineExceededError, FailedPreconditionError, InvalidArgumentError,
                           MalformedFrameError, NotFoundError, NotInitializedError, ParamServerError,

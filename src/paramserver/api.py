@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import sys
+
 from .base.config import NodeConfig
+from .base.errors import ConfigError
 from .worker import context
 
 
@@ -17,7 +20,22 @@ def init(config: NodeConfig | None = None, *, num_ps: int = 1) -> context.Contex
     if context.existing() is not None:
         return context.existing()
     config = config or context.node_config()
+    if config is not None and _in_spawned_reimport():
+        raise ConfigError("paramserver.init() ran while a process started with 'spawn' (e.g. a DataLoader "
+                          "worker) imported your script again; it would join the cluster a second time. Put "
+                          "the training under `if __name__ == \"__main__\":`, as torch documents for spawn")
     if config is not None and config.task.type == "ps":
         from .launch.ps_node import run_ps_node  # here: a worker never loads the PS node
         raise SystemExit(run_ps_node(config.address, config.task.index, config.options))
     return context.join(config, num_ps)
+
+
+def _in_spawned_reimport() -> bool:
+    """Whether this call comes from the module-level code of `__mp_main__`: multiprocessing's
+    'spawn' (or 'forkserver') running the main script again in a child process."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__mp_main__":
+            return True
+        frame = frame.f_back
+    return False

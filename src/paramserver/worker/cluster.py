@@ -8,6 +8,7 @@ import threading
 import torch
 
 from ..base.config import NodeConfig, Options, bind_address
+from ..base.grpc_fork import GRPC_FORK_SUPPORT_ENV, grpc_fork_handlers_on
 from ..base.consistency_spec import ConsistencySpec
 from ..base.progress import ProgressWriter
 from ..checkpoint import save_shard
@@ -86,6 +87,11 @@ def in_process_context(num_ps: int) -> Context:
 def cluster_context(config: NodeConfig) -> Context:
     """Join the cluster of `config` as a worker (worker 0, or the chief, hosts the coordinator)."""
     options, cluster, index = config.options, config.cluster, config.worker_index
+    if grpc_fork_handlers_on:
+        log.warning("grpc was imported before paramserver, with %s unset: gRPC's fork handlers stay on in this "
+                    "process, and a DataLoader's forked worker processes may crash or hang. Import paramserver "
+                    "first, or set %s=0 in the environment (docs/configuration.md)",
+                    GRPC_FORK_SUPPORT_ENV, GRPC_FORK_SUPPORT_ENV)
     if options.torch_threads > 0:
         torch.set_num_threads(options.torch_threads)
     workers = cluster.num_workers
