@@ -64,8 +64,11 @@ def test_resume_skips_a_damaged_checkpoint_and_the_cli_names_the_file(procs, tmp
     data = bytearray(latest.read_bytes())
     data[-1] ^= 0xFF  # one flipped bit in the newest checkpoint
     latest.write_bytes(bytes(data))
-    listed = [json.loads(line)["name"] for line in cli("list", directory).stdout.splitlines()]
-    assert listed == ["ckpt-000000010", "ckpt-000000020", "ckpt-000000030"]
+    rows = [json.loads(line) for line in cli("list", directory).stdout.splitlines()]
+    listed = {row["name"]: row["status"] for row in rows}
+    assert listed == {"ckpt-000000010": "ok", "ckpt-000000020": "ok",
+                      "ckpt-000000030": "damaged: shard file shard-1.safetensors does not match its SHA-256 "
+                                        "(changed after it was written)"}
     bad = cli("inspect", directory, "ckpt-000000030")
     assert bad.returncode == 2 and "shard-1.safetensors" in bad.stderr and "SHA-256" in bad.stderr
     resumed = run(procs, 2, "--checkpoint-dir", directory, "--resume", steps=30)
@@ -118,6 +121,7 @@ def export_file(directory: str, out) -> tuple[dict, subprocess.CompletedProcess]
 def test_a_clean_end_writes_the_final_checkpoint_and_export_gives_the_trained_model(procs, tmp_path):
     only_final = str(tmp_path / "final")
     end = run(procs, 2, "--checkpoint-dir", only_final, steps=23)  # no period: the final checkpoint alone
+    assert end["checkpoints_written"] == 1 and end["checkpoints_failed"] == 0
     assert [json.loads(line)["name"] for line in cli("list", only_final).stdout.splitlines()] == ["ckpt-000000023"]
     saved, exported = export_file(only_final, tmp_path / "model.pt")
     assert saved["step"] == 23 and set(saved["state_dict"]) == {"0.weight", "0.bias", "2.weight", "2.bias"}

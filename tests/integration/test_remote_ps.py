@@ -17,8 +17,8 @@ from paramserver.transport import codec
 from paramserver.transport.grpc_transport import GrpcChannel
 from tests.reference import batches, max_relative_error, mlp, train, twin
 
-TRANSPORTS = {"shm": dict(use_stream=1, shared_memory=1), "tcp": dict(use_stream=1, shared_memory=0),
-              "grpc": dict(use_stream=0)}
+TRANSPORTS = {"shm": dict(use_stream=True, shared_memory=True), "tcp": dict(use_stream=True, shared_memory=False),
+              "grpc": dict(use_stream=False)}
 
 
 def join(addresses, **options):
@@ -63,7 +63,7 @@ def remote(procs):
     _, address = procs.start_ps()
     channels = {}
     for name, opts in TRANSPORTS.items():
-        channel = GrpcChannel(address, 1 << 30, bool(opts["use_stream"]), bool(opts.get("shared_memory", 0)))
+        channel = GrpcChannel(address, 1 << 30, opts["use_stream"], opts.get("shared_memory", False))
         channel.wait_ready(20)
         channels[name] = channel
     initial = {"w": np.arange(6, dtype=np.float32).reshape(3, 2), "b": np.zeros(2, np.float32)}

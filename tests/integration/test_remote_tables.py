@@ -64,7 +64,7 @@ def call(channel, method, meta, tensors=()):
     ("PushPull", {"pull": [], "sparse": [["t", "s.ids", "s.grads"]]},
      [("s.ids", np.array([1], np.int64)), ("s.grads", np.ones((1, 4), np.float32))],
      ps.InvalidArgumentError, "start with '~'"),
-    ("PushPull", {"pull": [], "lookup": "t"}, [], ps.InvalidArgumentError, "list of \\[table, name, name\\]"),
+    ("PushPull", {"pull": [], "lookup": "t"}, [], ps.InvalidArgumentError, "'lookup' must be a list of \\[table, ids, rows\\]"),
 ])
 def test_bad_table_requests_are_refused_and_change_nothing(shards, method, meta, tensors, error, fragment):
     channels, tables = shards

@@ -1,20 +1,28 @@
 """When workers meet for a checkpoint: every N steps, when the chief's clock says so, and once at
-the end of training; a store or shard that fails is logged and never stops a worker. And what
+the end of training; a store or shard that fails is logged, counted and never stops a worker,
+and the next checkpoint tries again; what the launcher makes of the counts. And what
 `checkpoint export` says of parameters registered without names."""
 
 import errno
+import io
+import json
 import logging
+import re
 
 import numpy as np
+import pytest
 import torch
 import torch.nn as nn
 
-from paramserver.base.errors import ParamServerError, UnavailableError
+from paramserver.base.config import Options
+from paramserver.base.errors import FailedPreconditionError, UnavailableError
 from paramserver.checkpoint import shard_file, tools
-from paramserver.checkpoint.store import CheckpointStore, checkpoint_name
+from paramserver.checkpoint.store import CheckpointError, CheckpointStore, checkpoint_name
+from paramserver.launch.local import NO_CHECKPOINT, LocalCluster
 from paramserver.server.shard import Shard
 from paramserver.server.table_store import TableStore
 from paramserver.worker.checkpoints import Checkpointer
+from tests.unit.checkpoint_faults import Disk, files, read_only
 
 
 class Coordinator:
@@ -27,21 +35,23 @@ class Coordinator:
 
 
 class Client:
-    """Writes a one-shard checkpoint through the store; `pushes` stands for the shards' counters."""
+    """Writes a one-shard checkpoint through a store on `fs` (as a PS would, on the same disk);
+    `pushes` stands for the shards' counters."""
 
     channels = [object()]
     consistency = type("Spec", (), {"to_dict": lambda self: {"mode": "async"}})()
 
-    def __init__(self):
+    def __init__(self, fs=None):
         self.saved = []
         self.pushes = 0
-        self.fail = None  # an exception the shards' write raises
+        self.fail = None  # an exception the shards' write raises (as it arrives over the wire)
+        self.fs = fs
 
     def checkpoint(self, directory, name, timeout):
         if self.fail is not None:
             raise self.fail
         self.saved.append(name)
-        entry = CheckpointStore(directory).write_shard(name, 0, b"shard")
+        entry = CheckpointStore(directory, fs=self.fs).write_shard(name, 0, b"shard")
         return [entry.__dict__]
 
     def shard_stats(self):
@@ -49,19 +59,13 @@ class Client:
                  "tables": {}, "staleness_mean": 0.5}]
 
 
-class FullDisk(CheckpointStore):
-    """A store whose commits fail as a full disk does."""
-
-    def commit(self, name, manifest):
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-
-def checkpointer(tmp_path, worker, coordinator=None, clock=None, every=0, every_seconds=0.0, store=None,
-                 barrier=None):
-    barriers, client, clock = [], Client(), clock or [0.0]
-    return Checkpointer(client, store or CheckpointStore(str(tmp_path)), every, 3, worker,
+def checkpointer(tmp_path, worker, coordinator=None, clock=None, every=0, every_seconds=0.0, fs=None,
+                 barrier=None, report=None, keep=3):
+    barriers, client, clock = [], Client(fs), clock or [0.0]
+    return Checkpointer(client, CheckpointStore(str(tmp_path), fs=fs), every, keep, worker,
                         barrier or (lambda name, timeout: barriers.append(name)), every_seconds, coordinator,
-                        clock=lambda: clock[0]), barriers, client
+                        clock=lambda: clock[0], report=report if report is not None else lambda values: None), \
+        barriers, client
 
 
 def test_the_chiefs_clock_asks_and_every_worker_meets_after_its_next_step(tmp_path):
@@ -123,37 +127,125 @@ def test_the_final_checkpoint_is_not_written_twice_unless_the_shards_changed(tmp
     assert CheckpointStore(str(tmp_path)).complete() == ["ckpt-000000020", "ckpt-000000023"]
 
 
-def test_a_store_that_fails_is_logged_and_the_workers_go_on(tmp_path, caplog):
-    store = FullDisk(str(tmp_path))
-    chief, barriers, client = checkpointer(tmp_path, 0, Coordinator(), every=5, store=store)
-    with caplog.at_level(logging.ERROR, logger="paramserver.worker.checkpoints"):
-        chief.on_step(5, 1.0)  # the periodic checkpoint: no exception
-        assert chief.save_final(7, 1.0) is None  # nor the final one
-    assert barriers == ["checkpoint@5", "checkpoint@5:written", "checkpoint:final", "checkpoint:final:written"]
-    failures = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
-    assert len(failures) == 2 and all("No space left on device" in message for message in failures)
-    assert "ckpt-000000005 failed" in failures[0] and "ckpt-000000007 failed" in failures[1]
-    assert store.complete() == []
+def errors(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
 
-    chief, barriers, client = checkpointer(tmp_path, 0, Coordinator())
-    client.fail = ParamServerError("shard 1: [Errno 30] Read-only file system")  # a shard could not write its file
+
+def test_a_full_disk_is_logged_counted_cleaned_up_and_the_next_checkpoint_tries_again(tmp_path, caplog):
+    disk, reports = Disk(space=3), []  # a shard file is 5 bytes: it does not fit
+    chief, barriers, client = checkpointer(tmp_path, 0, Coordinator(), every=5, fs=disk, report=reports.append)
     with caplog.at_level(logging.ERROR, logger="paramserver.worker.checkpoints"):
+        chief.on_step(5, 1.0)  # no exception: training goes on
+    assert barriers == ["checkpoint@5", "checkpoint@5:written"]
+    [error] = errors(caplog)
+    assert "checkpoint ckpt-000000005 failed" in error and "the next checkpoint tries again" in error
+    assert re.search(r"cannot write \S+/ckpt-000000005/shard-0\.safetensors\.tmp-[0-9a-f]{8}: "
+                     r"No space left on device \(ENOSPC\)", error)
+    assert disk.partial and files(tmp_path) == []  # the partial file is gone...
+    assert not (tmp_path / "ckpt-000000005").exists()  # ...and so is the failed checkpoint's directory
+    assert reports[-1]["checkpoints_written"] == 0 and reports[-1]["checkpoints_failed"] == 1
+    assert "No space left on device (ENOSPC)" in reports[-1]["checkpoint_error"]
+
+    disk.space = 5 + 50  # the shard file fits, the manifest does not
+    chief.on_step(10, 1.0)
+    assert client.saved == ["ckpt-000000005", "ckpt-000000010"] and "MANIFEST.json.tmp-" in errors(caplog)[-1]
+    assert files(tmp_path) == []  # the shard file it had written is deleted: a full disk gets its space back
+    assert reports[-1]["checkpoints_failed"] == 2
+
+    disk.space = None  # space freed: the next checkpoint is written
+    chief.on_step(15, 1.0)
+    assert chief.store.complete() == ["ckpt-000000015"]
+    assert files(tmp_path) == ["ckpt-000000015/MANIFEST.json", "ckpt-000000015/shard-0.safetensors"]
+    assert reports[-1]["checkpoints_written"] == 1 and reports[-1]["checkpoints_failed"] == 2
+    assert chief.save_final(15, 1.0) == "ckpt-000000015" and chief.counts()["checkpoints_written"] == 1  # holds it
+
+
+def test_a_read_only_directory_fails_every_checkpoint_and_training_goes_on(tmp_path, caplog):
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    reports = []
+    with read_only(directory) as fs:  # chmod, or as root a filesystem saying EROFS
+        chief, barriers, client = checkpointer(directory, 0, Coordinator(), every=5, fs=fs, report=reports.append)
+        with caplog.at_level(logging.ERROR, logger="paramserver.worker.checkpoints"):
+            chief.on_step(5, 1.0)
+            assert chief.save_final(7, 1.0) is None
+    assert barriers == ["checkpoint@5", "checkpoint@5:written", "checkpoint:final", "checkpoint:final:written"]
+    assert len(errors(caplog)) == 2
+    assert reports[-1]["checkpoints_written"] == 0 and reports[-1]["checkpoints_failed"] == 2
+    assert re.search(r"checkpoint ckpt-000000007: cannot create directory \S+/ckpt/ckpt-000000007: "
+                     r"(Permission denied \(EACCES\)|Read-only file system \(EROFS\))", reports[-1]["checkpoint_error"])
+    assert files(directory) == []
+
+
+def test_a_shards_error_from_the_wire_is_a_counted_checkpoint_error(tmp_path, caplog):
+    reports = []
+    chief, barriers, client = checkpointer(tmp_path, 0, Coordinator(), report=reports.append)
+    client.fail = FailedPreconditionError("127.0.0.1:5001 Checkpoint: checkpoint ckpt-000000007: cannot write "
+                                          "/d/ckpt-000000007/shard-1.safetensors.tmp-0a1b2c3d: Read-only file system "
+                                          "(EROFS) [FAILED_PRECONDITION]")
+    with caplog.at_level(logging.ERROR, logger="paramserver.worker.checkpoints"):
+        with pytest.raises(CheckpointError, match=r"checkpoint ckpt-000000007 not written: .*Read-only file system"):
+            chief.save(7, 1.0)
+        client.fail = UnavailableError("127.0.0.1:5001 Checkpoint: deadline exceeded")
         assert chief.save_final(7, 1.0) is None
     assert barriers == ["checkpoint:final", "checkpoint:final:written"]
-    assert "Read-only file system" in caplog.records[-1].getMessage()
+    assert chief.counts() == reports[-1] == {"checkpoints_written": 0, "checkpoints_failed": 2,
+                                             "checkpoint_error": "127.0.0.1:5001 Checkpoint: deadline exceeded"}
+    client.fail = None
+    assert chief.save_final(7, 1.0) == "ckpt-000000007"  # tried again, and written
+    assert reports[-1]["checkpoints_written"] == 1
 
 
-def test_old_checkpoints_that_cannot_be_deleted_leave_the_new_one_committed(tmp_path, caplog, monkeypatch):
-    chief, _, _ = checkpointer(tmp_path, 0, Coordinator())
-
-    def prune(keep):
-        raise PermissionError(errno.EACCES, "Permission denied")
-
-    monkeypatch.setattr(chief.store, "prune", prune)
+def test_old_checkpoints_that_cannot_be_deleted_leave_the_new_one_committed(tmp_path, caplog):
+    disk = Disk()
+    chief, _, client = checkpointer(tmp_path, 0, Coordinator(), fs=disk, keep=1)
+    assert chief.save_final(3, 1.0) == "ckpt-000000003"
+    disk.fail["rm"] = errno.EACCES
+    client.pushes = 5
     with caplog.at_level(logging.WARNING, logger="paramserver.worker.checkpoints"):
-        assert chief.save_final(3, 1.0) == "ckpt-000000003"
-    assert chief.store.complete() == ["ckpt-000000003"]
-    assert any("could not be deleted" in r.getMessage() for r in caplog.records)
+        assert chief.save_final(6, 1.0) == "ckpt-000000006"
+    assert chief.store.complete() == ["ckpt-000000003", "ckpt-000000006"]
+    assert any("could not be deleted" in r.getMessage() and "Permission denied (EACCES)" in r.getMessage()
+               for r in caplog.records)
+    assert chief.counts() == {"checkpoints_written": 2, "checkpoints_failed": 0}
+
+
+def test_the_chief_removes_the_temporary_files_of_an_earlier_run_before_its_first_write(tmp_path):
+    for name in ("ckpt-000000003/shard-0.safetensors.tmp-0badf00d", "ckpt-000000009/MANIFEST.json.tmp-deadbeef"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(b"partial")
+    chief, _, _ = checkpointer(tmp_path, 0, Coordinator())
+    assert chief.save_final(5, 1.0) == "ckpt-000000005"
+    assert files(tmp_path) == ["ckpt-000000005/MANIFEST.json", "ckpt-000000005/shard-0.safetensors"]
+
+
+def launcher(tmp_path, checkpoint_dir=True):
+    out = io.StringIO()
+    options = Options(checkpoint_dir=str(tmp_path)) if checkpoint_dir else Options()
+    return LocalCluster(1, 1, "train.py", options=options, out=out), out
+
+
+def test_the_launcher_exits_non_zero_saying_why_when_a_run_asked_for_checkpoints_and_wrote_none(tmp_path):
+    cluster, out = launcher(tmp_path)
+    cluster.board.feed(json.dumps({"worker": 0, "result": {"auc": 0.9}}))  # the script's own result...
+    cluster.board.feed(json.dumps({"worker": 0, "result": {  # ...and the chief's checkpoint counts
+        "checkpoints_written": 0, "checkpoints_failed": 3,
+        "checkpoint_error": "checkpoint ckpt-000000020: cannot write /d/x: No space left on device (ENOSPC)"}}))
+    assert cluster.checkpoint_verdict(0) == NO_CHECKPOINT != 0
+    said = out.getvalue()
+    assert f"no checkpoint was written to {tmp_path}: 3 failed" in said and "(ENOSPC)" in said
+    summary = cluster.summary()
+    assert summary["auc"] == 0.9 and summary["checkpoints_written"] == 0 and summary["checkpoints_failed"] == 3
+    assert cluster.checkpoint_verdict(1) == 1  # a run that failed keeps its own code
+
+    cluster.board.feed(json.dumps({"worker": 0, "result": {"checkpoints_written": 1, "checkpoints_failed": 3}}))
+    assert cluster.checkpoint_verdict(0) == 0  # some failed, one was written: the run succeeded
+
+    quiet, _ = launcher(tmp_path)
+    assert quiet.checkpoint_verdict(0) == 0  # no counts: the script never trained, there was nothing to save
+    elsewhere, _ = launcher(tmp_path, checkpoint_dir=False)
+    elsewhere.board.feed(json.dumps({"worker": 0, "result": {"checkpoints_written": 0}}))
+    assert elsewhere.checkpoint_verdict(0) == 0
 
 
 def test_a_final_barrier_that_fails_writes_nothing_and_does_not_raise(tmp_path, caplog):
@@ -163,11 +255,13 @@ def test_a_final_barrier_that_fails_writes_nothing_and_does_not_raise(tmp_path, 
         met.append((name, timeout))
         raise UnavailableError(f"barrier {name!r}: worker 1 is gone")
 
-    chief, _, client = checkpointer(tmp_path, 0, Coordinator(), barrier=barrier)
+    reports = []
+    chief, _, client = checkpointer(tmp_path, 0, Coordinator(), barrier=barrier, report=reports.append)
     with caplog.at_level(logging.ERROR, logger="paramserver.worker.checkpoints"):
         assert chief.save_final(9, 2.0) is None
     assert met == [("checkpoint:final", None)]  # waited as long as the others are alive; then nothing more
     assert client.saved == [] and "worker 1 is gone" in caplog.records[-1].getMessage()
+    assert reports[-1]["checkpoints_failed"] == 1 and "worker 1 is gone" in reports[-1]["checkpoint_error"]
 
 
 # ---- export ----------------------------------------------------------------------------------

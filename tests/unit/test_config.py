@@ -1,9 +1,13 @@
 import json
+import signal
+from dataclasses import fields, replace
 
 import pytest
 
-from paramserver.base.config import ClusterSpec, Options, config_from_environ, load_cluster_file, parse_tf_config
+from paramserver.base.config import (OPTIONS_ENV, ClusterSpec, NodeConfig, Options, Task, config_from_environ,
+                                     load_cluster_file, options_from_environ, parse_tf_config)
 from paramserver.base.errors import ConfigError
+from paramserver.launch import cli
 
 SEED = {"ps": ["localhost:2222"], "worker": ["localhost:2223", "localhost:2224"]}
 
@@ -59,12 +63,114 @@ def test_cluster_spec_round_trips():
     assert ClusterSpec.from_dict(SEED).to_dict() == SEED
 
 
-@pytest.mark.parametrize("values, fragment", [
-    ({"checkpoint_every": -1, "checkpoint_dir": "/tmp/x"}, "out of range"),
-    ({"checkpoint_keep": 0}, "keep 0"),
-    ({"checkpoint_every": 10}, "need a checkpoint_dir"),
-    ({"resume": 1}, "need a checkpoint_dir"),
-])
-def test_bad_checkpoint_options_are_refused_at_start(values, fragment):
-    with pytest.raises(ConfigError, match=fragment):
-        Options.from_dict(values)
+DIR = {"checkpoint_dir": "/tmp/checkpoints"}
+
+# (option, its bad value, other options given with it): every option has at least one entry
+BAD = [
+    ("rpc_timeout_s", 0, {}), ("rpc_timeout_s", -1.5, {}), ("rpc_timeout_s", "5", {}), ("rpc_timeout_s", True, {}),
+    ("rpc_timeout_s", float("nan"), {}), ("rpc_timeout_s", float("inf"), {}),
+    ("connect_timeout_s", 0, {}), ("connect_timeout_s", None, {}),
+    ("max_message_bytes", 0, {}), ("max_message_bytes", 2**31, {}), ("max_message_bytes", 1.5, {}),
+    ("split_bytes", 0, {}), ("split_bytes", "big", {}),
+    ("ps_threads", 0, {}), ("ps_threads", 2.0, {}),
+    ("stream_port", -1, {}), ("stream_port", 65536, {}),
+    ("use_stream", 2, {}), ("use_stream", "true", {}), ("use_stream", 1.0, {}), ("use_stream", None, {}),
+    ("shared_memory", -1, {}), ("shared_memory", "0", {}),
+    ("torch_threads", -1, {}),
+    ("progress_fd", -2, {}),
+    ("mode", "bogus", {}), ("mode", "ssp", {}), ("mode", "ssp:x", {}), ("mode", "sync:2", {}), ("mode", 3, {}),
+    ("backup_workers", -1, {}), ("backup_workers", 1, {}), ("backup_workers", 1, {"mode": "ssp:2"}),
+    ("backup_workers", True, {"mode": "sync"}),
+    ("mode_schedule", "sync", {}), ("mode_schedule", "sync@x", {}), ("mode_schedule", "bogus@5", {}),
+    ("mode_schedule", "sync@9,async@3", {}), ("mode_schedule", ["sync@5"], {}),
+    ("max_table_ids", 0, {}),
+    ("heartbeat_s", 0, {}), ("heartbeat_s", -1, {}),
+    ("heartbeat_timeout_s", 2.0, {"heartbeat_s": 1.0}), ("heartbeat_timeout_s", 0, {}),
+    ("checkpoint_dir", 5, {}),
+    ("checkpoint_every", -1, DIR), ("checkpoint_every", 10, {}), ("checkpoint_every", 1.5, DIR),
+    ("checkpoint_every_seconds", -1, DIR), ("checkpoint_every_seconds", 5, {}),
+    ("checkpoint_keep", 0, DIR), ("checkpoint_keep", 0, {}),
+    ("resume", True, {}), ("resume", 1, {}), ("resume", 2, DIR), ("resume", "yes", DIR),
+]
+
+
+def test_every_option_has_a_bad_value_in_the_table():
+    assert {name for name, _, _ in BAD} == {f.name for f in fields(Options)}
+
+
+@pytest.mark.parametrize("name, value, others", BAD, ids=[f"{n}={v!r}" for n, v, _ in BAD])
+def test_every_bad_option_is_one_config_error_naming_it(name, value, others):
+    with pytest.raises(ConfigError) as caught:
+        Options.from_dict({**others, name: value})
+    message = str(caught.value)
+    assert f"option {name!r}" in message
+    assert [f.name for f in fields(Options) if f"option {f.name!r}" in message] == [name]  # that one only
+    assert caught.value.__cause__ is None  # one error, not a chain of them
+
+
+def test_several_bad_options_are_one_error_naming_each():
+    with pytest.raises(ConfigError) as caught:
+        Options.from_dict({"ps_threads": 0, "use_stream": 5, "mode": "bogus", "checkpoint_every": 3})
+    for name in ("ps_threads", "use_stream", "mode", "checkpoint_every"):
+        assert f"option {name!r}" in str(caught.value)
+
+
+def test_python_callers_get_the_same_checks():
+    with pytest.raises(ConfigError, match="option 'ps_threads' must be at least 1"):
+        Options(ps_threads=0)
+    with pytest.raises(ConfigError, match="option 'use_stream' must be true or false, got 1"):
+        Options(use_stream=1)  # 0 / 1 only in from_dict (JSON written before options were booleans)
+    with pytest.raises(ConfigError, match="option 'resume' needs a checkpoint_dir"):
+        replace(Options(), resume=True)
+    assert isinstance(Options(rpc_timeout_s=5).rpc_timeout_s, float)
+
+
+def test_the_number_of_workers_is_checked_where_it_is_known():
+    options = Options(mode="sync", backup_workers=2)  # fine for a cluster of 3 or more
+    assert options.consistency(3).quorum == 1
+    with pytest.raises(ConfigError, match="option 'backup_workers' is not valid: 2 backup workers need"):
+        options.validate(num_workers=2)
+    cluster = ClusterSpec.from_dict(SEED)  # 2 workers
+    with pytest.raises(ConfigError, match="option 'backup_workers'"):
+        NodeConfig(cluster, Task("worker", 0), options)
+    with pytest.raises(ConfigError, match="^option 'backup_workers' is not valid"):
+        parse_tf_config(json.dumps({"cluster": SEED, "task": {"type": "worker", "index": 0}}), options)
+
+
+def test_booleans_round_trip_through_json_and_the_environment():
+    options = Options(use_stream=False, shared_memory=False, resume=True, checkpoint_dir="/tmp/c")
+    data = json.loads(options.to_json())
+    assert (data["use_stream"], data["shared_memory"], data["resume"]) == (False, False, True)
+    assert '"use_stream": false' in options.to_json()
+    assert Options.from_dict(data) == options
+    assert options_from_environ({OPTIONS_ENV: options.to_json()}) == options
+    assert Options.from_dict(json.loads(Options().to_json())) == Options()
+
+
+def test_zero_and_one_still_read_as_booleans_from_files_and_the_environment(tmp_path):
+    """Cluster files and PARAMSERVER_OPTIONS written when these options were ints keep working."""
+    legacy = {"use_stream": 0, "shared_memory": 1, "resume": 1, "checkpoint_dir": "/tmp/c"}
+    from_env = options_from_environ({OPTIONS_ENV: json.dumps(legacy)})
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps({"cluster": SEED, "options": legacy}))
+    from_file = load_cluster_file(path, "worker", 0).options
+    for options in (from_env, from_file, Options.from_dict(legacy)):
+        assert (options.use_stream, options.shared_memory, options.resume) == (False, True, True)
+        assert all(type(getattr(options, name)) is bool for name in ("use_stream", "shared_memory", "resume"))
+    with pytest.raises(ConfigError, match="^option 'shared_memory' must be true or false, got 2$"):
+        options_from_environ({OPTIONS_ENV: json.dumps({"shared_memory": 2})})
+    with pytest.raises(ConfigError, match="PARAMSERVER_OPTIONS is not valid JSON"):
+        options_from_environ({OPTIONS_ENV: "{use_stream: 1}"})
+
+
+def test_the_command_line_gives_booleans_and_refuses_bad_options_before_starting(capsys):
+    args = cli._parser().parse_args(["run", "--resume", "--checkpoint-dir", "/tmp/c", "train.py"])
+    assert cli.mode_options(args)["resume"] is True
+    assert "resume" not in cli.mode_options(cli._parser().parse_args(["run", "train.py"]))
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        code = cli.main(["run", "--workers", "2", "--mode", "sync", "--backup-workers", "2", "no_such_script.py"])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert code == 2
+    assert "option 'backup_workers' is not valid" in capsys.readouterr().err

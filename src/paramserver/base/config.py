@@ -10,12 +10,14 @@ Nothing below this module reads the environment.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
-from .errors import ConfigError
+from .consistency_spec import ConsistencySpec, ModeChange, parse_schedule
+from .errors import ConfigError, InvalidArgumentError
 
 ROLES = ("chief", "worker", "ps")
 OPTIONS_ENV = "PARAMSERVER_OPTIONS"
@@ -67,9 +69,19 @@ class Task:
     index: int
 
 
+_GRPC_MAX_MESSAGE = 2**31 - 1  # gRPC's message size limits are signed 32-bit
+
+
 @dataclass(frozen=True)
 class Options:
-    """Runtime options shared by every role. See docs/configuration.md."""
+    """Runtime options shared by every role. See docs/configuration.md.
+
+    The one place options are checked: building an Options (directly, through `from_dict`, or
+    `dataclasses.replace`) checks every type and range and the options' consistency with each other
+    (`validate`), and raises one ConfigError naming every bad option. What needs the number of
+    workers (backup workers fewer than workers) is checked by `validate(num_workers)`, which a
+    NodeConfig and `paramserver run` call. Code that uses an Options trusts it.
+    """
 
     rpc_timeout_s: float = 60.0  # deadline of every call to a PS
     connect_timeout_s: float = 120.0  # how long a worker waits for all PS at start
@@ -77,8 +89,8 @@ class Options:
     split_bytes: int = 256 * 1024  # variables this large are split along axis 0 across PS
     ps_threads: int = 8  # gRPC request threads of a PS
     stream_port: int = 0  # TCP port of a PS's tensor stream; 0 picks a free one (announced in Hello)
-    use_stream: int = 1  # 1: pushes and pulls travel on the tensor stream; 0: on gRPC
-    shared_memory: int = 1  # 1: a worker on the PS's host passes tensors through shared memory
+    use_stream: bool = True  # pushes and pulls travel on the tensor stream (False: on gRPC)
+    shared_memory: bool = True  # a worker on the PS's host passes tensors through shared memory
     torch_threads: int = 0  # intra-op threads of a worker's torch; 0 keeps torch's default
     progress_fd: int = -1  # file descriptor a worker writes progress lines to; -1: none
     mode: str = "async"  # consistency: async, sync or ssp:K
@@ -91,32 +103,136 @@ class Options:
     checkpoint_every: int = 0  # steps (each worker's own count) between checkpoints; 0: none
     checkpoint_every_seconds: float = 0.0  # seconds (the chief's clock) between checkpoints; 0: none
     checkpoint_keep: int = 3  # complete checkpoints kept; older ones are deleted
-    resume: int = 0  # 1: start from the latest complete checkpoint in checkpoint_dir (if any)
+    resume: bool = False  # start from the latest complete checkpoint in checkpoint_dir (if any)
 
     def __post_init__(self) -> None:
-        if self.checkpoint_every < 0 or self.checkpoint_every_seconds < 0 or self.checkpoint_keep < 1:
-            raise ConfigError(f"checkpoint options out of range: every {self.checkpoint_every} steps (>= 0), "
-                              f"every {self.checkpoint_every_seconds} s (>= 0), keep {self.checkpoint_keep} (>= 1)")
-        if not self.heartbeat_s > 0 or not self.heartbeat_timeout_s > 2 * self.heartbeat_s:
-            raise ConfigError(f"heartbeat_timeout_s ({self.heartbeat_timeout_s}) must exceed twice heartbeat_s "
-                              f"({self.heartbeat_s}), which must be positive")
-        if (self.checkpoint_every or self.checkpoint_every_seconds or self.resume) and not self.checkpoint_dir:
-            raise ConfigError("checkpoint_every, checkpoint_every_seconds and resume need a checkpoint_dir")
+        badly_typed = self._type_problems()
+        for f in fields(self):  # an int given for a float option becomes a float: one type per option
+            if f.type == "float" and f.name not in badly_typed:
+                object.__setattr__(self, f.name, float(getattr(self, f.name)))
+        problems = list(badly_typed.values()) + self._range_problems(None, skip=set(badly_typed))
+        if problems:
+            raise ConfigError("; ".join(problems))
+
+    def _type_problems(self) -> dict[str, str]:
+        problems = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type == "bool":
+                ok, want = isinstance(value, bool), "true or false"
+            elif f.type == "str":
+                ok, want = isinstance(value, str), "a string"
+            elif f.type == "int":
+                ok, want = isinstance(value, int) and not isinstance(value, bool), "an integer"
+            elif f.type == "float":
+                ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+                want = "a finite number"
+            else:  # a new option of another type: give it its check here
+                raise TypeError(f"Options.{f.name}: no check for type {f.type}")
+            if not ok:
+                problems[f.name] = f"option {f.name!r} must be {want}, got {value!r}"
+        return problems
+
+    def validate(self, num_workers: int | None = None) -> None:
+        """Check every range and the options' consistency (building an Options did); with
+        `num_workers`, also against the cluster's size. Raises one ConfigError naming every bad option."""
+        problems = self._range_problems(num_workers)
+        if problems:
+            raise ConfigError("; ".join(problems))
+
+    def _range_problems(self, num_workers: int | None, skip: frozenset[str] | set[str] = frozenset()) -> list[str]:
+        """Problems of the well-typed options (those in `skip` are not), each naming its option."""
+        found: list[str] = []
+
+        def need(name: str, ok: Callable[[Any], bool], rule: str) -> None:
+            if name not in skip and not ok(getattr(self, name)):
+                found.append(f"option {name!r} must be {rule}, got {getattr(self, name)!r}")
+
+        def needs(name: str, *others: str) -> bool:  # may a check of `name` that reads `others` run?
+            return not skip.intersection((name, *others))
+
+        for name in ("rpc_timeout_s", "connect_timeout_s", "heartbeat_s"):
+            need(name, lambda v: v > 0, "positive")
+        need("max_message_bytes", lambda v: 1024 <= v <= _GRPC_MAX_MESSAGE, f"between 1024 and {_GRPC_MAX_MESSAGE}")
+        need("split_bytes", lambda v: v >= 1, "at least 1")
+        need("ps_threads", lambda v: v >= 1, "at least 1")
+        need("stream_port", lambda v: 0 <= v <= 65535, "a port number from 0 to 65535")
+        need("torch_threads", lambda v: v >= 0, "0 (torch's default) or more")
+        need("progress_fd", lambda v: v >= -1, "-1 (none) or a file descriptor")
+        need("backup_workers", lambda v: v >= 0, "0 or more")
+        need("max_table_ids", lambda v: v >= 1, "at least 1")
+        need("checkpoint_every", lambda v: v >= 0, "0 (none) or more")
+        need("checkpoint_every_seconds", lambda v: v >= 0, "0 (none) or more")
+        need("checkpoint_keep", lambda v: v >= 1, "at least 1")
+        if needs("heartbeat_timeout_s", "heartbeat_s") and self.heartbeat_s > 0:
+            need("heartbeat_timeout_s", lambda v: v > 2 * self.heartbeat_s, f"more than twice heartbeat_s "
+                                                                             f"({self.heartbeat_s})")
+        for name in ("checkpoint_every", "checkpoint_every_seconds", "resume"):
+            if needs(name, "checkpoint_dir") and getattr(self, name) and not self.checkpoint_dir:
+                found.append(f"option {name!r} needs a checkpoint_dir")
+        return found + self._mode_problems(num_workers, skip)
+
+    def _mode_problems(self, num_workers: int | None, skip: frozenset[str] | set[str]) -> list[str]:
+        """mode, backup_workers and mode_schedule, as ConsistencySpec and the schedule read them."""
+        found = []
+        if skip.intersection(("mode", "backup_workers")):
+            workers = 1
+        else:  # unknown: as many as the backups allow
+            workers = num_workers if num_workers is not None else max(self.backup_workers + 1, 1)
+        if needs_mode := "mode" not in skip:
+            try:
+                ConsistencySpec.parse(self.mode, max(workers, 1))
+            except InvalidArgumentError as exc:
+                found.append(f"option 'mode' is not valid: {exc}")
+                needs_mode = False
+        if needs_mode and "backup_workers" not in skip and self.backup_workers > 0:
+            try:
+                ConsistencySpec.parse(self.mode, workers, self.backup_workers)
+            except InvalidArgumentError as exc:
+                found.append(f"option 'backup_workers' is not valid: {exc}")
+        if "mode_schedule" not in skip:
+            try:
+                for change in parse_schedule(self.mode_schedule):
+                    ConsistencySpec.parse(change.mode, max(workers, 1))
+            except InvalidArgumentError as exc:
+                found.append(f"option 'mode_schedule' is not valid: {exc}")
+        return found
+
+    def consistency(self, num_workers: int) -> ConsistencySpec:
+        """The consistency spec these options give a cluster of `num_workers` workers."""
+        self.validate(num_workers)
+        return ConsistencySpec.parse(self.mode, num_workers, self.backup_workers)
+
+    @property
+    def mode_changes(self) -> list[ModeChange]:
+        """`mode_schedule`, parsed."""
+        return parse_schedule(self.mode_schedule)
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "Options":
+        """Options from JSON-like values (PARAMSERVER_OPTIONS, a cluster file's "options").
+
+        Boolean options take true / false, and also 1 / 0 (what the files and environments written
+        before they were booleans hold); any other value is refused, naming the option.
+        """
+        if not isinstance(values, Mapping):
+            raise ConfigError(f"options must be an object of name -> value, got {values!r}")
         known = {f.name: f.type for f in fields(cls)}
         unknown = sorted(set(values) - set(known))
         if unknown:
             raise ConfigError(f"unknown options {unknown}; known: {sorted(known)}")
-        for key, value in values.items():
-            kind = str if isinstance(getattr(cls, key), str) else (int, float)
-            if not isinstance(value, kind) or isinstance(value, bool):
-                raise ConfigError(f"option {key!r} must be a {'string' if kind is str else 'number'}, got {value!r}")
+        values = {key: _legacy_bool(value) if known[key] == "bool" else value for key, value in values.items()}
         return cls(**values)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
+
+
+def _legacy_bool(value: Any) -> Any:
+    """1 / 0 as True / False (an int exactly; 1.0 or "1" stay as they are, and are refused)."""
+    if type(value) is int and value in (0, 1):
+        return bool(value)
+    return value
 
 
 @dataclass(frozen=True)
@@ -134,6 +250,7 @@ class NodeConfig:
         if not 0 <= self.task.index < count:
             raise ConfigError(f"task {self.task.type}:{self.task.index} is outside the cluster "
                               f"({count} {self.task.type} address(es))")
+        self.options.validate(self.cluster.num_workers)
 
     @property
     def worker_index(self) -> int:
@@ -157,11 +274,12 @@ def parse_tf_config(text: str, options: Options | None = None) -> NodeConfig:
     """A NodeConfig from TF_CONFIG's JSON text."""
     try:
         data = json.loads(text)
-        task = data["task"]
-        return NodeConfig(ClusterSpec.from_dict(data["cluster"]),
-                          Task(str(task["type"]), int(task.get("index", 0))), options or Options())
-    except (ValueError, KeyError, TypeError) as exc:
+        spec, task = data["cluster"], data["task"]
+        task = Task(str(task["type"]), int(task.get("index", 0)))
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ConfigError(f"TF_CONFIG is not valid: {exc!r}") from None
+    # the cluster's, the task's and the options' own errors say what is wrong themselves
+    return NodeConfig(ClusterSpec.from_dict(spec), task, options or Options())
 
 
 def load_cluster_file(path: str | Path, role: str, index: int, options: Options | None = None) -> NodeConfig:
@@ -185,9 +303,10 @@ def options_from_environ(environ: Mapping[str, str] = os.environ) -> Options:
     if not text:
         return Options()
     try:
-        return Options.from_dict(json.loads(text))
+        values = json.loads(text)
     except ValueError as exc:
         raise ConfigError(f"{OPTIONS_ENV} is not valid JSON: {exc}") from None
+    return Options.from_dict(values)
 
 
 def config_from_environ(environ: Mapping[str, str] = os.environ, options: Options | None = None) -> NodeConfig | None:

@@ -65,3 +65,25 @@ class ConsistencySpec:
     def __str__(self) -> str:
         text = f"ssp:{self.staleness}" if self.mode == "ssp" else self.mode
         return text + (f" with {self.backups} backup workers" if self.backups else "")
+
+
+@dataclass(frozen=True)
+class ModeChange:
+    """One entry of a mode schedule: switch to `mode` when the workers reach `step`."""
+
+    step: int
+    mode: str
+
+
+def parse_schedule(text: str) -> list[ModeChange]:
+    """"sync@500" or "ssp:2@100,sync@900": switch to MODE when the workers reach STEP. Checks the
+    form and the order of the steps; each MODE is checked by ConsistencySpec.parse."""
+    changes = []
+    for entry in filter(None, (part.strip() for part in text.split(","))):
+        mode, at, step = entry.rpartition("@")
+        if not at or not step.isdigit() or not mode:
+            raise InvalidArgumentError(f"mode schedule entry {entry!r} is not MODE@STEP (e.g. sync@500)")
+        changes.append(ModeChange(int(step), mode))
+    if [c.step for c in changes] != sorted(c.step for c in changes):
+        raise InvalidArgumentError(f"mode schedule {text!r} must list steps in increasing order")
+    return changes

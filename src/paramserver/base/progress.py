@@ -2,9 +2,10 @@
 
 A worker writes JSON lines to a file descriptor the launcher gave it:
 ``{"worker": i, "steps": n, "examples": n, "loss": x, "staleness_sum": n, "t": unix_time}`` at most every
-`interval` seconds, ``{"worker": i, "result": {...}}`` once, for the run's final JSON line, and
-``{"worker": i, "done": true}`` once the worker finished its script (the launcher never restarts
-a worker that said so, even if it is killed afterwards).
+`interval` seconds, ``{"worker": i, "result": {...}}`` for the run's final JSON line (each result
+line adds its keys to the worker's earlier ones), and ``{"worker": i, "done": true}`` once the
+worker finished its script (the launcher never restarts a worker that said so, even if it is
+killed afterwards).
 `t` is the time of the worker's latest step, not of the write: a line written after training
 (with the result, after an evaluation) does not stretch the run's examples/s.
 The launcher's ProgressBoard aggregates the lines of all workers; once frozen (the run was
@@ -116,8 +117,8 @@ class ProgressBoard:
                 self._done.discard(worker)
             elif self._frozen:
                 return
-            elif "result" in record:
-                self.results[worker] = record["result"]
+            elif "result" in record:  # several result lines add up (a later value of a key wins)
+                self.results.setdefault(worker, {}).update(record["result"])
             else:
                 self._latest[worker] = record
                 if self._first_t is None:

@@ -5,13 +5,27 @@ Layout: ``<dir>/ckpt-<step:09d>/shard-<i>.safetensors`` (one file per shard) and
 checkpoint without one is incomplete and ignored. The manifest names every shard file with its
 size and SHA-256, so a truncated, missing or tampered file is found before it is used.
 
-Local writes go to a temporary name, are fsynced, then renamed (and the directory fsynced);
-object stores write whole objects, which is atomic there. Thread-safety: a store may be used
-from several threads for different files.
+Local writes go to a temporary name (``<file>.tmp-<8 hex>``), are fsynced, then renamed (and the
+directory fsynced); a write that fails removes its temporary file, and one a crashed writer left
+is removed at the next write of the same file (or by `remove_temporary`). Object stores write
+whole objects, which is atomic there.
+
+Every OSError of the filesystem (create a directory, write, fsync, rename, list, read, delete)
+is raised as a CheckpointError naming the checkpoint, the path and the OS's reason
+(``checkpoint ckpt-000000020: cannot write /d/ckpt-000000020/shard-1.safetensors: No space left on
+device (ENOSPC)``).
+
+Retention (`prune`) counts verified checkpoints only: complete, and every file of the size and
+SHA-256 its manifest names. A damaged checkpoint never counts toward `keep`, so a damaged newer
+one never makes a good one go.
+
+Thread-safety: a store may be used from several threads for different files.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -21,7 +35,7 @@ import re
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -34,10 +48,13 @@ FORMAT = "paramserver-checkpoint"
 FORMAT_VERSION = 1
 _PREFIX = "ckpt-"
 _NAME = re.compile(r"^ckpt-\d{9}$")
+_TEMPORARY = re.compile(r"^(?P<target>.+)\.tmp-[0-9a-f]+$")  # `<file>.tmp-<hex>`: a write in progress or dead
+_CHUNK = 1 << 20  # bytes hashed at a time when a checkpoint is verified
 
 
 class CheckpointError(FailedPreconditionError):
-    """A checkpoint that cannot be used (or does not fit this model): names the checkpoint and the file."""
+    """A checkpoint that cannot be written, read or used (or does not fit this model): names the
+    checkpoint, the file and the reason (the OS's, for a filesystem error)."""
 
 
 @dataclass(frozen=True)
@@ -56,79 +73,231 @@ def shard_file_name(index: int) -> str:
     return f"shard-{index}.safetensors"
 
 
-class CheckpointStore:
-    """The checkpoints under one directory or URL."""
+def os_reason(exc: OSError) -> str:
+    """What the OS said, without the path: 'No space left on device (ENOSPC)'."""
+    code = errno.errorcode.get(exc.errno) if isinstance(exc.errno, int) else None
+    text = exc.strerror or str(exc) or type(exc).__name__
+    return f"{text} ({code})" if code else text
 
-    def __init__(self, url: str) -> None:
+
+class CheckpointStore:
+    """The checkpoints under one directory or URL. `fs`: the filesystem to use instead of the
+    URL's (tests give one that fails)."""
+
+    def __init__(self, url: str, fs: fsspec.AbstractFileSystem | None = None) -> None:
         self.url = url
-        self.fs, self.root = fsspec.core.url_to_fs(url)
+        if fs is None:
+            self.fs, self.root = fsspec.core.url_to_fs(url)
+        else:
+            self.fs, self.root = fs, fs._strip_protocol(url)
         self.local = isinstance(self.fs, LocalFileSystem)
+        # retention's memory: checkpoints known good (committed here, or hashed once) and known damaged
+        self._good: set[str] = set()
+        self._damaged: dict[str, str] = {}
 
     def path(self, name: str, *parts: str) -> str:
         if not _NAME.match(name):  # names come over the wire: never a path of their own
             raise CheckpointError(f"{name!r} is not a checkpoint name (ckpt-<9 digits>)")
         return posixpath.join(self.root, name, *parts)
 
+    @contextlib.contextmanager
+    def _os(self, action: str, path: str, name: str | None = None) -> Iterator[None]:
+        """Raise an OSError of the block as a CheckpointError: '[checkpoint NAME: ]cannot ACTION PATH: reason'."""
+        try:
+            yield
+        except OSError as exc:
+            where = f"checkpoint {name}: " if name else f"checkpoint directory {self.url}: "
+            raise CheckpointError(f"{where}cannot {action} {path}: {os_reason(exc)}") from exc
+
     # ---- writing ---------------------------------------------------------------------------
     def write_shard(self, name: str, index: int, data: bytes) -> ShardFile:
         """Write one shard's file of checkpoint `name`; returns its manifest entry."""
         file = shard_file_name(index)
-        self._write_atomic(self.path(name, file), data)
+        self._write_atomic(name, self.path(name, file), data)
         return ShardFile(index, file, len(data), hashlib.sha256(data).hexdigest())
 
     def commit(self, name: str, manifest: dict[str, Any]) -> None:
         """Write the manifest (the commit point) of a checkpoint whose shard files are written."""
         body = {"format": FORMAT, "version": FORMAT_VERSION, "name": name, "time": time.time(), **manifest}
-        self._write_atomic(self.path(name, MANIFEST), json.dumps(body, indent=1, sort_keys=True).encode())
+        self._forget(name)
+        self._write_atomic(name, self.path(name, MANIFEST), json.dumps(body, indent=1, sort_keys=True).encode())
+        self._good.add(name)  # its entries hash the very bytes the shards wrote: sizes are checked at prune
 
     def uncommit(self, name: str) -> bool:
         """Remove the manifest of checkpoint `name` if it has one (before its files are written
         again): from then on it is incomplete. Returns whether there was one."""
         path = self.path(name, MANIFEST)
-        if not self.fs.exists(path):
-            return False
-        self.fs.rm(path)
-        if self.local:
-            _fsync_directory(posixpath.dirname(path))  # the removal itself survives a crash
+        self._forget(name)
+        with self._os("remove", path, name):
+            if not self.fs.exists(path):
+                return False
+            self.fs.rm(path)
+            if self.local:
+                _fsync_directory(posixpath.dirname(path))  # the removal itself survives a crash
         return True
 
-    def prune(self, keep: int) -> list[str]:
-        """Delete all but the newest `keep` complete checkpoints (and incomplete older ones)."""
-        complete = self.complete()
-        if keep < 1 or len(complete) <= keep:
+    def discard(self, name: str) -> bool:
+        """Delete checkpoint `name` if it is incomplete (no manifest): what a failed write left
+        (files written before another failed). A complete one is left alone. Returns whether
+        anything was deleted."""
+        directory = self.path(name)
+        self._forget(name)
+        with self._os("delete", directory, name):
+            if not self.fs.exists(directory) or self.fs.exists(self.path(name, MANIFEST)):
+                return False
+            self.fs.rm(directory, recursive=True)
+        return True
+
+    def remove_temporary(self, name: str | None = None) -> list[str]:
+        """Delete the temporary files (``<file>.tmp-<hex>``) under checkpoint `name`, or under every
+        checkpoint: writes that died. Only when no write is under way. Returns their paths."""
+        removed = []
+        for checkpoint in [name] if name is not None else self._all():
+            removed += self._remove_temporary(checkpoint, self.path(checkpoint))
+        return removed
+
+    def prune(self, keep: int, protect: str | None = None) -> list[str]:
+        """Delete what is older than the newest `keep` verified checkpoints: older checkpoints,
+        complete or not. Damaged ones do not count (fewer than `keep` verified: nothing is
+        deleted), and damaged ones newer than those kept stay (`checkpoint list` flags them).
+        `protect`: a checkpoint never deleted (the one just written). Returns the names deleted."""
+        if keep < 1:
             return []
-        newest_kept = complete[-keep]
-        doomed = [name for name in self._all() if name < newest_kept]
+        kept: list[str] = []
+        for name in reversed(self.complete()):
+            if len(kept) == keep:
+                break
+            if self._counts(name):
+                kept.append(name)
+        if len(kept) < keep:
+            return []
+        doomed = [name for name in self._all() if name < kept[-1] and name != protect]
         for name in doomed:
-            self.fs.rm(posixpath.join(self.root, name), recursive=True)
+            self._forget(name)
+            with self._os("delete", self.path(name), name):
+                self.fs.rm(self.path(name), recursive=True)
         return doomed
 
-    def _write_atomic(self, path: str, data: bytes) -> None:
-        self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
-        if not self.local:
-            with self.fs.open(path, "wb") as handle:  # an object appears whole or not at all
-                handle.write(data)
+    def _counts(self, name: str) -> bool:
+        """Whether checkpoint `name` counts for retention: complete and verified. A checkpoint this
+        store committed, or one hashed whole before, is checked by its files' sizes; any other is
+        read back and hashed. Damage is logged once."""
+        if name in self._damaged:
+            return False
+        try:
+            if name in self._good:
+                manifest = self.manifest(name)
+                for entry in self.shard_files(name, manifest):
+                    self._check_size(name, entry)
+            else:
+                self.verify(name)
+        except CheckpointError as exc:
+            self._good.discard(name)
+            self._damaged[name] = str(exc)
+            log.warning("%s is damaged and does not count toward the checkpoints kept: %s", name, exc)
+            return False
+        self._good.add(name)
+        return True
+
+    def _forget(self, name: str) -> None:
+        self._good.discard(name)
+        self._damaged.pop(name, None)
+
+    def _write_atomic(self, name: str, path: str, data: bytes) -> None:
+        directory = posixpath.dirname(path)
+        with self._os("create directory", directory, name):
+            self.fs.makedirs(directory, exist_ok=True)
+        if not self.local:  # an object appears whole or not at all
+            try:
+                with self._os("write", path, name), self.fs.open(path, "wb") as handle:
+                    handle.write(data)
+            except CheckpointError:
+                self._remove_quietly(path)  # a filesystem that writes in place may hold part of it
+                raise
             return
+        try:  # a dead writer's temporary files of this file
+            self._remove_temporary(name, directory, posixpath.basename(path))
+        except CheckpointError as exc:
+            log.warning("%s", exc)  # the write may still succeed; the next one tries again
         tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-        with open(tmp, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-        _fsync_directory(posixpath.dirname(path))  # the rename itself survives a crash
+        try:
+            with self._os("write", tmp, name), self.fs.open(tmp, "wb") as handle:
+                handle.write(data)
+                handle.flush()
+                with self._os("fsync", tmp, name):
+                    os.fsync(handle.fileno())
+            with self._os(f"rename {tmp} to", path, name):
+                os.replace(tmp, path)
+        except CheckpointError:
+            self._remove_quietly(tmp)
+            raise
+        with self._os("fsync directory", directory, name):
+            _fsync_directory(directory)  # the rename itself survives a crash
+
+    def _remove_temporary(self, name: str, directory: str, target: str | None = None) -> list[str]:
+        """Delete the temporary files in `directory` (those of `target` only, when given)."""
+        removed = []
+        try:
+            entries = self.fs.ls(directory, detail=False)
+        except FileNotFoundError:
+            return removed
+        except OSError as exc:
+            raise CheckpointError(f"checkpoint {name}: cannot list {directory}: {os_reason(exc)}") from exc
+        for entry in entries:
+            match = _TEMPORARY.match(posixpath.basename(entry.rstrip("/")))
+            if match and (target is None or match.group("target") == target):
+                with self._os("delete", entry, name):
+                    self.fs.rm(entry)
+                removed.append(entry)
+        if removed:
+            log.info("checkpoint %s: removed %d temporary file(s) a failed or killed write left: %s", name,
+                     len(removed), ", ".join(posixpath.basename(entry) for entry in removed))
+        return removed
+
+    def _remove_quietly(self, path: str) -> None:
+        """Delete what a failed write left at `path`; a failure is logged (the next write of the
+        same file, or `remove_temporary`, tries again)."""
+        try:
+            if self.fs.exists(path):
+                self.fs.rm(path)
+        except OSError as exc:
+            log.warning("cannot delete %s after a failed write: %s", path, os_reason(exc))
 
     # ---- reading ---------------------------------------------------------------------------
+    def exists(self) -> bool:
+        """Whether the checkpoint directory exists (raises CheckpointError when it is not a
+        directory, or cannot be read)."""
+        with self._os("read", self.root):
+            if self.fs.isdir(self.root):
+                return True
+            if not self.fs.exists(self.root):
+                return False
+        raise CheckpointError(f"checkpoint directory {self.url} is not a directory")
+
+    def require(self) -> None:
+        """Raise a CheckpointError naming the directory unless it exists."""
+        if not self.exists():
+            raise CheckpointError(f"checkpoint directory {self.url} does not exist")
+
     def _all(self) -> list[str]:
         try:
             entries = self.fs.ls(self.root, detail=False)
         except FileNotFoundError:
             return []
+        except OSError as exc:
+            raise CheckpointError(f"checkpoint directory {self.url}: cannot list {self.root}: "
+                                  f"{os_reason(exc)}") from exc
         names = [posixpath.basename(entry.rstrip("/")) for entry in entries]
         return sorted(name for name in names if _NAME.match(name))
 
     def complete(self) -> list[str]:
         """Names of checkpoints with a manifest, oldest first."""
-        return [name for name in self._all() if self.fs.exists(self.path(name, MANIFEST))]
+        names = []
+        for name in self._all():
+            with self._os("read", self.path(name, MANIFEST), name):
+                if self.fs.exists(self.path(name, MANIFEST)):
+                    names.append(name)
+        return names
 
     def manifest(self, name: str) -> dict[str, Any]:
         path = self.path(name, MANIFEST)
@@ -139,6 +308,8 @@ class CheckpointStore:
             raise CheckpointError(f"checkpoint {name}: no {MANIFEST} (incomplete checkpoint)") from None
         except ValueError as exc:
             raise CheckpointError(f"checkpoint {name}: {MANIFEST} is not valid JSON ({exc})") from None
+        except OSError as exc:
+            raise CheckpointError(f"checkpoint {name}: cannot read {path}: {os_reason(exc)}") from exc
         if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
             raise CheckpointError(f"checkpoint {name}: {MANIFEST} is not a {FORMAT} manifest")
         if manifest.get("version") != FORMAT_VERSION:
@@ -148,27 +319,68 @@ class CheckpointStore:
 
     def shard_files(self, name: str, manifest: dict[str, Any]) -> list[ShardFile]:
         try:
-            return [ShardFile(int(e["index"]), str(e["file"]), int(e["bytes"]), str(e["sha256"]))
-                    for e in manifest["shards"]]
+            entries = [ShardFile(int(e["index"]), str(e["file"]), int(e["bytes"]), str(e["sha256"]))
+                       for e in manifest["shards"]]
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(f"checkpoint {name}: {MANIFEST} has a bad shard list ({exc})") from None
+        if not entries or manifest.get("num_shards", len(entries)) != len(entries):
+            raise CheckpointError(f"checkpoint {name}: {MANIFEST} names {len(entries)} shard files for "
+                                  f"{manifest.get('num_shards')} shards")
+        return entries
 
     def read_shard(self, name: str, entry: ShardFile) -> bytes:
         """The bytes of one shard file, checked against the manifest's size and SHA-256."""
+        with self._open_shard(name, entry) as handle, self._os("read", self.path(name, entry.file), name):
+            data = handle.read()
+        self._check(name, entry, len(data), hashlib.sha256(data).hexdigest())
+        return data
+
+    def verify(self, name: str) -> dict[str, Any]:
+        """Check that checkpoint `name` is complete and that every shard file has the size and
+        SHA-256 its manifest names (reading each file through once, a chunk at a time). Returns
+        the manifest; raises CheckpointError naming the file and what is wrong with it."""
+        manifest = self.manifest(name)
+        for entry in self.shard_files(name, manifest):
+            digest, size = hashlib.sha256(), 0
+            with self._open_shard(name, entry) as handle, self._os("read", self.path(name, entry.file), name):
+                while chunk := handle.read(_CHUNK):
+                    digest.update(chunk)
+                    size += len(chunk)
+            self._check(name, entry, size, digest.hexdigest())
+        return manifest
+
+    @contextlib.contextmanager
+    def _open_shard(self, name: str, entry: ShardFile) -> Iterator[Any]:
         path = self.path(name, entry.file)
         try:
-            with self.fs.open(path, "rb") as handle:
-                data = handle.read()
+            handle = self.fs.open(path, "rb")
         except FileNotFoundError:
             raise CheckpointError(f"checkpoint {name}: shard file {entry.file} named by the manifest is missing") \
                 from None
-        if len(data) != entry.bytes:
-            raise CheckpointError(f"checkpoint {name}: shard file {entry.file} has {len(data)} bytes, the manifest "
+        except OSError as exc:
+            raise CheckpointError(f"checkpoint {name}: cannot read {path}: {os_reason(exc)}") from exc
+        with handle:
+            yield handle
+
+    def _check_size(self, name: str, entry: ShardFile) -> None:
+        path = self.path(name, entry.file)
+        try:
+            size = self.fs.size(path)
+        except FileNotFoundError:
+            raise CheckpointError(f"checkpoint {name}: shard file {entry.file} named by the manifest is missing") \
+                from None
+        except OSError as exc:
+            raise CheckpointError(f"checkpoint {name}: cannot read {path}: {os_reason(exc)}") from exc
+        self._check(name, entry, size, None)
+
+    @staticmethod
+    def _check(name: str, entry: ShardFile, size: int, sha256: str | None) -> None:
+        if size != entry.bytes:
+            raise CheckpointError(f"checkpoint {name}: shard file {entry.file} has {size} bytes, the manifest "
                                   f"says {entry.bytes} (truncated?)")
-        if hashlib.sha256(data).hexdigest() != entry.sha256:
+        if sha256 is not None and sha256 != entry.sha256:
             raise CheckpointError(f"checkpoint {name}: shard file {entry.file} does not match its SHA-256 "
                                   "(changed after it was written)")
-        return data
 
 
 def _fsync_directory(path: str) -> None:

@@ -25,21 +25,32 @@ _POSITIONAL = re.compile(r"^(?:opt\d+\.)?param\d+$")
 
 
 def list_checkpoints(url: str) -> list[dict]:
+    """One row per complete checkpoint (oldest first), each file checked against the manifest:
+    ``"status": "ok"``, or ``"damaged: <what is wrong>"`` (a damaged one is never resumed from).
+    A directory that does not exist is a CheckpointError naming it."""
     store = CheckpointStore(url)
+    store.require()
     rows = []
     for name in store.complete():
+        row: dict = {"name": name}
         try:
             manifest = store.manifest(name)
-            rows.append({"name": name, "step": manifest.get("step"), "shards": manifest.get("num_shards"),
-                         "bytes": sum(int(e["bytes"]) for e in manifest.get("shards", [])),
-                         "time": manifest.get("time")})
+            row.update({"step": manifest.get("step"), "shards": manifest.get("num_shards"),
+                        "bytes": sum(int(e["bytes"]) for e in manifest["shards"]), "time": manifest.get("time")})
+        except (CheckpointError, KeyError, TypeError, ValueError):
+            pass  # verify() says what is wrong with the manifest
+        try:
+            store.verify(name)
+            row["status"] = "ok"
         except CheckpointError as exc:
-            rows.append({"name": name, "error": str(exc)})
+            row["status"] = "damaged: " + str(exc).removeprefix(f"checkpoint {name}: ")
+        rows.append(row)
     return rows
 
 
 def _source(url: str, name: str | None) -> RestoreSource:
     store = CheckpointStore(url)
+    store.require()
     if name is None:
         complete = store.complete()
         if not complete:

@@ -16,6 +16,7 @@ from typing import Callable
 
 import numpy as np
 
+from ..base import messages as msg
 from ..base.consistency_spec import ConsistencySpec
 from ..base.errors import InvalidArgumentError, ParamServerError
 from ..transport import codec
@@ -74,20 +75,27 @@ class PushRecord:
     position: int = 0  # steps this worker trained as the shards saw them (a restarted worker goes on there)
     base_versions: dict[int, int] = field(default_factory=dict)
 
-    def note(self, metas: dict[int, dict], pushed: bool) -> None:
+    def note_registered(self, metas: dict[int, dict]) -> None:
+        """Register replies (RegisterReply metas, by shard)."""
         for shard, meta in metas.items():
-            self.base_versions[shard] = meta["version"]
-            self.restored = max(self.restored, meta.get("restored", 0))
-            self.position = max(self.position, meta.get("position", 0))
-        if "step" in next(iter(metas.values()), {}):
-            self.step = max(meta.get("step", 0) for meta in metas.values())
+            reply = msg.RegisterReply.from_meta(meta)
+            self.base_versions[shard] = reply.version
+            self.restored = max(self.restored, reply.restored)
+            self.position = max(self.position, reply.position)
+
+    def note(self, metas: dict[int, dict], pushed: bool) -> None:
+        """PushPull replies (PushPullReply metas, by shard)."""
+        replies = [msg.PushPullReply.from_meta(meta) for meta in metas.values()]
+        for shard, reply in zip(metas, replies):
+            self.base_versions[shard] = reply.version
+        if replies:
+            self.step = max(reply.step for reply in replies)
         if pushed:
             # staleness of what was applied; a push dropped as late is counted apart
-            self.staleness = max((meta.get("staleness", 0) for meta in metas.values() if meta.get("applied", True)),
-                                 default=0)
+            self.staleness = max((reply.staleness for reply in replies if reply.applied), default=0)
             self.staleness_sum += self.staleness
             self.pushes += 1
-            self.dropped += any(meta.get("applied") is False for meta in metas.values())
+            self.dropped += any(not reply.applied for reply in replies)
 
 
 class PSClient:
@@ -131,11 +139,11 @@ class PSClient:
                 by_shard.setdefault(part.shard, []).append((part.name, _rows(array, part)))
         for shard in by_shard:
             self._groups_on.setdefault(shard, set()).add(group)
-        meta = {"group": group, "optimizer": optimizer_spec, "consistency": self.consistency.to_dict(),
-                "worker": self.worker}
+        meta = msg.RegisterRequest(group=group, optimizer=optimizer_spec, consistency=self.consistency.to_dict(),
+                                   worker=self.worker).to_meta()
         calls = [(shard, self.channels[shard].call("Register", codec.encode_parts(meta, tensors), self.rpc_timeout_s))
                  for shard, tensors in sorted(by_shard.items())]
-        return PushPullHandle(calls, self._part_by_name, lambda metas: self.record.note(metas, False))
+        return PushPullHandle(calls, self._part_by_name, self.record.note_registered)
 
     def push_pull(self, grads: dict[str, np.ndarray], pull: list[str], lrs: dict[str, float] | None = None,
                   base_versions: dict[int, int] | None = None, owned: bool = False,
@@ -157,30 +165,29 @@ class PSClient:
             for part in self.parts_of[var]:
                 pulled.setdefault(part.shard, []).append(part.name)
         calls = []
-        ride_meta, ride_tensors = (riders.meta, riders.tensors) if riders is not None else ({}, {})
+        row_pushes, lookups, ride_tensors = (riders.row_pushes, riders.lookups, riders.tensors) if riders is not None \
+            else ({}, {}, {})
         # with embedding tables every shard hears of every step (a marker where there is nothing
         # else for it), so that a sync step on a shard holding only rows does not wait for this worker
         shards = range(self.num_shards) if riders is not None else set(pushed) | set(pulled)
         for shard in sorted(shards):
-            meta = {"pull": pulled.get(shard, []), "worker": self.worker, "step": self.record.step,
-                    **ride_meta.get(shard, {})}
-            if shard in self._owed_resumed and (shard in pushed or riders is not None):
-                meta["resumed"] = self.resumed_from
-                self._owed_resumed.discard(shard)
-            if riders is not None and shard not in pushed and "sparse" not in meta:
-                meta["marker"] = True
-            if shard in bases:
-                meta["base"] = bases[shard]
             shard_lrs = {g: lr for g, lr in (lrs or {}).items() if g in self._groups_on.get(shard, ())}
-            if shard_lrs:
-                meta["lr"] = shard_lrs
-            payload = codec.encode_parts(meta, [*pushed.get(shard, ()), *ride_tensors.get(shard, ())])
+            resumed = None
+            if shard in self._owed_resumed and (shard in pushed or riders is not None):
+                resumed = self.resumed_from
+                self._owed_resumed.discard(shard)
+            request = msg.PushPullRequest(
+                pull=pulled.get(shard, []), worker=self.worker, step=self.record.step,
+                sparse=row_pushes.get(shard, []), lookup=lookups.get(shard, []), resumed=resumed,
+                marker=riders is not None and shard not in pushed and shard not in row_pushes,
+                base=bases.get(shard), lr=shard_lrs)
+            payload = codec.encode_parts(request.to_meta(), [*pushed.get(shard, ()), *ride_tensors.get(shard, ())])
             calls.append((shard, self.channels[shard].call("PushPull", payload, self.rpc_timeout_s, owned)))
         return PushPullHandle(calls, self._part_by_name, lambda metas: self.record.note(metas, bool(grads)))
 
     def set_mode(self, spec: ConsistencySpec) -> None:
         """Switch every shard to `spec` now (see Shard.set_mode)."""
-        payload = codec.encode({"consistency": spec.to_dict()})
+        payload = codec.encode(msg.SetModeRequest(consistency=spec.to_dict()).to_meta())
         for call in [channel.call("SetMode", payload, self.rpc_timeout_s) for channel in self.channels]:
             call.wait(self.rpc_timeout_s)
         self.consistency = spec
@@ -189,35 +196,45 @@ class PSClient:
         """Tell every shard this worker finished its data, or waits at `barrier`, so that steps stop
         waiting for it (its next push brings it back). Best effort. After `barrier` opened, the
         next push says so (`resumed_from`): every worker that waited there is back at once."""
-        self._tell_all({"worker": self.worker, **({"barrier": barrier} if barrier else {})}, timeout)
+        self._tell_all(msg.LeaveRequest(worker=self.worker, barrier=barrier or None), timeout)
         self.resumed_from = barrier
         self._owed_resumed = set(range(self.num_shards)) if barrier else set()
 
     def forget(self, worker: int, why: str, timeout: float) -> None:
         """Tell every shard that `worker` is gone for good (`why`): waits that need it fail at once."""
-        self._tell_all({"worker": worker, "gone": why}, timeout)
+        self._tell_all(msg.LeaveRequest(worker=worker, gone=why), timeout)
 
-    def _tell_all(self, meta: dict, timeout: float) -> None:
-        payload = codec.encode(meta)
+    def _tell_all(self, request: msg.LeaveRequest, timeout: float) -> None:
+        payload = codec.encode(request.to_meta())
         calls = [channel.call("Leave", payload, timeout) for channel in self.channels]
         for call in calls:
             try:
                 call.wait(timeout)
             except ParamServerError as exc:
-                log.warning("leave %s: %s", meta, exc)
+                log.warning("leave %s: %s", request.to_meta(), exc)
 
     def checkpoint(self, directory: str, name: str, timeout: float) -> list[dict]:
         """Have every shard write its file of checkpoint `name` under `directory`, all at once;
         returns their manifest entries. Call while no push is in flight."""
-        payload = codec.encode({"dir": directory, "name": name})
+        payload = codec.encode(msg.CheckpointRequest(dir=directory, name=name).to_meta())
         calls = [channel.call("Checkpoint", payload, timeout) for channel in self.channels]
         deadline = time.monotonic() + timeout
-        return [dict(codec.decode(call.wait(max(0.0, deadline - time.monotonic()))).meta) for call in calls]
+        entries, errors = [], []
+        for call in calls:  # every shard answers before a failure is raised: none still writes after
+            try:
+                reply = call.wait(max(0.0, deadline - time.monotonic()))
+                entries.append(msg.CheckpointReply.from_meta(codec.decode(reply).meta).to_meta())
+            except ParamServerError as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+        return entries
 
     def shard_stats(self) -> list[dict]:
         """Each shard's counters (version, sync step, mode, pushes, late drops, staleness)."""
-        calls = [channel.call("Hello", codec.encode({}), self.rpc_timeout_s) for channel in self.channels]
-        return [dict(codec.decode(call.wait(self.rpc_timeout_s)).meta) for call in calls]
+        payload = codec.encode(msg.HelloRequest().to_meta())
+        calls = [channel.call("Hello", payload, self.rpc_timeout_s) for channel in self.channels]
+        return [msg.HelloReply.from_meta(codec.decode(call.wait(self.rpc_timeout_s)).meta).to_meta() for call in calls]
 
     def close(self) -> None:
         for channel in self.channels:

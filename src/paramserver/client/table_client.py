@@ -11,6 +11,7 @@ from typing import Callable
 
 import numpy as np
 
+from ..base import messages as msg
 from ..base.hashing import shard_of
 from ..transport import codec
 from ..transport.channel import ShardChannel
@@ -41,8 +42,9 @@ class StepRiders:
     """Row pushes and lookups that ride along a step's PushPull, so that one request per shard
     carries the dense gradients, the row gradients and the next batch's lookups together.
 
-    Request meta per shard: "sparse": [[table, ids name, grads name]], "lookup": [[table, ids
-    name, rows name]]; rider tensors are named with a leading "~" (never a variable's name).
+    Per shard, the PushPullRequest's `sparse` (RowPush: table, ids name, grads name) and `lookup`
+    (RowLookup: table, ids name, rows name); rider tensors are named with a leading "~" (never a
+    variable's name).
     The shard applies the row pushes with the dense push and reads the lookups after both, so
     the rows include this step's update. Built by TableClient.riders(); not thread-safe.
     """
@@ -50,7 +52,8 @@ class StepRiders:
     def __init__(self, split: Callable[[np.ndarray], list], num_shards: int) -> None:
         self._split = split
         self._num_shards = num_shards
-        self.meta: dict[int, dict[str, list]] = {}
+        self.row_pushes: dict[int, list[msg.RowPush]] = {}  # by shard
+        self.lookups: dict[int, list[msg.RowLookup]] = {}  # by shard
         self.tensors: dict[int, list[tuple[str, np.ndarray]]] = {}
         self._lookups: list[tuple[int, list[tuple[int, np.ndarray, str]]]] = []  # (count, [(shard, where, rows name)])
 
@@ -61,7 +64,7 @@ class StepRiders:
         for shard in range(self._num_shards):
             where, part = parts.get(shard, (slice(0, 0), ids[:0]))
             name = self._name(shard, "s")
-            self.meta.setdefault(shard, {}).setdefault("sparse", []).append([table, name + ".ids", name + ".grads"])
+            self.row_pushes.setdefault(shard, []).append(msg.RowPush(table, name + ".ids", name + ".grads"))
             self.tensors.setdefault(shard, []).extend([(name + ".ids", part), (name + ".grads", grads[where])])
 
     def lookup(self, table: str, ids: np.ndarray) -> int:
@@ -69,7 +72,7 @@ class StepRiders:
         placed = []
         for shard, where, part in self._split(ids):
             name = self._name(shard, "l")
-            self.meta.setdefault(shard, {}).setdefault("lookup", []).append([table, name + ".ids", name + ".rows"])
+            self.lookups.setdefault(shard, []).append(msg.RowLookup(table, name + ".ids", name + ".rows"))
             self.tensors.setdefault(shard, []).append((name + ".ids", part))
             placed.append((shard, where, name + ".rows"))
         self._lookups.append((ids.shape[0], placed))
@@ -96,11 +99,10 @@ class TableClient:
                  capacity: int = 0) -> None:
         """Create the table on every shard; `capacity` (rows, all shards together) is reserved up front."""
         per_shard = -(-capacity // len(self.channels))  # ids spread evenly over shards by hash
-        meta = {"table": table, "dim": dim, "optimizer": optimizer_spec, "init": init, "policy": policy or {},
-                "capacity": per_shard, "num_shards": len(self.channels)}
-        if self.consistency is not None:
-            meta["consistency"] = self.consistency
-        payload = codec.encode(meta)
+        request = msg.RegisterTableRequest(table=table, dim=dim, optimizer=optimizer_spec, init=init,
+                                           policy=policy or {}, capacity=per_shard, num_shards=len(self.channels),
+                                           consistency=self.consistency)
+        payload = codec.encode(request.to_meta())
         self.wait_all([channel.call("RegisterTable", payload, self.rpc_timeout_s) for channel in self.channels])
 
     def lookup(self, table: str, ids: np.ndarray) -> np.ndarray:
@@ -109,14 +111,16 @@ class TableClient:
 
     def start_lookup(self, table: str, ids: np.ndarray) -> "RowsHandle":
         """Send a lookup and return at once; `wait()` on the handle gives the rows."""
-        calls = [(where, self.channels[shard].call("Lookup", codec.encode_parts({"table": table}, [("ids", part)]),
+        meta = msg.LookupRequest(table=table).to_meta()
+        calls = [(where, self.channels[shard].call("Lookup", codec.encode_parts(meta, [("ids", part)]),
                                                    self.rpc_timeout_s)) for shard, where, part in self._split(ids)]
         return RowsHandle(calls, ids.shape[0], time.monotonic() + self.rpc_timeout_s)
 
     def push(self, table: str, ids: np.ndarray, grads: np.ndarray) -> list:
         """Send one row-wise update; returns the calls in flight (wait with `wait_all`)."""
+        meta = msg.PushSparseRequest(table=table).to_meta()
         return [self.channels[shard].call("PushSparse", codec.encode_parts(
-            {"table": table}, [("ids", part), ("grads", grads[where])]), self.rpc_timeout_s)
+            meta, [("ids", part), ("grads", grads[where])]), self.rpc_timeout_s)
             for shard, where, part in self._split(ids)]
 
     def riders(self) -> StepRiders:

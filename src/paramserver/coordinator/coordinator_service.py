@@ -1,10 +1,9 @@
 """The coordinator over the wire: a thin service, and the worker's client with its heartbeat thread.
 
-Methods of service ``paramserver.Coordinator`` (frames without tensors; replies carry
-{"global_step", "live", "workers", "states", "checkpoints_requested"}): ``Hello`` {},
-``Join`` {"worker"}, ``Heartbeat`` {"worker", "step"}, ``Finish`` {"worker"} (its data is done),
-``Barrier`` {"worker", "name", "wait", "training_only"?} (a long poll: the reply says "open", or
-the workers still "waiting"), ``Leave`` {"worker"}, ``RequestCheckpoint`` {"worker"}.
+Methods of service ``paramserver.Coordinator`` (frames without tensors): Hello, Join, Heartbeat,
+Finish, Barrier (a long poll: the reply says "open", or the workers still "waiting"), Leave,
+RequestCheckpoint. Requests and the reply (CoordinatorReply) are the messages of
+base/messages.py (COORDINATOR_METHODS), documented there and in docs/protocol.md.
 """
 
 from __future__ import annotations
@@ -14,70 +13,50 @@ import threading
 import time
 from typing import Any, Callable
 
-from ..base.errors import DeadlineExceededError, MalformedFrameError, ParamServerError
+from ..base import messages as msg
+from ..base.errors import DeadlineExceededError, MalformedFrameError, ParamServerError, UnavailableError
+from ..base.lifecycle import Lifecycle, ReadyFlag
 from ..transport import codec
 from .membership import Coordinator
 
 log = logging.getLogger(__name__)
 SERVICE = "paramserver.Coordinator"
+_CONNECT_ATTEMPT_S = 1.0  # the joining thread's longest wait for the coordinator before it checks for stop()
 
 
 class CoordinatorService:
-    """Decodes a request, calls the Coordinator, encodes its view. Thread-safe."""
+    """Parses a request (base/messages.py), calls the Coordinator, encodes its view. Thread-safe."""
 
     def __init__(self, coordinator: Coordinator) -> None:
         self.coordinator = coordinator
-        self.methods: dict[str, Callable[[dict], dict]] = {
-            "Hello": lambda meta: coordinator.view(),
-            "Join": lambda meta: coordinator.join(_int(meta, "worker")),
-            "Heartbeat": lambda meta: coordinator.heartbeat(_int(meta, "worker"), _int(meta, "step")),
-            "Finish": lambda meta: coordinator.finish(_int(meta, "worker")),
-            "Barrier": lambda meta: coordinator.barrier(_str(meta, "name"), _int(meta, "worker"),
-                                                        _number(meta, "wait"), _bool(meta, "training_only")),
-            "Leave": lambda meta: coordinator.leave(_int(meta, "worker")),
-            "RequestCheckpoint": lambda meta: coordinator.request_checkpoint(_int(meta, "worker")),
+        self.methods: dict[str, Callable[[Any], dict]] = {
+            "Hello": lambda request: coordinator.view(),
+            "Join": lambda request: coordinator.join(request.worker),
+            "Heartbeat": lambda request: coordinator.heartbeat(request.worker, request.step),
+            "Finish": lambda request: coordinator.finish(request.worker),
+            "Barrier": lambda request: coordinator.barrier(request.name, request.worker, request.wait,
+                                                           request.training_only),
+            "Leave": lambda request: coordinator.leave(request.worker),
+            "RequestCheckpoint": lambda request: coordinator.request_checkpoint(request.worker),
         }
 
     def call(self, method: str, payload: bytes, sink: Callable[[list], Any] = b"".join) -> Any:
         handler = self.methods.get(method)
         if handler is None:
             raise MalformedFrameError(f"coordinator has no method {method!r}")
-        return sink(codec.encode_parts(handler(codec.decode(payload).meta)))
+        request_type, _ = msg.COORDINATOR_METHODS[method]
+        view = handler(request_type.from_meta(codec.decode(payload).meta))
+        return sink(codec.encode_parts(msg.CoordinatorReply(**view).to_meta()))
 
 
-def _int(meta: dict, key: str) -> int:
-    value = meta.get(key)
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise MalformedFrameError(f"coordinator request needs integer {key!r}, got {value!r}")
-    return value
-
-
-def _str(meta: dict, key: str) -> str:
-    value = meta.get(key)
-    if not isinstance(value, str) or not value:
-        raise MalformedFrameError(f"coordinator request needs a non-empty string {key!r}, got {value!r}")
-    return value
-
-
-def _bool(meta: dict, key: str) -> bool:
-    value = meta.get(key, False)
-    if not isinstance(value, bool):
-        raise MalformedFrameError(f"coordinator request needs {key!r} as true or false, got {value!r}")
-    return value
-
-
-def _number(meta: dict, key: str) -> float:
-    value = meta.get(key)
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise MalformedFrameError(f"coordinator request needs a number {key!r}, got {value!r}")
-    return float(value)
-
-
-class CoordinatorClient:
+class CoordinatorClient(Lifecycle):
     """A worker's membership: joins, heartbeats on a named thread, barriers, leaves.
 
-    Lifecycle: `start()` (join + heartbeat thread), then `stop()` (leave). `step` is read by
-    the heartbeat thread; the training thread sets it.
+    Lifecycle (base/lifecycle.py): `start()` starts the thread "heartbeat-worker<N>", which joins
+    (trying to reach the coordinator until it answers or `stop`) and then beats every
+    `heartbeat_s`; `wait_ready(timeout)` blocks until this worker joined; `stop(grace)` leaves
+    (if it joined), closes the channel and joins the thread, within about `grace` seconds. `step`
+    is read by the heartbeat thread; the training thread sets it.
     """
 
     def __init__(self, channel, worker: int, rpc_timeout_s: float, heartbeat_s: float = 1.0) -> None:
@@ -88,20 +67,49 @@ class CoordinatorClient:
         self.poll_s = 5.0  # longest wait of one Barrier call
         self.step = 0
         self.view: dict = {}
+        self.ready = ReadyFlag(f"worker {worker}'s join to the coordinator at {getattr(channel, 'address', '?')}")
         self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._beat, name=f"heartbeat-worker{worker}", daemon=True)
+        self._stop_lock = threading.Lock()
+        self._joined = False
+        self._thread = threading.Thread(target=self._run, name=f"heartbeat-worker{worker}", daemon=True)
 
-    def _call(self, method: str, deadline_s: float | None = None, **meta: Any) -> dict:
+    def _call(self, method: str, deadline_s: float | None = None, **fields: Any) -> dict:
         timeout = deadline_s or self.rpc_timeout_s
-        reply = codec.decode(self.channel.call(method, codec.encode({"worker": self.worker, **meta}), timeout)
-                             .wait(timeout))
-        self.view = dict(reply.meta)
+        request_type, _ = msg.COORDINATOR_METHODS[method]
+        payload = codec.encode(request_type(worker=self.worker, **fields).to_meta())
+        reply = codec.decode(self.channel.call(method, payload, timeout).wait(timeout))
+        self.view = msg.CoordinatorReply.from_meta(reply.meta).to_meta()
         return self.view
 
-    def start(self, timeout: float) -> None:
-        self.channel.wait_ready(timeout)
-        self._call("Join")
+    def start(self) -> None:
         self._thread.start()
+
+    def wait_ready(self, timeout: float) -> None:
+        """Block until this worker joined (UnavailableError, with the last connection error, if it did
+        not within `timeout`; the thread keeps trying until `stop`)."""
+        self.ready.wait(timeout)
+
+    def _run(self) -> None:
+        try:
+            self._join()
+        except Exception as exc:  # handed to wait_ready
+            self.ready.fail(exc)
+            return
+        self.ready.set()
+        self._beat()
+
+    def _join(self) -> None:
+        while True:
+            if self._stopping.is_set():
+                raise UnavailableError(f"worker {self.worker} stopped before it joined the coordinator")
+            try:
+                self.channel.wait_ready(_CONNECT_ATTEMPT_S)
+                break
+            except UnavailableError as exc:  # not up yet: try again
+                self.ready.detail = str(exc)
+                self._stopping.wait(0.05)  # a refused connection fails at once: no busy loop
+        self._call("Join")
+        self._joined = True
 
     def barrier(self, name: str, timeout: float | None = None, training_only: bool = False) -> dict:
         """Wait until every worker that has not exited (with `training_only`: nor finished its data)
@@ -134,14 +142,27 @@ class CoordinatorClient:
         while not self._stopping.wait(self.heartbeat_s):
             try:
                 self._call("Heartbeat", step=self.step)
-            except ParamServerError as exc:
+            except Exception as exc:
+                if self._stopping.is_set():  # a call cut off by stop(), or on the channel it closed: no news
+                    return
+                if not isinstance(exc, ParamServerError):
+                    raise
                 log.warning("heartbeat to the coordinator failed: %s", exc)
 
-    def stop(self) -> None:
-        self._stopping.set()
-        try:
-            self._call("Leave", deadline_s=5.0)
-        except ParamServerError as exc:
-            log.info("leaving the coordinator: %s", exc)
-        self._thread.join(5)
+    def stop(self, grace: float = 5.0) -> None:
+        """Leave (at most `grace` seconds), close the channel (a heartbeat in flight ends with it) and
+        join the heartbeat thread. Idempotent; any thread."""
+        with self._stop_lock:
+            if self._stopping.is_set():
+                return
+            self._stopping.set()
+        self.ready.fail(UnavailableError(f"worker {self.worker} stopped before it joined the coordinator"))
+        started = time.monotonic()
+        if self._joined:
+            try:
+                self._call("Leave", deadline_s=max(0.1, grace))
+            except ParamServerError as exc:
+                log.info("leaving the coordinator: %s", exc)
         self.channel.close()
+        if self._thread.ident is not None:  # started
+            self._thread.join(max(0.1, grace - (time.monotonic() - started)) + _CONNECT_ATTEMPT_S)

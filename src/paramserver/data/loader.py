@@ -10,8 +10,10 @@ Wire format on the loader's stdout: 8-byte little-endian length, then a pickled 
 ("batch", item) | ("error", exception) | ("end", None). Batches are tuples of numpy arrays
 (or anything picklable); the loader runs only code named by its parent, on the same host.
 
-Lifecycle: `start()`, iterate, `stop(grace)` (iteration to the end, or leaving a `with` block,
-stops it). Not thread-safe: iterate from one thread.
+Lifecycle (base/lifecycle.py): `start()` starts the loader process and its reader thread
+("loader-<pid>"); `wait_ready(timeout)` blocks until the first batch (or the end, or an error) is
+waiting; iterate; `stop(grace)` (iteration to the end, or leaving a `with` block, stops it).
+Iterate from one thread; `stop` may come from any.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import threading
 from typing import Any, Callable, Iterator
 
 from ..base.errors import InvalidArgumentError, ParamServerError
+from ..base.lifecycle import Lifecycle, ReadyFlag
 from ..base.parent_death import die_with_parent
 
 log = logging.getLogger(__name__)
@@ -41,7 +44,7 @@ class LoaderError(ParamServerError):
     """The loader process died or stopped answering."""
 
 
-class BatchLoader:
+class BatchLoader(Lifecycle):
     """Runs `fn(*args, **kwargs)` (a generator of batches) in a loader process, `depth` batches ahead.
 
     fn must be importable by name (a module-level function of an installed or importable module,
@@ -57,12 +60,22 @@ class BatchLoader:
             raise InvalidArgumentError(f"{fn!r}: a loader runs module-level functions of importable modules only")
         self._job = (fn.__module__, fn.__qualname__, args, kwargs)
         self.timeout_s = timeout_s
-        self._ready: queue.Queue = queue.Queue(maxsize=depth)
+        self._batches: queue.Queue = queue.Queue(maxsize=depth)
         self._proc: subprocess.Popen | None = None
         self._reader: threading.Thread | None = None
         self._stopping = threading.Event()
+        self._lock = threading.Lock()
+        self.ready = ReadyFlag(f"loader for {fn.__module__}.{fn.__qualname__}", LoaderError)
 
     def start(self) -> "BatchLoader":
+        """Start the loader process; returns self (`BatchLoader(...).start()`)."""
+        with self._lock:
+            if self._stopping.is_set():
+                raise LoaderError("a stopped loader cannot start again")
+            self._spawn()
+        return self
+
+    def _spawn(self) -> None:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         # no preexec_fn: forking a threaded process (gRPC's) and running Python there can deadlock
         entry = f"from paramserver.data.loader import serve; serve({os.getpid()})"
@@ -74,7 +87,10 @@ class BatchLoader:
         self._reader = threading.Thread(target=self._read, name=f"loader-{self._proc.pid}", daemon=True)
         self._reader.start()
         log.info("loader %d started for %s.%s", self._proc.pid, *self._job[:2])
-        return self
+
+    def wait_ready(self, timeout: float) -> None:
+        """Block until the first batch (or the end, or an error, which iterating raises) is waiting."""
+        self.ready.wait(timeout)
 
     def __iter__(self) -> Iterator[Any]:
         if self._proc is None:
@@ -82,7 +98,7 @@ class BatchLoader:
         try:
             while True:
                 try:
-                    kind, value = self._ready.get(timeout=self.timeout_s)
+                    kind, value = self._batches.get(timeout=self.timeout_s)
                 except queue.Empty:
                     raise LoaderError(f"loader {self._proc.pid} sent no batch in {self.timeout_s:.0f}s") from None
                 if kind == "end":
@@ -93,17 +109,16 @@ class BatchLoader:
         finally:
             self.stop()
 
-    def __enter__(self) -> "BatchLoader":
-        return self.start()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
-
     def stop(self, grace: float = 2.0) -> None:
-        """End the loader process (if still running) and its reader thread. Idempotent."""
+        """End the loader process (SIGTERM, SIGKILL after `grace` seconds) and join its reader thread.
+        Idempotent; any thread."""
+        with self._lock:
+            if self._stopping.is_set():
+                return
+            self._stopping.set()
+        self.ready.fail(LoaderError("loader stopped"))
         if self._proc is None:
             return
-        self._stopping.set()
         if self._proc.poll() is None:
             self._proc.terminate()
             try:
@@ -138,7 +153,8 @@ class BatchLoader:
     def _put(self, message: tuple) -> None:
         while not self._stopping.is_set():
             try:
-                self._ready.put(message, timeout=0.5)
+                self._batches.put(message, timeout=0.5)
+                self.ready.set()
                 return
             except queue.Full:
                 continue

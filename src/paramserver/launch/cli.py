@@ -10,9 +10,7 @@ import sys
 from pathlib import Path
 
 from ..base.config import Options
-from ..base.consistency_spec import ConsistencySpec
 from ..base.errors import ParamServerError
-from ..worker.modes import parse_schedule
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +82,7 @@ def mode_options(args: argparse.Namespace) -> dict:
     given = {"mode": args.mode, "backup_workers": args.backup_workers, "mode_schedule": args.mode_schedule,
              "checkpoint_dir": args.checkpoint_dir, "checkpoint_every": args.checkpoint_every,
              "checkpoint_every_seconds": args.checkpoint_every_seconds,
-             "checkpoint_keep": args.keep, "resume": 1 if args.resume else None,
+             "checkpoint_keep": args.keep, "resume": True if args.resume else None,
              "heartbeat_timeout_s": args.heartbeat_timeout}
     return {key: value for key, value in given.items() if value is not None}
 
@@ -94,8 +92,7 @@ def _run_local(args: argparse.Namespace, script: str, script_args: list[str]) ->
 
     threads = args.torch_threads or default_torch_threads(args.ps, args.workers)
     options = Options(rpc_timeout_s=args.rpc_timeout, torch_threads=threads, **mode_options(args))
-    ConsistencySpec.parse(options.mode, args.workers, options.backup_workers)  # refuse a bad mode before starting
-    parse_schedule(options.mode_schedule)
+    options.validate(args.workers)  # what needs the cluster's size too, before any process starts
     cluster = LocalCluster(args.ps, args.workers, script, script_args, options,
                            progress_every=args.progress_every, log_level=args.log_level,
                            max_restarts=args.max_restarts)

@@ -21,6 +21,11 @@ Stopping (Ctrl-C, SIGTERM, the end of the run, a roll-back) SIGTERMs every node 
 first, waits for all of them together and SIGKILLs what is left after the grace. On an
 interrupt the progress board is frozen first, so the closing JSON line counts the steps up to
 the interrupt, not those the workers took while stopping.
+
+A run given a checkpoint directory asks for checkpoints (periodic ones, and the final one at a
+clean end). The chief reports how many it wrote and how many failed (the closing JSON line's
+`checkpoints_written`, `checkpoints_failed`, `checkpoint_error`); a run that trained to its end
+but wrote none exits with NO_CHECKPOINT (3) and says why.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import psutil
 
 from ..base.config import OPTIONS_ENV, TF_CONFIG_ENV, Options
 from ..base.errors import UnavailableError
+from ..base.lifecycle import Lifecycle, ReadyFlag
 from ..base.progress import ProgressBoard
 from .processes import Child, LineWriter, stop_all, wait_any
 from .ps_node import READY_PREFIX
@@ -47,6 +53,7 @@ log = logging.getLogger(__name__)
 _MEMORY_EVERY_S = 0.5  # how often the nodes' resident memory is sampled for the peak figures
 _TREE_EVERY_S = 2.0  # how often the nodes' child processes (data loaders) are listed again
 _PROGRESS_EOF_S = 5.0  # how long to wait for a dead worker's last progress lines (normally instant)
+NO_CHECKPOINT = 3  # exit code: the run succeeded but wrote none of the checkpoints it asked for
 
 
 def free_port() -> int:
@@ -61,11 +68,15 @@ def default_torch_threads(num_ps: int, num_workers: int) -> int:
     return max(1, (os.cpu_count() or 1) // (num_ps + num_workers))
 
 
-class LocalCluster:
+class LocalCluster(Lifecycle):
     """N PS and M worker processes running one script.
 
-    Lifecycle: `start(timeout)` (PS up, then workers started), `wait()` (exit code), and
-    `stop(grace)` (idempotent, callable from any thread, also after a failed start).
+    Lifecycle (base/lifecycle.py): `start(timeout)` starts the PS, waits until each announced its
+    address (at most `timeout` seconds), then starts the workers; `wait_ready(timeout)` says whether
+    that succeeded; `wait()` (the exit code); `stop(grace)` (idempotent, callable from any thread,
+    also during or after a failed start: a node is never started after it). When `stop` returns,
+    every node it started has exited and been reaped, and its threads ("run-watch",
+    "progress-worker<i>", "log-<node>") are joined (bounded). `run()` is start + wait + stop.
     """
 
     def __init__(self, num_ps: int, num_workers: int, script: str, args: list[str] | None = None,
@@ -90,32 +101,60 @@ class LocalCluster:
         self._ps_ready = threading.Condition()
         self._lines = LineWriter(out or sys.stdout)
         self._stopped = threading.Event()
+        self._nodes_lock = threading.Lock()  # no node starts once stop() began
+        self._spawned: list[Child] = []  # every node started, for stop() (one may not be in ps/workers yet)
+        self.ready = ReadyFlag(f"local cluster of {num_ps} PS and {num_workers} workers")
         self._started_at = 0.0
         self.wall_s = 0.0
-        self._watching = False
+        self._watcher: threading.Thread | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self, timeout: float = 120.0) -> None:
         """Start the PS, wait until each announced its address, then start the workers."""
+        try:
+            self._start(timeout)
+        except BaseException as exc:
+            self.ready.fail(exc)
+            raise
+        self.ready.set()
+
+    def _start(self, timeout: float) -> None:
         self._started_at = self._started_at or time.monotonic()
         for i in range(self.num_ps):
             argv = self._node_argv("--role", "ps", "--index", str(i), "--bind", "127.0.0.1:0")
-            self.ps.append(Child(f"ps{i}", argv, self._env(self.options), self._on_line))
+            self.ps.append(self._spawn(f"ps{i}", argv, self._env(self.options)))
         self._wait_ps_ready(timeout)
         # worker 0 serves the coordinator on its address; the others' are reserved the same way
         self.worker_addresses = [f"127.0.0.1:{free_port()}" for _ in range(self.num_workers)]
-        if not self._watching:
-            self._watching = True
-            threading.Thread(target=self._watch, name="run-watch", daemon=True).start()
+        if self._watcher is None:
+            self._watcher = threading.Thread(target=self._watch, name="run-watch", daemon=True)
+            self._watcher.start()
         for i in range(self.num_workers):
             self.workers.append(self._start_worker(i))
+
+    def wait_ready(self, timeout: float) -> None:
+        """Every PS announced its address and every worker was started (what `start` waits for)."""
+        self.ready.wait(timeout)
+
+    def _spawn(self, label: str, argv: list[str], env: dict[str, str], pass_fds: tuple[int, ...] = ()) -> Child:
+        with self._nodes_lock:
+            if self._stopped.is_set():
+                raise UnavailableError(f"the cluster is stopping: {label} not started")
+            child = Child(label, argv, env, self._on_line, pass_fds=pass_fds)
+            self._spawned.append(child)
+            return child
 
     def _start_worker(self, index: int) -> Child:
         read_fd, write_fd = os.pipe()
         env = self._env(replace(self.options, progress_fd=write_fd), self._tf_config(index))
-        child = Child(f"worker{index}", self._node_argv(self.script, *self.args), env, self._on_line,
-                      pass_fds=(write_fd,))
-        os.close(write_fd)
+        try:
+            child = self._spawn(f"worker{index}", self._node_argv(self.script, *self.args), env,
+                                pass_fds=(write_fd,))
+        except BaseException:
+            os.close(read_fd)
+            raise
+        finally:
+            os.close(write_fd)
         reader = threading.Thread(target=self._read_progress, args=(read_fd,), name=f"progress-worker{index}",
                                   daemon=True)
         reader.start()
@@ -213,28 +252,37 @@ class LocalCluster:
         self.board.restart()
         self.ps, self.workers = [], []
         self.ps_addresses = [None] * self.num_ps
-        self.options = replace(self.options, resume=1)
+        self.options = replace(self.options, resume=True)
         self.start(timeout)
         self._lines.write("run", f"cluster restarted in {time.monotonic() - started:.2f}s")
 
     def stop(self, grace: float = 5.0) -> None:
         """SIGTERM every node at once (workers first), wait for all of them together, SIGKILL what is
-        left after `grace` seconds."""
-        if self._stopped.is_set():
-            return
-        self._stopped.set()
+        left after `grace` seconds; then join the launcher's threads (a few seconds at most)."""
+        with self._nodes_lock:
+            if self._stopped.is_set():
+                return
+            self._stopped.set()
+            nodes = self.workers + self.ps
+            nodes += [child for child in self._spawned if child not in nodes and child.poll() is None]
+        self.ready.fail(UnavailableError("the local cluster was stopped"))
         self.wall_s = time.monotonic() - self._started_at if self._started_at else 0.0
-        stop_all(self.workers + self.ps, grace)
+        stop_all(nodes, grace)
+        deadline = time.monotonic() + _PROGRESS_EOF_S  # the nodes are gone: their pipes end now
+        for thread in [self._watcher, *list(self._progress_readers.values())]:
+            if thread is not None:
+                thread.join(max(0.0, deadline - time.monotonic()))
 
     def interrupt(self) -> dict[str, Any]:
         """Freeze the progress board (steps taken from now on are not counted); returns its totals."""
         return self.board.freeze()
 
     def run(self, timeout: float = 120.0) -> int:
-        """start + wait + stop, turning Ctrl-C into a clean stop (exit code 130)."""
+        """start + wait + stop, turning Ctrl-C into a clean stop (exit code 130); a run that wrote
+        none of the checkpoints it asked for ends with NO_CHECKPOINT (see `checkpoint_verdict`)."""
         try:
             self.start(timeout)
-            return self.wait()
+            code = self.wait()
         except KeyboardInterrupt:
             totals = self.interrupt()
             self._lines.write("run", f"interrupted at steps={totals['steps']:,} examples={totals['examples']:,}; "
@@ -242,10 +290,30 @@ class LocalCluster:
             return 130
         finally:
             self.stop()
+        return self.checkpoint_verdict(code)
+
+    def checkpoint_verdict(self, code: int) -> int:
+        """The run's exit code once its checkpoints are counted: NO_CHECKPOINT (and a line saying
+        why) when it ended with 0 and a checkpoint directory, but its chief wrote no checkpoint
+        and reported failures; else `code`. Call after `stop()`: every worker's progress lines
+        are read first (their pipes end when the nodes are gone)."""
+        if code != 0 or not self.options.checkpoint_dir:
+            return code
+        for index in range(len(self.workers)):
+            self._drain_progress(index)
+        chief = self.board.results.get(0, {})
+        if chief.get("checkpoints_written", 1) > 0:  # no count: its script never trained, nothing to save
+            return code
+        self._lines.write("run", f"no checkpoint was written to {self.options.checkpoint_dir}: "
+                                 f"{chief.get('checkpoints_failed', 0)} failed, the last with: "
+                                 f"{chief.get('checkpoint_error', 'see the errors above')}; "
+                                 f"exiting with code {NO_CHECKPOINT}")
+        return NO_CHECKPOINT
 
     # ---- results ---------------------------------------------------------------------------
     def summary(self) -> dict[str, Any]:
-        """One JSON-able record of the run: totals, peak memory per role, and worker 0's result."""
+        """One JSON-able record of the run: totals, peak memory per role, and the workers' results
+        (worker 0's win; the chief's checkpoint counts among them)."""
         totals = self.board.totals()
         summary = {"ps": self.num_ps, "workers": self.num_workers, "steps": totals["steps"],
                    "examples": totals["examples"], "examples_per_s": round(totals["examples_per_s"], 1),

@@ -1,7 +1,8 @@
 """A PS node: one shard served over gRPC, from start until SIGTERM / SIGINT.
 
-On start it prints one line ``PARAMSERVER_READY ps <index> <host:port>`` to stdout; the
-local launcher reads it to learn the port when binding port 0.
+Once ready (`PSNode.wait_ready`), `run_ps_node` prints one line ``PARAMSERVER_READY ps <index>
+<host:port>`` to stdout: the launcher (or whoever started the process) reads it to learn that the
+PS serves and on which port (it binds port 0).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import threading
 import time
 
 from ..base.config import Options
+from ..base.lifecycle import Lifecycle
 from ..checkpoint import save_shard
 from ..server.shard import Shard
 from ..server.shard_service import ShardService
@@ -24,8 +26,13 @@ log = logging.getLogger(__name__)
 READY_PREFIX = "PARAMSERVER_READY"
 
 
-class PSNode:
-    """Lifecycle: `start()` once, then `stop(grace)` once. `stop` may be called from any thread."""
+class PSNode(Lifecycle):
+    """One shard served over gRPC and the tensor stream.
+
+    Lifecycle (base/lifecycle.py): `start()` returns the gRPC address; `wait_ready(timeout)`;
+    `stop(grace)` from any thread: gRPC calls in flight get `grace` seconds, then the stream's
+    connections are cut; every thread of both servers is joined (bounded) before it returns.
+    """
 
     def __init__(self, bind: str, index: int, options: Options) -> None:
         self.index = index
@@ -37,6 +44,8 @@ class PSNode:
         host = bind.rsplit(":", 1)[0].strip("[]")
         self.stream = StreamServer(self.service, host, options.stream_port, options.max_message_bytes)
         self.address: str | None = None
+        self._stop_lock = threading.Lock()
+        self._stopped = False
 
     def start(self) -> str:
         self.service.announce.update(stream_port=self.stream.start(), host_id=host_id())
@@ -46,10 +55,20 @@ class PSNode:
         log.info("ps %d serving on %s (tensor stream on port %d)", self.index, self.address, self.stream.port)
         return self.address
 
-    def stop(self, grace: float) -> None:
+    def wait_ready(self, timeout: float) -> None:
+        """Both servers accept calls (a Hello announces the stream's port from then on)."""
+        deadline = time.monotonic() + timeout
+        self.stream.wait_ready(timeout)
+        self.server.wait_ready(max(0.0, deadline - time.monotonic()))
+
+    def stop(self, grace: float = 2.0) -> None:
+        with self._stop_lock:
+            if self._stopped:
+                return
+            self._stopped = True
         started = time.monotonic()
         self.server.stop(grace)
-        self.stream.stop()
+        self.stream.stop(grace)
         stats = self.shard.describe()
         log.info("ps %d stopped after %d updates from %d pushes, %d late pushes dropped (%.2fs)", self.index,
                  stats["version"], stats["pushes"], stats["dropped_late"], time.monotonic() - started)
@@ -57,7 +76,7 @@ class PSNode:
 
 def _restore_source(options: Options):
     """The checkpoint to start from with `resume`, or None (nothing to resume from: a fresh start)."""
-    if not (options.resume and options.checkpoint_dir):
+    if not options.resume:  # Options made sure a resume has its checkpoint_dir
         return None
     from ..checkpoint.restore import RestoreSource  # only a resuming PS loads safetensors and fsspec
     from ..checkpoint.store import CheckpointStore
@@ -71,16 +90,19 @@ def _restore_source(options: Options):
     return source
 
 
-def run_ps_node(bind: str, index: int, options: Options, grace: float = 2.0) -> int:
-    """Serve until SIGTERM or SIGINT; returns the process exit code. Call from the main thread."""
+def run_ps_node(bind: str, index: int, options: Options, grace: float = 2.0, ready_timeout: float = 60.0) -> int:
+    """Serve until SIGTERM or SIGINT; returns the process exit code. Call from the main thread.
+
+    Once `wait_ready` passed, prints the ready line (module docstring): the one readiness signal a
+    PS process gives the process that started it."""
     stopping = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stopping.set())
-    node = PSNode(bind, index, options)
-    address = node.start()
-    print(f"{READY_PREFIX} ps {index} {address}", flush=True)
-    while not stopping.wait(1.0):
-        pass
-    node.stop(grace)
+    with PSNode(bind, index, options) as node:
+        node.wait_ready(ready_timeout)
+        print(f"{READY_PREFIX} ps {index} {node.address}", flush=True)
+        while not stopping.wait(1.0):
+            pass
+        node.stop(grace)
     sys.stdout.flush()
     return 0

@@ -7,40 +7,19 @@ view live values) and writes them where the reply must go, e.g. into shared memo
 the default joins them into bytes. Errors are raised as typed ParamServerError
 subclasses; the transport turns them into status codes.
 
-Methods (request meta -> reply meta; tensors as named):
-- ``Hello``: {} -> {"shard", "protocol", "stream_port"?, "host_id"?} + the shard's counters
-- ``Register``: {"group", "optimizer", "consistency"?} + initial values -> {"version"} + current values
-- ``PushPull``: {"lr"?: {group: lr}, "pull"?: [names], "worker"?, "step"?, "base"?, "resumed"?} + gradients
-  -> {"version", "step", "staleness", "applied"} + values of the pulled names (default: the
-  pushed names). With no gradients it is a plain pull. Embedding work may ride along:
-  "sparse": [[table, ids name, grads name]] (row pushes) and "lookup": [[table, ids name,
-  rows name]] (rows read after the pushes, returned under the rows name); rider tensors are
-  named "~...". Every part is checked before any is applied. Row pushes count as a push of the
-  worker's step (applied on arrival, or averaged over a sync step's workers); "marker": true
-  makes a request without gradients count as one too (a worker with nothing for this shard
-  this step, so that a sync step does not wait for it).
-- ``SetMode``: {"consistency"} -> {"version", "step"}
-- ``Leave``: {"worker", "barrier"?, "gone"?} -> {"version", "step"}: the worker finished its data,
-  or waits at "barrier"; steps stop waiting for it until its next push, or until a push that
-  carries "resumed": that barrier (it opened). With "gone" (why), the coordinator found it gone
-  for good: a wait that needs it fails at once, naming it
-- ``RegisterTable``: {"table", "dim", "optimizer", "init", "policy"?} -> {}
-- ``Lookup``: {"table"} + "ids" (int64, distinct) -> {} + "rows" (len(ids) x dim float32)
-- ``PushSparse``: {"table"} + "ids", "grads" -> {}
-- ``Checkpoint``: {"dir", "name"} -> {"index", "file", "bytes", "sha256"}: this shard's file of
-  checkpoint `name`, written to `dir` (a path or fsspec URL)
-``Register`` (meta may name the "worker") replies also carry "restored", that worker's step in
-the checkpoint the shard started from (0: none), and "position", the steps that worker trained as
-the shard saw them.
-``RegisterTable`` may carry "capacity", "num_shards" (the shards the table spreads over) and
-"consistency" (the mode, for a shard that holds no dense variable to learn it from).
-Thread-safe.
+Methods: Hello, Register, PushPull, SetMode, Leave, RegisterTable, Lookup, PushSparse,
+Checkpoint. Each request's meta is parsed into its message of base/messages.py (a bad field is
+a MalformedFrameError naming it, before anything changes) and each reply is built from one;
+the fields, their meanings and the tensors each frame carries are documented there (and in
+docs/protocol.md, generated from them). A PushPull without gradients, row pushes or "marker" is
+a plain pull; its parts (dense and riders) are all checked before any is applied. Thread-safe.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
+from ..base import messages as msg
 from ..base.consistency_spec import ConsistencySpec
 from ..base.errors import FailedPreconditionError, MalformedFrameError, NotFoundError
 from ..transport import codec
@@ -75,103 +54,84 @@ class ShardService:
         return handler(payload, sink)
 
     def hello(self, payload: bytes, sink: Sink) -> Any:
-        codec.decode(payload)
-        meta = {"shard": self.shard.index, "protocol": [codec.PROTOCOL_MAJOR, codec.PROTOCOL_MINOR],
-                **self.shard.describe(), "tables": self.tables.describe(), **self.announce}
-        return sink(codec.encode_parts(meta))
+        msg.HelloRequest.from_meta(codec.decode(payload).meta)
+        reply = msg.HelloReply(shard=self.shard.index, protocol=[codec.PROTOCOL_MAJOR, codec.PROTOCOL_MINOR],
+                               **self.shard.describe(), tables=self.tables.describe(), **self.announce)
+        return sink(codec.encode_parts(reply.to_meta()))
 
     def register(self, payload: bytes, sink: Sink) -> Any:
         frame = codec.decode(payload)
-        group = _field(frame.meta, "group", str)
-        optimizer = _field(frame.meta, "optimizer", dict)
-        consistency = frame.meta.get("consistency")
-        spec = ConsistencySpec.from_dict(consistency) if isinstance(consistency, dict) else None
-        worker = _optional_int(frame.meta, "worker")
-        self.shard.register(group, optimizer, frame.tensors, spec, worker)
-        extra = {"position": self.shard.position(worker), "restored": self.shard.restored_position(worker)}
-        return self.shard.pull(frame.tensors, _reply(sink, extra))
+        request = msg.RegisterRequest.from_meta(frame.meta)
+        spec = ConsistencySpec.from_dict(request.consistency) if request.consistency is not None else None
+        self.shard.register(request.group, request.optimizer, frame.tensors, spec, request.worker)
+        position, restored = self.shard.position(request.worker), self.shard.restored_position(request.worker)
+        return self.shard.pull(frame.tensors, _reply(
+            sink, lambda version: msg.RegisterReply(version=version, position=position, restored=restored)))
 
     def push_pull(self, payload: bytes, sink: Sink) -> Any:
         frame = codec.decode(payload)
-        meta = frame.meta
-        lrs = meta.get("lr") or {}
-        names = meta.get("pull")
-        if not isinstance(lrs, dict) or not (names is None or isinstance(names, list)):
-            raise MalformedFrameError("PushPull meta: 'lr' must be an object and 'pull' a list of names")
+        request = msg.PushPullRequest.from_meta(frame.meta)
         # row pushes and lookups riding along: all checked before anything changes
         row_pushes = [self.tables.check_push(table, _take(frame, ids), _take(frame, grads))
-                      for table, ids, grads in _rider_entries(meta, "sparse")]
-        lookups = [(rows, self.tables.check_lookup(table, _take(frame, ids)))
-                   for table, ids, rows in _rider_entries(meta, "lookup")]
-        extra = {"step": self.shard.sync_step, "staleness": 0, "applied": False}
-        if frame.tensors or row_pushes or meta.get("marker"):
-            push = Push(frame.tensors, lrs, _optional_int(meta, "worker"), _optional_int(meta, "step"),
-                        _optional_int(meta, "base"), row_pushes, _optional_str(meta, "resumed"))
+                      for table, ids, grads in request.sparse]
+        lookups = [(rows, self.tables.check_lookup(table, _take(frame, ids))) for table, ids, rows in request.lookup]
+        step, staleness, applied = self.shard.sync_step, 0, False
+        if frame.tensors or row_pushes or request.marker:
+            push = Push(frame.tensors, request.lr, request.worker, request.step, request.base, row_pushes,
+                        request.resumed)
             outcome = self.shard.push(push)
-            extra = {"step": self.shard.sync_step, "staleness": outcome.staleness, "applied": outcome.applied}
+            step, staleness, applied = self.shard.sync_step, outcome.staleness, outcome.applied
         found = self.tables.lookup_checked([lookup for _, lookup in lookups])
         rows = [(name, array) for (name, _), array in zip(lookups, found)]
-        return self.shard.pull(frame.tensors if names is None else names, _reply(sink, extra, rows))
+        return self.shard.pull(frame.tensors if request.pull is None else request.pull, _reply(
+            sink, lambda version: msg.PushPullReply(version=version, step=step, staleness=staleness, applied=applied),
+            rows))
 
     def register_table(self, payload: bytes, sink: Sink) -> Any:
-        meta = codec.decode(payload).meta
-        consistency = meta.get("consistency")
-        if isinstance(consistency, dict):
-            self.shard.adopt_mode(ConsistencySpec.from_dict(consistency))
-        policy = meta.get("policy")
-        self.tables.register(_field(meta, "table", str), _field(meta, "dim", int), _field(meta, "optimizer", dict),
-                             _field(meta, "init", dict), policy if isinstance(policy, dict) else None,
-                             _field(meta, "capacity", int) if "capacity" in meta else 0,
-                             _field(meta, "num_shards", int) if "num_shards" in meta else 1)
-        return sink(codec.encode_parts({}))
+        request = msg.RegisterTableRequest.from_meta(codec.decode(payload).meta)
+        if request.consistency is not None:
+            self.shard.adopt_mode(ConsistencySpec.from_dict(request.consistency))
+        self.tables.register(request.table, request.dim, request.optimizer, request.init, request.policy,
+                             request.capacity, request.num_shards)
+        return sink(codec.encode_parts(msg.RegisterTableReply().to_meta()))
 
     def lookup(self, payload: bytes, sink: Sink) -> Any:
         frame = codec.decode(payload)
-        rows = self.tables.lookup(_field(frame.meta, "table", str), _tensor(frame, "ids"))
-        return sink(codec.encode_parts({}, [("rows", rows)]))
+        request = msg.LookupRequest.from_meta(frame.meta)
+        rows = self.tables.lookup(request.table, _tensor(frame, "ids"))
+        return sink(codec.encode_parts(msg.LookupReply().to_meta(), [("rows", rows)]))
 
     def checkpoint(self, payload: bytes, sink: Sink) -> Any:
-        meta = codec.decode(payload).meta
-        directory, name = _field(meta, "dir", str), _field(meta, "name", str)
+        request = msg.CheckpointRequest.from_meta(codec.decode(payload).meta)
         if self.save_checkpoint is None:
             raise FailedPreconditionError(f"shard {self.shard.index} was started without a checkpoint writer")
-        return sink(codec.encode_parts(self.save_checkpoint(directory, name, self.shard, self.tables)))
+        entry = self.save_checkpoint(request.dir, request.name, self.shard, self.tables)
+        return sink(codec.encode_parts(msg.CheckpointReply(**entry).to_meta()))
 
     def push_sparse(self, payload: bytes, sink: Sink) -> Any:
         frame = codec.decode(payload)
-        self.tables.push(_field(frame.meta, "table", str), _tensor(frame, "ids"), _tensor(frame, "grads"))
-        return sink(codec.encode_parts({}))
+        request = msg.PushSparseRequest.from_meta(frame.meta)
+        self.tables.push(request.table, _tensor(frame, "ids"), _tensor(frame, "grads"))
+        return sink(codec.encode_parts(msg.PushSparseReply().to_meta()))
 
     def leave(self, payload: bytes, sink: Sink) -> Any:
-        frame = codec.decode(payload)
-        worker = _optional_int(frame.meta, "worker")
-        if worker is None:
-            raise MalformedFrameError("Leave needs the worker's index")
-        gone = _optional_str(frame.meta, "gone")
-        if gone is None:
-            self.shard.leave(worker, _optional_str(frame.meta, "barrier"))
+        request = msg.LeaveRequest.from_meta(codec.decode(payload).meta)
+        if request.gone is None:
+            self.shard.leave(request.worker, request.barrier)
         else:
-            self.shard.forget(worker, gone)
-        return sink(codec.encode_parts({"version": self.shard.version, "step": self.shard.sync_step}))
+            self.shard.forget(request.worker, request.gone)
+        return sink(codec.encode_parts(msg.LeaveReply(version=self.shard.version, step=self.shard.sync_step).to_meta()))
 
     def set_mode(self, payload: bytes, sink: Sink) -> Any:
-        frame = codec.decode(payload)
-        self.shard.set_mode(ConsistencySpec.from_dict(_field(frame.meta, "consistency", dict)))
-        return sink(codec.encode_parts({"version": self.shard.version, "step": self.shard.sync_step}))
+        request = msg.SetModeRequest.from_meta(codec.decode(payload).meta)
+        self.shard.set_mode(ConsistencySpec.from_dict(request.consistency))
+        return sink(codec.encode_parts(msg.SetModeReply(version=self.shard.version,
+                                                        step=self.shard.sync_step).to_meta()))
 
 
-def _reply(sink: Sink, extra: dict | None = None, more: list | None = None) -> Callable[[int, list], Any]:
-    return lambda version, values: sink(codec.encode_parts({"version": version, **(extra or {})},
-                                                           [*values, *(more or ())]))
-
-
-def _rider_entries(meta: dict[str, Any], key: str) -> list[list[str]]:
-    """PushPull meta "sparse" / "lookup": lists of three names, [table, tensor, tensor]."""
-    entries = meta.get(key) or []
-    if not isinstance(entries, list) or not all(
-            isinstance(e, list) and len(e) == 3 and all(isinstance(n, str) for n in e) for e in entries):
-        raise MalformedFrameError(f"PushPull meta {key!r} must be a list of [table, name, name]")
-    return entries
+def _reply(sink: Sink, build: Callable[[int], msg.Message], more: list | None = None) -> Callable[[int, list], Any]:
+    """What Shard.pull calls with the version and the values, under the shard's lock."""
+    return lambda version, values: sink(codec.encode_parts(build(version).to_meta(), [*values, *(more or ())]))
 
 
 def _take(frame: codec.Frame, name: str):
@@ -187,24 +147,3 @@ def _tensor(frame: codec.Frame, name: str):
     if name not in frame.tensors:
         raise MalformedFrameError(f"request needs a tensor named {name!r}")
     return frame.tensors[name]
-
-
-def _optional_int(meta: dict[str, Any], key: str) -> int | None:
-    value = meta.get(key)
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
-        raise MalformedFrameError(f"request meta {key!r} must be an integer, got {value!r}")
-    return value
-
-
-def _optional_str(meta: dict[str, Any], key: str) -> str | None:
-    value = meta.get(key)
-    if value is not None and not isinstance(value, str):
-        raise MalformedFrameError(f"request meta {key!r} must be a string, got {value!r}")
-    return value
-
-
-def _field(meta: dict[str, Any], key: str, kind: type) -> Any:
-    value = meta.get(key)
-    if not isinstance(value, kind):
-        raise MalformedFrameError(f"request meta needs {key!r} as {kind.__name__}, got {value!r}")
-    return value

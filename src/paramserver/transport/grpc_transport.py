@@ -7,6 +7,7 @@ the service name ``paramserver.Shard``.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from concurrent import futures
 from concurrent.futures import Future
@@ -14,6 +15,7 @@ from concurrent.futures import Future
 import grpc
 
 from ..base.errors import UnavailableError, error_for_status
+from ..base.lifecycle import Lifecycle, ReadyFlag
 from . import codec
 from .channel import CallHandle, FutureCall
 from .dispatch import answer
@@ -34,10 +36,13 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
             ("grpc.http2.write_buffer_size", 64 * 1024 * 1024)]
 
 
-class GrpcServer:
+class GrpcServer(Lifecycle):
     """A gRPC server exposing one service object (`.methods` names, `.call(method, payload)`).
 
-    Lifecycle: `start()` binds and returns the port, then `stop(grace)` once.
+    Lifecycle (base/lifecycle.py): `start()` binds and returns the port; `wait_ready(timeout)`;
+    `stop(grace)`: in-flight calls get `grace` seconds, then gRPC cancels them; the request threads
+    ("ps-rpc_N", "coordinator-rpc_N") are joined, all within about `grace` + 1 s. gRPC's own
+    polling thread is not ours to name; it ends with the server.
     """
 
     def __init__(self, service, bind: str, max_message_bytes: int, threads: int = 8,
@@ -45,9 +50,13 @@ class GrpcServer:
         self.service = service
         self.bind = bind
         self.port: int | None = None
-        self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ps-rpc"),
-            options=channel_options(max_message_bytes))
+        self.ready = ReadyFlag(f"gRPC server on {bind}")
+        self._threads: list[threading.Thread] = []  # the request threads, recorded as each one starts
+        self._stopped = threading.Event()
+        self._executor = futures.ThreadPoolExecutor(
+            max_workers=threads, thread_name_prefix=f"{_PEER_KINDS.get(service_name, 'ps')}-rpc",
+            initializer=lambda: self._threads.append(threading.current_thread()))
+        self._server = grpc.server(self._executor, options=channel_options(max_message_bytes))
         handlers = {name: grpc.unary_unary_rpc_method_handler(self._handler(name)) for name in service.methods}
         self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service_name, handlers),))
 
@@ -60,14 +69,33 @@ class GrpcServer:
         return handle
 
     def start(self) -> int:
-        self.port = self._server.add_insecure_port(self.bind)
-        if not self.port:
-            raise UnavailableError(f"cannot bind {self.bind}")
-        self._server.start()
+        try:
+            self.port = self._server.add_insecure_port(self.bind)
+            if not self.port:
+                raise UnavailableError(f"cannot bind {self.bind}")
+            self._server.start()
+        except BaseException as exc:
+            self.ready.fail(exc)
+            raise
+        self.ready.set()
         return self.port
 
-    def stop(self, grace: float) -> None:
+    def wait_ready(self, timeout: float) -> None:
+        """Serving as soon as `start` returned: this only says whether it did (and waits for it)."""
+        self.ready.wait(timeout)
+
+    def stop(self, grace: float = 2.0) -> None:
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        self.ready.fail(UnavailableError(f"gRPC server on {self.bind} stopped"))
+        deadline = time.monotonic() + grace + 1
         self._server.stop(grace).wait(grace + 1)
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        for thread in list(self._threads):  # a handler still running its call (gRPC cancelled it)
+            thread.join(max(0.5, deadline - time.monotonic()))
+            if thread.is_alive():
+                log.warning("%s still busy after stop(%.1f)", thread.name, grace)
 
 
 class GrpcChannel:

@@ -34,6 +34,7 @@ import grpc
 
 from ..base.errors import (DeadlineExceededError, MalformedFrameError, ParamServerError, UnavailableError,
                            error_for_status)
+from ..base.lifecycle import Lifecycle, ReadyFlag
 from . import codec
 from .channel import CallHandle
 from .dispatch import answer
@@ -58,6 +59,15 @@ def host_id() -> str:
     except OSError:
         boot = "unknown-boot"
     return f"{socket.gethostname()}/{boot}"
+
+
+def _shut(sock: socket.socket) -> None:
+    """Shut a socket down both ways and close it: a thread blocked in accept or recv on it wakes."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:  # not connected, or already closed
+        pass
+    sock.close()
 
 
 def _tune(sock: socket.socket) -> None:
@@ -149,10 +159,13 @@ class _Segment:
             pass
 
 
-class StreamServer:
+class StreamServer(Lifecycle):
     """Accepts tensor streams and answers each with `service.call`. A thread per connection.
 
-    Lifecycle: `start()` returns the port; `stop()` closes the listener and every connection.
+    Lifecycle (base/lifecycle.py): the port is bound when built; `start()` starts the accepting
+    thread ("ps-stream-accept") and returns the port; `wait_ready(timeout)`; `stop(grace)` closes
+    the listener and every connection (a call being answered is cut off) and joins the threads
+    ("ps-stream-<peer port>"), at most `grace` seconds in all.
     """
 
     def __init__(self, service, host: str, port: int, max_message_bytes: int) -> None:
@@ -160,20 +173,38 @@ class StreamServer:
         self.max_message_bytes = max_message_bytes
         self._listener = socket.create_server((host, port), backlog=64)
         self.port = self._listener.getsockname()[1]
-        self._connections: set[socket.socket] = set()
+        self.ready = ReadyFlag(f"tensor stream on port {self.port}")
+        self._connections: dict[socket.socket, threading.Thread] = {}
         self._lock = threading.Lock()
         self._stopping = threading.Event()
+        self._acceptor = threading.Thread(target=self._accept, name="ps-stream-accept", daemon=True)
 
     def start(self) -> int:
-        threading.Thread(target=self._accept, name="ps-stream-accept", daemon=True).start()
+        with self._lock:
+            if self._stopping.is_set():
+                raise UnavailableError(f"tensor stream on port {self.port} was stopped")
+            self._acceptor.start()
+        self.ready.set()
         return self.port
 
-    def stop(self) -> None:
-        self._stopping.set()
-        self._listener.close()
+    def wait_ready(self, timeout: float) -> None:
+        """Accepting as soon as `start` returned: this only says whether it did (and waits for it)."""
+        self.ready.wait(timeout)
+
+    def stop(self, grace: float = 2.0) -> None:
         with self._lock:
-            for conn in self._connections:
-                conn.close()
+            if self._stopping.is_set():
+                return
+            self._stopping.set()
+            self.ready.fail(UnavailableError(f"tensor stream on port {self.port} stopped"))
+            connections = dict(self._connections)
+        _shut(self._listener)  # wakes the accepting thread (a plain close does not, on Linux)
+        for conn in connections:
+            _shut(conn)  # wakes a thread blocked reading it
+        deadline = time.monotonic() + grace  # no connection is added from now on (_accept checks, locked)
+        for thread in [self._acceptor, *connections.values()]:
+            if thread.ident is not None:  # started
+                thread.join(max(0.0, deadline - time.monotonic()))
 
     def _accept(self) -> None:
         while not self._stopping.is_set():
@@ -182,9 +213,14 @@ class StreamServer:
             except OSError:
                 return
             _tune(conn)
+            thread = threading.Thread(target=self._serve, args=(conn, peer), name=f"ps-stream-{peer[1]}",
+                                      daemon=True)
             with self._lock:
-                self._connections.add(conn)
-            threading.Thread(target=self._serve, args=(conn, peer), name=f"ps-stream-{peer[1]}", daemon=True).start()
+                if self._stopping.is_set():
+                    conn.close()
+                    return
+                self._connections[conn] = thread
+                thread.start()
 
     def _serve(self, conn: socket.socket, peer) -> None:
         segment: _Segment | None = None
@@ -211,7 +247,7 @@ class StreamServer:
                 log.info("tensor stream from %s closed: %s", peer, exc)
         finally:
             with self._lock:
-                self._connections.discard(conn)
+                self._connections.pop(conn, None)
             conn.close()
             if segment is not None:
                 segment.close()

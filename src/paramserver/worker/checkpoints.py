@@ -16,28 +16,35 @@ wrote holds exactly the shards' current state), and "checkpoint:final:written" l
 So the newest checkpoint of a run that ended cleanly is the trained model.
 
 A checkpoint that fails (an error from a shard, a full disk, a read-only directory, an
-unreachable store) is logged as an error and training goes on: the previous checkpoint stays the
-latest. Not thread-safe: call from the training thread.
+unreachable store: every one a CheckpointError) is logged as an error, counted, and training goes
+on: the previous checkpoint stays the latest, and the next checkpoint tries again. What the failed
+one had written is deleted (it has no manifest; a full disk gets its space back). The chief hands
+its counts to `paramserver run` for the closing JSON line after every checkpoint:
+``{"checkpoints_written": n, "checkpoints_failed": m}``, with ``"checkpoint_error"`` (the latest
+failure) once one failed; the launcher exits non-zero when checkpoints were asked for and none
+was written. Not thread-safe: call from the training thread.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from ..base.errors import ParamServerError
-from ..checkpoint.store import CheckpointStore, checkpoint_name
+from ..checkpoint.store import CheckpointError, CheckpointStore, checkpoint_name, os_reason
 
 log = logging.getLogger(__name__)
 FINAL = "checkpoint:final"
-_WRITE_ERRORS = (ParamServerError, OSError)  # what a failed write raises; logged, never fatal
 
 
 class Checkpointer:
     def __init__(self, client, store: CheckpointStore | None, every: int, keep: int, worker_index: int,
                  barrier: Callable[[str, float | None], object], every_seconds: float = 0.0, coordinator=None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 report: Callable[[dict[str, Any]], None] | None = None) -> None:
+        """`report(values)`: where the chief hands its counts (default: this process's Context's
+        `report_result`, which puts them in `paramserver run`'s closing JSON line)."""
         self.client = client
         self.store = store
         self.every = every if store is not None else 0
@@ -53,6 +60,11 @@ class Checkpointer:
         # (name, the shards' counters just before it was written) of the last checkpoint this chief
         # committed: the final checkpoint is not written again when nothing changed since
         self._written: tuple[str, list] | None = None
+        self.report = report
+        self.written = 0  # checkpoints this chief committed
+        self.failed = 0  # and those it could not write (each attempt counts)
+        self.last_error: str | None = None
+        self._swept = False  # temporary files a killed earlier run left: removed before the first write
 
     def due(self, step: int) -> bool:
         """Whether the workers meet after `step`; decided here, once, so that the optimizer can
@@ -81,8 +93,8 @@ class Checkpointer:
         try:
             if self.worker_index == 0:
                 self.save(step, timeout)
-        except _WRITE_ERRORS:
-            pass  # logged by save(); the previous checkpoint stays the latest
+        except CheckpointError:
+            pass  # logged and counted by save(); the previous checkpoint stays the latest
         finally:
             self._last = self._clock()
             self.barrier(f"{barrier}:written", timeout)
@@ -98,7 +110,8 @@ class Checkpointer:
         wrote last, at this step, and the shards' counters (version, pushes, sync step, mode,
         tables) are what they were then. Returns the final checkpoint's name on the chief (written
         or already there); None on the other workers, and when it could not be written or the
-        workers did not all arrive: that is logged as an error and never raised.
+        workers did not all arrive: that is logged as an error (and counted, on the chief) and
+        never raised.
         """
         if self.store is None:
             return None
@@ -106,6 +119,8 @@ class Checkpointer:
             self.barrier(FINAL, wait)
         except ParamServerError as exc:
             log.error("final checkpoint not written: %s; the latest checkpoint stays the last one", exc)
+            if self.worker_index == 0:
+                self._count_failure(f"final checkpoint not written: {exc}")
             return None
         name = None
         try:
@@ -123,9 +138,9 @@ class Checkpointer:
         counters = self._counters()
         try:
             complete = self.store.complete()
-        except OSError as exc:
-            log.error("final checkpoint %s not written: cannot list %s: %s", name, self.store.url, exc)
-            return None
+        except CheckpointError as exc:  # not known what is there: write it (the write says what fails)
+            log.warning("final checkpoint %s: %s", name, exc)
+            complete = []
         if counters is not None and self._written == (name, counters) and complete[-1:] == [name]:
             log.info("final checkpoint: %s (step %d) holds the final state already", name, step)
             return name
@@ -134,8 +149,8 @@ class Checkpointer:
                         "take the latest", name, self.store.url, complete[-1])
         try:
             return self.save(step, timeout, counters, final=True)
-        except _WRITE_ERRORS:
-            return None  # logged by save()
+        except CheckpointError:
+            return None  # logged and counted by save()
 
     def _counters(self) -> list | None:
         """What changes on a shard with every update it applies (None when a shard did not answer)."""
@@ -149,13 +164,15 @@ class Checkpointer:
 
     def save(self, step: int, timeout: float, counters: list | None = None, final: bool = False) -> str:
         """Write checkpoint `step` now (chief only; no push may be in flight). Returns its name;
-        raises ParamServerError or OSError (logged here) when it could not be committed.
+        raises CheckpointError (logged and counted here) when it could not be committed, after
+        deleting what it had written.
 
         A complete checkpoint of the same name is uncommitted first and written again, so that
         its manifest never names files of another state."""
         name, started, what = checkpoint_name(step), time.monotonic(), "final checkpoint" if final else "checkpoint"
         if counters is None:
             counters = self._counters()
+        self._sweep()
         log.info("%s %s: writing %d shards to %s", what, name, len(self.client.channels), self.store.url)
         try:
             if self.store.uncommit(name):
@@ -163,16 +180,67 @@ class Checkpointer:
             entries = self.client.checkpoint(self.store.url, name, timeout)
             self.store.commit(name, {"step": step, "num_shards": len(entries), "shards": entries,
                                      "mode": self.client.consistency.to_dict()})
-        except _WRITE_ERRORS as exc:
-            log.error("%s %s failed after %.2fs; the previous one stays: %s", what, name,
-                      time.monotonic() - started, exc)
-            raise
+        except (ParamServerError, OSError) as exc:  # a shard's error, a deadline, the store's CheckpointError
+            reason = str(exc) if isinstance(exc, ParamServerError) else f"{type(exc).__name__}: {os_reason(exc)}"
+            log.error("%s %s failed after %.2fs; the previous one stays, the next checkpoint tries again: %s",
+                      what, name, time.monotonic() - started, reason)
+            self._discard(name)
+            self._count_failure(reason)
+            if isinstance(exc, CheckpointError):
+                raise
+            raise CheckpointError(f"{what} {name} not written: {reason}") from exc
         self._written = (name, counters) if counters is not None else None
+        self.written += 1
+        self._report()
         try:
-            removed = self.store.prune(self.keep)
-        except OSError as exc:
+            removed = self.store.prune(self.keep, protect=name)
+        except (CheckpointError, OSError) as exc:
             removed = []
             log.warning("%s %s: committed, but older checkpoints could not be deleted: %s", what, name, exc)
         log.info("%s %s: committed (%d bytes) in %.2fs%s", what, name, sum(e["bytes"] for e in entries),
                  time.monotonic() - started, f"; removed {', '.join(removed)}" if removed else "")
         return name
+
+    def _sweep(self) -> None:
+        """Before the chief's first write: delete the temporary files that writers killed in an
+        earlier run left (no shard writes now: only the chief asks them to)."""
+        if self._swept:
+            return
+        self._swept = True
+        try:
+            self.store.remove_temporary()
+        except CheckpointError as exc:
+            log.warning("cannot remove the temporary files of earlier writes: %s", exc)
+
+    def _discard(self, name: str) -> None:
+        """Delete what a failed checkpoint wrote (shard files without a manifest)."""
+        try:
+            if self.store.discard(name):
+                log.info("checkpoint %s: deleted the files it had written", name)
+        except CheckpointError as exc:
+            log.warning("checkpoint %s: cannot delete the files it had written: %s", name, exc)
+
+    def _count_failure(self, reason: str) -> None:
+        self.failed += 1
+        self.last_error = reason
+        self._report()
+
+    def counts(self) -> dict[str, Any]:
+        """What the chief hands to the closing JSON line of `paramserver run`."""
+        values: dict[str, Any] = {"checkpoints_written": self.written, "checkpoints_failed": self.failed}
+        if self.last_error is not None:
+            values["checkpoint_error"] = self.last_error
+        return values
+
+    def _report(self) -> None:
+        if self.worker_index != 0:
+            return
+        report = self.report
+        if report is None:
+            from .context import existing  # the Context this Checkpointer belongs to (made after it)
+
+            context = existing()
+            if context is None:
+                return
+            report = lambda values: context.report_result(**values)  # noqa: E731
+        report(self.counts())

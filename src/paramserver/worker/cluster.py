@@ -10,6 +10,7 @@ import torch
 from ..base.config import NodeConfig, Options, bind_address
 from ..base.grpc_fork import GRPC_FORK_SUPPORT_ENV, grpc_fork_handlers_on
 from ..base.consistency_spec import ConsistencySpec
+from ..base.lifecycle import Lifecycle
 from ..base.progress import ProgressWriter
 from ..checkpoint import save_shard
 from ..client.ps_client import PSClient
@@ -26,9 +27,13 @@ from .modes import ModeSwitcher
 log = logging.getLogger(__name__)
 
 
-class CoordinatorHost:
-    """The coordinator served over gRPC by the worker that hosts it. `start()`, then `wait_done()`
-    and `stop(grace)`. A named thread tells the shards of workers found dead (`on_gone`)."""
+class CoordinatorHost(Lifecycle):
+    """The coordinator served over gRPC by the worker that hosts it.
+
+    Lifecycle (base/lifecycle.py): `start()` returns the address to reach it; `wait_ready(timeout)`;
+    `wait_done(grace)` while workers may need it; `stop(grace)`. A named thread
+    ("coordinator-watch") tells the shards of workers found dead (`tell_shards`).
+    """
 
     def __init__(self, num_workers: int, address: str, options: Options) -> None:
         self.address = address
@@ -46,6 +51,9 @@ class CoordinatorHost:
         self._watcher.start()
         return f"127.0.0.1:{port}" if self.address.endswith(":0") else self.address
 
+    def wait_ready(self, timeout: float) -> None:
+        self.server.wait_ready(timeout)
+
     def tell_shards(self, ps_addresses: list[str]) -> None:
         """From now on, tell these shards of every worker found dead, so their waits fail at once."""
         channels = [GrpcChannel(a, self.options.max_message_bytes, use_stream=False) for a in ps_addresses]
@@ -62,10 +70,14 @@ class CoordinatorHost:
         """Block while any worker may still need the coordinator (see Coordinator.all_done)."""
         self.coordinator.wait_all_done(joining_grace_s)
 
-    def stop(self, grace: float) -> None:
+    def stop(self, grace: float = 1.0) -> None:
+        """Idempotent. The watcher may be telling a shard of a dead worker: joined for at most
+        `grace` + rpc_timeout_s."""
+        if self._stopping.is_set():
+            return
         self._stopping.set()
         self.server.stop(grace)
-        if self._watcher.is_alive():
+        if self._watcher.ident is not None:  # started
             self._watcher.join(grace + self.options.rpc_timeout_s)
         if self.notices is not None:
             self.notices.close()
@@ -78,10 +90,20 @@ def in_process_context(num_ps: int) -> Context:
     client.connect(options.connect_timeout_s)
     coordinator = CoordinatorClient(InProcessChannel(CoordinatorService(Coordinator(1)), "inprocess:coordinator"),
                                     0, options.rpc_timeout_s, options.heartbeat_s)
-    coordinator.start(options.connect_timeout_s)
+    _join(coordinator, options.connect_timeout_s)
     log.info("no cluster configured: running an in-process cluster with %d shard(s)", num_ps)
     return Context(0, 1, num_ps, client, options, True, ProgressWriter(-1, 0),
                    ModeSwitcher(client, 0, 1, barrier=coordinator.barrier), coordinator)
+
+
+def _join(coordinator: CoordinatorClient, timeout: float) -> None:
+    """Start the coordinator client and wait until it joined; stopped again if it did not."""
+    coordinator.start()
+    try:
+        coordinator.wait_ready(timeout)
+    except BaseException:
+        coordinator.stop(1.0)
+        raise
 
 
 def cluster_context(config: NodeConfig) -> Context:
@@ -96,16 +118,16 @@ def cluster_context(config: NodeConfig) -> Context:
         torch.set_num_threads(options.torch_threads)
     workers = cluster.num_workers
     host, coordinator_address = _host_coordinator(config)
-    spec = ConsistencySpec.parse(options.mode, workers, options.backup_workers)
+    spec = options.consistency(workers)
     client = _connect_shards(config, spec)
     if host is not None:
         host.tell_shards(list(cluster.ps))
     coordinator = CoordinatorClient(GrpcChannel(coordinator_address, options.max_message_bytes, use_stream=False,
                                                 service_name=COORDINATOR),
                                     index, options.rpc_timeout_s, options.heartbeat_s)
-    coordinator.start(options.connect_timeout_s)
+    _join(coordinator, options.connect_timeout_s)
     checkpointer, meet = _pauses(config, client, coordinator)
-    modes = ModeSwitcher(client, index, workers, options.mode_schedule, options.backup_workers, meet)
+    modes = ModeSwitcher(client, index, workers, options.mode_changes, options.backup_workers, meet)
     log.info("worker %d of %d joined %d PS (%s); coordinator at %s", index, workers, client.num_shards, spec,
              coordinator_address)
     return Context(index, workers, client.num_shards, client, options, False,
@@ -123,7 +145,7 @@ def _host_coordinator(config: NodeConfig) -> tuple[CoordinatorHost | None, str]:
 
 def _connect_shards(config: NodeConfig, spec: ConsistencySpec) -> PSClient:
     options = config.options
-    channels = [GrpcChannel(address, options.max_message_bytes, bool(options.use_stream), bool(options.shared_memory))
+    channels = [GrpcChannel(address, options.max_message_bytes, options.use_stream, options.shared_memory)
                 for address in config.cluster.ps]
     client = PSClient(channels, options.rpc_timeout_s, options.split_bytes, config.worker_index, spec)
     client.connect(options.connect_timeout_s)

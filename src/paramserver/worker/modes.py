@@ -2,44 +2,24 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Sequence
 
-from ..base.consistency_spec import ConsistencySpec
-from ..base.errors import ConfigError, ParamServerError
-
-
-@dataclass(frozen=True)
-class ModeChange:
-    step: int
-    mode: str
-
-
-def parse_schedule(text: str) -> list[ModeChange]:
-    """"sync@500" or "ssp:2@100,sync@900": switch to MODE when the chief reaches STEP."""
-    changes = []
-    for entry in filter(None, (part.strip() for part in text.split(","))):
-        mode, at, step = entry.rpartition("@")
-        if not at or not step.isdigit() or not mode:
-            raise ConfigError(f"mode schedule entry {entry!r} is not MODE@STEP (e.g. sync@500)")
-        changes.append(ModeChange(int(step), mode))
-    if [c.step for c in changes] != sorted(c.step for c in changes):
-        raise ConfigError(f"mode schedule {text!r} must list steps in increasing order")
-    return changes
+from ..base.consistency_spec import ConsistencySpec, ModeChange
+from ..base.errors import ParamServerError
 
 
 class ModeSwitcher:
     """Switches the cluster's mode through a PSClient; only the chief may. Not thread-safe."""
 
-    def __init__(self, client, worker_index: int, num_workers: int, schedule: str = "",
+    def __init__(self, client, worker_index: int, num_workers: int, schedule: Sequence[ModeChange] = (),
                  backup_workers: int = 0, barrier=None) -> None:
+        """`schedule`: Options.mode_changes (Options checked every mode in it when it was built)."""
         self.client = client
         self.barrier = barrier  # barrier(name, timeout): every worker meets there around a scheduled switch
         self.worker_index = worker_index
         self.num_workers = num_workers
         self.backup_workers = backup_workers
-        self.pending = parse_schedule(schedule)
-        for change in self.pending:  # refuse a bad mode now, not hours into training
-            ConsistencySpec.parse(change.mode, max(num_workers, 1), 0)
+        self.pending = list(schedule)
 
     def set_mode(self, mode: str, backup_workers: int | None = None) -> ConsistencySpec:
         if self.worker_index != 0:

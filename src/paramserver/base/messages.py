@@ -1,0 +1,254 @@
+"""Every request and reply meta of the wire, as typed messages (frozen dataclasses).
+
+A frame (transport/codec.py) is a JSON meta plus named tensors; the classes here are the metas,
+one per request and per reply of each method of the shard service (``paramserver.Shard``) and
+of the coordinator (``paramserver.Coordinator``). Tensors stay in the frame's tensor part; a
+class names the ones its frame carries. Clients build requests with these classes
+(``codec.encode_parts(request.to_meta(), tensors)``), services parse them with ``from_meta``
+and build their replies with them.
+
+``to_meta()`` leaves out optional fields at their default. ``from_meta(meta)`` checks every
+field's type and raises MalformedFrameError naming the message and the field; keys it does not
+know are accepted and ignored, so that a peer of a newer minor version may add optional keys.
+
+docs/protocol.md's message tables are generated from here: ``python -m paramserver.base.messages``
+prints them, ``--write docs/protocol.md`` replaces them in place (tests check the two agree).
+"""
+
+from typing import Any, NamedTuple
+
+from .message_fields import Message, doc_field, message
+
+_NON_EMPTY = lambda value: None if value else "must not be empty"  # noqa: E731
+
+
+class RowPush(NamedTuple):
+    """A row push riding along a PushPull: the table and the names of its two tensors."""
+    table: str
+    ids: str
+    grads: str
+
+
+class RowLookup(NamedTuple):
+    """A lookup riding along a PushPull: the table, its ids tensor, the name its rows come back under."""
+    table: str
+    ids: str
+    rows: str
+
+
+# ---- shard service (paramserver.Shard) -------------------------------------------------------
+@message("Hello request")
+class HelloRequest(Message):
+    """Discovery: the shard's index, protocol version, stream port and counters."""
+
+
+@message("Hello reply")
+class HelloReply(Message):
+    shard: int = doc_field("the shard's index")
+    protocol: list[int] = doc_field("[major, minor] protocol version")
+    version: int = doc_field("updates applied (any mode)")
+    sync_step: int = doc_field("sync steps applied")
+    mode: str = doc_field("consistency mode: async, sync (with N backup workers), ssp:K")
+    pushes: int = doc_field("pushes received")
+    dropped_late: int = doc_field("late sync pushes dropped")
+    waiting: int = doc_field("pushes blocked in a sync step or an ssp bound now")
+    staleness_max: int = doc_field("largest staleness of a push")
+    staleness_mean: float = doc_field("mean staleness of the pushes")
+    tables: dict[str, dict[str, Any]] = doc_field("by table: rows, dim, updates, admission counters, bytes")
+    stream_port: int | None = doc_field("the tensor stream's TCP port (a PS node)", None)
+    host_id: str | None = doc_field("hostname and boot id: equal on one host, for shared memory", None)
+
+
+@message("Register request", tensors="the group's initial values, by part name")
+class RegisterRequest(Message):
+    """Register a group of variables; the first registration wins, later ones adopt its values."""
+    group: str = doc_field("the optimizer param group's name")
+    optimizer: dict[str, Any] = doc_field('{"name", "hyper"}: the optimizer and its hyper-parameters')
+    consistency: dict[str, Any] | None = doc_field(
+        '{"mode", "workers", "backups", "staleness"}: a mode other than the shard\'s is refused', None)
+    worker: int | None = doc_field("the registering worker's index", None)
+
+
+@message("Register reply", tensors="the stored values of the registered parts")
+class RegisterReply(Message):
+    version: int = doc_field("the shard's version")
+    position: int = doc_field("batches this worker trained, as the shard counted them (resumable data)")
+    restored: int = doc_field("this worker's step in the checkpoint the shard started from (0: none)")
+
+
+@message("PushPull request", tensors="gradients by part name, plus the rider tensors (names start with `~`)")
+class PushPullRequest(Message):
+    """Push gradients and pull values in one round trip; embedding work may ride along."""
+    pull: list[str] | None = doc_field("part names to pull (absent: the pushed names)", None)
+    worker: int | None = doc_field("the pusher's index", None)
+    step: int | None = doc_field("the sync step it pushes for", None)
+    sparse: list[RowPush] = doc_field("row pushes riding along", [])
+    lookup: list[RowLookup] = doc_field("row lookups, read after the pushes", [])
+    resumed: str | None = doc_field("barrier that opened: every worker that waited there is back", None)
+    marker: bool = doc_field("count as the worker's step with nothing to push", False)
+    base: int | None = doc_field("the shard version the gradients were computed from", None)
+    lr: dict[str, float] = doc_field("learning rate by group, when it changed", {})
+
+
+@message("PushPull reply", tensors="values of the pulled names, plus the looked-up rows (under their `rows` names)")
+class PushPullReply(Message):
+    version: int = doc_field("the shard's version after the push")
+    step: int = doc_field("the shard's sync step")
+    staleness: int = doc_field("versions the gradients were behind")
+    applied: bool = doc_field("false for a push dropped as late")
+
+
+@message("SetMode request")
+class SetModeRequest(Message):
+    """Switch the shard's consistency mode now."""
+    consistency: dict[str, Any] = doc_field('{"mode", "workers", "backups", "staleness"}')
+
+
+@message("SetMode reply")
+class SetModeReply(Message):
+    version: int = doc_field("the shard's version")
+    step: int = doc_field("the shard's sync step")
+
+
+@message("Leave request")
+class LeaveRequest(Message):
+    """Take a worker out of every sync/ssp quorum until its next push."""
+    worker: int = doc_field("the worker's index")
+    barrier: str | None = doc_field("the barrier it waits at", None)
+    gone: str | None = doc_field("why it is gone for good (from the coordinator's host): waits fail at once", None)
+
+
+@message("Leave reply")
+class LeaveReply(SetModeReply):
+    pass
+
+
+@message("RegisterTable request")
+class RegisterTableRequest(Message):
+    """Create an embedding table's part on this shard."""
+    table: str = doc_field("the table's name")
+    dim: int = doc_field("values per row")
+    optimizer: dict[str, Any] = doc_field('{"name", "hyper"}: the row-wise optimizer')
+    init: dict[str, Any] = doc_field('{"kind", ...}: the rows\' initializer')
+    policy: dict[str, Any] = doc_field("row admission and eviction (RowPolicy)", {})
+    capacity: int = doc_field("rows this shard reserves up front (at most 2^30)", 0)
+    num_shards: int = doc_field("the shards the table spreads over", 1)
+    consistency: dict[str, Any] | None = doc_field("the mode, for a shard that holds no dense variable", None)
+
+
+@message("RegisterTable reply")
+class RegisterTableReply(Message):
+    pass
+
+
+@message("Lookup request", tensors="`ids` (int64, 1-D, distinct)")
+class LookupRequest(Message):
+    """Read rows; missing ones are created."""
+    table: str = doc_field("the table's name")
+
+
+@message("Lookup reply", tensors="`rows` (len(ids) x dim float32)")
+class LookupReply(Message):
+    pass
+
+
+@message("PushSparse request", tensors="`ids` (int64, distinct), `grads` (len(ids) x dim float32)")
+class PushSparseRequest(Message):
+    """A row-wise update, applied at once in every mode."""
+    table: str = doc_field("the table's name")
+
+
+@message("PushSparse reply")
+class PushSparseReply(Message):
+    pass
+
+
+@message("Checkpoint request")
+class CheckpointRequest(Message):
+    """Write this shard's file of a checkpoint."""
+    dir: str = doc_field("the checkpoint directory (a path or fsspec URL)")
+    name: str = doc_field("the checkpoint's name")
+
+
+@message("Checkpoint reply")
+class CheckpointReply(Message):
+    """The shard file's manifest entry."""
+    index: int = doc_field("the shard's index")
+    file: str = doc_field("the file's name in the checkpoint")
+    bytes: int = doc_field("its size")
+    sha256: str = doc_field("its SHA-256, hex")
+
+
+SHARD_METHODS: dict[str, tuple[type[Message], type[Message]]] = {
+    "Hello": (HelloRequest, HelloReply), "Register": (RegisterRequest, RegisterReply),
+    "PushPull": (PushPullRequest, PushPullReply), "SetMode": (SetModeRequest, SetModeReply),
+    "Leave": (LeaveRequest, LeaveReply), "RegisterTable": (RegisterTableRequest, RegisterTableReply),
+    "Lookup": (LookupRequest, LookupReply), "PushSparse": (PushSparseRequest, PushSparseReply),
+    "Checkpoint": (CheckpointRequest, CheckpointReply)}
+
+
+# ---- coordinator (paramserver.Coordinator) ---------------------------------------------------
+@message("coordinator reply")
+class CoordinatorReply(Message):
+    """The membership as the coordinator sees it (every method's reply)."""
+    global_step: int = doc_field("sum of the members' reported steps")
+    live: list[int] = doc_field("workers training or finished")
+    workers: int = doc_field("workers in the cluster")
+    states: dict[str, str] = doc_field("by worker: joining, training, finished, exited or dead")
+    checkpoints_requested: int = doc_field("timed checkpoints the chief asked for so far")
+    open: bool | None = doc_field("Barrier only: whether it opened", None)
+    waiting: list[int] | None = doc_field("Barrier only, not open: the workers it waits for", None)
+
+
+@message("coordinator Hello request")
+class CoordinatorHelloRequest(Message):
+    """The current view."""
+
+
+@message("coordinator Join request")
+class JoinRequest(Message):
+    """A worker starts (or starts again, or trains again after Finish)."""
+    worker: int = doc_field("the worker's index")
+
+
+@message("coordinator Heartbeat request")
+class HeartbeatRequest(JoinRequest):
+    """A worker is alive."""
+    step: int = doc_field("the worker's own step count")
+
+
+@message("coordinator Finish request")
+class FinishRequest(JoinRequest):
+    """A worker's data is done: out of every quorum, still met at barriers."""
+
+
+@message("coordinator Barrier request")
+class BarrierRequest(JoinRequest):
+    """A long poll: UNAVAILABLE, naming a dead worker it needs."""
+    name: str = doc_field("the barrier's name", check=_NON_EMPTY)
+    wait: float = doc_field("seconds to wait at most (0 to 3600)")
+    training_only: bool = doc_field("skip finished workers (checkpoint and mode-switch pauses)", False)
+
+
+@message("coordinator Leave request")
+class CoordinatorLeaveRequest(JoinRequest):
+    """A worker's script ended."""
+
+
+@message("coordinator RequestCheckpoint request")
+class RequestCheckpointRequest(JoinRequest):
+    """The chief's timer asks every worker for a checkpoint."""
+
+
+COORDINATOR_METHODS: dict[str, tuple[type[Message], type[Message]]] = {
+    "Hello": (CoordinatorHelloRequest, CoordinatorReply), "Join": (JoinRequest, CoordinatorReply),
+    "Heartbeat": (HeartbeatRequest, CoordinatorReply), "Finish": (FinishRequest, CoordinatorReply),
+    "Barrier": (BarrierRequest, CoordinatorReply), "Leave": (CoordinatorLeaveRequest, CoordinatorReply),
+    "RequestCheckpoint": (RequestCheckpointRequest, CoordinatorReply)}
+
+SERVICES = {"paramserver.Shard": SHARD_METHODS, "paramserver.Coordinator": COORDINATOR_METHODS}
+
+
+if __name__ == "__main__":
+    from .message_fields import main
+    main(SERVICES)

@@ -1,0 +1,213 @@
+"""Every long-lived thing has one shape (base/lifecycle.py): start, wait_ready, stop, or a `with`
+block; and once stopped, no thread it started is alive and no process it started runs.
+
+The verdicts wait on the threads' `join` and on the processes' exit, each with a generous bound;
+no sleep decides anything."""
+
+from __future__ import annotations
+
+import io
+import itertools
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import psutil
+import pytest
+
+from paramserver.base.config import Options
+from paramserver.base.errors import ParamServerError, UnavailableError
+from paramserver.base.lifecycle import Lifecycle
+from paramserver.coordinator.coordinator_service import SERVICE as COORDINATOR
+from paramserver.coordinator.coordinator_service import CoordinatorClient, CoordinatorService
+from paramserver.coordinator.membership import Coordinator
+from paramserver.data.loader import BatchLoader
+from paramserver.launch.local import LocalCluster
+from paramserver.launch.ps_node import PSNode
+from paramserver.server.shard import Shard
+from paramserver.server.shard_service import ShardService
+from paramserver.transport import codec
+from paramserver.transport.grpc_transport import GrpcChannel, GrpcServer
+from paramserver.transport.stream import StreamClient, StreamServer
+from paramserver.worker.cluster import CoordinatorHost
+
+BOUND_S = 30.0  # how long a thread or process may take to end after stop() returned; never reached
+
+
+@dataclass
+class Case:
+    """One long-lived thing: `make()` builds it; `use(thing)` works it while it runs (returning what
+    must be closed after its stop: test-side clients); `children` says whether it starts processes."""
+
+    make: Callable[[], Lifecycle]
+    use: Callable[[Any], list] = lambda thing: []
+    children: bool = False
+
+
+@contextmanager
+def nothing_left_behind(expect_children: bool):
+    """Threads and child processes started inside the block must all be gone at its end."""
+    me = psutil.Process()
+    threads_before = set(threading.enumerate())
+    children_before = {p.pid for p in me.children(recursive=True)}
+    seen: list[psutil.Process] = []
+
+    def running_children() -> None:  # call while the thing runs: its processes, grandchildren included
+        seen.extend(p for p in me.children(recursive=True) if p.pid not in children_before)
+
+    yield running_children
+    assert bool(seen) == expect_children, [p.pid for p in seen]
+    _, alive = psutil.wait_procs(seen, timeout=BOUND_S)
+    assert [p for p in alive if _running(p)] == []
+    started = [t for t in threading.enumerate() if t not in threads_before]
+    for thread in started:
+        thread.join(BOUND_S)
+    assert [t.name for t in started if t.is_alive()] == []
+
+
+def _running(process: psutil.Process) -> bool:
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def shard_service() -> ShardService:
+    return ShardService(Shard(0))
+
+
+def hello_over_grpc(address: str, service_name: str = "paramserver.Shard") -> list:
+    channel = GrpcChannel(address, 1 << 20, use_stream=False, service_name=service_name)
+    channel.wait_ready(20)
+    channel.call("Hello", codec.encode({}), 20).wait(20)
+    return [channel]
+
+
+def grpc_server() -> Case:
+    return Case(lambda: GrpcServer(shard_service(), "127.0.0.1:0", 1 << 20, threads=2),
+                lambda server: hello_over_grpc(f"127.0.0.1:{server.port}"))
+
+
+def stream_server() -> Case:
+    def use(server: StreamServer) -> list:
+        client = StreamClient("127.0.0.1", server.port, 1 << 20, "test", shared_memory=False)
+        client.call("Hello", codec.encode({}), 20).wait(20)
+        return [client]  # still connected when the server stops: stop() must cut it
+
+    return Case(lambda: StreamServer(shard_service(), "127.0.0.1", 0, 1 << 20), use)
+
+
+def ps_node() -> Case:
+    def use(node: PSNode) -> list:
+        channel = GrpcChannel(node.address, 1 << 20, use_stream=True, use_shared_memory=False)
+        channel.wait_ready(20)
+        channel.call("Hello", codec.encode({}), 20).wait(20)  # over the tensor stream
+        return [channel]
+
+    return Case(lambda: PSNode("127.0.0.1:0", 0, Options()), use)
+
+
+def coordinator_host() -> Case:
+    return Case(lambda: CoordinatorHost(1, "127.0.0.1:0", Options(heartbeat_s=0.05, heartbeat_timeout_s=5)),
+                lambda host: hello_over_grpc(f"127.0.0.1:{host.server.port}", COORDINATOR))
+
+
+def batch_loader() -> Case:
+    def use(loader: BatchLoader) -> list:
+        assert loader.ready.is_set()  # a first batch is waiting
+        return []
+
+    # an endless generator: its process is alive, blocked on a full pipe, when stop() comes
+    return Case(lambda: BatchLoader(itertools.count, 0, depth=2, timeout_s=60), use, children=True)
+
+
+def local_cluster(tmp_path) -> Case:
+    script = tmp_path / "block.py"
+    script.write_text("import threading\nthreading.Event().wait()\n")  # a worker that never ends by itself
+    return Case(lambda: LocalCluster(1, 2, str(script), out=io.StringIO(), progress_every=0.1,
+                                     log_level="WARNING"), children=True)
+
+
+@pytest.fixture(scope="module")
+def coordinator_server():
+    """The coordinator a CoordinatorClient talks to (not under test: started before the count)."""
+    server = GrpcServer(CoordinatorService(Coordinator(1, 5.0)), "127.0.0.1:0", 1 << 20, 4, COORDINATOR)
+    server.start()
+    yield f"127.0.0.1:{server.port}"
+    server.stop(1.0)
+
+
+def coordinator_client(address: str) -> Case:
+    def use(client: CoordinatorClient) -> list:
+        assert client.view["live"] == [0]  # joined
+        return []
+
+    return Case(lambda: CoordinatorClient(GrpcChannel(address, 1 << 20, use_stream=False, service_name=COORDINATOR),
+                                          0, 10.0, heartbeat_s=0.02), use)
+
+
+@pytest.fixture
+def case(request, tmp_path, coordinator_server) -> Case:
+    return {"GrpcServer": grpc_server, "StreamServer": stream_server, "PSNode": ps_node,
+            "CoordinatorHost": coordinator_host, "BatchLoader": batch_loader,
+            "CoordinatorClient": lambda: coordinator_client(coordinator_server),
+            "LocalCluster": lambda: local_cluster(tmp_path)}[request.param]()
+
+
+ALL = ["GrpcServer", "StreamServer", "PSNode", "CoordinatorHost", "CoordinatorClient", "BatchLoader", "LocalCluster"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def grpc_warmed_up(coordinator_server):
+    """gRPC starts a few process-wide threads on first use; let them exist before any count."""
+    for closable in hello_over_grpc(coordinator_server, COORDINATOR):
+        closable.close()
+
+
+@pytest.mark.parametrize("case", ALL, indirect=True)
+def test_start_wait_ready_stop_leaves_no_thread_and_no_process(case):
+    with nothing_left_behind(case.children) as running_children:
+        thing = case.make()
+        thing.start()
+        thing.wait_ready(60)
+        thing.wait_ready(1)  # any number of times
+        running_children()
+        opened = case.use(thing)
+        thing.stop(2.0)
+        thing.stop(2.0)  # idempotent
+        for closable in opened:
+            closable.close()
+
+
+@pytest.mark.parametrize("case", [name for name in ALL if name != "LocalCluster"], indirect=True)
+def test_a_with_block_starts_and_stops(case):
+    with nothing_left_behind(case.children) as running_children:
+        with case.make() as thing:
+            thing.wait_ready(60)
+            running_children()
+            opened = case.use(thing)
+        for closable in opened:
+            closable.close()
+
+
+@pytest.mark.parametrize("case", [name for name in ALL if name != "LocalCluster"], indirect=True)
+def test_stop_before_start_is_allowed_and_wait_ready_then_fails(case):
+    with nothing_left_behind(False):
+        thing = case.make()
+        thing.stop(1.0)
+        with pytest.raises(ParamServerError, match="stopped"):
+            thing.wait_ready(1.0)
+
+
+def test_wait_ready_names_what_was_not_ready_and_why():
+    dead = GrpcServer(shard_service(), "127.0.0.1:0", 1 << 20)
+    port = dead.start()
+    dead.stop(0.1)
+    client = CoordinatorClient(GrpcChannel(f"127.0.0.1:{port}", 1 << 20, use_stream=False,
+                                           service_name=COORDINATOR), 3, 5.0)
+    with client:
+        with pytest.raises(UnavailableError, match=r"worker 3's join to the coordinator .* not ready within "
+                                                   r"2\.5s \(coordinator 127\.0\.0\.1:\d+ not reachable"):
+            client.wait_ready(2.5)  # longer than one attempt to connect (1 s)
+
