@@ -131,8 +131,10 @@ def local_cluster(tmp_path) -> Case:
 
 @pytest.fixture(scope="module")
 def coordinator_server():
-    """The coordinator a CoordinatorClient talks to (not under test: started before the count)."""
-    server = GrpcServer(CoordinatorService(Coordinator(1, 5.0)), "127.0.0.1:0", 1 << 20, 4, COORDINATOR)
+    """The coordinator a CoordinatorClient talks to (not under test: started before the count).
+    One request thread: its pool starts it at the warm-up and never another, which a count during
+    a CoordinatorClient test would take for the client's (a busy machine overlaps its calls)."""
+    server = GrpcServer(CoordinatorService(Coordinator(1, 5.0)), "127.0.0.1:0", 1 << 20, 1, COORDINATOR)
     server.start()
     yield f"127.0.0.1:{server.port}"
     server.stop(1.0)
