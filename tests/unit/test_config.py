@@ -91,6 +91,13 @@ BAD = [
     ("checkpoint_every_seconds", -1, DIR), ("checkpoint_every_seconds", 5, {}),
     ("checkpoint_keep", 0, DIR), ("checkpoint_keep", 0, {}),
     ("resume", True, {}), ("resume", 1, {}), ("resume", 2, DIR), ("resume", "yes", DIR),
+    ("max_table_rows", 0, {}), ("max_table_memory_bytes", 0, {}), ("max_table_memory_bytes", 1.5, {}),
+    ("idle_timeout_s", 0, {}), ("max_connections", 0, {}),
+    ("metrics_port", -2, {}), ("metrics_port", 65536, {}),
+    ("log_format", "xml", {}), ("logdir", 3, {}), ("summary_every", 0, {}),
+    ("audit_log", 1, {}), ("drain_grace_s", -1, {}),
+    ("tls_cert", "/c.pem", {}), ("tls_key", "/k.pem", {}), ("tls_ca", "/ca.pem", {}),
+    ("auth_tokens", 7, {}), ("token_file", None, {}),
 ]
 
 

@@ -104,6 +104,24 @@ class Options:
     checkpoint_every_seconds: float = 0.0  # seconds (the chief's clock) between checkpoints; 0: none
     checkpoint_keep: int = 3  # complete checkpoints kept; older ones are deleted
     resume: bool = False  # start from the latest complete checkpoint in checkpoint_dir (if any)
+    # limits a PS enforces before it takes memory (docs/security.md)
+    max_table_rows: int = 1 << 27  # most rows one table may hold on one PS (capacity asked, or rows created)
+    max_table_memory_bytes: int = 16 << 30  # most bytes all tables of one PS may hold (values + optimizer state)
+    idle_timeout_s: float = 300.0  # a tensor-stream connection with no request this long is closed
+    max_connections: int = 256  # tensor-stream connections one PS serves at once
+    # operations (docs/operations.md)
+    metrics_port: int = -1  # Prometheus endpoint of this node; -1: none, 0: a free port (logged)
+    log_format: str = "text"  # "text" (human lines) or "json" (JSON lines)
+    logdir: str = ""  # TensorBoard event files, written by the chief; "" turns them off
+    summary_every: int = 100  # steps between TensorBoard summaries
+    audit_log: str = ""  # append-only JSON-lines audit file of a PS / the coordinator; "": the node's log
+    drain_grace_s: float = 10.0  # SIGTERM: seconds for calls in flight to finish before the node stops
+    # security (docs/security.md)
+    tls_cert: str = ""  # PEM certificate of this node; with tls_key, every channel uses TLS
+    tls_key: str = ""  # PEM private key of tls_cert
+    tls_ca: str = ""  # PEM CA bundle; with it both ends verify each other (mutual TLS)
+    auth_tokens: str = ""  # server side: JSON file of accepted tokens and their roles; "": no token checks
+    token_file: str = ""  # client side: file holding the token this node presents
 
     def __post_init__(self) -> None:
         badly_typed = self._type_problems()
@@ -164,6 +182,17 @@ class Options:
         need("checkpoint_every", lambda v: v >= 0, "0 (none) or more")
         need("checkpoint_every_seconds", lambda v: v >= 0, "0 (none) or more")
         need("checkpoint_keep", lambda v: v >= 1, "at least 1")
+        for name in ("max_table_rows", "max_table_memory_bytes", "max_connections", "summary_every"):
+            need(name, lambda v: v >= 1, "at least 1")
+        for name in ("idle_timeout_s", "drain_grace_s"):
+            need(name, lambda v: v > 0, "positive")
+        need("metrics_port", lambda v: -1 <= v <= 65535, "-1 (none), 0 (a free port) or a port number")
+        need("log_format", lambda v: v in ("text", "json"), "'text' or 'json'")
+        for name, other in (("tls_cert", "tls_key"), ("tls_key", "tls_cert")):
+            if needs(name, other) and getattr(self, name) and not getattr(self, other):
+                found.append(f"option {name!r} needs option {other!r} too")
+        if needs("tls_ca", "tls_cert") and self.tls_ca and not self.tls_cert:
+            found.append("option 'tls_ca' needs 'tls_cert' and 'tls_key' (mutual TLS: every node shows its own)")
         if needs("heartbeat_timeout_s", "heartbeat_s") and self.heartbeat_s > 0:
             need("heartbeat_timeout_s", lambda v: v > 2 * self.heartbeat_s, f"more than twice heartbeat_s "
                                                                              f"({self.heartbeat_s})")

@@ -30,7 +30,7 @@ def _parser() -> argparse.ArgumentParser:
     node.add_argument("--role", choices=["ps", "worker", "chief"], help="this node's role (with --cluster)")
     node.add_argument("--index", type=int, help="this node's index within its role (default 0)")
     node.add_argument("--bind", help="PS only: listen address HOST:PORT (default: from the cluster spec)")
-    _add_mode_flags(node)
+    _add_node_flags(node)
     node.add_argument("script", nargs="?", help="training script (workers and chief)")
     node.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
 
@@ -58,7 +58,50 @@ def _add_cluster_flags(parser: argparse.ArgumentParser, ps: int = 1, workers: in
     parser.add_argument("--max-restarts", type=int, default=3,
                         help="with --checkpoint-dir: roll back and restart after a node is killed, at most "
                              "this many times (default 3)")
+    _add_node_flags(parser)
+
+
+def _add_node_flags(parser: argparse.ArgumentParser) -> None:
+    """Flags of every node: consistency, checkpoints, limits, operations, security."""
     _add_mode_flags(parser)
+    _add_limit_flags(parser)
+    _add_ops_flags(parser)
+    _add_security_flags(parser)
+
+
+def _add_limit_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("limits (docs/security.md)")
+    group.add_argument("--max-table-rows", type=int, help=f"most rows of one table on one PS "
+                                                          f"(default {Options.max_table_rows})")
+    group.add_argument("--max-table-memory", type=int, help=f"most bytes of all tables on one PS "
+                                                            f"(default {Options.max_table_memory_bytes})")
+    group.add_argument("--max-message-bytes", type=int, help=f"largest message sent or received "
+                                                             f"(default {Options.max_message_bytes})")
+    group.add_argument("--idle-timeout", type=float, help=f"seconds after which an idle tensor-stream connection "
+                                                          f"is closed (default {Options.idle_timeout_s:.0f})")
+    group.add_argument("--max-connections", type=int, help=f"tensor-stream connections per PS "
+                                                           f"(default {Options.max_connections})")
+
+
+def _add_ops_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("operations (docs/operations.md)")
+    group.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (0: a free one)")
+    group.add_argument("--log-format", choices=["text", "json"], help="log lines: text (default) or json")
+    group.add_argument("--logdir", help="the chief writes TensorBoard summaries here")
+    group.add_argument("--summary-every", type=int, help=f"steps between TensorBoard summaries "
+                                                         f"(default {Options.summary_every})")
+    group.add_argument("--audit-log", help="append the audit trail (JSON lines) to this file (PS, coordinator)")
+    group.add_argument("--drain-grace", type=float, help=f"SIGTERM: seconds for calls in flight to finish "
+                                                         f"(default {Options.drain_grace_s:.0f})")
+
+
+def _add_security_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("security (docs/security.md)")
+    group.add_argument("--tls-cert", help="this node's PEM certificate (TLS on every channel)")
+    group.add_argument("--tls-key", help="this node's PEM private key")
+    group.add_argument("--tls-ca", help="PEM CA bundle: both ends verify each other (mutual TLS)")
+    group.add_argument("--auth-tokens", help="JSON file of accepted tokens and their roles (servers)")
+    group.add_argument("--token-file", help="file holding the token this node presents")
 
 
 def _add_mode_flags(parser: argparse.ArgumentParser) -> None:
@@ -77,13 +120,25 @@ def _add_mode_flags(parser: argparse.ArgumentParser) -> None:
                              f"{Options.heartbeat_timeout_s:.0f}); a restart must rejoin within it")
 
 
+# flag (argparse dest) -> option, for the flags that set an option as they are
+_FLAG_OPTIONS = {
+    "mode": "mode", "backup_workers": "backup_workers", "mode_schedule": "mode_schedule",
+    "checkpoint_dir": "checkpoint_dir", "checkpoint_every": "checkpoint_every",
+    "checkpoint_every_seconds": "checkpoint_every_seconds", "keep": "checkpoint_keep",
+    "heartbeat_timeout": "heartbeat_timeout_s",
+    "max_table_rows": "max_table_rows", "max_table_memory": "max_table_memory_bytes",
+    "max_message_bytes": "max_message_bytes", "idle_timeout": "idle_timeout_s", "max_connections": "max_connections",
+    "metrics_port": "metrics_port", "log_format": "log_format", "logdir": "logdir", "summary_every": "summary_every",
+    "audit_log": "audit_log", "drain_grace": "drain_grace_s",
+    "tls_cert": "tls_cert", "tls_key": "tls_key", "tls_ca": "tls_ca", "auth_tokens": "auth_tokens",
+    "token_file": "token_file",
+}
+
+
 def mode_options(args: argparse.Namespace) -> dict:
-    """The consistency and checkpoint options given on the command line (unset ones left out)."""
-    given = {"mode": args.mode, "backup_workers": args.backup_workers, "mode_schedule": args.mode_schedule,
-             "checkpoint_dir": args.checkpoint_dir, "checkpoint_every": args.checkpoint_every,
-             "checkpoint_every_seconds": args.checkpoint_every_seconds,
-             "checkpoint_keep": args.keep, "resume": True if args.resume else None,
-             "heartbeat_timeout_s": args.heartbeat_timeout}
+    """The options given on the command line (unset ones left out)."""
+    given = {option: getattr(args, flag) for flag, option in _FLAG_OPTIONS.items()}
+    given["resume"] = True if args.resume else None
     return {key: value for key, value in given.items() if value is not None}
 
 
