@@ -190,7 +190,7 @@ class Options:
         need("log_format", lambda v: v in ("text", "json"), "'text' or 'json'")
         for name, other in (("tls_cert", "tls_key"), ("tls_key", "tls_cert")):
             if needs(name, other) and getattr(self, name) and not getattr(self, other):
-                found.append(f"option {name!r} needs option {other!r} too")
+                found.append(f"option {name!r} needs {other} too")
         if needs("tls_ca", "tls_cert") and self.tls_ca and not self.tls_cert:
             found.append("option 'tls_ca' needs 'tls_cert' and 'tls_key' (mutual TLS: every node shows its own)")
         if needs("heartbeat_timeout_s", "heartbeat_s") and self.heartbeat_s > 0:
