@@ -41,17 +41,18 @@ class Client:
     channels = [object()]
     consistency = type("Spec", (), {"to_dict": lambda self: {"mode": "async"}})()
 
-    def __init__(self, fs=None):
+    def __init__(self, fs=None, directory=""):
+        self.directory = directory  # the shards' own checkpoint directory
         self.saved = []
         self.pushes = 0
         self.fail = None  # an exception the shards' write raises (as it arrives over the wire)
         self.fs = fs
 
-    def checkpoint(self, directory, name, timeout):
+    def checkpoint(self, name, timeout):
         if self.fail is not None:
             raise self.fail
         self.saved.append(name)
-        entry = CheckpointStore(directory, fs=self.fs).write_shard(name, 0, b"shard")
+        entry = CheckpointStore(self.directory, fs=self.fs).write_shard(name, 0, b"shard")
         return [entry.__dict__]
 
     def shard_stats(self):
@@ -61,7 +62,7 @@ class Client:
 
 def checkpointer(tmp_path, worker, coordinator=None, clock=None, every=0, every_seconds=0.0, fs=None,
                  barrier=None, report=None, keep=3):
-    barriers, client, clock = [], Client(fs), clock or [0.0]
+    barriers, client, clock = [], Client(fs, str(tmp_path)), clock or [0.0]
     return Checkpointer(client, CheckpointStore(str(tmp_path), fs=fs), every, keep, worker,
                         barrier or (lambda name, timeout: barriers.append(name)), every_seconds, coordinator,
                         clock=lambda: clock[0], report=report if report is not None else lambda values: None), \

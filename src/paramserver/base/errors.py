@@ -44,6 +44,18 @@ class ProtocolVersionError(FailedPreconditionError):
     """The peer speaks a protocol version this node does not understand."""
 
 
+class AlreadyExistsError(ParamServerError):
+    """What a request would create exists already and is never overwritten (e.g. a committed checkpoint)."""
+
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class ResourceExhaustedError(ParamServerError):
+    """A request would exceed a limit the operator set (rows, table memory, message size, connections)."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
 class UnavailableError(ParamServerError):
     """A parameter server cannot be reached."""
 
@@ -73,6 +85,8 @@ _BY_CODE: dict[grpc.StatusCode, type[ParamServerError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
     grpc.StatusCode.NOT_FOUND: NotFoundError,
     grpc.StatusCode.FAILED_PRECONDITION: FailedPreconditionError,
+    grpc.StatusCode.ALREADY_EXISTS: AlreadyExistsError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
     grpc.StatusCode.UNAVAILABLE: UnavailableError,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
 }

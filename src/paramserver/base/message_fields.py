@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import math
 import sys
 import types
 import typing
@@ -144,9 +145,12 @@ def _parser(hint: Any) -> Callable[[Any], Any]:
         def scalar(value: Any) -> Any:
             if isinstance(value, kinds) and (hint is bool or not isinstance(value, bool)):
                 try:
-                    return convert(value)
+                    converted = convert(value)
                 except OverflowError:  # a JSON integer too large for a float
-                    pass
+                    raise _Wrong(expected, value) from None
+                if not _in_range(hint, converted):
+                    raise _Wrong(_RANGES[hint], value)
+                return converted
             raise _Wrong(expected, value)
         return scalar
     if _is_named_tuple(hint):
@@ -179,6 +183,17 @@ def _parser(hint: Any) -> Callable[[Any], Any]:
 
 
 _SCALARS = {bool: (bool, bool), int: (int, int), float: ((int, float), float), str: (str, str)}
+_INT64 = 1 << 63
+_RANGES = {int: "an integer in the int64 range", float: "a finite number"}
+
+
+def _in_range(hint: Any, value: Any) -> bool:
+    """Integers of the wire are int64 and numbers finite: what numpy and the peers can hold."""
+    if hint is int:
+        return -_INT64 <= value < _INT64
+    if hint is float:
+        return math.isfinite(value)
+    return True
 
 
 def _inner(parse: Callable[[Any], Any], value: Any, key: Any) -> Any:

@@ -165,9 +165,9 @@ class PushSparseReply(Message):
 
 @message("Checkpoint request")
 class CheckpointRequest(Message):
-    """Write this shard's file of a checkpoint."""
-    dir: str = doc_field("the checkpoint directory (a path or fsspec URL)")
-    name: str = doc_field("the checkpoint's name")
+    """Write this shard's file of a checkpoint, under the PS's own checkpoint directory (`--checkpoint-dir`):
+    no path comes from the wire. A name that holds a committed checkpoint is refused (ALREADY_EXISTS)."""
+    name: str = doc_field("the checkpoint's name (ckpt-<9 digits>)")
 
 
 @message("Checkpoint reply")

@@ -40,7 +40,7 @@ from typing import Any, Iterator
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from ..base.errors import FailedPreconditionError
+from ..base.errors import AlreadyExistsError, FailedPreconditionError, InvalidArgumentError
 
 log = logging.getLogger(__name__)
 MANIFEST = "MANIFEST.json"
@@ -99,6 +99,16 @@ class CheckpointStore:
         if not _NAME.match(name):  # names come over the wire: never a path of their own
             raise CheckpointError(f"{name!r} is not a checkpoint name (ckpt-<9 digits>)")
         return posixpath.join(self.root, name, *parts)
+
+    def check_new(self, name: str) -> None:
+        """Raise unless `name` may be written by a shard: InvalidArgumentError for what is not a
+        checkpoint name, AlreadyExistsError for a committed checkpoint (never overwritten)."""
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise InvalidArgumentError(f"{str(name)[:80]!r} is not a checkpoint name (ckpt-<9 digits>)")
+        manifest = self.path(name, MANIFEST)
+        with self._os("read", manifest, name):
+            if self.fs.exists(manifest):
+                raise AlreadyExistsError(f"checkpoint {name} is committed in {self.url}: it is never overwritten")
 
     @contextlib.contextmanager
     def _os(self, action: str, path: str, name: str | None = None) -> Iterator[None]:

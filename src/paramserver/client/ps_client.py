@@ -213,10 +213,10 @@ class PSClient:
             except ParamServerError as exc:
                 log.warning("leave %s: %s", request.to_meta(), exc)
 
-    def checkpoint(self, directory: str, name: str, timeout: float) -> list[dict]:
-        """Have every shard write its file of checkpoint `name` under `directory`, all at once;
-        returns their manifest entries. Call while no push is in flight."""
-        payload = codec.encode(msg.CheckpointRequest(dir=directory, name=name).to_meta())
+    def checkpoint(self, name: str, timeout: float) -> list[dict]:
+        """Have every shard write its file of checkpoint `name` under its own checkpoint directory,
+        all at once; returns their manifest entries. Call while no push is in flight."""
+        payload = codec.encode(msg.CheckpointRequest(name=name).to_meta())
         calls = [channel.call("Checkpoint", payload, timeout) for channel in self.channels]
         deadline = time.monotonic() + timeout
         entries, errors = [], []

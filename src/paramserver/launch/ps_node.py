@@ -15,7 +15,7 @@ import time
 
 from ..base.config import Options
 from ..base.lifecycle import Lifecycle
-from ..checkpoint import save_shard
+from ..checkpoint import shard_writer
 from ..server.shard import Shard
 from ..server.shard_service import ShardService
 from ..server.table_store import TableStore
@@ -39,7 +39,7 @@ class PSNode(Lifecycle):
         restore = _restore_source(options)
         self.shard = Shard(index, wait_timeout_s=options.rpc_timeout_s, restore=restore)
         self.service = ShardService(self.shard, TableStore(index, options.max_table_ids, restore=restore),
-                                    save_checkpoint=save_shard)
+                                    save_checkpoint=shard_writer(options.checkpoint_dir))
         self.server = GrpcServer(self.service, bind, options.max_message_bytes, options.ps_threads)
         host = bind.rsplit(":", 1)[0].strip("[]")
         self.stream = StreamServer(self.service, host, options.stream_port, options.max_message_bytes)

@@ -82,9 +82,10 @@ class RowPolicy:
         if unknown:
             raise InvalidArgumentError(f"unknown row policy keys {unknown}; known: {sorted(known)}")
         policy = cls(**(data or {}))
-        if policy.admit_after < 1 or not 0 < policy.admit_probability <= 1 or min(
-                policy.ttl_steps, policy.min_count, policy.max_rows, policy.evict_every) < 0:
-            raise InvalidArgumentError(f"invalid row policy {data}")
+        numbers = (policy.admit_after, policy.ttl_steps, policy.min_count, policy.max_rows, policy.evict_every)
+        if not all(type(n) is int for n in numbers) or type(policy.admit_probability) not in (int, float) or \
+                policy.admit_after < 1 or not 0 < policy.admit_probability <= 1 or min(numbers[1:]) < 0:
+            raise InvalidArgumentError(f"invalid row policy {str(data)[:200]}")
         return policy
 
 

@@ -90,12 +90,17 @@ class Shard:
         mode raises FailedPreconditionError and changes nothing. A registering `worker` (a fresh
         start or a restart) joins the sync step under way with its first push.
         """
+        if not initial:
+            raise InvalidArgumentError(f"group {group!r}: a registration needs at least one variable")
         for name, value in initial.items():
             if value.dtype != np.float32:
                 raise InvalidArgumentError(f"variable {name!r}: dtype {value.dtype} not supported (float32 only)")
+            if not np.isfinite(value).all():
+                raise InvalidArgumentError(f"variable {name!r}: initial values hold NaN or infinite values")
         optimizer = build_optimizer(optimizer_spec)
         with self._cond:
             self._check_agrees(consistency, worker)
+            self._check_worker(self.spec or consistency or ConsistencySpec(), worker, needed=False)
             existing = self._groups.get(group)
             if existing is None:
                 clash = sorted(set(initial) & set(self._group_of))
@@ -168,6 +173,12 @@ class Shard:
         with self._cond:
             return read(dict(self._groups), self.version, self.sync_step)
 
+    def check_known(self, names: Iterable[str]) -> None:
+        """Raise NotFoundError unless every name is a variable here (a request checks its pull
+        before its push changes anything)."""
+        for name in names:
+            self._lookup(name)
+
     def pull(self, names: Iterable[str], read: Callable[[int, list[tuple[str, np.ndarray]]], T]) -> T:
         """Call `read(version, [(name, live view)])` while no push can change the values.
 
@@ -239,6 +250,10 @@ class Shard:
         """Switch the consistency mode now. A sync step partly gathered is applied first, so no
         gathered gradient is lost, and every waiting pusher re-checks under the new mode."""
         with self._cond:
+            if self.spec is not None and self.spec.workers and spec.workers != self.spec.workers:
+                raise FailedPreconditionError(
+                    f"shard {self.index}: a mode for {spec.workers} workers contradicts the cluster's "
+                    f"{self.spec.workers} workers")
             if self._round is not None and self._round.contributors:
                 self._apply_round()
             self._round = None
@@ -403,9 +418,11 @@ class Shard:
             check_lr(lr)
         return by_group
 
-    def _check_worker(self, spec: ConsistencySpec, worker: int | None) -> None:
-        if spec.mode != "async" and worker is None:
+    def _check_worker(self, spec: ConsistencySpec, worker: int | None, needed: bool = True) -> None:
+        if needed and spec.mode != "async" and worker is None:
             raise InvalidArgumentError(f"a push in {spec.mode} mode must name its worker")
+        if worker is not None and worker < 0:
+            raise InvalidArgumentError(f"worker {worker} is negative")
         if worker is not None and spec.workers and not 0 <= worker < spec.workers:
             raise InvalidArgumentError(f"worker {worker} is outside the cluster's {spec.workers} workers")
 

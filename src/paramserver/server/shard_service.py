@@ -33,9 +33,10 @@ class ShardService:
     """Serves one Shard over any transport."""
 
     def __init__(self, shard: Shard, tables: TableStore | None = None,
-                 save_checkpoint: Callable[[str, str, Shard, TableStore], dict] | None = None) -> None:
-        """`save_checkpoint(dir, name, shard, tables)` writes the shard's checkpoint file and
-        returns its description; without it, a Checkpoint request is refused."""
+                 save_checkpoint: Callable[[str, Shard, TableStore], dict] | None = None) -> None:
+        """`save_checkpoint(name, shard, tables)` writes the shard's file of checkpoint `name` under
+        the node's own checkpoint directory and returns its description; it checks the name before
+        taking any snapshot. Without it (no checkpoint_dir), a Checkpoint request is refused."""
         self.shard = shard
         self.save_checkpoint = save_checkpoint
         self.tables = tables or TableStore(shard.index)
@@ -75,6 +76,7 @@ class ShardService:
         row_pushes = [self.tables.check_push(table, _take(frame, ids), _take(frame, grads))
                       for table, ids, grads in request.sparse]
         lookups = [(rows, self.tables.check_lookup(table, _take(frame, ids))) for table, ids, rows in request.lookup]
+        self.shard.check_known(frame.tensors if request.pull is None else request.pull)
         step, staleness, applied = self.shard.sync_step, 0, False
         if frame.tensors or row_pushes or request.marker:
             push = Push(frame.tensors, request.lr, request.worker, request.step, request.base, row_pushes,
@@ -104,8 +106,8 @@ class ShardService:
     def checkpoint(self, payload: bytes, sink: Sink) -> Any:
         request = msg.CheckpointRequest.from_meta(codec.decode(payload).meta)
         if self.save_checkpoint is None:
-            raise FailedPreconditionError(f"shard {self.shard.index} was started without a checkpoint writer")
-        entry = self.save_checkpoint(request.dir, request.name, self.shard, self.tables)
+            raise FailedPreconditionError(f"shard {self.shard.index} was started without a checkpoint_dir")
+        entry = self.save_checkpoint(request.name, self.shard, self.tables)
         return sink(codec.encode_parts(msg.CheckpointReply(**entry).to_meta()))
 
     def push_sparse(self, payload: bytes, sink: Sink) -> Any:

@@ -15,6 +15,7 @@ import numpy as np
 
 from ..base.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
 from .embedding_table import EmbeddingTable, RowPolicy
+from .limits import TableLimits, check_new_rows, check_new_table, row_bytes, table_bytes
 from .sparse_optimizers import build_sparse_optimizer
 
 log = logging.getLogger(__name__)
@@ -25,10 +26,12 @@ MAX_CAPACITY = 1 << 30  # rows one shard's table may reserve up front
 class TableStore:
     """Embedding tables by name."""
 
-    def __init__(self, shard_index: int, max_ids: int = DEFAULT_MAX_IDS, restore=None) -> None:
+    def __init__(self, shard_index: int, max_ids: int = DEFAULT_MAX_IDS, restore=None,
+                 limits: TableLimits | None = None) -> None:
         self.shard_index = shard_index
         self.restore = restore  # a checkpoint.restore.RestoreSource new tables start from, or None
         self.max_ids = max_ids
+        self.limits = limits or TableLimits()
         self._tables: dict[str, EmbeddingTable] = {}
         self._lock = threading.Lock()
 
@@ -45,10 +48,12 @@ class TableStore:
             existing = self._tables.get(name)
             if existing is None:
                 optimizer = build_sparse_optimizer(optimizer_spec)
+                row_policy = RowPolicy.from_dict(policy)
+                self._check_new_table(name, dim, optimizer, row_policy, capacity)
                 saved = self.restore.table_rows(name, dim, optimizer_spec, self.shard_index, num_shards) \
                     if self.restore is not None else None
                 table = EmbeddingTable(name, dim, optimizer, init, optimizer_spec,
-                                       capacity=max(1024, capacity), policy=RowPolicy.from_dict(policy))
+                                       capacity=max(1024, capacity), policy=row_policy)
                 if saved is not None:
                     table.load(saved.ids, saved.arrays, saved.meta["counters"], saved.meta["steps"])
                     log.info("shard %d: table %s restored with %d rows", self.shard_index, name, table.size)
@@ -70,6 +75,8 @@ class TableStore:
         """Validate a lookup without running it (raises InvalidArgumentError / NotFoundError)."""
         table = self._table(name)
         self._check_ids(name, ids, distinct=False)
+        with self._lock:
+            check_new_rows(self.limits, table, ids, self._bytes())
         return CheckedLookup(table, ids)
 
     def check_push(self, name: str, ids: np.ndarray, grads: np.ndarray) -> "CheckedPush":
@@ -85,7 +92,11 @@ class TableStore:
         return CheckedPush(table, ids, grads)
 
     def lookup_checked(self, lookups: list["CheckedLookup"]) -> list[np.ndarray]:
+        """Read (and create) the rows; the limits are checked again here, under the lock, before
+        any row is created (the check in `check_lookup` ran before the request changed anything)."""
         with self._lock:
+            for lookup in lookups:
+                check_new_rows(self.limits, lookup.table, lookup.ids, self._bytes())
             return [lookup.table.read(lookup.ids) for lookup in lookups]
 
     def push_checked(self, pushes: list["CheckedPush"]) -> None:
@@ -119,6 +130,18 @@ class TableStore:
     def describe(self) -> dict:
         with self._lock:
             return {name: table.describe() for name, table in self._tables.items()}
+
+    def _bytes(self) -> int:
+        """Bytes all tables hold now (call under the lock)."""
+        return sum(table_bytes(table) for table in self._tables.values())
+
+    def _check_new_table(self, name: str, dim: int, optimizer, policy: RowPolicy, capacity: int) -> None:
+        if not isinstance(dim, int) or dim < 1:
+            raise InvalidArgumentError(f"table {name!r}: dim must be a positive integer, got {dim!r}")
+        states = len(optimizer.state_init())
+        tracks_use = bool(policy.ttl_steps or policy.min_count or policy.max_rows)
+        one_row = row_bytes(dim, states, bool(optimizer.hyper.get("per_row_step")), tracks_use)
+        check_new_table(self.limits, name, max(1024, capacity), one_row, self._bytes())
 
     def _table(self, name: str) -> EmbeddingTable:
         table = self._tables.get(name)

@@ -33,6 +33,8 @@ PROTOCOL_MINOR = 0
 _PREFIX = struct.Struct("<4sHHI")
 _ALIGN = 8
 # The dtypes a frame may carry, by their numpy names.
+_MAX_DIMS = 32  # numpy's limit is 64; no variable of this project has more than a few
+_INT64 = 1 << 63
 DTYPES = frozenset({"float32", "float64", "float16", "int64", "int32", "uint8", "bool"})
 
 
@@ -95,21 +97,33 @@ def decode(payload: bytes) -> Frame:
     if header_end > len(payload):
         raise MalformedFrameError(f"header length {header_len} runs past the frame's {len(payload)} bytes")
     try:
-        header = json.loads(bytes(payload[_PREFIX.size:header_end]))
+        # NaN and Infinity are not JSON: refused like any other bad header
+        header = json.loads(bytes(payload[_PREFIX.size:header_end]), parse_constant=_no_constant)
         meta, entries = header["meta"], header["tensors"]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise MalformedFrameError(f"frame header is not valid: {exc}") from None
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:
+        why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)[:200]
+        raise MalformedFrameError(f"frame header is not valid: {why}") from None
     if not isinstance(meta, dict) or not isinstance(entries, list):
         raise MalformedFrameError("frame header must hold a 'meta' object and a 'tensors' list")
     data = memoryview(payload)[header_end + _pad(header_end):]
-    return Frame(meta, {entry[0]: _tensor(entry, data) for entry in map(_check_entry, entries)})
+    tensors: dict[str, np.ndarray] = {}
+    for entry in map(_check_entry, entries):
+        if entry[0] in tensors:  # the second would silently replace the first
+            raise MalformedFrameError(f"frame names tensor {entry[0][:100]!r} twice")
+        tensors[entry[0]] = _tensor(entry, data)
+    return Frame(meta, tensors)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value")
 
 
 def _check_entry(entry: Any) -> list:
     ok = (isinstance(entry, list) and len(entry) == 5 and isinstance(entry[0], str)
-          and entry[1] in DTYPES and isinstance(entry[2], list)
-          and all(isinstance(d, int) and d >= 0 for d in entry[2])
-          and all(isinstance(v, int) and v >= 0 for v in entry[3:5]))
+          and isinstance(entry[1], str) and entry[1] in DTYPES and isinstance(entry[2], list)
+          and len(entry[2]) <= _MAX_DIMS
+          and all(type(d) is int and 0 <= d < _INT64 for d in entry[2])
+          and all(type(v) is int and 0 <= v < _INT64 for v in entry[3:5]))
     if not ok:
         raise MalformedFrameError(f"bad tensor entry in frame header: {str(entry)[:200]}")
     return entry
@@ -118,9 +132,15 @@ def _check_entry(entry: Any) -> list:
 def _tensor(entry: list, data: memoryview) -> np.ndarray:
     name, dtype_name, shape, offset, nbytes = entry
     dtype = np.dtype(dtype_name)
-    if math.prod(shape) * dtype.itemsize != nbytes:
-        raise MalformedFrameError(f"tensor {name!r}: shape {shape} of {dtype_name} is not {nbytes} bytes")
+    count = math.prod(shape)
+    if count * dtype.itemsize != nbytes:
+        raise MalformedFrameError(f"tensor {name[:100]!r}: shape {str(shape)[:100]} of {dtype_name} is not "
+                                  f"{nbytes} bytes")
     if offset + nbytes > len(data):
-        raise MalformedFrameError(f"tensor {name!r}: bytes {offset}..{offset + nbytes} run past the frame")
-    array = np.frombuffer(data, dtype=dtype, count=math.prod(shape), offset=offset)
-    return array.reshape(shape)
+        raise MalformedFrameError(f"tensor {name[:100]!r}: bytes {offset}..{offset + nbytes} run past the frame")
+    if offset % dtype.itemsize:
+        raise MalformedFrameError(f"tensor {name[:100]!r}: offset {offset} is not aligned to its {dtype_name}")
+    try:
+        return np.frombuffer(data, dtype=dtype, count=count, offset=offset).reshape(shape)
+    except (ValueError, OverflowError) as exc:  # e.g. a zero-size shape whose other sides overflow
+        raise MalformedFrameError(f"tensor {name[:100]!r}: shape {str(shape)[:100]} is not valid: {exc}") from None

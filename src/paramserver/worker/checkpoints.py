@@ -177,7 +177,7 @@ class Checkpointer:
         try:
             if self.store.uncommit(name):
                 log.info("%s %s: replaces the complete checkpoint of that name", what, name)
-            entries = self.client.checkpoint(self.store.url, name, timeout)
+            entries = self.client.checkpoint(name, timeout)
             self.store.commit(name, {"step": step, "num_shards": len(entries), "shards": entries,
                                      "mode": self.client.consistency.to_dict()})
         except (ParamServerError, OSError) as exc:  # a shard's error, a deadline, the store's CheckpointError

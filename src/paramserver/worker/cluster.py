@@ -12,7 +12,6 @@ from ..base.grpc_fork import GRPC_FORK_SUPPORT_ENV, grpc_fork_handlers_on
 from ..base.consistency_spec import ConsistencySpec
 from ..base.lifecycle import Lifecycle
 from ..base.progress import ProgressWriter
-from ..checkpoint import save_shard
 from ..client.ps_client import PSClient
 from ..coordinator.coordinator_service import SERVICE as COORDINATOR
 from ..coordinator.coordinator_service import CoordinatorClient, CoordinatorService
@@ -85,7 +84,7 @@ class CoordinatorHost(Lifecycle):
 
 def in_process_context(num_ps: int) -> Context:
     options = Options()
-    channels = [InProcessChannel(ShardService(Shard(i), save_checkpoint=save_shard)) for i in range(num_ps)]
+    channels = [InProcessChannel(ShardService(Shard(i))) for i in range(num_ps)]
     client = PSClient(channels, options.rpc_timeout_s, options.split_bytes)
     client.connect(options.connect_timeout_s)
     coordinator = CoordinatorClient(InProcessChannel(CoordinatorService(Coordinator(1)), "inprocess:coordinator"),

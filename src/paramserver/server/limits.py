@@ -1,0 +1,74 @@
+"""The operator's limits on what tables may take on one PS, checked before memory is taken.
+
+A table's memory is its per-row arrays (values, each optimizer state, use counters) at their
+capacity, plus its hash index; rows are created by lookups (and by a registration's capacity
+reserved up front). Both the rows of one table and the bytes of all tables of the PS are
+bounded (`Options.max_table_rows`, `Options.max_table_memory_bytes`); a request that would pass
+either is refused with ResourceExhaustedError and changes nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..base.errors import ResourceExhaustedError
+from .embedding_table import EmbeddingTable
+
+_GROWTH = 1.5  # as EmbeddingTable grows its arrays
+_INDEX_BYTES_PER_ROW = 2 * 2 * 8  # the hash index keeps at least twice the rows in slots, 16 bytes each
+
+
+@dataclass(frozen=True)
+class TableLimits:
+    """`max_rows`: rows one table may hold on this PS; `max_bytes`: bytes all its tables may hold."""
+
+    max_rows: int = 1 << 27
+    max_bytes: int = 16 << 30
+
+
+def row_bytes(dim: int, float_states: int, per_row_step: bool, tracks_use: bool) -> int:
+    """Bytes one row of capacity costs: values and optimizer state, row step, use counters."""
+    return 4 * dim * (1 + float_states) + 8 * per_row_step + 16 * tracks_use + _INDEX_BYTES_PER_ROW
+
+
+def table_row_bytes(table: EmbeddingTable) -> int:
+    states = sum(1 for key in table.state if key != "row_step")
+    return row_bytes(table.dim, states, "row_step" in table.state, table.tracks_use)
+
+
+def table_bytes(table: EmbeddingTable) -> int:
+    """What the table holds now: its arrays at capacity (capacity is what memory was taken for)."""
+    return table.values.shape[0] * table_row_bytes(table)
+
+
+def check_new_table(limits: TableLimits, name: str, capacity: int, one_row: int, used: int) -> None:
+    """Raise unless a table of `capacity` rows (`one_row` bytes each) fits next to `used` bytes."""
+    if capacity > limits.max_rows:
+        raise ResourceExhaustedError(f"table {name!r}: capacity {capacity} exceeds the PS's max_table_rows "
+                                     f"{limits.max_rows}")
+    if used + capacity * one_row > limits.max_bytes:
+        raise ResourceExhaustedError(f"table {name!r}: {capacity} rows of {one_row} bytes would bring the PS's "
+                                     f"tables to {used + capacity * one_row} bytes, over max_table_memory_bytes "
+                                     f"{limits.max_bytes}")
+
+
+def check_new_rows(limits: TableLimits, table: EmbeddingTable, ids: np.ndarray, used: int) -> None:
+    """Raise unless the rows a lookup of `ids` may create fit (every missing id counted as admitted:
+    the policy may admit any of them). `used`: bytes of all the PS's tables now."""
+    missing = int(np.unique(ids[table.index.find(ids) < 0]).shape[0]) if ids.shape[0] else 0
+    if not missing:
+        return
+    rows = table.size + missing
+    if rows > limits.max_rows:
+        raise ResourceExhaustedError(f"table {table.name!r}: {missing} new rows would bring it to {rows} rows, "
+                                     f"over the PS's max_table_rows {limits.max_rows}")
+    capacity = table.values.shape[0]
+    if rows <= capacity:
+        return
+    grown = max(rows, int(capacity * _GROWTH)) - capacity
+    extra = grown * table_row_bytes(table)
+    if used + extra > limits.max_bytes:
+        raise ResourceExhaustedError(f"table {table.name!r}: {missing} new rows would grow the PS's tables to "
+                                     f"{used + extra} bytes, over max_table_memory_bytes {limits.max_bytes}")
