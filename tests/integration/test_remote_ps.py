@@ -1,6 +1,7 @@
 """A real PS process over gRPC and the tensor stream: numbers, bad input, unreachable servers."""
 
 import json
+import os
 import socket
 import struct
 import time
@@ -147,16 +148,28 @@ def _stream_port(address):
         channel.close()
 
 
-def test_the_stream_refuses_to_attach_files_that_are_not_segments(procs, tmp_path):
+def _attach(address, spec):
+    with socket.create_connection(("127.0.0.1", _stream_port(address)), timeout=10) as sock:
+        body = json.dumps(spec).encode()
+        sock.sendall(struct.pack("<4sBBHQ", b"PSTS", 4, 0, 0, len(body)) + body)
+        _, kind, status, _, size = struct.unpack("<4sBBHQ", sock.recv(16, socket.MSG_WAITALL))
+        return status, sock.recv(size, socket.MSG_WAITALL).decode()
+
+
+def test_the_stream_refuses_to_attach_files_that_are_not_sealed_segments(procs, tmp_path):
     _, address = procs.start_ps()
     victim = tmp_path / "victim"
     victim.write_bytes(b"x" * 4096)
-    with socket.create_connection(("127.0.0.1", _stream_port(address)), timeout=10) as sock:
-        spec = json.dumps({"path": str(victim), "capacity": 1024}).encode()
-        sock.sendall(struct.pack("<4sBBHQ", b"PSTS", 4, 0, 0, len(spec)) + spec)
-        _, kind, status, _, size = struct.unpack("<4sBBHQ", sock.recv(16, socket.MSG_WAITALL))
-        reason = sock.recv(size, socket.MSG_WAITALL).decode()
-    assert status == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "not a paramserver segment" in reason
+    unsealed = os.memfd_create("unsealed", os.MFD_ALLOW_SEALING)
+    os.ftruncate(unsealed, 4096)
+    with open(victim, "r+b") as file:
+        refused = {"path": _attach(address, {"path": str(victim), "capacity": 1024}),
+                   "a file's fd": _attach(address, {"pid": os.getpid(), "fd": file.fileno(), "capacity": 1024}),
+                   "unsealed memfd": _attach(address, {"pid": os.getpid(), "fd": unsealed, "capacity": 1024})}
+    os.close(unsealed)
+    assert refused["path"][0] == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "pid, fd" in refused["path"][1]
+    for status, reason in (refused["a file's fd"], refused["unsealed memfd"]):
+        assert status == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "not a sealed memory file" in reason
     assert victim.read_bytes() == b"x" * 4096
 
 

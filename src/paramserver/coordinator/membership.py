@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from ..base.errors import InvalidArgumentError, UnavailableError
 
 log = logging.getLogger(__name__)
+_INT64 = 1 << 63
 STATES = ("joining", "training", "finished", "exited", "dead")
 
 
@@ -38,6 +39,11 @@ class Member:
     finished: bool = False
     exited: bool = False
     reported_gone: bool = False  # `newly_gone` told the caller already
+
+
+def timed_checkpoint_barrier(request: int) -> str:
+    """The barrier where the workers meet for the chief's `request`-th timed checkpoint."""
+    return f"checkpoint#{request}"
 
 
 class Coordinator:
@@ -69,6 +75,8 @@ class Coordinator:
 
     def heartbeat(self, worker: int, step: int) -> dict:
         self._check(worker)
+        if type(step) is not int or not 0 <= step < _INT64:
+            raise InvalidArgumentError(f"worker {worker}: heartbeat step must be a non-negative int64, got {step!r}")
         with self._cond:
             member = self._members[worker]
             if not member.joined:  # a coordinator that started again after this worker joined
@@ -123,10 +131,16 @@ class Coordinator:
             return {**self._view(), "open": True}
 
     def request_checkpoint(self, worker: int) -> dict:
-        """Ask every worker to meet for a checkpoint after its current step (they learn it from the view)."""
+        """Ask every worker to meet for a checkpoint after its current step (they learn it from the view).
+
+        Requests coalesce: while the last one's barrier has not opened, another changes nothing (the
+        workers meet once for both), so a burst cannot make workers wait at different barriers."""
         self._check(worker)
         with self._cond:
-            self._checkpoints_requested += 1
+            pending = self._checkpoints_requested and \
+                timed_checkpoint_barrier(self._checkpoints_requested) not in self._opened
+            if not pending:
+                self._checkpoints_requested += 1
             self._cond.notify_all()
             return self._view()
 

@@ -16,6 +16,7 @@ import time
 from ..base.config import Options
 from ..base.lifecycle import Lifecycle
 from ..checkpoint import shard_writer
+from ..server.limits import TableLimits
 from ..server.shard import Shard
 from ..server.shard_service import ShardService
 from ..server.table_store import TableStore
@@ -38,11 +39,13 @@ class PSNode(Lifecycle):
         self.index = index
         restore = _restore_source(options)
         self.shard = Shard(index, wait_timeout_s=options.rpc_timeout_s, restore=restore)
-        self.service = ShardService(self.shard, TableStore(index, options.max_table_ids, restore=restore),
+        limits = TableLimits(options.max_table_rows, options.max_table_memory_bytes)
+        self.service = ShardService(self.shard, TableStore(index, options.max_table_ids, restore=restore, limits=limits),
                                     save_checkpoint=shard_writer(options.checkpoint_dir))
         self.server = GrpcServer(self.service, bind, options.max_message_bytes, options.ps_threads)
         host = bind.rsplit(":", 1)[0].strip("[]")
-        self.stream = StreamServer(self.service, host, options.stream_port, options.max_message_bytes)
+        self.stream = StreamServer(self.service, host, options.stream_port, options.max_message_bytes,
+                                   options.idle_timeout_s, options.max_connections)
         self.address: str | None = None
         self._stop_lock = threading.Lock()
         self._stopped = False

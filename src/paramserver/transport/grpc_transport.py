@@ -56,7 +56,8 @@ class GrpcServer(Lifecycle):
         self._executor = futures.ThreadPoolExecutor(
             max_workers=threads, thread_name_prefix=f"{_PEER_KINDS.get(service_name, 'ps')}-rpc",
             initializer=lambda: self._threads.append(threading.current_thread()))
-        self._server = grpc.server(self._executor, options=channel_options(max_message_bytes))
+        # no SO_REUSEPORT: a second server on a port in use fails at start instead of sharing it
+        self._server = grpc.server(self._executor, options=[*channel_options(max_message_bytes), ("grpc.so_reuseport", 0)])
         handlers = {name: grpc.unary_unary_rpc_method_handler(self._handler(name)) for name in service.methods}
         self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service_name, handlers),))
 
@@ -70,9 +71,12 @@ class GrpcServer(Lifecycle):
 
     def start(self) -> int:
         try:
-            self.port = self._server.add_insecure_port(self.bind)
+            try:
+                self.port = self._server.add_insecure_port(self.bind)
+            except RuntimeError as exc:  # grpcio raises this when the port is taken
+                raise UnavailableError(f"cannot bind {self.bind}: the address is in use or not valid ({exc})") from None
             if not self.port:
-                raise UnavailableError(f"cannot bind {self.bind}")
+                raise UnavailableError(f"cannot bind {self.bind}: the address is in use or not valid")
             self._server.start()
         except BaseException as exc:
             self.ready.fail(exc)

@@ -6,13 +6,20 @@ bulk calls (Register, PushPull) travel on this stream, while gRPC keeps discover
 Hello. A PS announces its stream port and host id in its Hello reply.
 
 When worker and PS run on the same host, the worker attaches a shared-memory segment to
-its stream: requests are encoded straight into the segment's first half and replies
-written into its second half, and only 16-byte prefixes cross the socket.
+its stream (transport/shared_memory.py: a sealed memfd): requests are encoded straight into
+the segment's first half (the PS copies each out before checking it) and replies written
+into its second half, and only 16-byte prefixes cross the socket.
+
+Limits (Options): a message longer than `max_message_bytes` is refused before any memory is
+taken for it, and a receive buffer grows with the bytes that arrive, never ahead of them; a
+connection without a request for `idle_timeout_s` is closed (the client notices before its
+next call and reconnects); at most `max_connections` connections are served at once, a
+further one is answered RESOURCE_EXHAUSTED and closed.
 
 Message = 16-byte prefix ``<4sBBHQ``: magic b"PSTS", kind, status (a gRPC status code
 value, 0 = OK), method id (index in METHODS), payload length; then the payload, unless the
 kind says it lies in shared memory. Kinds: 0 request, 1 reply, 2 request in shared
-memory, 3 reply in shared memory, 4 attach (payload: JSON {"path", "capacity"}). A failed
+memory, 3 reply in shared memory, 4 attach (payload: JSON {"pid", "fd", "capacity"}). A failed
 reply's payload is the UTF-8 error message.
 """
 
@@ -20,14 +27,10 @@ from __future__ import annotations
 
 import json
 import logging
-import mmap
-import os
 import socket
 import struct
-import tempfile
 import threading
 import time
-import uuid
 from pathlib import Path
 
 import grpc
@@ -38,6 +41,7 @@ from ..base.lifecycle import Lifecycle, ReadyFlag
 from . import codec
 from .channel import CallHandle
 from .dispatch import answer
+from .shared_memory import Segment, SegmentError, write_parts
 
 log = logging.getLogger(__name__)
 MAGIC = b"PSTS"
@@ -48,8 +52,8 @@ _CODES = {code.value[0]: code for code in grpc.StatusCode}
 _SOCKET_BUFFER = 8 * 1024 * 1024
 _SHM_MIN_BYTES = 64 * 1024  # smaller messages go inline: not worth a segment
 _OWNED_REPLY_BYTES = 1 << 20  # replies up to this size are returned as owned bytes, larger ones as views
-_SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-_SHM_PREFIX = "paramserver-"
+_FIRST_CHUNK = 1 << 20  # a receive buffer grows from here as bytes arrive (a prefix alone proves nothing)
+_REFUSE_TIMEOUT_S = 1.0  # longest send of a refusal to a connection that is not served
 
 
 def host_id() -> str:
@@ -86,15 +90,29 @@ class _Inbox:
         self._buffer = bytearray(_PREFIX.size)
 
     def receive(self, sock: socket.socket, size: int) -> memoryview:
-        if len(self._buffer) < size:
-            self._buffer = bytearray(size)
-        view, got = memoryview(self._buffer)[:size], 0
+        """`size` bytes from `sock`; the buffer grows (doubling) only as the bytes arrive."""
+        got = 0
         while got < size:
-            n = sock.recv_into(view[got:])
+            if got == len(self._buffer):
+                self._grow(got, min(size, max(2 * got, _FIRST_CHUNK)))
+            n = sock.recv_into(memoryview(self._buffer)[got:min(size, len(self._buffer))])
             if n == 0:
                 raise ConnectionError("peer closed the tensor stream")
             got += n
+        return memoryview(self._buffer)[:size]
+
+    def copy(self, source: memoryview) -> memoryview:
+        """A private copy of `source` (memory a peer may still write), in the reused buffer."""
+        if len(self._buffer) < len(source):
+            self._buffer = bytearray(len(source))
+        view = memoryview(self._buffer)[:len(source)]
+        view[:] = source
         return view
+
+    def _grow(self, keep: int, size: int) -> None:
+        grown = bytearray(size)
+        grown[:keep] = memoryview(self._buffer)[:keep]
+        self._buffer = grown
 
 
 def _send(sock: socket.socket, kind: int, status: int, method: int, parts: list, size: int, inline: bool) -> None:
@@ -104,59 +122,38 @@ def _send(sock: socket.socket, kind: int, status: int, method: int, parts: list,
             sock.sendall(part)
 
 
-def _read_prefix(sock: socket.socket, max_bytes: int) -> tuple[int, int, int, int]:
-    prefix = bytearray(_PREFIX.size)
-    if sock.recv_into(prefix, _PREFIX.size, socket.MSG_WAITALL) != _PREFIX.size:
-        raise ConnectionError("peer closed the tensor stream")
+def _read_prefix(sock: socket.socket, max_bytes: int | None = None) -> tuple[int, int, int, int]:
+    """The next message's prefix; with `max_bytes`, a longer message is a MalformedFrameError."""
+    prefix, got = bytearray(_PREFIX.size), 0
+    while got < _PREFIX.size:  # a loop, not MSG_WAITALL: with a timeout set, recv may return part
+        n = sock.recv_into(memoryview(prefix)[got:])
+        if n == 0:
+            raise ConnectionError("peer closed the tensor stream")
+        got += n
     magic, kind, status, method, size = _PREFIX.unpack(prefix)
     if magic != MAGIC:
         raise MalformedFrameError(f"tensor stream message does not start with {MAGIC!r}")
-    if size > max_bytes:
+    if max_bytes is not None and size > max_bytes:
         raise MalformedFrameError(f"tensor stream message of {size} bytes exceeds the maximum {max_bytes}")
     return kind, status, method, size
 
 
-def _write_parts(target: memoryview, parts: list) -> None:
-    offset = 0
-    for part in parts:
-        part = memoryview(part).cast("B")
-        target[offset:offset + len(part)] = part
-        offset += len(part)
+def _send_error(sock: socket.socket, code: grpc.StatusCode, method: int, text: str) -> None:
+    message = text.encode()
+    _send(sock, REPLY, code.value[0], method, [message], len(message), True)
 
 
-class _Segment:
-    """A shared-memory segment of two halves: [0, capacity) requests, [capacity, 2*capacity) replies."""
-
-    def __init__(self, path: str, capacity: int, create: bool) -> None:
-        self.path, self.capacity = path, capacity
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
-        try:
-            if create:
-                os.ftruncate(fd, 2 * capacity)
-            elif os.fstat(fd).st_size < 2 * capacity:
-                raise ValueError(f"segment {path} is smaller than 2 x {capacity} bytes")
-            self._map = mmap.mmap(fd, 2 * capacity)
-        finally:
-            os.close(fd)
-        self.view = memoryview(self._map)
-        self.requests = self.view[:capacity]
-        self.replies = self.view[capacity:]
-
-    def write(self, parts: list) -> int | None:
-        """Copy a reply's parts into the reply half; None if they do not fit."""
-        size = codec.parts_size(parts)
-        if size > self.capacity:
-            return None
-        _write_parts(self.replies, parts)
-        return size
-
-    def close(self) -> None:
-        try:
-            for view in (self.requests, self.replies, self.view):
-                view.release()
-            self._map.close()
-        except BufferError:  # arrays still view the segment; the mapping goes when they do
-            pass
+def _peer_closed(sock: socket.socket) -> bool:
+    """Whether the peer closed (or reset) an idle connection: checked before a request is sent on
+    it, so that a request never goes out on a connection the PS already gave up (it reconnects)."""
+    try:
+        sock.setblocking(False)
+        sock.recv(1, socket.MSG_PEEK)  # end of stream, or a byte nobody asked for: broken either way
+        return True
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
 
 
 class StreamServer(Lifecycle):
@@ -168,10 +165,16 @@ class StreamServer(Lifecycle):
     ("ps-stream-<peer port>"), at most `grace` seconds in all.
     """
 
-    def __init__(self, service, host: str, port: int, max_message_bytes: int) -> None:
+    def __init__(self, service, host: str, port: int, max_message_bytes: int, idle_timeout_s: float = 300.0,
+                 max_connections: int = 256) -> None:
         self.service = service
         self.max_message_bytes = max_message_bytes
-        self._listener = socket.create_server((host, port), backlog=64)
+        self.idle_timeout_s = idle_timeout_s
+        self.max_connections = max_connections
+        try:  # no SO_REUSEPORT: a port in use is an error here, never a second server sharing it
+            self._listener = socket.create_server((host, port), backlog=64)
+        except OSError as exc:
+            raise UnavailableError(f"tensor stream cannot listen on {host}:{port}: {exc.strerror}") from None
         self.port = self._listener.getsockname()[1]
         self.ready = ReadyFlag(f"tensor stream on port {self.port}")
         self._connections: dict[socket.socket, threading.Thread] = {}
@@ -219,57 +222,89 @@ class StreamServer(Lifecycle):
                 if self._stopping.is_set():
                     conn.close()
                     return
-                self._connections[conn] = thread
-                thread.start()
+                full = len(self._connections) >= self.max_connections
+                if not full:
+                    self._connections[conn] = thread
+                    thread.start()
+            if full:
+                self._refuse(conn, peer)
+
+    def _refuse(self, conn: socket.socket, peer) -> None:
+        """Answer a connection past max_connections with the reason, and close it."""
+        log.warning("tensor stream from %s refused: %d connections served already", peer, self.max_connections)
+        try:
+            conn.settimeout(_REFUSE_TIMEOUT_S)
+            _send_error(conn, grpc.StatusCode.RESOURCE_EXHAUSTED, 0,
+                        f"the PS serves {self.max_connections} tensor stream connections already (max_connections)")
+            conn.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+        finally:
+            conn.close()
 
     def _serve(self, conn: socket.socket, peer) -> None:
-        segment: _Segment | None = None
+        segment_box: list[Segment | None] = [None]
         inbox = _Inbox()
+        conn.settimeout(self.idle_timeout_s)  # also bounds a request that stops half-way
         try:
-            while True:
-                kind, _, method_id, size = _read_prefix(conn, self.max_message_bytes)
-                if kind == ATTACH:
-                    segment = self._attach(conn, inbox.receive(conn, size), segment)
-                    continue
-                if kind == REQUEST_SHM and segment is not None and size <= segment.capacity:
-                    payload = segment.requests[:size]
-                elif kind == REQUEST:
-                    payload = inbox.receive(conn, size)
-                else:
-                    raise MalformedFrameError(f"unexpected tensor stream message kind {kind}")
-                status, reply = self._answer(method_id, payload, peer, segment)
-                if isinstance(reply, int):  # already written into the segment
-                    _send(conn, REPLY_SHM, status, method_id, [], reply, False)
-                else:
-                    _send(conn, REPLY, status, method_id, [reply], len(reply), True)
+            while self._serve_one(conn, peer, inbox, segment_box):
+                pass
+        except socket.timeout:
+            log.info("tensor stream from %s closed: idle for %.0fs (idle_timeout_s)", peer, self.idle_timeout_s)
         except (OSError, ConnectionError, MalformedFrameError) as exc:
             if not self._stopping.is_set():
                 log.info("tensor stream from %s closed: %s", peer, exc)
+        except Exception:  # noqa: BLE001 - a bug: this connection ends, the PS serves on
+            log.exception("tensor stream from %s failed", peer)
         finally:
             with self._lock:
                 self._connections.pop(conn, None)
             conn.close()
-            if segment is not None:
-                segment.close()
+            if segment_box[0] is not None:
+                segment_box[0].close()
 
-    def _attach(self, conn: socket.socket, request: memoryview, old: _Segment | None) -> _Segment | None:
+    def _serve_one(self, conn: socket.socket, peer, inbox: _Inbox, segment_box: list) -> bool:
+        """Read and answer one message; False when the connection must close. `segment_box[0]`:
+        the attached segment (replaced by an attach)."""
+        kind, _, method_id, size = _read_prefix(conn)
+        if size > self.max_message_bytes:  # refused before a byte of it is read or allocated
+            _send_error(conn, grpc.StatusCode.RESOURCE_EXHAUSTED, method_id,
+                        f"message of {size} bytes exceeds max_message_bytes {self.max_message_bytes}")
+            return False
+        segment = segment_box[0]
+        if kind == ATTACH:
+            segment_box[0] = self._attach(conn, inbox.receive(conn, size), segment)
+            return True
+        if kind == REQUEST_SHM and segment is not None and size <= segment.capacity:
+            payload = inbox.copy(segment.requests[:size])  # the worker can still write the segment
+        elif kind == REQUEST:
+            payload = inbox.receive(conn, size)
+        else:
+            _send_error(conn, grpc.StatusCode.INVALID_ARGUMENT, method_id,
+                        f"unexpected tensor stream message kind {kind} of {size} bytes")
+            return False
+        status, reply = self._answer(method_id, payload, peer, segment)
+        if isinstance(reply, int):  # already written into the segment
+            _send(conn, REPLY_SHM, status, method_id, [], reply, False)
+        else:
+            _send(conn, REPLY, status, method_id, [reply], len(reply), True)
+        return True
+
+    def _attach(self, conn: socket.socket, request: memoryview, old: Segment | None) -> Segment | None:
         try:
             spec = json.loads(bytes(request))
-            path = str(spec["path"])
-            # only segments a worker made for us: never let a peer point the PS at another file
-            if os.path.dirname(path) != _SHM_DIR or not os.path.basename(path).startswith(_SHM_PREFIX):
-                raise ValueError(f"{path!r} is not a paramserver segment in {_SHM_DIR}")
-            segment = _Segment(path, int(spec["capacity"]), create=False)
-        except (ValueError, KeyError, TypeError, OSError) as exc:
-            message = f"cannot attach shared memory: {exc}".encode()
-            _send(conn, REPLY, grpc.StatusCode.INVALID_ARGUMENT.value[0], 0, [message], len(message), True)
+            if not isinstance(spec, dict):
+                raise SegmentError("attach needs a JSON object")
+            segment = Segment.attach(spec)
+        except (ValueError, RecursionError, OSError, OverflowError) as exc:  # SegmentError is a ValueError
+            _send_error(conn, grpc.StatusCode.INVALID_ARGUMENT, 0, f"cannot attach shared memory: {exc}")
             return old
         if old is not None:
             old.close()
         _send(conn, REPLY, 0, 0, [], 0, True)
         return segment
 
-    def _answer(self, method_id: int, payload, peer, segment: _Segment | None) -> tuple[int, bytes | int]:
+    def _answer(self, method_id: int, payload, peer, segment: Segment | None) -> tuple[int, bytes | int]:
         """(status, reply bytes) or, when the reply went into the segment, (0, its size)."""
         def sink(parts: list) -> bytes | int:
             size = segment.write(parts) if segment is not None else None
@@ -322,7 +357,7 @@ class StreamClient:
         self.max_message_bytes = max_message_bytes
         self.shared_memory = shared_memory
         self._sock: socket.socket | None = None
-        self._segment: _Segment | None = None
+        self._segment: Segment | None = None
         self._inbox = _Inbox()
         self._lock = threading.Lock()
         self._in_flight: StreamCall | None = None
@@ -353,7 +388,7 @@ class StreamClient:
             sock = self._connect(deadline)
             segment = self._segment_for(sock, size) if self.shared_memory and size >= _SHM_MIN_BYTES else None
             if segment is not None:
-                _write_parts(segment.requests, parts)
+                write_parts(segment.requests, parts)
             _send(sock, REQUEST_SHM if segment else REQUEST, 0, method_id, parts, size, segment is None)
         except (OSError, ConnectionError) as exc:
             raise self._broken(METHODS[method_id], exc) from None
@@ -365,7 +400,7 @@ class StreamClient:
         try:
             self._sock.settimeout(max(0.001, deadline - time.monotonic()))
             kind, status, _, reply_size = _read_prefix(self._sock, self.max_message_bytes)
-            if kind == REPLY_SHM and self._segment is not None:
+            if kind == REPLY_SHM and self._segment is not None and reply_size <= self._segment.capacity:
                 reply = self._segment.replies[:reply_size]
             else:
                 reply = self._inbox.receive(self._sock, reply_size)
@@ -387,6 +422,9 @@ class StreamClient:
         return UnavailableError(f"{self.address} {what}: tensor stream failed: {exc}")
 
     def _connect(self, deadline: float) -> socket.socket:
+        if self._sock is not None and _peer_closed(self._sock):  # e.g. closed by the PS as idle
+            log.info("%s: tensor stream was closed by the PS; reconnecting", self.address)
+            self._drop()
         if self._sock is None:
             sock = socket.create_connection((self._host, self._port), timeout=max(0.001, deadline - time.monotonic()))
             _tune(sock)
@@ -394,20 +432,20 @@ class StreamClient:
         self._sock.settimeout(max(0.001, deadline - time.monotonic()))
         return self._sock
 
-    def _segment_for(self, sock: socket.socket, size: int) -> _Segment | None:
+    def _segment_for(self, sock: socket.socket, size: int) -> Segment | None:
         """The attached segment, (re)created with room for `size`; None if the PS cannot attach it."""
         if self._segment is not None and self._segment.capacity >= size:
             return self._segment
         capacity = max(2 * size, 1 << 20)
-        path = os.path.join(_SHM_DIR, f"{_SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")
-        segment = _Segment(path, capacity, create=True)
+        segment, spec = Segment.create(capacity)
         try:
-            spec = json.dumps({"path": path, "capacity": capacity}).encode()
-            _send(sock, ATTACH, 0, 0, [spec], len(spec), True)
+            body = json.dumps(spec).encode()
+            _send(sock, ATTACH, 0, 0, [body], len(body), True)
             _, status, _, reply_size = _read_prefix(sock, self.max_message_bytes)
             reason = bytes(self._inbox.receive(sock, reply_size))
-        finally:
-            os.unlink(path)  # both sides hold a mapping; the memory goes away with the last one
+        except BaseException:
+            segment.close()
+            raise
         if status:
             log.warning("%s: shared memory refused (%s); sending inline", self.address, reason.decode(errors="replace"))
             segment.close()

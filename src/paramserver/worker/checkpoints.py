@@ -33,6 +33,7 @@ from typing import Any, Callable
 
 from ..base.errors import ParamServerError
 from ..checkpoint.store import CheckpointError, CheckpointStore, checkpoint_name, os_reason
+from ..coordinator.membership import timed_checkpoint_barrier
 
 log = logging.getLogger(__name__)
 FINAL = "checkpoint:final"
@@ -76,7 +77,7 @@ class Checkpointer:
             self.coordinator.request_checkpoint()
         if self._requested() > self._timed_done:
             self._timed_done = self._requested()
-            self._barrier_after[step] = f"checkpoint#{self._timed_done}"
+            self._barrier_after[step] = timed_checkpoint_barrier(self._timed_done)
         elif self.every > 0 and step > 0 and step % self.every == 0:
             self._barrier_after[step] = f"checkpoint@{step}"
         return step in self._barrier_after
