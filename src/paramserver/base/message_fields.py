@@ -135,7 +135,7 @@ def _parser(hint: Any) -> Callable[[Any], Any]:
             try:
                 return inner_parse(value)
             except _Wrong as wrong:
-                if wrong.where:  # an element inside: say what that element must be
+                if wrong.where or wrong.expected in _RANGES.values():  # say what exactly is wrong
                     raise
                 raise _Wrong(expected, value) from None
         return optional

@@ -138,8 +138,8 @@ def _tensor(entry: list, data: memoryview) -> np.ndarray:
                                   f"{nbytes} bytes")
     if offset + nbytes > len(data):
         raise MalformedFrameError(f"tensor {name[:100]!r}: bytes {offset}..{offset + nbytes} run past the frame")
-    if offset % dtype.itemsize:
-        raise MalformedFrameError(f"tensor {name[:100]!r}: offset {offset} is not aligned to its {dtype_name}")
+    if offset % _ALIGN:
+        raise MalformedFrameError(f"tensor {name[:100]!r}: offset {offset} is not aligned to {_ALIGN} bytes")
     try:
         return np.frombuffer(data, dtype=dtype, count=count, offset=offset).reshape(shape)
     except (ValueError, OverflowError) as exc:  # e.g. a zero-size shape whose other sides overflow

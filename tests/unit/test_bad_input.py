@@ -1,0 +1,285 @@
+"""Bad input changes nothing: every refusal leaves the shard, its tables and the coordinator as they were."""
+
+import json
+import math
+import os
+import socket
+import struct
+
+import numpy as np
+import pytest
+
+from paramserver.base import messages as msg
+from paramserver.base.errors import (AlreadyExistsError, FailedPreconditionError, InvalidArgumentError,
+                                     MalformedFrameError, NotFoundError, ResourceExhaustedError)
+from paramserver.checkpoint import shard_writer
+from paramserver.checkpoint.store import CheckpointStore
+from paramserver.coordinator.membership import Coordinator
+from paramserver.server.limits import TableLimits
+from paramserver.server.shard import Shard
+from paramserver.server.shard_service import ShardService
+from paramserver.server.table_store import TableStore
+from paramserver.transport import codec
+from paramserver.transport import stream as stream_mod
+from paramserver.transport.shared_memory import Segment
+
+SGD = {"name": "sgd", "hyper": {"lr": 0.5}}
+ROWS = {"name": "adagrad", "hyper": {"lr": 0.1}}
+SYNC2 = {"mode": "sync", "workers": 2}
+
+
+def make_service(checkpoint_dir="", limits=None):
+    shard = Shard(0)
+    service = ShardService(shard, TableStore(0, limits=limits), save_checkpoint=shard_writer(checkpoint_dir))
+    service.call("Register", codec.encode({"group": "g", "optimizer": SGD, "worker": 0, "consistency": SYNC2},
+                                          [("w", np.arange(4, dtype=np.float32))]))
+    service.call("RegisterTable", codec.encode({"table": "t", "dim": 4, "optimizer": ROWS, "init": {"kind": "zeros"}}))
+    return service
+
+
+def state(service):
+    """Everything a refusal must leave alone: counters, mode, tables, groups and the values."""
+    hello = codec.decode(service.call("Hello", codec.encode({}))).meta
+    values = codec.decode(service.call("PushPull", codec.encode({"pull": ["w"]}))).tensors["w"].copy()
+    return json.dumps(hello, sort_keys=True), sorted(service.shard._groups), values.tobytes()
+
+
+def refused(service, method, meta, tensors=(), error=Exception, match=""):
+    before = state(service)
+    with pytest.raises(error, match=match):
+        service.call(method, codec.encode(meta, tensors))
+    assert state(service) == before
+
+
+# ---- checkpoints: no path from the wire ------------------------------------------------------------
+@pytest.mark.parametrize("name", ["../ckpt-000000001", "/tmp/ckpt-000000001", "memory://x", "ftp://host/x",
+                                  "ckpt-1", "ckpt-000000001/../../x", ""])
+def test_a_checkpoint_name_that_is_not_one_is_refused_before_any_snapshot(tmp_path, name):
+    service = make_service(str(tmp_path / "own"))
+    snapshots = []
+    service.shard.snapshot = lambda read: snapshots.append(read)  # any snapshot taken would show here
+    refused(service, "Checkpoint", {"name": name}, error=InvalidArgumentError, match="not a checkpoint name")
+    assert snapshots == [] and not (tmp_path / "own").exists() and sorted(os.listdir(tmp_path)) == []
+
+
+def test_a_checkpoint_is_written_under_the_ps_own_directory_whatever_the_request_says(tmp_path):
+    service = make_service(str(tmp_path / "own"))
+    other = tmp_path / "other"
+    reply = codec.decode(service.call("Checkpoint", codec.encode({"dir": str(other), "name": "ckpt-000000001"})))
+    assert msg.CheckpointReply.from_meta(reply.meta).file == "shard-0.safetensors"
+    assert (tmp_path / "own" / "ckpt-000000001" / "shard-0.safetensors").is_file() and not other.exists()
+
+
+def test_a_committed_checkpoint_is_never_overwritten(tmp_path):
+    service = make_service(str(tmp_path))
+    store = CheckpointStore(str(tmp_path))
+    entry = msg.CheckpointReply.from_meta(codec.decode(service.call(
+        "Checkpoint", codec.encode({"name": "ckpt-000000001"}))).meta).to_meta()
+    store.commit("ckpt-000000001", {"step": 1, "num_shards": 1, "shards": [entry]})
+    files = {p.name: p.read_bytes() for p in (tmp_path / "ckpt-000000001").iterdir()}
+    service.call("Lookup", codec.encode({"table": "t"}, [("ids", np.arange(5, dtype=np.int64))]))  # rows change
+    snapshots = []
+    service.shard.snapshot = lambda read: snapshots.append(read)
+    refused(service, "Checkpoint", {"name": "ckpt-000000001"}, error=AlreadyExistsError, match="never overwritten")
+    assert snapshots == [] and {p.name: p.read_bytes() for p in (tmp_path / "ckpt-000000001").iterdir()} == files
+
+
+def test_a_ps_without_a_checkpoint_dir_refuses_checkpoints():
+    refused(make_service(""), "Checkpoint", {"name": "ckpt-000000001"}, error=FailedPreconditionError,
+            match="checkpoint_dir")
+
+
+# ---- refused requests change nothing -----------------------------------------------------------------
+def test_a_push_whose_pull_names_an_unknown_variable_applies_nothing():
+    refused(make_service(), "PushPull", {"worker": 0, "pull": ["w", "nope"]}, [("w", np.ones(4, np.float32))],
+            NotFoundError, "nope")
+
+
+def test_a_push_whose_lookup_would_pass_the_row_limit_applies_nothing():
+    service = make_service(limits=TableLimits(max_rows=2000))
+    ids = np.arange(3000, dtype=np.int64)
+    refused(service, "PushPull", {"worker": 0, "lookup": [["t", "~ids", "~rows"]]},
+            [("w", np.ones(4, np.float32)), ("~ids", ids)], ResourceExhaustedError, "max_table_rows")
+
+
+@pytest.mark.parametrize("meta, tensors, match", [
+    ({"group": "h", "optimizer": SGD, "worker": 5}, [("v", np.ones(2, np.float32))], "outside"),
+    ({"group": "h", "optimizer": SGD, "worker": -1}, [("v", np.ones(2, np.float32))], "negative"),
+    ({"group": "h", "optimizer": SGD, "worker": 0}, [], "at least one variable"),
+    ({"group": "h", "optimizer": SGD, "worker": 0}, [("v", np.array([1, np.nan], np.float32))], "NaN"),
+    ({"group": "h", "optimizer": SGD, "worker": 0, "consistency": {"mode": "sync", "workers": 3}},
+     [("v", np.ones(2, np.float32))], "mode"),
+])
+def test_a_refused_registration_creates_no_group(meta, tensors, match):
+    refused(make_service(), "Register", meta, tensors, match=match)
+
+
+# ---- forged calls ------------------------------------------------------------------------------------
+def test_set_mode_with_a_worker_count_that_contradicts_the_cluster_is_refused():
+    refused(make_service(), "SetMode", {"consistency": {"mode": "sync", "workers": 7}}, error=FailedPreconditionError,
+            match="contradicts")
+
+
+@pytest.mark.parametrize("lr", [-1.0, 1e400, "NaN"])
+def test_a_push_lr_must_be_a_finite_non_negative_number(lr):
+    meta = codec.encode({"worker": 0}, [("w", np.ones(4, np.float32))])
+    # NaN and 1e400 cannot even be written as JSON a frame accepts: patch the header's text
+    payload = meta.replace(b'{"worker":0}', json.dumps({"worker": 0, "lr": {"g": lr}}).encode()
+                           .replace(b'"NaN"', b"NaN").ljust(len(b'{"worker":0}')))
+    service = make_service()
+    before = state(service)
+    with pytest.raises(InvalidArgumentError):
+        service.call("PushPull", codec.encode({"worker": 0, "lr": {"g": lr}}, [("w", np.ones(4, np.float32))])
+                     if isinstance(lr, float) and math.isfinite(lr) else payload)
+    assert state(service) == before
+
+
+@pytest.mark.parametrize("step", [-1, 1 << 63, 1.5, True])
+def test_a_heartbeat_step_must_be_a_non_negative_int64(step):
+    coordinator = Coordinator(2)
+    coordinator.join(0)
+    before = coordinator.view()
+    with pytest.raises(InvalidArgumentError, match="step"):
+        coordinator.heartbeat(0, step)
+    assert coordinator.view() == before
+
+
+@pytest.mark.parametrize("wait", [math.nan, math.inf, -1.0, 1e9])
+def test_a_barrier_wait_outside_0_to_3600_s_is_refused_at_once(wait):
+    coordinator = Coordinator(2)
+    with pytest.raises(InvalidArgumentError, match="barrier wait"):
+        coordinator.barrier("b", 0, wait)
+    assert coordinator.barrier("b", 1, 0.0)["waiting"] == [0]  # worker 0 never arrived
+
+
+def test_a_burst_of_checkpoint_requests_is_one_pending_request():
+    coordinator = Coordinator(2)
+    for _ in range(50):
+        coordinator.request_checkpoint(1)
+    assert coordinator.view()["checkpoints_requested"] == 1
+    for worker in (0, 1):
+        coordinator.barrier("checkpoint#1", worker, 0.0)  # the workers met for it: the next one may come
+    coordinator.request_checkpoint(0)
+    coordinator.request_checkpoint(0)
+    assert coordinator.view()["checkpoints_requested"] == 2
+
+
+# ---- frames and fields ---------------------------------------------------------------------------------
+def _frame(header: bytes, data: bytes = b"") -> bytes:
+    pad = (-(12 + len(header))) % 8
+    return struct.pack("<4sHHI", b"PSFR", codec.PROTOCOL_MAJOR, 0, len(header)) + header + b"\0" * pad + data
+
+
+@pytest.mark.parametrize("header, match", [
+    (b'{"meta": ' + b"[" * 100000 + b"]" * 100000 + b', "tensors": []}', "nested too deeply"),
+    (b'{"meta": {"x": NaN}, "tensors": []}', "NaN"),
+    (b'{"meta": {}, "tensors": [["a", ["float32"], [1], 0, 4]]}', "bad tensor entry"),
+    (b'{"meta": {}, "tensors": [["a", "float32", [0, 9223372036854775807, 9223372036854775807], 0, 0]]}',
+     "not valid"),
+    (b'{"meta": {}, "tensors": [["a", "float32", [1], 99999999999999999999999, 4]]}', "bad tensor entry"),
+    (b'{"meta": {}, "tensors": [["a", "uint8", [0], 0, 0], ["a", "uint8", [0], 0, 0]]}', "twice"),
+    (b'{"meta": {}, "tensors": [["a", "float32", [1], 4, 4]]}', "aligned"),
+    (b'{"meta": {}, "tensors": [["a", "float32", ' + b"[1]" * 0 + b"[" + b"1," * 40 + b"1], 0, 4]]}",
+     "bad tensor entry"),
+])
+def test_malformed_frames_are_malformed_frame_errors(header, match):
+    with pytest.raises(MalformedFrameError, match=match):
+        codec.decode(_frame(header, b"\0" * 16))
+
+
+@pytest.mark.parametrize("meta, match", [
+    ({"worker": 0, "step": 1 << 63}, "int64"), ({"worker": -(1 << 63) - 1}, "int64"),
+    ({"worker": 0, "lr": {"g": 1e308 * 10}}, "must be"),
+])
+def test_fields_out_of_the_int64_or_finite_range_are_refused(meta, match):
+    with pytest.raises(MalformedFrameError, match=match):
+        msg.PushPullRequest.from_meta(meta)
+
+
+# ---- table limits --------------------------------------------------------------------------------------
+def test_a_table_capacity_past_the_row_limit_is_refused_before_memory_is_taken():
+    store = TableStore(0, limits=TableLimits(max_rows=10_000))
+    with pytest.raises(ResourceExhaustedError, match="max_table_rows"):
+        store.register("t", 4, ROWS, {"kind": "zeros"}, capacity=1 << 30)
+    assert store.describe() == {}
+
+
+def test_tables_past_the_ps_memory_limit_are_refused():
+    store = TableStore(0, limits=TableLimits(max_bytes=4 << 20))
+    store.register("a", 64, ROWS, {"kind": "zeros"}, capacity=4096)  # 4096 x (64 x 8 + 32) bytes: about 2.2 MB
+    with pytest.raises(ResourceExhaustedError, match="max_table_memory_bytes"):
+        store.register("b", 64, ROWS, {"kind": "zeros"}, capacity=4096)
+    with pytest.raises(ResourceExhaustedError, match="max_table_memory_bytes"):
+        store.lookup("a", np.arange(10_000, dtype=np.int64))
+    assert sorted(store.describe()) == ["a"] and store.describe()["a"]["rows"] == 0
+    assert store.lookup("a", np.arange(100, dtype=np.int64)).shape == (100, 64)  # within the limit: served
+
+
+def test_lookups_create_rows_up_to_the_row_limit_only():
+    store = TableStore(0, limits=TableLimits(max_rows=1500))
+    store.register("t", 4, ROWS, {"kind": "zeros"})
+    store.lookup("t", np.arange(1000, dtype=np.int64))
+    with pytest.raises(ResourceExhaustedError, match="1502 rows"):
+        store.lookup("t", np.arange(999, 1500 + 2, dtype=np.int64))
+    assert store.describe()["t"]["rows"] == 1000
+    store.lookup("t", np.arange(500, 1500, dtype=np.int64))  # existing rows and new ones up to the limit
+    assert store.describe()["t"]["rows"] == 1500
+
+
+def test_a_row_policy_of_wrong_types_is_an_invalid_argument():
+    store = TableStore(0)
+    with pytest.raises(InvalidArgumentError, match="row policy"):
+        store.register("t", 4, ROWS, {"kind": "zeros"}, policy={"max_rows": "9"})
+    assert store.describe() == {}
+
+
+# ---- the stream: memory taken as bytes arrive; shared memory sealed and copied ---------------------------
+def test_a_declared_size_is_not_allocated_before_the_bytes_arrive():
+    inbox, (ours, theirs) = stream_mod._Inbox(), socket.socketpair()
+    with ours, theirs:
+        theirs.sendall(b"x" * 100)
+        theirs.close()
+        with pytest.raises(ConnectionError):
+            inbox.receive(ours, 1 << 30)
+    assert len(inbox._buffer) <= stream_mod._FIRST_CHUNK
+
+
+def test_a_sealed_segment_cannot_shrink():
+    segment, spec = Segment.create(1 << 16)
+    try:
+        with pytest.raises(PermissionError):
+            os.ftruncate(spec["fd"], 16)
+        attached = Segment.attach(spec)
+        attached.close()
+    finally:
+        segment.close()
+
+
+class Recorder:
+    """A service that records whether the payload it was given lies in the segment."""
+
+    def __init__(self, segment):
+        self.segment, self.in_segment = segment, []
+
+    def call(self, method, payload, sink):
+        base = np.frombuffer(self.segment.view, np.uint8)
+        self.in_segment.append(np.shares_memory(np.frombuffer(payload, np.uint8), base))
+        return sink(codec.encode_parts({}))
+
+
+def test_a_request_in_shared_memory_is_copied_out_before_the_service_sees_it():
+    segment, _ = Segment.create(1 << 16)
+    server = stream_mod.StreamServer(None, "127.0.0.1", 0, 1 << 20)
+    server.service = recorder = Recorder(segment)
+    request = codec.encode({})
+    segment.requests[:len(request)] = request
+    ours, theirs = socket.socketpair()
+    try:
+        theirs.sendall(struct.pack("<4sBBHQ", b"PSTS", stream_mod.REQUEST_SHM, 0, 0, len(request)))
+        assert server._serve_one(ours, "test", stream_mod._Inbox(), [segment])
+        assert recorder.in_segment == [False]
+    finally:
+        ours.close()
+        theirs.close()
+        server.stop(1)
+        segment.close()
