@@ -1,0 +1,304 @@
+"""Fuzzing a live PS: random and near-valid frames to gRPC and to the tensor stream.
+
+A PS process with registered variables and a table gets at least 10,000 frames on each path:
+random bytes, frames with a valid prefix and random meta and tensor headers, and valid frames
+with bytes flipped or cut. Hypothesis draws FRAMES / VARIANTS of them; each is sent as drawn and
+in VARIANTS - 1 variants with bytes flipped, cut or inserted (drawing every frame through
+hypothesis would take minutes on a loaded machine). It must not crash or hang (every call and read has a deadline),
+never answer INTERNAL (or UNKNOWN), answer OK only to a frame that is a well-formed request (a
+Hello, a pull, ...: garbage always gets an error), and its variables and rows must be exactly
+what they were (pulled and compared before and after). The examples come from a fixed seed
+(SEED), so a failure is reproduced by running the test again.
+"""
+
+import json
+import random
+import socket
+import struct
+
+import grpc
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, seed, settings
+from hypothesis import strategies as st
+
+from paramserver.base import messages as msg
+from paramserver.base.errors import ParamServerError
+from paramserver.transport import codec
+from paramserver.transport import stream as stream_mod
+
+pytestmark = pytest.mark.slow
+SEED = 20261204
+FRAMES = 10_000
+VARIANTS = 10
+CALL_S = 10  # a reply later than this is a hang
+PREFIX = struct.Struct("<4sBBHQ")
+METHODS = list(msg.SHARD_METHODS)
+VARIABLES = {"w": (3, 2), "b": (2,)}
+ROW_IDS = np.arange(10, dtype=np.int64)
+BAD_CODES = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
+SETTINGS = settings(max_examples=FRAMES // VARIANTS, deadline=None, database=None, print_blob=True,
+                    suppress_health_check=list(HealthCheck))
+
+
+# ---- the live PS -------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def live_ps():
+    from tests.conftest import Procs
+
+    procs = Procs()
+    try:
+        proc, address = procs.start_ps(PARAMSERVER_OPTIONS=json.dumps({"max_message_bytes": 1 << 20}))
+        channel = grpc.insecure_channel(address)
+        call = _caller(channel)
+        optimizer = {"name": "adam", "hyper": {"lr": 0.01}}
+        initial = [(name, np.arange(np.prod(shape), dtype=np.float32).reshape(shape)) for name, shape in VARIABLES.items()]
+        _ok(call("Register", codec.encode({"group": "g", "optimizer": optimizer}, initial)))
+        _ok(call("RegisterTable", codec.encode({"table": "t", "dim": 4, "optimizer": {"name": "adagrad", "hyper": {}},
+                                                "init": {"kind": "normal", "std": 0.1}})))
+        _ok(call("Lookup", codec.encode({"table": "t"}, [("ids", ROW_IDS)])))
+        hello = codec.decode(call("Hello", codec.encode({}))[1]).meta
+        yield proc, address, call, hello["stream_port"]
+        channel.close()
+    finally:
+        procs.cleanup()
+
+
+def _caller(channel):
+    stubs = {m: channel.unary_unary(f"/paramserver.Shard/{m}") for m in METHODS + ["Nope"]}
+
+    def call(method, payload):
+        """(status code, reply bytes or error text)."""
+        try:
+            return grpc.StatusCode.OK, stubs[method](payload, timeout=CALL_S)
+        except grpc.RpcError as exc:
+            return exc.code(), exc.details()
+    return call
+
+
+def _ok(result):
+    assert result[0] == grpc.StatusCode.OK, result
+    return result[1]
+
+
+def state(call):
+    """Everything the fuzzing must not change: the shard's counters, its values and rows."""
+    hello = codec.decode(_ok(call("Hello", codec.encode({})))).meta
+    values = codec.decode(_ok(call("PushPull", codec.encode({"pull": list(VARIABLES)})))).tensors
+    rows = codec.decode(_ok(call("Lookup", codec.encode({"table": "t"}, [("ids", ROW_IDS)])))).tensors["rows"]
+    return json.dumps(hello, sort_keys=True), {name: value.tobytes() for name, value in values.items()}, rows.tobytes()
+
+
+def well_formed(method, payload) -> bool:
+    """Whether `payload` is a request this test itself would accept as one (then OK is no error)."""
+    if method not in msg.SHARD_METHODS:
+        return False
+    try:
+        msg.SHARD_METHODS[method][0].from_meta(codec.decode(payload).meta)
+    except ParamServerError:
+        return False
+    return True
+
+
+# ---- frames ----------------------------------------------------------------------------------------------
+FIELD_NAMES = sorted({f for request, _ in msg.SHARD_METHODS.values() for f in request.__dataclass_fields__})
+json_atoms = st.none() | st.booleans() | st.integers(-(1 << 70), 1 << 70) | \
+    st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=12) | st.sampled_from(["t", "g", "w", "b"])
+json_values = st.recursive(json_atoms, lambda inner: st.lists(inner, max_size=4) |
+                           st.dictionaries(st.text(max_size=8) | st.sampled_from(FIELD_NAMES), inner, max_size=4),
+                           max_leaves=12)
+metas = st.dictionaries(st.sampled_from(FIELD_NAMES) | st.text(max_size=8), json_values, max_size=6)
+names = st.sampled_from(["w", "b", "ids", "grads", "~ids", "~grads", "~rows"]) | st.text(max_size=8)
+dtypes = st.sampled_from(sorted(codec.DTYPES))
+shapes = st.lists(st.integers(0, 6), max_size=3)
+
+
+def _not_a_valid_change(name, dtype, shape):
+    """No generated tensor may make a valid push or a row-creating lookup: garbage must change nothing."""
+    if name in VARIABLES and dtype == "float32" and tuple(shape) == VARIABLES[name]:
+        return False
+    return not ("ids" in name and dtype == "int64")
+
+
+@st.composite
+def consistent_tensors(draw):
+    """Tensor entries that match their data (they pass the codec and reach the service's checks)."""
+    found = []
+    for _ in range(draw(st.integers(0, 3))):
+        name, dtype, shape = draw(names), draw(dtypes), draw(shapes)
+        if not _not_a_valid_change(name, dtype, shape):
+            shape = [*shape, 7]
+        size = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        array = np.frombuffer(draw(st.binary(min_size=size, max_size=size)), dtype=dtype).reshape(shape)
+        found.append((name, array))
+    return found
+
+
+@st.composite
+def near_valid_frames(draw):
+    meta = draw(metas)
+    if draw(st.booleans()):
+        return codec.encode(meta, draw(consistent_tensors()))
+    entries = draw(st.lists(st.tuples(names, dtypes | st.text(max_size=6), st.lists(st.integers(-2, 1 << 64), max_size=4),
+                                      st.integers(-8, 1 << 40), st.integers(-8, 1 << 40)).map(list), max_size=3))
+    header = json.dumps({"meta": meta, "tensors": entries}).encode()
+    data = draw(st.binary(max_size=64))
+    major = draw(st.sampled_from([codec.PROTOCOL_MAJOR] * 8 + [0, 2, 65535]))
+    length = len(header) + draw(st.sampled_from([0] * 6 + [-1, 1, 1 << 20]))
+    pad = b"\0" * ((-(12 + len(header))) % 8)
+    return struct.pack("<4sHHI", codec.MAGIC, major, 0, max(0, length)) + header + pad + data
+
+
+@st.composite
+def damaged_frames(draw):
+    """A valid but refused request (wrong shape, unknown name, NaN) with bytes flipped or cut."""
+    base = draw(st.sampled_from([
+        codec.encode({"pull": ["w"]}, [("w", np.ones((2, 3), np.float32))]),
+        codec.encode({}, [("b", np.array([np.nan, 1], np.float32))]),
+        codec.encode({"table": "t"}, [("ids", ROW_IDS.astype(np.int32))]),
+        codec.encode({"group": "h", "optimizer": {"name": "nope"}}, [("v", np.ones(2, np.float32))]),
+        codec.encode({"sparse": [["t", "~ids", "~grads"]]}, [("~ids", ROW_IDS), ("~grads", np.ones((10, 3), np.float32))]),
+    ]))
+    data = bytearray(base)
+    for _ in range(draw(st.integers(1, 4))):
+        data[draw(st.integers(0, len(data) - 1))] = draw(st.integers(0, 255))
+    return bytes(data[:draw(st.integers(0, len(data)))])
+
+
+frames = st.binary(max_size=300) | near_valid_frames() | damaged_frames()
+
+
+def variants(frame: bytes, rng: random.Random) -> list[bytes]:
+    """`frame` and VARIANTS - 1 variants of it: bytes flipped, the end cut, random bytes inserted."""
+    found = [frame]
+    while len(found) < VARIANTS:
+        data = bytearray(frame)
+        how = rng.randrange(3)
+        if how == 0 and data:
+            for _ in range(rng.randint(1, 4)):
+                data[rng.randrange(len(data))] = rng.randrange(256)
+        elif how == 1:
+            del data[rng.randrange(len(data) + 1):]
+        else:
+            at = rng.randrange(len(data) + 1)
+            data[at:at] = rng.randbytes(rng.randint(1, 16))
+        found.append(bytes(data))
+    return found
+
+
+# ---- gRPC ---------------------------------------------------------------------------------------------------
+def test_random_frames_over_grpc_change_nothing(live_ps):
+    proc, _, call, _ = live_ps
+    before, sent = state(call), [0]
+
+    rng = random.Random(SEED)
+
+    @SETTINGS
+    @seed(SEED)
+    @given(method=st.sampled_from(METHODS + ["Nope"]), frame=frames)
+    def fuzz(method, frame):
+        for payload in variants(frame, rng):
+            code, reply = call(method, payload)
+            sent[0] += 1
+            assert code not in BAD_CODES and code != grpc.StatusCode.DEADLINE_EXCEEDED, (method, code, reply, SEED)
+            assert code != grpc.StatusCode.OK or well_formed(method, payload), (method, "OK for garbage", SEED)
+
+    fuzz()
+    assert sent[0] >= FRAMES and proc.poll() is None
+    assert state(call) == before
+
+
+# ---- the tensor stream ------------------------------------------------------------------------------------
+class Stream:
+    """A raw tensor-stream connection, reopened whenever the PS closed it."""
+
+    def __init__(self, port):
+        self.port, self.sock = port, None
+
+    def send(self, data):
+        if self.sock is None:
+            self.sock = socket.create_connection(("127.0.0.1", self.port), timeout=CALL_S)
+        self.sock.sendall(data)
+
+    def reply(self):
+        """(status, message) of the next reply, or None when the PS closed the connection."""
+        try:
+            prefix = self._exact(PREFIX.size)
+            if prefix is None:
+                return None
+            _, kind, status, _, size = PREFIX.unpack(prefix)
+            body = self._exact(size) if kind == stream_mod.REPLY else b""
+            return status, body
+        except ConnectionResetError:
+            self.close()
+            return None
+
+    def _exact(self, size):
+        data = b""
+        while len(data) < size:
+            chunk = self.sock.recv(size - len(data))  # socket.timeout here is a hang: the test fails
+            if not chunk:
+                self.close()
+                return None
+            data += chunk
+        return data
+
+    def close(self):
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+
+@st.composite
+def stream_messages(draw):
+    """[(bytes to send, method, frame or None)]: requests with a valid prefix (a frame and its
+    variants), or one broken prefix (an attach of random JSON, shared memory never attached, an
+    unknown kind, a size past the limit, no magic)."""
+    kind = draw(st.sampled_from(["request"] * 6 + ["attach", "shm", "bad kind", "bad magic", "too long"]))
+    method = draw(st.integers(0, len(stream_mod.METHODS) + 2))
+    if kind == "request":
+        return [(PREFIX.pack(stream_mod.MAGIC, stream_mod.REQUEST, 0, method, len(frame)) + frame, method, frame)
+                for frame in variants(draw(frames), random.Random(draw(st.integers(0, 1 << 32))))]
+    if kind == "attach":
+        body = json.dumps(draw(json_values)).encode()
+        message = PREFIX.pack(stream_mod.MAGIC, stream_mod.ATTACH, 0, 0, len(body)) + body
+    elif kind == "shm":
+        message = PREFIX.pack(stream_mod.MAGIC, stream_mod.REQUEST_SHM, 0, method, draw(st.integers(0, 1 << 20)))
+    elif kind == "bad kind":
+        message = PREFIX.pack(stream_mod.MAGIC, draw(st.integers(5, 255)), 0, method, draw(st.integers(0, 64)))
+    elif kind == "too long":
+        message = PREFIX.pack(stream_mod.MAGIC, stream_mod.REQUEST, 0, method, draw(st.integers((1 << 20) + 1, (1 << 64) - 1)))
+    else:
+        message = draw(st.binary(min_size=16, max_size=16).filter(lambda b: b[:4] != stream_mod.MAGIC))
+    return [(message, None, None)] * VARIANTS  # each broken prefix on a fresh connection
+
+
+def test_random_frames_over_the_tensor_stream_change_nothing(live_ps):
+    proc, _, call, port = live_ps
+    before, sent, stream = state(call), [0], Stream(port)
+
+    @SETTINGS
+    @seed(SEED)
+    @given(messages=stream_messages())
+    def fuzz(messages):
+        for data, method, frame in messages:
+            stream.send(data)
+            answer = stream.reply()
+            sent[0] += 1
+            if answer is None:  # closed: only for a broken prefix, never for a request with a valid one
+                assert frame is None, ("closed on a request", SEED)
+                continue
+            status, body = answer
+            assert status not in (grpc.StatusCode.INTERNAL.value[0], grpc.StatusCode.UNKNOWN.value[0]), (body, SEED)
+            if status == 0:
+                name = stream_mod.METHODS[method] if method is not None and method < len(stream_mod.METHODS) else None
+                assert frame is not None and well_formed(name, frame), ("OK for garbage", data[:64], SEED)
+            if frame is None:
+                stream.close()  # the PS closes after refusing a broken prefix (an attach aside): start afresh
+
+    try:
+        fuzz()
+    finally:
+        stream.close()
+    assert sent[0] >= FRAMES and proc.poll() is None
+    assert state(call) == before
