@@ -6,8 +6,9 @@ with bytes flipped or cut. Hypothesis draws FRAMES / VARIANTS of them; each is s
 in VARIANTS - 1 variants with bytes flipped, cut or inserted (drawing every frame through
 hypothesis would take minutes on a loaded machine). It must not crash or hang (every call and read has a deadline),
 never answer INTERNAL (or UNKNOWN), answer OK only to a frame that is a well-formed request (a
-Hello, a pull, ...: garbage always gets an error), and its variables and rows must be exactly
-what they were (pulled and compared before and after). The examples come from a fixed seed
+Hello, a pull, a new table, ...: garbage always gets an error), and its variables, their version
+and the table's rows must be exactly what they were (pulled and compared before and after). No
+generated tensor can make a valid push of the variables or a valid row push: a change there is a bug. The examples come from a fixed seed
 (SEED), so a failure is reproduced by running the test again.
 """
 
@@ -48,7 +49,8 @@ def live_ps():
 
     procs = Procs()
     try:
-        proc, address = procs.start_ps(PARAMSERVER_OPTIONS=json.dumps({"max_message_bytes": 1 << 20}))
+        limits = {"max_message_bytes": 1 << 20, "max_table_rows": 100_000, "max_table_memory_bytes": 64 << 20}
+        proc, address = procs.start_ps(PARAMSERVER_OPTIONS=json.dumps(limits))
         channel = grpc.insecure_channel(address)
         call = _caller(channel)
         optimizer = {"name": "adam", "hyper": {"lr": 0.01}}
@@ -83,10 +85,9 @@ def _ok(result):
 
 def state(call):
     """Everything the fuzzing must not change: the shard's counters, its values and rows."""
-    hello = codec.decode(_ok(call("Hello", codec.encode({})))).meta
-    values = codec.decode(_ok(call("PushPull", codec.encode({"pull": list(VARIABLES)})))).tensors
+    pulled = codec.decode(_ok(call("PushPull", codec.encode({"pull": list(VARIABLES)}))))
     rows = codec.decode(_ok(call("Lookup", codec.encode({"table": "t"}, [("ids", ROW_IDS)])))).tensors["rows"]
-    return json.dumps(hello, sort_keys=True), {name: value.tobytes() for name, value in values.items()}, rows.tobytes()
+    return pulled.meta["version"], {name: value.tobytes() for name, value in pulled.tensors.items()}, rows.tobytes()
 
 
 def well_formed(method, payload) -> bool:
@@ -107,7 +108,51 @@ json_atoms = st.none() | st.booleans() | st.integers(-(1 << 70), 1 << 70) | \
 json_values = st.recursive(json_atoms, lambda inner: st.lists(inner, max_size=4) |
                            st.dictionaries(st.text(max_size=8) | st.sampled_from(FIELD_NAMES), inner, max_size=4),
                            max_leaves=12)
-metas = st.dictionaries(st.sampled_from(FIELD_NAMES) | st.text(max_size=8), json_values, max_size=6)
+NASTY_INTS = st.sampled_from([0, 1, -1, 7, 1 << 30, (1 << 31) + 1, (1 << 63) - 1, 1 << 63, 1 << 64, -(1 << 63) - 1])
+nasty_ints = NASTY_INTS | st.integers(-(1 << 70), 1 << 70)
+nasty_numbers = nasty_ints | st.floats() | st.sampled_from([1e308, -0.0, 5e-324])
+HYPER = ["lr", "betas", "eps", "momentum", "weight_decay", "per_row_step", "maximize", "nesterov", "lr_decay",
+         "initial_accumulator_value", "dampening", "decoupled_weight_decay", "l1", "l2", "lr_power", "beta"]
+specs = {  # dict-valued fields, shaped like the real ones, with nasty values
+    "optimizer": st.fixed_dictionaries({"name": st.sampled_from(["sgd", "adam", "adamw", "adagrad", "ftrl", "x"])},
+                                       optional={"hyper": st.dictionaries(st.sampled_from(HYPER), nasty_numbers |
+                                                                          json_values, max_size=4)}),
+    "consistency": st.fixed_dictionaries({}, optional={"mode": st.sampled_from(["async", "sync", "ssp", "x"]),
+                                                       "workers": nasty_ints, "backups": nasty_ints,
+                                                       "staleness": nasty_ints}),
+    "init": st.fixed_dictionaries({"kind": st.sampled_from(["zeros", "normal", "uniform", "x"])},
+                                  optional={"std": nasty_numbers, "low": nasty_numbers, "high": nasty_numbers}),
+    "policy": st.dictionaries(st.sampled_from(["admit_after", "admit_probability", "ttl_steps", "min_count",
+                                               "max_rows", "evict_every", "x"]), nasty_numbers | json_values, max_size=3),
+    "lr": st.dictionaries(st.sampled_from(["g", "x"]), nasty_numbers | json_values, max_size=2),
+}
+names_of_parts = st.sampled_from(["t", "g", "w", "b", "~ids", "~grads", "~rows", "x"]) | st.text(max_size=6)
+deep = st.integers(1, 12).map(lambda n: json.loads("[" * (n * 50) + "]" * (n * 50)))
+
+
+def _field_values(hint):
+    """Values for a message field: of its type mostly (with nasty numbers), sometimes of any type."""
+    import typing
+
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is not None and type(None) in args:
+        return st.none() | _field_values([a for a in args if a is not type(None)][0])
+    typed = {int: nasty_ints, float: nasty_numbers, str: names_of_parts, bool: st.booleans()}.get(hint)
+    if typed is None and origin is list:
+        typed = st.lists(names_of_parts if args[0] is str else st.lists(names_of_parts, min_size=3, max_size=3)
+                         if args[0] is not int else nasty_ints, max_size=3)
+    return (typed if typed is not None else json_values) | json_values
+
+
+def _meta_for(cls):
+    from paramserver.base.message_fields import fields_of
+
+    return st.fixed_dictionaries({}, optional={f.name: specs.get(f.name, _field_values(f.hint)) | deep
+                                               for f in fields_of(cls)})
+
+
+metas = st.one_of(*[_meta_for(request) for request, _ in msg.SHARD_METHODS.values()],
+                  st.dictionaries(st.sampled_from(FIELD_NAMES) | st.text(max_size=8), json_values, max_size=6))
 names = st.sampled_from(["w", "b", "ids", "grads", "~ids", "~grads", "~rows"]) | st.text(max_size=8)
 dtypes = st.sampled_from(sorted(codec.DTYPES))
 shapes = st.lists(st.integers(0, 6), max_size=3)
@@ -139,9 +184,12 @@ def near_valid_frames(draw):
     meta = draw(metas)
     if draw(st.booleans()):
         return codec.encode(meta, draw(consistent_tensors()))
-    entries = draw(st.lists(st.tuples(names, dtypes | st.text(max_size=6), st.lists(st.integers(-2, 1 << 64), max_size=4),
-                                      st.integers(-8, 1 << 40), st.integers(-8, 1 << 40)).map(list), max_size=3))
-    header = json.dumps({"meta": meta, "tensors": entries}).encode()
+    sizes = st.sampled_from([0, 0, 8, 16]) | NASTY_INTS | json_values
+    entry = st.tuples(names, dtypes | json_values, st.lists(NASTY_INTS | st.integers(0, 4), max_size=4) | json_values,
+                      sizes, sizes).map(list) | json_values
+    entries = draw(st.lists(entry, max_size=3) | json_values)
+    header = json.dumps(draw(st.sampled_from([{"meta": meta, "tensors": entries}, {"meta": meta}, meta,
+                                              {"meta": entries, "tensors": meta}]))).encode()
     data = draw(st.binary(max_size=64))
     major = draw(st.sampled_from([codec.PROTOCOL_MAJOR] * 8 + [0, 2, 65535]))
     length = len(header) + draw(st.sampled_from([0] * 6 + [-1, 1, 1 << 20]))
