@@ -144,8 +144,8 @@ def test_a_heartbeat_step_must_be_a_non_negative_int64(step):
     assert coordinator.view() == before
 
 
-@pytest.mark.parametrize("wait", [math.nan, math.inf, -1.0, 1e9])
-def test_a_barrier_wait_outside_0_to_3600_s_is_refused_at_once(wait):
+@pytest.mark.parametrize("wait", [math.nan, math.inf, -1.0, 61.0, 1e9])
+def test_a_barrier_wait_outside_0_to_60_s_is_refused_at_once(wait):
     coordinator = Coordinator(2)
     with pytest.raises(InvalidArgumentError, match="barrier wait"):
         coordinator.barrier("b", 0, wait)

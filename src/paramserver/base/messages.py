@@ -226,7 +226,7 @@ class FinishRequest(JoinRequest):
 class BarrierRequest(JoinRequest):
     """A long poll: UNAVAILABLE, naming a dead worker it needs."""
     name: str = doc_field("the barrier's name", check=_NON_EMPTY)
-    wait: float = doc_field("seconds to wait at most (0 to 3600)")
+    wait: float = doc_field("seconds to wait at most (0 to 60)")
     training_only: bool = doc_field("skip finished workers (checkpoint and mode-switch pauses)", False)
 
 

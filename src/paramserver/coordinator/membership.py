@@ -27,6 +27,9 @@ from ..base.errors import InvalidArgumentError, UnavailableError
 
 log = logging.getLogger(__name__)
 _INT64 = 1 << 63
+# a Barrier call is a long poll of a few seconds (the client asks again): a longer one would only let a
+# caller hold one of the coordinator's few request threads
+MAX_BARRIER_WAIT_S = 60
 STATES = ("joining", "training", "finished", "exited", "dead")
 
 
@@ -116,8 +119,8 @@ class Coordinator:
         wait for finished members. Raises UnavailableError at once when a worker it needs is dead.
         """
         self._check(worker)
-        if not 0 <= wait_s <= 3600:  # also refuses NaN
-            raise InvalidArgumentError(f"barrier wait must be between 0 and 3600 s, got {wait_s!r}")
+        if not 0 <= wait_s <= MAX_BARRIER_WAIT_S:  # also refuses NaN
+            raise InvalidArgumentError(f"barrier wait must be between 0 and {MAX_BARRIER_WAIT_S} s, got {wait_s!r}")
         with self._cond:
             self._barriers.setdefault(name, set()).add(worker)
             self._cond.notify_all()
