@@ -4,12 +4,14 @@ A PS process with registered variables and a table gets at least 10,000 frames o
 random bytes, frames with a valid prefix and random meta and tensor headers, and valid frames
 with bytes flipped or cut. Hypothesis draws FRAMES / VARIANTS of them; each is sent as drawn and
 in VARIANTS - 1 variants with bytes flipped, cut or inserted (drawing every frame through
-hypothesis would take minutes on a loaded machine). It must not crash or hang (every call and read has a deadline),
-never answer INTERNAL (or UNKNOWN), answer OK only to a frame that is a well-formed request (a
-Hello, a pull, a new table, ...: garbage always gets an error), and its variables, their version
-and the table's rows must be exactly what they were (pulled and compared before and after). No
-generated tensor can make a valid push of the variables or a valid row push: a change there is a bug. The examples come from a fixed seed
-(SEED), so a failure is reproduced by running the test again.
+hypothesis would take minutes on a loaded machine).
+
+The PS must not crash or hang (every call and read has a deadline), never answer INTERNAL (or
+UNKNOWN), answer OK only to a frame that is a well-formed request (a Hello, a pull, a new table,
+...: garbage always gets an error), and its variables, their version and the table's rows must be
+exactly what they were (pulled and compared before and after). No generated tensor can make a
+valid push of the variables or a valid row push: a change there is a bug. The examples come from
+a fixed seed (SEED), so a failure is reproduced by running the test again.
 """
 
 import json
@@ -54,7 +56,8 @@ def live_ps():
         channel = grpc.insecure_channel(address)
         call = _caller(channel)
         optimizer = {"name": "adam", "hyper": {"lr": 0.01}}
-        initial = [(name, np.arange(np.prod(shape), dtype=np.float32).reshape(shape)) for name, shape in VARIABLES.items()]
+        initial = [(name, np.arange(np.prod(shape), dtype=np.float32).reshape(shape))
+                   for name, shape in VARIABLES.items()]
         _ok(call("Register", codec.encode({"group": "g", "optimizer": optimizer}, initial)))
         _ok(call("RegisterTable", codec.encode({"table": "t", "dim": 4, "optimizer": {"name": "adagrad", "hyper": {}},
                                                 "init": {"kind": "normal", "std": 0.1}})))
@@ -123,7 +126,8 @@ specs = {  # dict-valued fields, shaped like the real ones, with nasty values
     "init": st.fixed_dictionaries({"kind": st.sampled_from(["zeros", "normal", "uniform", "x"])},
                                   optional={"std": nasty_numbers, "low": nasty_numbers, "high": nasty_numbers}),
     "policy": st.dictionaries(st.sampled_from(["admit_after", "admit_probability", "ttl_steps", "min_count",
-                                               "max_rows", "evict_every", "x"]), nasty_numbers | json_values, max_size=3),
+                                               "max_rows", "evict_every", "x"]),
+                              nasty_numbers | json_values, max_size=3),
     "lr": st.dictionaries(st.sampled_from(["g", "x"]), nasty_numbers | json_values, max_size=2),
 }
 names_of_parts = st.sampled_from(["t", "g", "w", "b", "~ids", "~grads", "~rows", "x"]) | st.text(max_size=6)
@@ -205,7 +209,8 @@ def damaged_frames(draw):
         codec.encode({}, [("b", np.array([np.nan, 1], np.float32))]),
         codec.encode({"table": "t"}, [("ids", ROW_IDS.astype(np.int32))]),
         codec.encode({"group": "h", "optimizer": {"name": "nope"}}, [("v", np.ones(2, np.float32))]),
-        codec.encode({"sparse": [["t", "~ids", "~grads"]]}, [("~ids", ROW_IDS), ("~grads", np.ones((10, 3), np.float32))]),
+        codec.encode({"sparse": [["t", "~ids", "~grads"]]},
+                     [("~ids", ROW_IDS), ("~grads", np.ones((10, 3), np.float32))]),
     ]))
     data = bytearray(base)
     for _ in range(draw(st.integers(1, 4))):
@@ -315,7 +320,8 @@ def stream_messages(draw):
     elif kind == "bad kind":
         message = PREFIX.pack(stream_mod.MAGIC, draw(st.integers(5, 255)), 0, method, draw(st.integers(0, 64)))
     elif kind == "too long":
-        message = PREFIX.pack(stream_mod.MAGIC, stream_mod.REQUEST, 0, method, draw(st.integers((1 << 20) + 1, (1 << 64) - 1)))
+        size = draw(st.integers((1 << 20) + 1, (1 << 64) - 1))
+        message = PREFIX.pack(stream_mod.MAGIC, stream_mod.REQUEST, 0, method, size)
     else:
         message = draw(st.binary(min_size=16, max_size=16).filter(lambda b: b[:4] != stream_mod.MAGIC))
     return [(message, None, None)] * VARIANTS  # each broken prefix on a fresh connection

@@ -197,6 +197,14 @@ def test_fields_out_of_the_int64_or_finite_range_are_refused(meta, match):
 
 
 # ---- table limits --------------------------------------------------------------------------------------
+def test_a_refused_table_registration_does_not_set_the_mode():
+    service = ShardService(Shard(0), TableStore(0, limits=TableLimits(max_rows=10_000)))
+    with pytest.raises(ResourceExhaustedError):
+        service.call("RegisterTable", codec.encode({"table": "t", "dim": 4, "optimizer": ROWS, "init": {"kind": "zeros"},
+                                                    "capacity": 1 << 20, "consistency": SYNC2}))
+    assert service.shard.spec is None and service.tables.describe() == {}
+
+
 def test_a_table_capacity_past_the_row_limit_is_refused_before_memory_is_taken():
     store = TableStore(0, limits=TableLimits(max_rows=10_000))
     with pytest.raises(ResourceExhaustedError, match="max_table_rows"):

@@ -40,7 +40,8 @@ class PSNode(Lifecycle):
         restore = _restore_source(options)
         self.shard = Shard(index, wait_timeout_s=options.rpc_timeout_s, restore=restore)
         limits = TableLimits(options.max_table_rows, options.max_table_memory_bytes)
-        self.service = ShardService(self.shard, TableStore(index, options.max_table_ids, restore=restore, limits=limits),
+        tables = TableStore(index, options.max_table_ids, restore=restore, limits=limits)
+        self.service = ShardService(self.shard, tables,
                                     save_checkpoint=shard_writer(options.checkpoint_dir))
         self.server = GrpcServer(self.service, bind, options.max_message_bytes, options.ps_threads)
         host = bind.rsplit(":", 1)[0].strip("[]")

@@ -353,6 +353,11 @@ class Shard:
         if self.row_applier is not None and any(by_worker):
             self.row_applier(by_worker)
 
+    def check_mode(self, spec: ConsistencySpec) -> None:
+        """Raise as `adopt_mode` would, changing nothing."""
+        with self._cond:
+            self._check_agrees(spec, None)
+
     def adopt_mode(self, spec: ConsistencySpec) -> None:
         """Take `spec` as the consistency mode if none was set yet (a shard holding only embedding
         rows learns the mode from a table registration); a different mode is refused."""

@@ -91,10 +91,13 @@ class ShardService:
 
     def register_table(self, payload: bytes, sink: Sink) -> Any:
         request = msg.RegisterTableRequest.from_meta(codec.decode(payload).meta)
-        if request.consistency is not None:
-            self.shard.adopt_mode(ConsistencySpec.from_dict(request.consistency))
+        spec = ConsistencySpec.from_dict(request.consistency) if request.consistency is not None else None
+        if spec is not None:
+            self.shard.check_mode(spec)  # adopted only once the table is registered: a refusal changes nothing
         self.tables.register(request.table, request.dim, request.optimizer, request.init, request.policy,
                              request.capacity, request.num_shards)
+        if spec is not None:
+            self.shard.adopt_mode(spec)
         return sink(codec.encode_parts(msg.RegisterTableReply().to_meta()))
 
     def lookup(self, payload: bytes, sink: Sink) -> Any:

@@ -57,7 +57,8 @@ class GrpcServer(Lifecycle):
             max_workers=threads, thread_name_prefix=f"{_PEER_KINDS.get(service_name, 'ps')}-rpc",
             initializer=lambda: self._threads.append(threading.current_thread()))
         # no SO_REUSEPORT: a second server on a port in use fails at start instead of sharing it
-        self._server = grpc.server(self._executor, options=[*channel_options(max_message_bytes), ("grpc.so_reuseport", 0)])
+        self._server = grpc.server(self._executor,
+                                   options=[*channel_options(max_message_bytes), ("grpc.so_reuseport", 0)])
         handlers = {name: grpc.unary_unary_rpc_method_handler(self._handler(name)) for name in service.methods}
         self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service_name, handlers),))
 
