@@ -17,9 +17,9 @@ from typing import Any
 # first: gRPC reads its fork setting when it loads, and base.errors imports it
 from .base import grpc_fork  # noqa: F401  (isort: skip)
 from .base.config import ClusterSpec, NodeConfig, Options, Task
-from .base.errors import (ConfigError, DeadlineExceededError, FailedPreconditionError, InvalidArgumentError,
-                          MalformedFrameError, NotFoundError, NotInitializedError, ParamServerError,
-                          ProtocolVersionError, UnavailableError)
+from .base.errors import (AlreadyExistsError, ConfigError, DeadlineExceededError, FailedPreconditionError,
+                          InvalidArgumentError, MalformedFrameError, NotFoundError, NotInitializedError,
+                          ParamServerError, ProtocolVersionError, ResourceExhaustedError, UnavailableError)
 
 __version__ = "0.1.0"
 
@@ -37,7 +37,8 @@ _LAZY = {
 __all__ = ["init", "Context", "current_context", "set_mode", "Trainer", "EpochMetrics", "optim", "nn", "ClusterSpec",
            "NodeConfig", "Options", "Task", "ParamServerError", "InvalidArgumentError", "MalformedFrameError",
            "NotFoundError", "FailedPreconditionError", "ProtocolVersionError", "UnavailableError",
-           "DeadlineExceededError", "ConfigError", "NotInitializedError"]
+           "DeadlineExceededError", "ConfigError", "NotInitializedError", "AlreadyExistsError",
+           "ResourceExhaustedError"]
 
 
 def __getattr__(name: str) -> Any:

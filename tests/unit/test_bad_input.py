@@ -291,3 +291,12 @@ def test_a_request_in_shared_memory_is_copied_out_before_the_service_sees_it():
         theirs.close()
         server.stop(1)
         segment.close()
+
+
+def test_the_new_refusals_come_back_as_their_own_types():
+    import grpc
+
+    from paramserver.base.errors import error_for_status
+
+    assert isinstance(error_for_status(grpc.StatusCode.RESOURCE_EXHAUSTED, "x"), ResourceExhaustedError)
+    assert isinstance(error_for_status(grpc.StatusCode.ALREADY_EXISTS, "x"), AlreadyExistsError)
