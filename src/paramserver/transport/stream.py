@@ -14,6 +14,12 @@ value, 0 = OK), method id (index in METHODS), payload length; then the payload, 
 kind says it lies in shared memory. Kinds: 0 request, 1 reply, 2 request in shared
 memory, 3 reply in shared memory, 4 attach (payload: JSON {"path", "capacity"}). A failed
 reply's payload is the UTF-8 error message.
+
+With TLS (an `ssl.SSLContext` on both ends, base/tls.py), every connection starts with a TLS
+handshake and carries the same messages inside it; a peer that fails the handshake (no
+certificate, one from another CA, plaintext) is logged, counted (`StreamServer.refused`) and
+closed before any message is read. Shared memory stays available: its attach message travels
+inside the authenticated connection.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import logging
 import mmap
 import os
 import socket
+import ssl
 import struct
 import tempfile
 import threading
@@ -50,6 +57,8 @@ _SHM_MIN_BYTES = 64 * 1024  # smaller messages go inline: not worth a segment
 _OWNED_REPLY_BYTES = 1 << 20  # replies up to this size are returned as owned bytes, larger ones as views
 _SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 _SHM_PREFIX = "paramserver-"
+_HANDSHAKE_TIMEOUT_S = 10.0  # a TLS peer that stalls its handshake gives up its thread after this
+_TLS_COALESCE_BYTES = 64 * 1024  # TLS: parts up to this size share records (each sendall is a record)
 
 
 def host_id() -> str:
@@ -88,25 +97,50 @@ class _Inbox:
     def receive(self, sock: socket.socket, size: int) -> memoryview:
         if len(self._buffer) < size:
             self._buffer = bytearray(size)
-        view, got = memoryview(self._buffer)[:size], 0
-        while got < size:
+        view = memoryview(self._buffer)[:size]
+        self.fill(sock, view)
+        return view
+
+    @staticmethod
+    def fill(sock: socket.socket, view: memoryview) -> None:
+        got = 0
+        while got < len(view):
             n = sock.recv_into(view[got:])
             if n == 0:
                 raise ConnectionError("peer closed the tensor stream")
             got += n
-        return view
 
 
 def _send(sock: socket.socket, kind: int, status: int, method: int, parts: list, size: int, inline: bool) -> None:
+    if isinstance(sock, ssl.SSLSocket):
+        _send_tls(sock, _PREFIX.pack(MAGIC, kind, status, method, size), parts if inline else [])
+        return
     sock.sendall(_PREFIX.pack(MAGIC, kind, status, method, size))
     if inline:
         for part in parts:
             sock.sendall(part)
 
 
+def _send_tls(sock: ssl.SSLSocket, prefix: bytes, parts: list) -> None:
+    """The prefix and the parts, small ones joined: each sendall on TLS is at least one record."""
+    pending = bytearray(prefix)
+    for part in parts:
+        part = memoryview(part).cast("B")
+        if len(part) > _TLS_COALESCE_BYTES:
+            sock.sendall(pending)
+            pending = bytearray()
+            sock.sendall(part)
+        else:
+            pending += part
+    if pending:
+        sock.sendall(pending)
+
+
 def _read_prefix(sock: socket.socket, max_bytes: int) -> tuple[int, int, int, int]:
     prefix = bytearray(_PREFIX.size)
-    if sock.recv_into(prefix, _PREFIX.size, socket.MSG_WAITALL) != _PREFIX.size:
+    if isinstance(sock, ssl.SSLSocket):  # takes no recv flags: read until the prefix is whole
+        _Inbox.fill(sock, memoryview(prefix))
+    elif sock.recv_into(prefix, _PREFIX.size, socket.MSG_WAITALL) != _PREFIX.size:
         raise ConnectionError("peer closed the tensor stream")
     magic, kind, status, method, size = _PREFIX.unpack(prefix)
     if magic != MAGIC:
@@ -166,11 +200,16 @@ class StreamServer(Lifecycle):
     thread ("ps-stream-accept") and returns the port; `wait_ready(timeout)`; `stop(grace)` closes
     the listener and every connection (a call being answered is cut off) and joins the threads
     ("ps-stream-<peer port>"), at most `grace` seconds in all.
+    With `tls` (a server SSLContext), each connection's thread first runs the TLS handshake;
+    `refused` counts the peers that failed it.
     """
 
-    def __init__(self, service, host: str, port: int, max_message_bytes: int) -> None:
+    def __init__(self, service, host: str, port: int, max_message_bytes: int,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.service = service
         self.max_message_bytes = max_message_bytes
+        self.tls = tls
+        self.refused = 0
         self._listener = socket.create_server((host, port), backlog=64)
         self.port = self._listener.getsockname()[1]
         self.ready = ReadyFlag(f"tensor stream on port {self.port}")
@@ -223,6 +262,10 @@ class StreamServer(Lifecycle):
                 thread.start()
 
     def _serve(self, conn: socket.socket, peer) -> None:
+        if self.tls is not None:
+            conn = self._handshake(conn, peer)
+            if conn is None:
+                return
         segment: _Segment | None = None
         inbox = _Inbox()
         try:
@@ -251,6 +294,28 @@ class StreamServer(Lifecycle):
             conn.close()
             if segment is not None:
                 segment.close()
+
+    def _handshake(self, conn: socket.socket, peer) -> ssl.SSLSocket | None:
+        """The connection over TLS; None (logged, counted, closed) when the peer fails the handshake."""
+        previous = conn.gettimeout()
+        conn.settimeout(_HANDSHAKE_TIMEOUT_S)
+        try:
+            secure = self.tls.wrap_socket(conn, server_side=True)  # closes the connection if it fails
+        except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+            with self._lock:
+                self.refused += 1
+                self._connections.pop(conn, None)
+            if not self._stopping.is_set():
+                log.warning("tensor stream from %s refused: TLS handshake failed: %s", peer, exc)
+            return None
+        secure.settimeout(previous)
+        with self._lock:  # from now on stop() must shut the TLS socket: the plain one was handed over to it
+            thread = self._connections.pop(conn, None)
+            if self._stopping.is_set():
+                secure.close()
+                return None
+            self._connections[secure] = thread
+        return secure
 
     def _attach(self, conn: socket.socket, request: memoryview, old: _Segment | None) -> _Segment | None:
         try:
@@ -316,9 +381,11 @@ class StreamClient:
     on the next call; a call never waits past its deadline.
     """
 
-    def __init__(self, host: str, port: int, max_message_bytes: int, label: str, shared_memory: bool) -> None:
+    def __init__(self, host: str, port: int, max_message_bytes: int, label: str, shared_memory: bool,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.address = f"{host}:{port}"
         self._host, self._port = host, port
+        self.tls = tls  # a client SSLContext: the server must show a certificate for `host`
         self.max_message_bytes = max_message_bytes
         self.shared_memory = shared_memory
         self._sock: socket.socket | None = None
@@ -390,6 +457,8 @@ class StreamClient:
         if self._sock is None:
             sock = socket.create_connection((self._host, self._port), timeout=max(0.001, deadline - time.monotonic()))
             _tune(sock)
+            if self.tls is not None:  # the handshake runs under the call's deadline (the socket's timeout)
+                sock = self.tls.wrap_socket(sock, server_hostname=self._host.strip("[]"))
             self._sock = sock
         self._sock.settimeout(max(0.001, deadline - time.monotonic()))
         return self._sock
