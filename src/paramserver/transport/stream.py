@@ -299,14 +299,17 @@ class StreamServer(Lifecycle):
         """The connection over TLS; None (logged, counted, closed) when the peer fails the handshake."""
         previous = conn.gettimeout()
         conn.settimeout(_HANDSHAKE_TIMEOUT_S)
+        secure = None
         try:
-            secure = self.tls.wrap_socket(conn, server_side=True)  # closes the connection if it fails
+            secure = self.tls.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+            secure.do_handshake()
         except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
-            with self._lock:
+            with self._lock:  # counted before the peer sees its connection end
                 self.refused += 1
                 self._connections.pop(conn, None)
             if not self._stopping.is_set():
                 log.warning("tensor stream from %s refused: TLS handshake failed: %s", peer, exc)
+            (conn if secure is None else secure).close()
             return None
         secure.settimeout(previous)
         with self._lock:  # from now on stop() must shut the TLS socket: the plain one was handed over to it
