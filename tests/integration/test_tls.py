@@ -8,6 +8,7 @@ import socket
 import ssl
 import subprocess
 import sys
+import threading
 
 import grpc
 import numpy as np
@@ -162,7 +163,9 @@ def test_paramserver_clients_without_tls_or_trusting_another_ca_are_refused(pki,
 
 
 def test_a_failed_handshake_is_counted_and_the_stream_server_goes_on(pki):
-    """In process, to see the server's count: a refused peer costs one log line and its connection."""
+    """In process, to see the server's count: a refused peer costs one log line and its connection;
+    stopping the server ends the threads of refused and of TLS connections alike."""
+    before = set(threading.enumerate())
     server = StreamServer(ShardService(Shard(0)), "127.0.0.1", 0, 1 << 20,
                           tls=material(pki, "cluster", "ps-0").server_context)
     server.start()
@@ -181,7 +184,8 @@ def test_a_failed_handshake_is_counted_and_the_stream_server_goes_on(pki):
         assert hello.meta["protocol"]
     finally:
         client.close()
-        server.stop(5.0)
+        server.stop(BOUND_S)
+    assert not [t for t in threading.enumerate() if t.name.startswith("ps-stream") and t not in before]
 
 
 def paramserver_run(procs, *args):

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import grpc
 
+from .config import Options
 from .errors import ConfigError
 
 
@@ -57,7 +58,7 @@ class TlsMaterial:
                                             certificate_chain=self.cert)
 
 
-def tls_from_options(options) -> TlsMaterial | None:
+def tls_from_options(options: Options) -> TlsMaterial | None:
     """The node's TlsMaterial, or None when its options leave TLS off (no tls_cert).
     Options made sure tls_cert and tls_key come together, and tls_ca only with them."""
     if not options.tls_cert:

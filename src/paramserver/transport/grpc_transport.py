@@ -151,7 +151,8 @@ class GrpcChannel:
             grpc.channel_ready_future(self._channel).result(timeout=timeout)
         except grpc.FutureTimeoutError:
             hint = "" if self.tls is None else " (TLS: does it serve TLS, with a certificate for this host from our CA?)"
-            raise UnavailableError(f"{self.peer_kind} {self.address} not reachable within {timeout:.1f}s{hint}") from None
+            raise UnavailableError(f"{self.peer_kind} {self.address} not reachable within "
+                                   f"{timeout:.1f}s{hint}") from None
         reply = codec.decode(self.call("Hello", codec.encode({}), max(0.1, deadline - time.monotonic()))
                              .wait(max(0.1, deadline - time.monotonic())))
         port = reply.meta.get("stream_port")

@@ -304,11 +304,11 @@ class StreamServer(Lifecycle):
             secure = self.tls.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
             secure.do_handshake()
         except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
-            with self._lock:  # counted before the peer sees its connection end
-                self.refused += 1
+            with self._lock:  # counted before the peer sees its connection end (stop() cuts handshakes too)
                 self._connections.pop(conn, None)
-            if not self._stopping.is_set():
-                log.warning("tensor stream from %s refused: TLS handshake failed: %s", peer, exc)
+                if not self._stopping.is_set():
+                    self.refused += 1
+                    log.warning("tensor stream from %s refused: TLS handshake failed: %s", peer, exc)
             (conn if secure is None else secure).close()
             return None
         secure.settimeout(previous)
