@@ -6,6 +6,7 @@ Certificates are made by the test (`paramserver.launch.certs`); nodes are real p
 import json
 import socket
 import ssl
+import struct
 import subprocess
 import sys
 import threading
@@ -22,7 +23,7 @@ from paramserver.server.shard import Shard
 from paramserver.server.shard_service import ShardService
 from paramserver.transport import codec
 from paramserver.transport.grpc_transport import GrpcChannel
-from paramserver.transport.stream import MAGIC, METHODS, StreamClient, StreamServer, _PREFIX
+from paramserver.transport.stream import MAGIC, METHODS, StreamClient, StreamServer
 from tests.conftest import ROOT, Procs
 
 SMALL = str(ROOT / "tests" / "integration" / "scripts" / "train_small.py")
@@ -136,7 +137,8 @@ def test_the_tensor_stream_refuses_a_client_without_a_certificate_from_its_ca(pk
     reply = b""
     try:
         with _stream_attackers(pki)[attacker](stream_port) as sock:
-            sock.sendall(_PREFIX.pack(MAGIC, 0, 0, METHODS.index("PushPull"), len(PUSH)) + PUSH)
+            prefix = struct.pack("<4sBBHQ", MAGIC, 0, 0, METHODS.index("PushPull"), len(PUSH))  # docs/protocol.md
+            sock.sendall(prefix + PUSH)
             while chunk := sock.recv(4096):  # until the PS closes the connection
                 reply += chunk
     except (ssl.SSLError, ConnectionError):  # the PS's TLS alert, or its reset: refused either way
