@@ -1,4 +1,4 @@
-"""The `paramserver` command: run, node, demo. See docs/cli.md."""
+"""The `paramserver` command: run, node, demo, checkpoint, certs. See docs/cli.md."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from ..base.config import Options
-from ..base.errors import ParamServerError
+from ..base.errors import ConfigError, ParamServerError
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,13 @@ def _parser() -> argparse.ArgumentParser:
     ckpt.add_argument("name", nargs="?", help="checkpoint name, e.g. ckpt-000000020 (default: the latest complete)")
     ckpt.add_argument("--out", help="export: the .pt file to write (default: <name>.pt here)")
 
+    certs = sub.add_parser("certs", help="make a CA and a TLS certificate per node in DIR (docs/security.md)")
+    certs.add_argument("dir", help="directory to write ca.crt, ca.key, <node>.crt, <node>.key to")
+    certs.add_argument("--nodes", required=True, help="comma-separated node names, e.g. ps-0,ps-1,chief-0,worker-0")
+    certs.add_argument("--hosts", default="", help="comma-separated host names / IPs every node certificate names "
+                                                   "(besides localhost, 127.0.0.1 and the node's name)")
+    certs.add_argument("--days", type=int, default=365, help="validity in days (default 365)")
+
     demo = sub.add_parser("demo", help="train the digits classifier on a local cluster and print one JSON line")
     _add_cluster_flags(demo, ps=2, workers=2)
     demo.add_argument("--epochs", type=int, default=20, help="training epochs (default 20)")
@@ -58,6 +65,8 @@ def _add_cluster_flags(parser: argparse.ArgumentParser, ps: int = 1, workers: in
     parser.add_argument("--max-restarts", type=int, default=3,
                         help="with --checkpoint-dir: roll back and restart after a node is killed, at most "
                              "this many times (default 3)")
+    parser.add_argument("--certs", help="mutual TLS: node ps-<i> / worker-<i> uses DIR/<node>.crt and .key, "
+                                        "DIR/ca.crt (a directory made by `paramserver certs`)")
     _add_node_flags(parser)
 
 
@@ -148,12 +157,38 @@ def _run_local(args: argparse.Namespace, script: str, script_args: list[str]) ->
     threads = args.torch_threads or default_torch_threads(args.ps, args.workers)
     options = Options(rpc_timeout_s=args.rpc_timeout, torch_threads=threads, **mode_options(args))
     options.validate(args.workers)  # what needs the cluster's size too, before any process starts
+    certs = _cert_dir(args, options)
     cluster = LocalCluster(args.ps, args.workers, script, script_args, options,
                            progress_every=args.progress_every, log_level=args.log_level,
-                           max_restarts=args.max_restarts)
+                           max_restarts=args.max_restarts, certs=certs)
     code = cluster.run()
     print(json.dumps(cluster.summary()), flush=True)
     return code
+
+
+def _cert_dir(args: argparse.Namespace, options: Options) -> Path | None:
+    """`--certs DIR`, once it holds every node's files (and no --tls-* flag competes with it)."""
+    if not args.certs:
+        return None
+    from .certs import check_cert_dir, ps_node_name, worker_node_name
+
+    if options.tls_cert or options.tls_ca:
+        raise ConfigError("--certs gives every node its own --tls-cert, --tls-key and --tls-ca: give one or the other")
+    nodes = [ps_node_name(i) for i in range(args.ps)] + [worker_node_name(i) for i in range(args.workers)]
+    check_cert_dir(Path(args.certs), nodes)
+    return Path(args.certs)
+
+
+def _make_certs(args: argparse.Namespace) -> int:
+    from .certs import write_certs
+
+    written = write_certs(Path(args.dir), _names(args.nodes), _names(args.hosts), args.days)
+    print(json.dumps({"dir": str(Path(args.dir).resolve()), "files": [p.name for p in written]}), flush=True)
+    return 0
+
+
+def _names(text: str) -> list[str]:
+    return [name.strip() for name in text.split(",") if name.strip()]
 
 
 def _demo_script() -> Path:
@@ -174,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
             return _run_local(args, args.script, _strip_dashes(args.args))
         if args.command == "demo":
             return _run_local(args, str(_demo_script()), ["--epochs", str(args.epochs)])
+        if args.command == "certs":
+            return _make_certs(args)
         if args.command == "checkpoint":
             from ..checkpoint.tools import run_tool
             return run_tool(args.action, args.dir, args.name, args.out)

@@ -38,6 +38,7 @@ import sys
 import threading
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, TextIO
 
 import psutil
@@ -46,6 +47,7 @@ from ..base.config import OPTIONS_ENV, TF_CONFIG_ENV, Options
 from ..base.errors import UnavailableError
 from ..base.lifecycle import Lifecycle, ReadyFlag
 from ..base.progress import ProgressBoard
+from .certs import ps_node_name, with_node_tls, worker_node_name
 from .processes import Child, LineWriter, stop_all, wait_any
 from .ps_node import READY_PREFIX
 
@@ -81,7 +83,7 @@ class LocalCluster(Lifecycle):
 
     def __init__(self, num_ps: int, num_workers: int, script: str, args: list[str] | None = None,
                  options: Options | None = None, out: TextIO | None = None, progress_every: float = 2.0,
-                 log_level: str = "INFO", max_restarts: int = 3) -> None:
+                 log_level: str = "INFO", max_restarts: int = 3, certs: Path | None = None) -> None:
         if num_ps < 1 or num_workers < 1:
             raise ValueError(f"need at least 1 PS and 1 worker, got ps={num_ps} workers={num_workers}")
         self.num_ps, self.num_workers = num_ps, num_workers
@@ -90,6 +92,7 @@ class LocalCluster(Lifecycle):
         self.progress_every = progress_every
         self.log_level = log_level
         self.max_restarts = max_restarts
+        self.certs = certs  # mutual TLS: each node's own certificate from this `paramserver certs` directory
         self.restarts = 0
         self.board = ProgressBoard()
         self.peak_rss: dict[str, int] = {"ps": 0, "worker": 0}
@@ -122,7 +125,8 @@ class LocalCluster(Lifecycle):
         self._started_at = self._started_at or time.monotonic()
         for i in range(self.num_ps):
             argv = self._node_argv("--role", "ps", "--index", str(i), "--bind", "127.0.0.1:0")
-            self.ps.append(self._spawn(f"ps{i}", argv, self._env(self.options)))
+            self.ps.append(self._spawn(f"ps{i}", argv, self._env(with_node_tls(self.options, self.certs,
+                                                                                   ps_node_name(i)))))
         self._wait_ps_ready(timeout)
         # worker 0 serves the coordinator on its address; the others' are reserved the same way
         self.worker_addresses = [f"127.0.0.1:{free_port()}" for _ in range(self.num_workers)]
@@ -146,7 +150,8 @@ class LocalCluster(Lifecycle):
 
     def _start_worker(self, index: int) -> Child:
         read_fd, write_fd = os.pipe()
-        env = self._env(replace(self.options, progress_fd=write_fd), self._tf_config(index))
+        options = with_node_tls(self.options, self.certs, worker_node_name(index))
+        env = self._env(replace(options, progress_fd=write_fd), self._tf_config(index))
         try:
             child = self._spawn(f"worker{index}", self._node_argv(self.script, *self.args), env,
                                 pass_fds=(write_fd,))

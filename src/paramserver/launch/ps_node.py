@@ -15,6 +15,7 @@ import time
 
 from ..base.config import Options
 from ..base.lifecycle import Lifecycle
+from ..base.tls import tls_from_options
 from ..checkpoint import shard_writer
 from ..server.limits import TableLimits
 from ..server.shard import Shard
@@ -43,10 +44,12 @@ class PSNode(Lifecycle):
         tables = TableStore(index, options.max_table_ids, restore=restore, limits=limits)
         self.service = ShardService(self.shard, tables,
                                     save_checkpoint=shard_writer(options.checkpoint_dir))
-        self.server = GrpcServer(self.service, bind, options.max_message_bytes, options.ps_threads)
+        tls = tls_from_options(options)  # gRPC and the stream: TLS on both or on neither
+        self.server = GrpcServer(self.service, bind, options.max_message_bytes, options.ps_threads, tls=tls)
         host = bind.rsplit(":", 1)[0].strip("[]")
         self.stream = StreamServer(self.service, host, options.stream_port, options.max_message_bytes,
-                                   options.idle_timeout_s, options.max_connections)
+                                   options.idle_timeout_s, options.max_connections,
+                                   None if tls is None else tls.server_context)
         self.address: str | None = None
         self._stop_lock = threading.Lock()
         self._stopped = False
@@ -56,7 +59,8 @@ class PSNode(Lifecycle):
         port = self.server.start()
         host = self.server.bind.rsplit(":", 1)[0]
         self.address = f"{'127.0.0.1' if host in ('', '[::]', '0.0.0.0') else host}:{port}"
-        log.info("ps %d serving on %s (tensor stream on port %d)", self.index, self.address, self.stream.port)
+        log.info("ps %d serving on %s (tensor stream on port %d%s)", self.index, self.address, self.stream.port,
+                 "" if self.server.tls is None else ", mutual TLS" if self.server.tls.mutual else ", TLS")
         return self.address
 
     def wait_ready(self, timeout: float) -> None:

@@ -16,6 +16,7 @@ import grpc
 
 from ..base.errors import UnavailableError, error_for_status
 from ..base.lifecycle import Lifecycle, ReadyFlag
+from ..base.tls import TlsMaterial
 from . import codec
 from .channel import CallHandle, FutureCall
 from .dispatch import answer
@@ -43,12 +44,14 @@ class GrpcServer(Lifecycle):
     `stop(grace)`: in-flight calls get `grace` seconds, then gRPC cancels them; the request threads
     ("ps-rpc_N", "coordinator-rpc_N") are joined, all within about `grace` + 1 s. gRPC's own
     polling thread is not ours to name; it ends with the server.
+    With `tls`, the port serves TLS only (mutual when the material has a CA; base/tls.py).
     """
 
     def __init__(self, service, bind: str, max_message_bytes: int, threads: int = 8,
-                 service_name: str = SERVICE) -> None:
+                 service_name: str = SERVICE, tls: TlsMaterial | None = None) -> None:
         self.service = service
         self.bind = bind
+        self.tls = tls
         self.port: int | None = None
         self.ready = ReadyFlag(f"gRPC server on {bind}")
         self._threads: list[threading.Thread] = []  # the request threads, recorded as each one starts
@@ -73,7 +76,10 @@ class GrpcServer(Lifecycle):
     def start(self) -> int:
         try:
             try:
-                self.port = self._server.add_insecure_port(self.bind)
+                if self.tls is None:
+                    self.port = self._server.add_insecure_port(self.bind)
+                else:
+                    self.port = self._server.add_secure_port(self.bind, self.tls.server_credentials())
             except RuntimeError as exc:  # grpcio raises this when the port is taken
                 raise UnavailableError(f"cannot bind {self.bind}: the address is in use or not valid ({exc})") from None
             if not self.port:
@@ -108,18 +114,22 @@ class GrpcChannel:
 
     `wait_ready` must succeed before `call`; it says Hello over gRPC (which checks the protocol
     version) and learns the shard's stream port and host. With `use_stream=False` every call goes
-    over gRPC; with `use_shared_memory=False` the stream never uses shared memory.
+    over gRPC; with `use_shared_memory=False` the stream never uses shared memory. With `tls`,
+    gRPC and the stream both use TLS, and the server must prove it is the host of `address`.
     Thread-safe.
     """
 
     def __init__(self, address: str, max_message_bytes: int, use_stream: bool = True,
-                 use_shared_memory: bool = True, service_name: str = SERVICE) -> None:
+                 use_shared_memory: bool = True, service_name: str = SERVICE, tls: TlsMaterial | None = None) -> None:
         self.address = address
         self.service_name = service_name
         self.use_shared_memory = use_shared_memory
         self.max_message_bytes = max_message_bytes
         self.use_stream = use_stream
-        self._channel = grpc.insecure_channel(address, options=channel_options(max_message_bytes))
+        self.tls = tls
+        options = channel_options(max_message_bytes)
+        self._channel = (grpc.insecure_channel(address, options=options) if tls is None else
+                         grpc.secure_channel(address, tls.channel_credentials(), options=options))
         self._methods: dict[str, grpc.UnaryUnaryMultiCallable] = {}
         self._stream: StreamClient | None = None
 
@@ -145,14 +155,17 @@ class GrpcChannel:
         try:
             grpc.channel_ready_future(self._channel).result(timeout=timeout)
         except grpc.FutureTimeoutError:
-            raise UnavailableError(f"{self.peer_kind} {self.address} not reachable within {timeout:.1f}s") from None
+            hint = "" if self.tls is None else " (TLS: does it serve TLS, with a certificate for this host from our CA?)"
+            raise UnavailableError(f"{self.peer_kind} {self.address} not reachable within "
+                                   f"{timeout:.1f}s{hint}") from None
         reply = codec.decode(self.call("Hello", codec.encode({}), max(0.1, deadline - time.monotonic()))
                              .wait(max(0.1, deadline - time.monotonic())))
         port = reply.meta.get("stream_port")
         if self.use_stream and port and self._stream is None:
             host = self.address.rsplit(":", 1)[0]
             same_host = self.use_shared_memory and reply.meta.get("host_id") == host_id()
-            self._stream = StreamClient(host, int(port), self.max_message_bytes, self.address, same_host)
+            self._stream = StreamClient(host, int(port), self.max_message_bytes, self.address, same_host,
+                                        None if self.tls is None else self.tls.client_context)
 
     def close(self) -> None:
         if self._stream is not None:

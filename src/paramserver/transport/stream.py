@@ -21,6 +21,12 @@ value, 0 = OK), method id (index in METHODS), payload length; then the payload, 
 kind says it lies in shared memory. Kinds: 0 request, 1 reply, 2 request in shared
 memory, 3 reply in shared memory, 4 attach (payload: JSON {"pid", "fd", "capacity"}). A failed
 reply's payload is the UTF-8 error message.
+
+With TLS (an `ssl.SSLContext` on both ends, base/tls.py), every connection starts with a TLS
+handshake and carries the same messages inside it; a peer that fails the handshake (no
+certificate, one from another CA, plaintext) is logged, counted (`StreamServer.refused`) and
+closed before any message is read. Shared memory stays available: its attach message travels
+inside the authenticated connection.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from __future__ import annotations
 import json
 import logging
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -54,6 +61,8 @@ _SHM_MIN_BYTES = 64 * 1024  # smaller messages go inline: not worth a segment
 _OWNED_REPLY_BYTES = 1 << 20  # replies up to this size are returned as owned bytes, larger ones as views
 _FIRST_CHUNK = 1 << 20  # a receive buffer grows from here as bytes arrive (a prefix alone proves nothing)
 _REFUSE_TIMEOUT_S = 1.0  # longest send of a refusal to a connection that is not served
+_HANDSHAKE_TIMEOUT_S = 10.0  # a TLS peer that stalls its handshake gives up its thread after this
+_TLS_COALESCE_BYTES = 64 * 1024  # TLS: parts up to this size share records (each sendall is a record)
 
 
 def host_id() -> str:
@@ -116,10 +125,28 @@ class _Inbox:
 
 
 def _send(sock: socket.socket, kind: int, status: int, method: int, parts: list, size: int, inline: bool) -> None:
+    if isinstance(sock, ssl.SSLSocket):
+        _send_tls(sock, _PREFIX.pack(MAGIC, kind, status, method, size), parts if inline else [])
+        return
     sock.sendall(_PREFIX.pack(MAGIC, kind, status, method, size))
     if inline:
         for part in parts:
             sock.sendall(part)
+
+
+def _send_tls(sock: ssl.SSLSocket, prefix: bytes, parts: list) -> None:
+    """The prefix and the parts, small ones joined: each sendall on TLS is at least one record."""
+    pending = bytearray(prefix)
+    for part in parts:
+        part = memoryview(part).cast("B")
+        if len(part) > _TLS_COALESCE_BYTES:
+            sock.sendall(pending)
+            pending = bytearray()
+            sock.sendall(part)
+        else:
+            pending += part
+    if pending:
+        sock.sendall(pending)
 
 
 def _read_prefix(sock: socket.socket, max_bytes: int | None = None) -> tuple[int, int, int, int]:
@@ -148,9 +175,12 @@ def _peer_closed(sock: socket.socket) -> bool:
     it, so that a request never goes out on a connection the PS already gave up (it reconnects)."""
     try:
         sock.setblocking(False)
-        sock.recv(1, socket.MSG_PEEK)  # end of stream, or a byte nobody asked for: broken either way
+        if isinstance(sock, ssl.SSLSocket):  # takes no flags; a read here also consumes TLS's own records
+            sock.recv(1)
+        else:
+            sock.recv(1, socket.MSG_PEEK)  # end of stream, or a byte nobody asked for: broken either way
         return True
-    except BlockingIOError:
+    except (BlockingIOError, ssl.SSLWantReadError):  # SSLWantReadError: no application data waiting
         return False
     except OSError:
         return True
@@ -163,14 +193,18 @@ class StreamServer(Lifecycle):
     thread ("ps-stream-accept") and returns the port; `wait_ready(timeout)`; `stop(grace)` closes
     the listener and every connection (a call being answered is cut off) and joins the threads
     ("ps-stream-<peer port>"), at most `grace` seconds in all.
+    With `tls` (a server SSLContext), each connection's thread first runs the TLS handshake;
+    `refused` counts the peers that failed it.
     """
 
     def __init__(self, service, host: str, port: int, max_message_bytes: int, idle_timeout_s: float = 300.0,
-                 max_connections: int = 256) -> None:
+                 max_connections: int = 256, tls: ssl.SSLContext | None = None) -> None:
         self.service = service
         self.max_message_bytes = max_message_bytes
         self.idle_timeout_s = idle_timeout_s
         self.max_connections = max_connections
+        self.tls = tls
+        self.refused = 0
         try:  # no SO_REUSEPORT: a port in use is an error here, never a second server sharing it
             self._listener = socket.create_server((host, port), backlog=64)
         except OSError as exc:
@@ -243,6 +277,10 @@ class StreamServer(Lifecycle):
             conn.close()
 
     def _serve(self, conn: socket.socket, peer) -> None:
+        if self.tls is not None:
+            conn = self._handshake(conn, peer)
+            if conn is None:
+                return
         segment_box: list[Segment | None] = [None]
         inbox = _Inbox()
         conn.settimeout(self.idle_timeout_s)  # also bounds a request that stops half-way
@@ -289,6 +327,31 @@ class StreamServer(Lifecycle):
         else:
             _send(conn, REPLY, status, method_id, [reply], len(reply), True)
         return True
+
+    def _handshake(self, conn: socket.socket, peer) -> ssl.SSLSocket | None:
+        """The connection over TLS; None (logged, counted, closed) when the peer fails the handshake."""
+        previous = conn.gettimeout()
+        conn.settimeout(_HANDSHAKE_TIMEOUT_S)
+        secure = None
+        try:
+            secure = self.tls.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+            secure.do_handshake()
+        except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+            with self._lock:  # counted before the peer sees its connection end (stop() cuts handshakes too)
+                self._connections.pop(conn, None)
+                if not self._stopping.is_set():
+                    self.refused += 1
+                    log.warning("tensor stream from %s refused: TLS handshake failed: %s", peer, exc)
+            (conn if secure is None else secure).close()
+            return None
+        secure.settimeout(previous)
+        with self._lock:  # from now on stop() must shut the TLS socket: the plain one was handed over to it
+            thread = self._connections.pop(conn, None)
+            if self._stopping.is_set():
+                secure.close()
+                return None
+            self._connections[secure] = thread
+        return secure
 
     def _attach(self, conn: socket.socket, request: memoryview, old: Segment | None) -> Segment | None:
         try:
@@ -351,9 +414,11 @@ class StreamClient:
     on the next call; a call never waits past its deadline.
     """
 
-    def __init__(self, host: str, port: int, max_message_bytes: int, label: str, shared_memory: bool) -> None:
+    def __init__(self, host: str, port: int, max_message_bytes: int, label: str, shared_memory: bool,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.address = f"{host}:{port}"
         self._host, self._port = host, port
+        self.tls = tls  # a client SSLContext: the server must show a certificate for `host`
         self.max_message_bytes = max_message_bytes
         self.shared_memory = shared_memory
         self._sock: socket.socket | None = None
@@ -428,6 +493,8 @@ class StreamClient:
         if self._sock is None:
             sock = socket.create_connection((self._host, self._port), timeout=max(0.001, deadline - time.monotonic()))
             _tune(sock)
+            if self.tls is not None:  # the handshake runs under the call's deadline (the socket's timeout)
+                sock = self.tls.wrap_socket(sock, server_hostname=self._host.strip("[]"))
             self._sock = sock
         self._sock.settimeout(max(0.001, deadline - time.monotonic()))
         return self._sock

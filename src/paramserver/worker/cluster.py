@@ -11,6 +11,7 @@ from ..base.config import NodeConfig, Options, bind_address
 from ..base.grpc_fork import GRPC_FORK_SUPPORT_ENV, grpc_fork_handlers_on
 from ..base.consistency_spec import ConsistencySpec
 from ..base.lifecycle import Lifecycle
+from ..base.tls import TlsMaterial, tls_from_options
 from ..base.progress import ProgressWriter
 from ..client.ps_client import PSClient
 from ..coordinator.coordinator_service import SERVICE as COORDINATOR
@@ -34,12 +35,13 @@ class CoordinatorHost(Lifecycle):
     ("coordinator-watch") tells the shards of workers found dead (`tell_shards`).
     """
 
-    def __init__(self, num_workers: int, address: str, options: Options) -> None:
+    def __init__(self, num_workers: int, address: str, options: Options, tls: TlsMaterial | None = None) -> None:
         self.address = address
         self.options = options
+        self.tls = tls
         self.coordinator = Coordinator(num_workers, options.heartbeat_timeout_s)
         self.server = GrpcServer(CoordinatorService(self.coordinator), bind_address(address),
-                                 options.max_message_bytes, max(8, 2 * num_workers), COORDINATOR)
+                                 options.max_message_bytes, max(8, 2 * num_workers), COORDINATOR, tls)
         self.notices: PSClient | None = None  # gRPC-only channels: a notice never queues behind a push
         self._stopping = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="coordinator-watch", daemon=True)
@@ -55,7 +57,8 @@ class CoordinatorHost(Lifecycle):
 
     def tell_shards(self, ps_addresses: list[str]) -> None:
         """From now on, tell these shards of every worker found dead, so their waits fail at once."""
-        channels = [GrpcChannel(a, self.options.max_message_bytes, use_stream=False) for a in ps_addresses]
+        channels = [GrpcChannel(a, self.options.max_message_bytes, use_stream=False, tls=self.tls)
+                    for a in ps_addresses]
         self.notices = PSClient(channels, self.options.rpc_timeout_s)
 
     def _watch(self) -> None:
@@ -116,13 +119,14 @@ def cluster_context(config: NodeConfig) -> Context:
     if options.torch_threads > 0:
         torch.set_num_threads(options.torch_threads)
     workers = cluster.num_workers
-    host, coordinator_address = _host_coordinator(config)
+    tls = tls_from_options(options)
+    host, coordinator_address = _host_coordinator(config, tls)
     spec = options.consistency(workers)
-    client = _connect_shards(config, spec)
+    client = _connect_shards(config, spec, tls)
     if host is not None:
         host.tell_shards(list(cluster.ps))
     coordinator = CoordinatorClient(GrpcChannel(coordinator_address, options.max_message_bytes, use_stream=False,
-                                                service_name=COORDINATOR),
+                                                service_name=COORDINATOR, tls=tls),
                                     index, options.rpc_timeout_s, options.heartbeat_s)
     _join(coordinator, options.connect_timeout_s)
     checkpointer, meet = _pauses(config, client, coordinator)
@@ -133,18 +137,18 @@ def cluster_context(config: NodeConfig) -> Context:
                    ProgressWriter(options.progress_fd, index), modes, coordinator, host, checkpointer)
 
 
-def _host_coordinator(config: NodeConfig) -> tuple[CoordinatorHost | None, str]:
+def _host_coordinator(config: NodeConfig, tls: TlsMaterial | None) -> tuple[CoordinatorHost | None, str]:
     """(the coordinator this worker hosts, or None; the address to reach the coordinator)."""
     address = (config.cluster.chief or config.cluster.worker)[0]
     if config.worker_index != 0:
         return None, address
-    host = CoordinatorHost(config.cluster.num_workers, address, config.options)
+    host = CoordinatorHost(config.cluster.num_workers, address, config.options, tls)
     return host, host.start()
 
 
-def _connect_shards(config: NodeConfig, spec: ConsistencySpec) -> PSClient:
+def _connect_shards(config: NodeConfig, spec: ConsistencySpec, tls: TlsMaterial | None) -> PSClient:
     options = config.options
-    channels = [GrpcChannel(address, options.max_message_bytes, options.use_stream, options.shared_memory)
+    channels = [GrpcChannel(address, options.max_message_bytes, options.use_stream, options.shared_memory, tls=tls)
                 for address in config.cluster.ps]
     client = PSClient(channels, options.rpc_timeout_s, options.split_bytes, config.worker_index, spec)
     client.connect(options.connect_timeout_s)
