@@ -48,6 +48,7 @@ from ..base.lifecycle import Lifecycle, ReadyFlag
 from ..base.progress import ProgressBoard
 from .processes import Child, LineWriter, stop_all, wait_any
 from .ps_node import READY_PREFIX
+from .tokens import with_node_token
 
 log = logging.getLogger(__name__)
 _MEMORY_EVERY_S = 0.5  # how often the nodes' resident memory is sampled for the peak figures
@@ -81,7 +82,9 @@ class LocalCluster(Lifecycle):
 
     def __init__(self, num_ps: int, num_workers: int, script: str, args: list[str] | None = None,
                  options: Options | None = None, out: TextIO | None = None, progress_every: float = 2.0,
-                 log_level: str = "INFO", max_restarts: int = 3) -> None:
+                 log_level: str = "INFO", max_restarts: int = 3, tokens: str | None = None) -> None:
+        """`tokens`: a directory of launch/tokens.py's files: each node presents its own, checked by
+        the PS and the coordinator."""
         if num_ps < 1 or num_workers < 1:
             raise ValueError(f"need at least 1 PS and 1 worker, got ps={num_ps} workers={num_workers}")
         self.num_ps, self.num_workers = num_ps, num_workers
@@ -90,6 +93,7 @@ class LocalCluster(Lifecycle):
         self.progress_every = progress_every
         self.log_level = log_level
         self.max_restarts = max_restarts
+        self.tokens = tokens
         self.restarts = 0
         self.board = ProgressBoard()
         self.peak_rss: dict[str, int] = {"ps": 0, "worker": 0}
@@ -122,7 +126,8 @@ class LocalCluster(Lifecycle):
         self._started_at = self._started_at or time.monotonic()
         for i in range(self.num_ps):
             argv = self._node_argv("--role", "ps", "--index", str(i), "--bind", "127.0.0.1:0")
-            self.ps.append(self._spawn(f"ps{i}", argv, self._env(self.options)))
+            self.ps.append(self._spawn(f"ps{i}", argv, self._env(with_node_token(self.options, self.tokens,
+                                                                                 f"ps-{i}"))))
         self._wait_ps_ready(timeout)
         # worker 0 serves the coordinator on its address; the others' are reserved the same way
         self.worker_addresses = [f"127.0.0.1:{free_port()}" for _ in range(self.num_workers)]
@@ -146,7 +151,8 @@ class LocalCluster(Lifecycle):
 
     def _start_worker(self, index: int) -> Child:
         read_fd, write_fd = os.pipe()
-        env = self._env(replace(self.options, progress_fd=write_fd), self._tf_config(index))
+        options = with_node_token(self.options, self.tokens, f"worker-{index}")
+        env = self._env(replace(options, progress_fd=write_fd), self._tf_config(index))
         try:
             child = self._spawn(f"worker{index}", self._node_argv(self.script, *self.args), env,
                                 pass_fds=(write_fd,))

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 
+from ..base.auth import SHARD_ACTIONS, Guard
 from ..base.config import Options
 from ..base.lifecycle import Lifecycle
 from ..checkpoint import save_shard
@@ -36,10 +37,16 @@ class PSNode(Lifecycle):
 
     def __init__(self, bind: str, index: int, options: Options) -> None:
         self.index = index
-        restore = _restore_source(options)
+        self.guard = Guard.from_options(options, f"ps-{index}", SHARD_ACTIONS)  # token store and audit log
+        try:
+            restore = _restore_source(options, self.guard)
+        except BaseException:
+            self.guard.close()
+            raise
         self.shard = Shard(index, wait_timeout_s=options.rpc_timeout_s, restore=restore)
         self.service = ShardService(self.shard, TableStore(index, options.max_table_ids, restore=restore),
                                     save_checkpoint=save_shard)
+        self.service.guard = self.guard
         self.server = GrpcServer(self.service, bind, options.max_message_bytes, options.ps_threads)
         host = bind.rsplit(":", 1)[0].strip("[]")
         self.stream = StreamServer(self.service, host, options.stream_port, options.max_message_bytes)
@@ -69,13 +76,15 @@ class PSNode(Lifecycle):
         started = time.monotonic()
         self.server.stop(grace)
         self.stream.stop(grace)
+        self.guard.close()
         stats = self.shard.describe()
         log.info("ps %d stopped after %d updates from %d pushes, %d late pushes dropped (%.2fs)", self.index,
                  stats["version"], stats["pushes"], stats["dropped_late"], time.monotonic() - started)
 
 
-def _restore_source(options: Options):
-    """The checkpoint to start from with `resume`, or None (nothing to resume from: a fresh start)."""
+def _restore_source(options: Options, guard: Guard):
+    """The checkpoint to start from with `resume`, or None (nothing to resume from: a fresh start).
+    What the PS starts from is audited."""
     if not options.resume:  # Options made sure a resume has its checkpoint_dir
         return None
     from ..checkpoint.restore import RestoreSource  # only a resuming PS loads safetensors and fsspec
@@ -87,6 +96,10 @@ def _restore_source(options: Options):
         log.info("no complete checkpoint in %s: starting fresh", options.checkpoint_dir)
     else:
         log.info("resuming from %s (step %d) in %.2fs", source.name, source.step, time.monotonic() - started)
+    if guard.audit is not None:
+        detail = {"dir": options.checkpoint_dir, "checkpoint": source.name if source else None,
+                  "step": source.step if source else None}
+        guard.audit.record("Restore", "ok", "node", "", detail)
     return source
 
 

@@ -12,8 +12,10 @@ written into its second half, and only 16-byte prefixes cross the socket.
 Message = 16-byte prefix ``<4sBBHQ``: magic b"PSTS", kind, status (a gRPC status code
 value, 0 = OK), method id (index in METHODS), payload length; then the payload, unless the
 kind says it lies in shared memory. Kinds: 0 request, 1 reply, 2 request in shared
-memory, 3 reply in shared memory, 4 attach (payload: JSON {"path", "capacity"}). A failed
-reply's payload is the UTF-8 error message.
+memory, 3 reply in shared memory, 4 attach (payload: JSON {"path", "capacity"}), 5 auth (payload:
+the client's token, UTF-8; sent once, first, on a connection to a PS that checks tokens: until it
+is accepted, every request is refused UNAUTHENTICATED and no segment is attached; a refused token
+closes the connection). A failed reply's payload is the UTF-8 error message.
 """
 
 from __future__ import annotations
@@ -37,13 +39,13 @@ from ..base.errors import (DeadlineExceededError, MalformedFrameError, ParamServ
 from ..base.lifecycle import Lifecycle, ReadyFlag
 from . import codec
 from .channel import CallHandle
-from .dispatch import answer
+from .dispatch import answer, introduce, needs_token
 
 log = logging.getLogger(__name__)
 MAGIC = b"PSTS"
 METHODS = ("Hello", "Register", "PushPull", "SetMode", "Leave", "RegisterTable", "Lookup", "PushSparse")
 _PREFIX = struct.Struct("<4sBBHQ")
-REQUEST, REPLY, REQUEST_SHM, REPLY_SHM, ATTACH = range(5)
+REQUEST, REPLY, REQUEST_SHM, REPLY_SHM, ATTACH, AUTH = range(6)
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 _SOCKET_BUFFER = 8 * 1024 * 1024
 _SHM_MIN_BYTES = 64 * 1024  # smaller messages go inline: not worth a segment
@@ -225,9 +227,17 @@ class StreamServer(Lifecycle):
     def _serve(self, conn: socket.socket, peer) -> None:
         segment: _Segment | None = None
         inbox = _Inbox()
+        token: str | None = None  # the connection's token, once accepted
         try:
             while True:
                 kind, _, method_id, size = _read_prefix(conn, self.max_message_bytes)
+                if kind == AUTH:
+                    token = self._authenticate(conn, inbox.receive(conn, size), peer)
+                    continue
+                if kind == ATTACH and token is None and needs_token(self.service):
+                    inbox.receive(conn, size)
+                    _refuse(conn, grpc.StatusCode.UNAUTHENTICATED, "shared memory needs an accepted token first")
+                    continue
                 if kind == ATTACH:
                     segment = self._attach(conn, inbox.receive(conn, size), segment)
                     continue
@@ -237,7 +247,7 @@ class StreamServer(Lifecycle):
                     payload = inbox.receive(conn, size)
                 else:
                     raise MalformedFrameError(f"unexpected tensor stream message kind {kind}")
-                status, reply = self._answer(method_id, payload, peer, segment)
+                status, reply = self._answer(method_id, payload, peer, segment, token)
                 if isinstance(reply, int):  # already written into the segment
                     _send(conn, REPLY_SHM, status, method_id, [], reply, False)
                 else:
@@ -269,7 +279,18 @@ class StreamServer(Lifecycle):
         _send(conn, REPLY, 0, 0, [], 0, True)
         return segment
 
-    def _answer(self, method_id: int, payload, peer, segment: _Segment | None) -> tuple[int, bytes | int]:
+    def _authenticate(self, conn: socket.socket, request: memoryview, peer) -> str:
+        """The connection's token, once the service accepted it; a refused one closes the connection."""
+        token = bytes(request).decode(errors="replace")
+        refused = introduce(self.service, token, str(peer))
+        if refused is not None:
+            _refuse(conn, refused.code, str(refused))
+            raise ConnectionError(f"token refused: {refused}")
+        _send(conn, REPLY, 0, 0, [], 0, True)
+        return token
+
+    def _answer(self, method_id: int, payload, peer, segment: _Segment | None,
+                token: str | None = None) -> tuple[int, bytes | int]:
         """(status, reply bytes) or, when the reply went into the segment, (0, its size)."""
         def sink(parts: list) -> bytes | int:
             size = segment.write(parts) if segment is not None else None
@@ -278,8 +299,13 @@ class StreamServer(Lifecycle):
         if method_id >= len(METHODS):
             message = f"unknown tensor stream method id {method_id}"
             return grpc.StatusCode.INVALID_ARGUMENT.value[0], message.encode()
-        result = answer(self.service, METHODS[method_id], payload, str(peer), sink)
+        result = answer(self.service, METHODS[method_id], payload, str(peer), sink, token)
         return (0, result.reply) if result.ok else (result.code.value[0], result.reply.encode())
+
+
+def _refuse(conn: socket.socket, code: grpc.StatusCode, message: str) -> None:
+    data = message.encode()
+    _send(conn, REPLY, code.value[0], 0, [data], len(data), True)
 
 
 class StreamCall(CallHandle):
@@ -316,11 +342,13 @@ class StreamClient:
     on the next call; a call never waits past its deadline.
     """
 
-    def __init__(self, host: str, port: int, max_message_bytes: int, label: str, shared_memory: bool) -> None:
+    def __init__(self, host: str, port: int, max_message_bytes: int, label: str, shared_memory: bool,
+                 token: str | None = None) -> None:
         self.address = f"{host}:{port}"
         self._host, self._port = host, port
         self.max_message_bytes = max_message_bytes
         self.shared_memory = shared_memory
+        self._token = token  # presented once per connection (an auth message), before any request
         self._sock: socket.socket | None = None
         self._segment: _Segment | None = None
         self._inbox = _Inbox()
@@ -390,9 +418,26 @@ class StreamClient:
         if self._sock is None:
             sock = socket.create_connection((self._host, self._port), timeout=max(0.001, deadline - time.monotonic()))
             _tune(sock)
+            if self._token:
+                self._present_token(sock, deadline)
             self._sock = sock
         self._sock.settimeout(max(0.001, deadline - time.monotonic()))
         return self._sock
+
+    def _present_token(self, sock: socket.socket, deadline: float) -> None:
+        """Send the auth message and read its answer; a refusal closes the socket and is raised."""
+        data = self._token.encode()
+        try:
+            sock.settimeout(max(0.001, deadline - time.monotonic()))
+            _send(sock, AUTH, 0, 0, [data], len(data), True)
+            _, status, _, size = _read_prefix(sock, self.max_message_bytes)
+            reason = bytes(self._inbox.receive(sock, size)).decode(errors="replace")
+        except BaseException:
+            sock.close()
+            raise
+        if status:
+            sock.close()
+            raise error_for_status(_CODES.get(status, grpc.StatusCode.UNKNOWN), f"{self.address}: {reason}")
 
     def _segment_for(self, sock: socket.socket, size: int) -> _Segment | None:
         """The attached segment, (re)created with room for `size`; None if the PS cannot attach it."""

@@ -7,6 +7,7 @@ import threading
 
 import torch
 
+from ..base.auth import COORDINATOR_ACTIONS, Guard, read_token
 from ..base.config import NodeConfig, Options, bind_address
 from ..base.grpc_fork import GRPC_FORK_SUPPORT_ENV, grpc_fork_handlers_on
 from ..base.consistency_spec import ConsistencySpec
@@ -35,12 +36,17 @@ class CoordinatorHost(Lifecycle):
     ("coordinator-watch") tells the shards of workers found dead (`tell_shards`).
     """
 
-    def __init__(self, num_workers: int, address: str, options: Options) -> None:
+    def __init__(self, num_workers: int, address: str, options: Options, token: str | None = None) -> None:
+        """`token`: the hosting worker's own, presented when it tells the shards of dead workers."""
         self.address = address
         self.options = options
+        self.token = token
         self.coordinator = Coordinator(num_workers, options.heartbeat_timeout_s)
-        self.server = GrpcServer(CoordinatorService(self.coordinator), bind_address(address),
-                                 options.max_message_bytes, max(8, 2 * num_workers), COORDINATOR)
+        self.guard = Guard.from_options(options, "coordinator", COORDINATOR_ACTIONS)  # token store and audit log
+        service = CoordinatorService(self.coordinator)
+        service.guard = self.guard
+        self.server = GrpcServer(service, bind_address(address), options.max_message_bytes, max(8, 2 * num_workers),
+                                 COORDINATOR)
         self.notices: PSClient | None = None  # gRPC-only channels: a notice never queues behind a push
         self._stopping = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="coordinator-watch", daemon=True)
@@ -56,13 +62,16 @@ class CoordinatorHost(Lifecycle):
 
     def tell_shards(self, ps_addresses: list[str]) -> None:
         """From now on, tell these shards of every worker found dead, so their waits fail at once."""
-        channels = [GrpcChannel(a, self.options.max_message_bytes, use_stream=False) for a in ps_addresses]
+        channels = [GrpcChannel(a, self.options.max_message_bytes, use_stream=False, token=self.token)
+                    for a in ps_addresses]
         self.notices = PSClient(channels, self.options.rpc_timeout_s)
 
     def _watch(self) -> None:
         while not self._stopping.wait(self.options.heartbeat_s):
             for worker, why in self.coordinator.newly_gone():
                 log.warning("coordinator: worker %d is gone: %s", worker, why)
+                if self.guard.audit is not None:
+                    self.guard.audit.record("Gone", "ok", "coordinator", "", {"worker": worker, "why": why})
                 if self.notices is not None:
                     self.notices.forget(worker, why, self.options.rpc_timeout_s)
 
@@ -81,6 +90,7 @@ class CoordinatorHost(Lifecycle):
             self._watcher.join(grace + self.options.rpc_timeout_s)
         if self.notices is not None:
             self.notices.close()
+        self.guard.close()
 
 
 def in_process_context(num_ps: int) -> Context:
@@ -117,13 +127,14 @@ def cluster_context(config: NodeConfig) -> Context:
     if options.torch_threads > 0:
         torch.set_num_threads(options.torch_threads)
     workers = cluster.num_workers
-    host, coordinator_address = _host_coordinator(config)
+    token = read_token(options.token_file) if options.token_file else None  # read once, presented on every call
+    host, coordinator_address = _host_coordinator(config, token)
     spec = options.consistency(workers)
-    client = _connect_shards(config, spec)
+    client = _connect_shards(config, spec, token)
     if host is not None:
         host.tell_shards(list(cluster.ps))
     coordinator = CoordinatorClient(GrpcChannel(coordinator_address, options.max_message_bytes, use_stream=False,
-                                                service_name=COORDINATOR),
+                                                service_name=COORDINATOR, token=token),
                                     index, options.rpc_timeout_s, options.heartbeat_s)
     _join(coordinator, options.connect_timeout_s)
     checkpointer, meet = _pauses(config, client, coordinator)
@@ -134,19 +145,19 @@ def cluster_context(config: NodeConfig) -> Context:
                    ProgressWriter(options.progress_fd, index), modes, coordinator, host, checkpointer)
 
 
-def _host_coordinator(config: NodeConfig) -> tuple[CoordinatorHost | None, str]:
+def _host_coordinator(config: NodeConfig, token: str | None) -> tuple[CoordinatorHost | None, str]:
     """(the coordinator this worker hosts, or None; the address to reach the coordinator)."""
     address = (config.cluster.chief or config.cluster.worker)[0]
     if config.worker_index != 0:
         return None, address
-    host = CoordinatorHost(config.cluster.num_workers, address, config.options)
+    host = CoordinatorHost(config.cluster.num_workers, address, config.options, token)
     return host, host.start()
 
 
-def _connect_shards(config: NodeConfig, spec: ConsistencySpec) -> PSClient:
+def _connect_shards(config: NodeConfig, spec: ConsistencySpec, token: str | None) -> PSClient:
     options = config.options
-    channels = [GrpcChannel(address, options.max_message_bytes, options.use_stream, options.shared_memory)
-                for address in config.cluster.ps]
+    channels = [GrpcChannel(address, options.max_message_bytes, options.use_stream, options.shared_memory,
+                            token=token) for address in config.cluster.ps]
     client = PSClient(channels, options.rpc_timeout_s, options.split_bytes, config.worker_index, spec)
     client.connect(options.connect_timeout_s)
     return client
