@@ -46,7 +46,7 @@ class CoordinatorService:
         """What a request asks for and as which worker (checked against the caller's role before `call`)."""
         if method not in msg.COORDINATOR_METHODS:
             raise MalformedFrameError(f"coordinator has no method {method!r}")
-        request = msg.COORDINATOR_METHODS[method][0].from_meta(codec.decode(payload).meta)
+        request = msg.COORDINATOR_METHODS[method][0].from_meta(codec.decode_meta(payload))
         return Claim(method, getattr(request, "worker", None))
 
     def call(self, method: str, payload: bytes, sink: Callable[[list], Any] = b"".join) -> Any:

@@ -59,7 +59,7 @@ class ShardService:
         """What a request asks for and as which worker (checked against the caller's role before `call`)."""
         if method not in msg.SHARD_METHODS:
             raise NotFoundError(f"shard service has no method {method!r}")
-        request = msg.SHARD_METHODS[method][0].from_meta(codec.decode(payload).meta)
+        request = msg.SHARD_METHODS[method][0].from_meta(codec.decode_meta(payload))
         worker = getattr(request, "worker", None)
         if isinstance(request, msg.LeaveRequest) and request.gone is not None:
             return Claim("Forget", worker, {"gone": request.gone})
