@@ -2,6 +2,8 @@
 refused calls are UNAUTHENTICATED / PERMISSION_DENIED, audited, and change nothing."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -11,13 +13,16 @@ import torch
 import paramserver as ps
 from paramserver.base.config import ClusterSpec, NodeConfig, Options, Task
 from paramserver.base.errors import PermissionDeniedError, UnauthenticatedError
+from paramserver.coordinator.coordinator_service import SERVICE as COORDINATOR
+from paramserver.launch.tokens import write_tokens
 from paramserver.transport import codec
 from paramserver.transport.grpc_transport import GrpcChannel
 from paramserver.transport.stream import StreamClient
 from paramserver.worker.cluster import CoordinatorHost
-from paramserver.coordinator.coordinator_service import SERVICE as COORDINATOR
-from paramserver.launch.tokens import write_tokens
+from tests.conftest import ROOT
 from tests.reference import batches, max_relative_error, mlp, train, twin
+
+SMALL = str(ROOT / "tests" / "integration" / "scripts" / "train_small.py")
 
 NODES = ["ps-0", "worker-0", "worker-1", "admin"]
 TRANSPORTS = {"grpc": dict(use_stream=False), "tcp": dict(use_stream=True, use_shared_memory=False),
@@ -214,3 +219,24 @@ def test_the_coordinator_refuses_unknown_nodes_and_other_workers(coordinator):
         ("Leave", "worker-1", "PERMISSION_DENIED"), ("RequestCheckpoint", "worker-1", "PERMISSION_DENIED"),
         ("RequestCheckpoint", "worker-0", "ok")]
     assert all(r["node"] == "coordinator" for r in records)
+
+
+@pytest.mark.slow
+def test_paramserver_run_with_tokens_switches_modes_and_checkpoints_with_each_nodes_own_token(procs, tmp_path):
+    """Every node holds only its own token: the chief's scheduled mode switch, its checkpoints and
+    everyone's joins are accepted, and nothing is refused."""
+    audit, tokens = tmp_path / "audit.jsonl", tmp_path / "tokens"
+    proc = procs.start([sys.executable, "-m", "paramserver", "run", "--workers", "2", "--tokens", str(tokens),
+                        "--audit-log", str(audit), "--mode-schedule", "sync@5", "--checkpoint-dir",
+                        str(tmp_path / "ckpt"), "--progress-every", "0", SMALL, "--", "--steps", "10"],
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out
+    assert json.loads(out.strip().splitlines()[-1])["steps"] == 20
+    assert {path.name for path in tokens.iterdir()} == {"tokens.json", "ps-0.token", "worker-0.token",
+                                                        "worker-1.token", "admin.token"}
+    records = [json.loads(line) for line in audit.read_text().splitlines()]
+    assert [r for r in records if r["outcome"] != "ok"] == []
+    seen = {(r["node"], r["what"], r["who"]) for r in records}
+    assert {("coordinator", "Join", "worker-0"), ("coordinator", "Join", "worker-1"),
+            ("ps-0", "SetMode", "worker-0"), ("ps-0", "Checkpoint", "worker-0")} <= seen

@@ -9,9 +9,9 @@ import pytest
 
 from paramserver.base.auth import (COORDINATOR_ACTIONS, SHARD_ACTIONS, Authorizer, Guard, Principal, TokenStore,
                                    read_token, token_hash)
+from paramserver.base.config import Options
 from paramserver.base.errors import ConfigError, NotFoundError, PermissionDeniedError, UnauthenticatedError
 from paramserver.launch.tokens import local_nodes, with_node_token, write_tokens
-from paramserver.base.config import Options
 from paramserver.server.shard import Shard
 from paramserver.server.shard_service import ShardService
 from paramserver.transport import codec
