@@ -49,6 +49,7 @@ REQUEST, REPLY, REQUEST_SHM, REPLY_SHM, ATTACH, AUTH = range(6)
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 _SOCKET_BUFFER = 8 * 1024 * 1024
 _SHM_MIN_BYTES = 64 * 1024  # smaller messages go inline: not worth a segment
+_ANONYMOUS_BYTES = 64 * 1024  # the most a PS that checks tokens reads from a connection before its token
 _OWNED_REPLY_BYTES = 1 << 20  # replies up to this size are returned as owned bytes, larger ones as views
 _SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 _SHM_PREFIX = "paramserver-"
@@ -232,8 +233,12 @@ class StreamServer(Lifecycle):
             while True:
                 kind, _, method_id, size = _read_prefix(conn, self.max_message_bytes)
                 if kind == AUTH:
-                    token = self._authenticate(conn, inbox.receive(conn, size), peer)
+                    token = self._authenticate(conn, size, inbox, peer)
                     continue
+                if token is None and size > _ANONYMOUS_BYTES and needs_token(self.service):
+                    # not read: a caller without a token gets no memory (the refusal ends the connection)
+                    _refuse(conn, grpc.StatusCode.UNAUTHENTICATED, "the tensor stream needs an accepted token first")
+                    raise ConnectionError("a large message before any token")
                 if kind == ATTACH and token is None and needs_token(self.service):
                     inbox.receive(conn, size)
                     _refuse(conn, grpc.StatusCode.UNAUTHENTICATED, "shared memory needs an accepted token first")
@@ -279,9 +284,12 @@ class StreamServer(Lifecycle):
         _send(conn, REPLY, 0, 0, [], 0, True)
         return segment
 
-    def _authenticate(self, conn: socket.socket, request: memoryview, peer) -> str:
+    def _authenticate(self, conn: socket.socket, size: int, inbox: _Inbox, peer) -> str:
         """The connection's token, once the service accepted it; a refused one closes the connection."""
-        token = bytes(request).decode(errors="replace")
+        if size > _ANONYMOUS_BYTES:
+            _refuse(conn, grpc.StatusCode.UNAUTHENTICATED, f"a token of {size} bytes is not a token")
+            raise ConnectionError("an oversized auth message")
+        token = bytes(inbox.receive(conn, size)).decode(errors="replace")
         refused = introduce(self.service, token, str(peer))
         if refused is not None:
             _refuse(conn, refused.code, str(refused))
