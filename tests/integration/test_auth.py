@@ -2,10 +2,13 @@
 refused calls are UNAUTHENTICATED / PERMISSION_DENIED, audited, and change nothing."""
 
 import json
+import socket
+import struct
 import subprocess
 import sys
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 import torch
@@ -245,3 +248,17 @@ def test_paramserver_run_with_tokens_switches_modes_and_checkpoints_with_each_no
     seen = {(r["node"], r["what"], r["who"]) for r in records}
     assert {("coordinator", "Join", "worker-0"), ("coordinator", "Join", "worker-1"),
             ("ps-0", "SetMode", "worker-0"), ("ps-0", "Checkpoint", "worker-0")} <= seen
+
+
+def test_the_stream_reads_nothing_large_before_a_token(secured):
+    good = secured.channel("admin")
+    good.wait_ready(20)
+    port = call(good, "Hello", {}).meta["stream_port"]
+    for kind, declared in ((5, 1 << 30), (0, 1 << 30)):  # an auth message, a request: 1 GiB declared, not sent
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(struct.pack("<4sBBHQ", b"PSTS", kind, 0, 2, declared))
+            _, _, status, _, size = struct.unpack("<4sBBHQ", sock.recv(16, socket.MSG_WAITALL))
+            assert status == grpc.StatusCode.UNAUTHENTICATED.value[0]
+            assert b"token" in sock.recv(size, socket.MSG_WAITALL)
+            assert sock.recv(16) == b""  # closed: nothing more is read from it
+    assert call(good, "Hello", {}).meta["version"] == 0  # the PS serves on
