@@ -68,6 +68,18 @@ class DeadlineExceededError(UnavailableError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+class UnauthenticatedError(ParamServerError):
+    """A call carries no token, or one no token store on the node knows."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDeniedError(ParamServerError):
+    """A known caller asked for something outside its role, or acted as another worker."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class ConfigError(ParamServerError, ValueError):
     """The cluster or node configuration is invalid. Raised before any node starts. Also a ValueError."""
 
@@ -89,6 +101,8 @@ _BY_CODE: dict[grpc.StatusCode, type[ParamServerError]] = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
     grpc.StatusCode.UNAVAILABLE: UnavailableError,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
+    grpc.StatusCode.UNAUTHENTICATED: UnauthenticatedError,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDeniedError,
 }
 
 

@@ -14,6 +14,7 @@ import time
 from typing import Any, Callable
 
 from ..base import messages as msg
+from ..base.auth import Claim, Guard
 from ..base.errors import DeadlineExceededError, MalformedFrameError, ParamServerError, UnavailableError
 from ..base.lifecycle import Lifecycle, ReadyFlag
 from ..transport import codec
@@ -39,6 +40,14 @@ class CoordinatorService:
             "Leave": lambda request: coordinator.leave(request.worker),
             "RequestCheckpoint": lambda request: coordinator.request_checkpoint(request.worker),
         }
+        self.guard: Guard | None = None  # tokens, roles and audit (transport/dispatch.py), given by the host
+
+    def claim(self, method: str, payload: bytes) -> Claim:
+        """What a request asks for and as which worker (checked against the caller's role before `call`)."""
+        if method not in msg.COORDINATOR_METHODS:
+            raise MalformedFrameError(f"coordinator has no method {method!r}")
+        request = msg.COORDINATOR_METHODS[method][0].from_meta(codec.decode_meta(payload))
+        return Claim(method, getattr(request, "worker", None))
 
     def call(self, method: str, payload: bytes, sink: Callable[[list], Any] = b"".join) -> Any:
         handler = self.methods.get(method)

@@ -62,6 +62,9 @@ def _add_cluster_flags(parser: argparse.ArgumentParser, ps: int = 1, workers: in
                         help=f"deadline in seconds of each call to a PS (default {Options.rpc_timeout_s})")
     parser.add_argument("--progress-every", type=float, default=2.0,
                         help="seconds between progress lines; 0 turns them off (default 2)")
+    parser.add_argument("--tokens", metavar="DIR",
+                        help="run with tokens and roles: each node presents its own token from DIR, the PS and the "
+                             "coordinator check them (written there first when DIR has no tokens.json)")
     parser.add_argument("--max-restarts", type=int, default=3,
                         help="with --checkpoint-dir: roll back and restart after a node is killed, at most "
                              "this many times (default 3)")
@@ -158,9 +161,13 @@ def _run_local(args: argparse.Namespace, script: str, script_args: list[str]) ->
     options = Options(rpc_timeout_s=args.rpc_timeout, torch_threads=threads, **mode_options(args))
     options.validate(args.workers)  # what needs the cluster's size too, before any process starts
     certs = _cert_dir(args, options)
+    if args.tokens:
+        from .tokens import STORE_FILE, local_nodes, write_tokens
+        if not (Path(args.tokens) / STORE_FILE).exists():
+            write_tokens(Path(args.tokens), local_nodes(args.ps, args.workers))
     cluster = LocalCluster(args.ps, args.workers, script, script_args, options,
                            progress_every=args.progress_every, log_level=args.log_level,
-                           max_restarts=args.max_restarts, certs=certs)
+                           max_restarts=args.max_restarts, certs=certs, tokens=args.tokens)
     code = cluster.run()
     print(json.dumps(cluster.summary()), flush=True)
     return code

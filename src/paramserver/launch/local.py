@@ -50,6 +50,7 @@ from ..base.progress import ProgressBoard
 from .certs import ps_node_name, with_node_tls, worker_node_name
 from .processes import Child, LineWriter, stop_all, wait_any
 from .ps_node import READY_PREFIX
+from .tokens import with_node_token
 
 log = logging.getLogger(__name__)
 _MEMORY_EVERY_S = 0.5  # how often the nodes' resident memory is sampled for the peak figures
@@ -83,7 +84,11 @@ class LocalCluster(Lifecycle):
 
     def __init__(self, num_ps: int, num_workers: int, script: str, args: list[str] | None = None,
                  options: Options | None = None, out: TextIO | None = None, progress_every: float = 2.0,
-                 log_level: str = "INFO", max_restarts: int = 3, certs: Path | None = None) -> None:
+                 log_level: str = "INFO", max_restarts: int = 3, certs: Path | None = None,
+                 tokens: str | None = None) -> None:
+        """`certs`: a `paramserver certs` directory (mutual TLS, each node its own certificate);
+        `tokens`: a directory of launch/tokens.py's files (each node presents its own token, checked
+        by the PS and the coordinator)."""
         if num_ps < 1 or num_workers < 1:
             raise ValueError(f"need at least 1 PS and 1 worker, got ps={num_ps} workers={num_workers}")
         self.num_ps, self.num_workers = num_ps, num_workers
@@ -93,6 +98,7 @@ class LocalCluster(Lifecycle):
         self.log_level = log_level
         self.max_restarts = max_restarts
         self.certs = certs  # mutual TLS: each node's own certificate from this `paramserver certs` directory
+        self.tokens = tokens
         self.restarts = 0
         self.board = ProgressBoard()
         self.peak_rss: dict[str, int] = {"ps": 0, "worker": 0}
@@ -125,8 +131,7 @@ class LocalCluster(Lifecycle):
         self._started_at = self._started_at or time.monotonic()
         for i in range(self.num_ps):
             argv = self._node_argv("--role", "ps", "--index", str(i), "--bind", "127.0.0.1:0")
-            self.ps.append(self._spawn(f"ps{i}", argv, self._env(with_node_tls(self.options, self.certs,
-                                                                                   ps_node_name(i)))))
+            self.ps.append(self._spawn(f"ps{i}", argv, self._env(self._node_options(ps_node_name(i)))))
         self._wait_ps_ready(timeout)
         # worker 0 serves the coordinator on its address; the others' are reserved the same way
         self.worker_addresses = [f"127.0.0.1:{free_port()}" for _ in range(self.num_workers)]
@@ -150,7 +155,7 @@ class LocalCluster(Lifecycle):
 
     def _start_worker(self, index: int) -> Child:
         read_fd, write_fd = os.pipe()
-        options = with_node_tls(self.options, self.certs, worker_node_name(index))
+        options = self._node_options(worker_node_name(index))
         env = self._env(replace(options, progress_fd=write_fd), self._tf_config(index))
         try:
             child = self._spawn(f"worker{index}", self._node_argv(self.script, *self.args), env,
@@ -330,6 +335,10 @@ class LocalCluster(Lifecycle):
         return summary
 
     # ---- internals -------------------------------------------------------------------------
+    def _node_options(self, node: str) -> Options:
+        """The options of node `node` ("ps-0", "worker-1"): its own certificate and token, when given."""
+        return with_node_token(with_node_tls(self.options, self.certs, node), self.tokens, node)
+
     def _node_argv(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "paramserver", "--log-level", self.log_level, "node", *args]
 

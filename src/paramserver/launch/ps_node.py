@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 
+from ..base.auth import SHARD_ACTIONS, Guard
 from ..base.config import Options
 from ..base.lifecycle import Lifecycle
 from ..base.tls import tls_from_options
@@ -38,12 +39,18 @@ class PSNode(Lifecycle):
 
     def __init__(self, bind: str, index: int, options: Options) -> None:
         self.index = index
-        restore = _restore_source(options)
+        self.guard = Guard.from_options(options, f"ps-{index}", SHARD_ACTIONS)  # token store and audit log
+        try:
+            restore = _restore_source(options, self.guard)
+        except BaseException:
+            self.guard.close()
+            raise
         self.shard = Shard(index, wait_timeout_s=options.rpc_timeout_s, restore=restore)
         limits = TableLimits(options.max_table_rows, options.max_table_memory_bytes)
         tables = TableStore(index, options.max_table_ids, restore=restore, limits=limits)
         self.service = ShardService(self.shard, tables,
                                     save_checkpoint=shard_writer(options.checkpoint_dir))
+        self.service.guard = self.guard
         tls = tls_from_options(options)  # gRPC and the stream: TLS on both or on neither
         self.server = GrpcServer(self.service, bind, options.max_message_bytes, options.ps_threads, tls=tls)
         host = bind.rsplit(":", 1)[0].strip("[]")
@@ -77,13 +84,15 @@ class PSNode(Lifecycle):
         started = time.monotonic()
         self.server.stop(grace)
         self.stream.stop(grace)
+        self.guard.close()
         stats = self.shard.describe()
         log.info("ps %d stopped after %d updates from %d pushes, %d late pushes dropped (%.2fs)", self.index,
                  stats["version"], stats["pushes"], stats["dropped_late"], time.monotonic() - started)
 
 
-def _restore_source(options: Options):
-    """The checkpoint to start from with `resume`, or None (nothing to resume from: a fresh start)."""
+def _restore_source(options: Options, guard: Guard):
+    """The checkpoint to start from with `resume`, or None (nothing to resume from: a fresh start).
+    What the PS starts from is audited."""
     if not options.resume:  # Options made sure a resume has its checkpoint_dir
         return None
     from ..checkpoint.restore import RestoreSource  # only a resuming PS loads safetensors and fsspec
@@ -95,6 +104,10 @@ def _restore_source(options: Options):
         log.info("no complete checkpoint in %s: starting fresh", options.checkpoint_dir)
     else:
         log.info("resuming from %s (step %d) in %.2fs", source.name, source.step, time.monotonic() - started)
+    if guard.audit is not None:
+        detail = {"dir": options.checkpoint_dir, "checkpoint": source.name if source else None,
+                  "step": source.step if source else None}
+        guard.audit.record("Restore", "ok", "node", "", detail)
     return source
 
 

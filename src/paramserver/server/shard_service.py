@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ..base import messages as msg
+from ..base.auth import Claim, Guard
 from ..base.consistency_spec import ConsistencySpec
 from ..base.errors import FailedPreconditionError, MalformedFrameError, NotFoundError
 from ..transport import codec
@@ -42,6 +43,7 @@ class ShardService:
         self.tables = tables or TableStore(shard.index)
         self.shard.row_applier = self.tables.apply_rows  # the shard applies row pushes with its steps
         self.announce: dict[str, Any] = {}  # extra Hello fields, e.g. the node's stream port
+        self.guard: Guard | None = None  # tokens, roles and audit (transport/dispatch.py), given by the node
         self.methods: dict[str, Callable[[bytes, Sink], Any]] = {
             "Hello": self.hello, "Register": self.register, "PushPull": self.push_pull, "SetMode": self.set_mode,
             "Leave": self.leave, "RegisterTable": self.register_table, "Lookup": self.lookup,
@@ -53,6 +55,20 @@ class ShardService:
         if handler is None:
             raise NotFoundError(f"shard service has no method {method!r}")
         return handler(payload, sink)
+
+    def claim(self, method: str, payload: bytes) -> Claim:
+        """What a request asks for and as which worker (checked against the caller's role before `call`)."""
+        if method not in msg.SHARD_METHODS:
+            raise NotFoundError(f"shard service has no method {method!r}")
+        request = msg.SHARD_METHODS[method][0].from_meta(codec.decode_meta(payload))
+        worker = getattr(request, "worker", None)
+        if isinstance(request, msg.LeaveRequest) and request.gone is not None:
+            return Claim("Forget", worker, {"gone": request.gone})
+        if isinstance(request, msg.SetModeRequest):
+            return Claim(method, worker, {"consistency": request.consistency})
+        if isinstance(request, msg.CheckpointRequest):
+            return Claim(method, worker, {"name": request.name})
+        return Claim(method, worker)
 
     def hello(self, payload: bytes, sink: Sink) -> Any:
         msg.HelloRequest.from_meta(codec.decode(payload).meta)

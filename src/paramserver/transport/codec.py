@@ -144,3 +144,25 @@ def _tensor(entry: list, data: memoryview) -> np.ndarray:
         return np.frombuffer(data, dtype=dtype, count=count, offset=offset).reshape(shape)
     except (ValueError, OverflowError) as exc:  # e.g. a zero-size shape whose other sides overflow
         raise MalformedFrameError(f"tensor {name[:100]!r}: shape {str(shape)[:100]} is not valid: {exc}") from None
+
+
+def decode_meta(payload) -> dict[str, Any]:
+    """Only a frame's meta, without building its tensors (cheap: for checks before the full decode,
+    which still validates the whole frame). Raises MalformedFrameError / ProtocolVersionError."""
+    if len(payload) < _PREFIX.size:
+        raise MalformedFrameError(f"frame of {len(payload)} bytes is shorter than its {_PREFIX.size}-byte prefix")
+    magic, major, _minor, header_len = _PREFIX.unpack_from(payload)
+    if magic != MAGIC:
+        raise MalformedFrameError(f"frame does not start with {MAGIC!r} (got {magic!r})")
+    if major != PROTOCOL_MAJOR:
+        raise ProtocolVersionError(
+            f"peer speaks protocol {major}.x, this node speaks {PROTOCOL_MAJOR}.{PROTOCOL_MINOR}")
+    if _PREFIX.size + header_len > len(payload):
+        raise MalformedFrameError(f"header length {header_len} runs past the frame's {len(payload)} bytes")
+    try:
+        meta = json.loads(bytes(payload[_PREFIX.size:_PREFIX.size + header_len]))["meta"]
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:
+        raise MalformedFrameError(f"frame header is not valid: {exc!r}"[:500]) from None
+    if not isinstance(meta, dict):
+        raise MalformedFrameError("frame header must hold a 'meta' object")
+    return meta

@@ -4,6 +4,10 @@ all call `answer`, so a request gets the same reply, status and message whicheve
 A service is any object with `call(method, payload, sink)` (ShardService, CoordinatorService)
 that raises a ParamServerError for a refused request; anything else it raises is a bug, logged
 here and answered INTERNAL, and the transport keeps serving.
+
+A service may carry a `guard` (base/auth.Guard) and a `claim(method, payload)` (what the request
+asks for, as whom): the caller's token is then checked against its role before the service is
+called, so a refused call changes nothing, and refusals and audited calls go to the audit log.
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ from typing import Any, Callable
 
 import grpc
 
-from ..base.errors import ParamServerError, error_for_status
+from ..base.auth import ANONYMOUS, Claim, Guard
+from ..base.errors import ParamServerError, UnauthenticatedError, error_for_status
 
 log = logging.getLogger(__name__)
 
@@ -35,13 +40,55 @@ class Answer:
         return error_for_status(self.code, f"{describe}: {self.reply}")
 
 
-def answer(service, method: str, payload, peer: str, sink: Callable[[list], Any] = b"".join) -> Answer:
-    """Call `service` and turn what happens into an Answer. Thread-safe as the service is."""
+def answer(service, method: str, payload, peer: str, sink: Callable[[list], Any] = b"".join,
+           token: str | None = None) -> Answer:
+    """Call `service` and turn what happens into an Answer. Thread-safe as the service is.
+    `token`: the caller's bearer token, if it sent one."""
+    guard: Guard | None = getattr(service, "guard", None)
+    principal, claim = None, None
     try:
-        return Answer(grpc.StatusCode.OK, service.call(method, payload, sink))
+        if guard is not None:
+            principal = guard.authenticate(token)
+            if guard.needs_claim(method):
+                claim = service.claim(method, payload)
+                guard.permit(principal, claim)
+        result = Answer(grpc.StatusCode.OK, service.call(method, payload, sink))
+        error = None
     except ParamServerError as exc:
         log.warning("%s refused from %s: %s", method, peer, exc)
-        return Answer(exc.code, str(exc))
+        result, error = Answer(exc.code, str(exc)), exc
     except Exception:  # noqa: BLE001 - a bug: report it to the caller and keep serving
         log.exception("%s from %s failed", method, peer)
-        return Answer(grpc.StatusCode.INTERNAL, f"{method} failed on the server; see its log")
+        result = Answer(grpc.StatusCode.INTERNAL, f"{method} failed on the server; see its log")
+        error = ParamServerError(result.reply)
+    if guard is not None:
+        guard.record(method, claim, principal or ANONYMOUS, peer, error)
+    return result
+
+
+def introduce(service, token: str, peer: str) -> UnauthenticatedError | None:
+    """Check the token a tensor-stream connection presents once, before its first request; the
+    refusal (None: accepted) is audited. Without a guard that checks tokens, every token is fine."""
+    guard: Guard | None = getattr(service, "guard", None)
+    if guard is None or not guard.checks:
+        return None
+    try:
+        guard.authenticate(token)
+        return None
+    except UnauthenticatedError as exc:
+        guard.record("StreamAuth", Claim("StreamAuth"), ANONYMOUS, peer, exc)
+        return exc
+
+
+def needs_token(service) -> bool:
+    """Whether `service` serves only callers with a known token."""
+    guard: Guard | None = getattr(service, "guard", None)
+    return guard is not None and guard.checks
+
+
+def bearer_token(metadata) -> str | None:
+    """The token of an ("authorization", "Bearer <token>") entry of gRPC call metadata, if any."""
+    for key, value in metadata or ():
+        if key == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
+            return value[len("Bearer "):]
+    return None

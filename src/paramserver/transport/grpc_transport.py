@@ -19,7 +19,7 @@ from ..base.lifecycle import Lifecycle, ReadyFlag
 from ..base.tls import TlsMaterial
 from . import codec
 from .channel import CallHandle, FutureCall
-from .dispatch import answer
+from .dispatch import answer, bearer_token
 from .stream import METHODS as STREAM_METHODS
 from .stream import StreamClient, host_id
 
@@ -67,7 +67,8 @@ class GrpcServer(Lifecycle):
 
     def _handler(self, method: str):
         def handle(request: bytes, context: grpc.ServicerContext) -> bytes:
-            result = answer(self.service, method, request, context.peer())
+            result = answer(self.service, method, request, context.peer(),
+                            token=bearer_token(context.invocation_metadata()))
             if not result.ok:
                 context.abort(result.code, result.reply)
             return result.reply
@@ -116,11 +117,14 @@ class GrpcChannel:
     version) and learns the shard's stream port and host. With `use_stream=False` every call goes
     over gRPC; with `use_shared_memory=False` the stream never uses shared memory. With `tls`,
     gRPC and the stream both use TLS, and the server must prove it is the host of `address`.
+    With `token`, every gRPC call carries it ("authorization: Bearer <token>") and the stream
+    presents it once.
     Thread-safe.
     """
 
     def __init__(self, address: str, max_message_bytes: int, use_stream: bool = True,
-                 use_shared_memory: bool = True, service_name: str = SERVICE, tls: TlsMaterial | None = None) -> None:
+                 use_shared_memory: bool = True, service_name: str = SERVICE, tls: TlsMaterial | None = None,
+                 token: str | None = None) -> None:
         self.address = address
         self.service_name = service_name
         self.use_shared_memory = use_shared_memory
@@ -132,6 +136,8 @@ class GrpcChannel:
                          grpc.secure_channel(address, tls.channel_credentials(), options=options))
         self._methods: dict[str, grpc.UnaryUnaryMultiCallable] = {}
         self._stream: StreamClient | None = None
+        self._token = token
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
 
     def call(self, method: str, payload: bytes, timeout: float, owned: bool = False) -> CallHandle:
         if self._stream is not None and method in STREAM_METHODS:
@@ -140,7 +146,8 @@ class GrpcChannel:
         if stub is None:
             stub = self._methods[method] = self._channel.unary_unary(f"/{self.service_name}/{method}")
         result: Future = Future()
-        call = stub.future(payload if isinstance(payload, bytes) else b"".join(payload), timeout=timeout)
+        call = stub.future(payload if isinstance(payload, bytes) else b"".join(payload), timeout=timeout,
+                           metadata=self._metadata)
         call.add_done_callback(lambda done: self._settle(done, result, method))
         return FutureCall(result, f"{self.address} {method}")
 
@@ -165,7 +172,7 @@ class GrpcChannel:
             host = self.address.rsplit(":", 1)[0]
             same_host = self.use_shared_memory and reply.meta.get("host_id") == host_id()
             self._stream = StreamClient(host, int(port), self.max_message_bytes, self.address, same_host,
-                                        None if self.tls is None else self.tls.client_context)
+                                        None if self.tls is None else self.tls.client_context, self._token)
 
     def close(self) -> None:
         if self._stream is not None:

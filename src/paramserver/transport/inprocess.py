@@ -17,13 +17,15 @@ from .dispatch import answer
 class InProcessChannel:
     """A ShardChannel to a service object (ShardService, CoordinatorService) in this process. Thread-safe."""
 
-    def __init__(self, service, address: str | None = None) -> None:
+    def __init__(self, service, address: str | None = None, token: str | None = None) -> None:
         self.service = service
+        self.token = token  # sent with every call, as a remote channel does (checked if the service has a guard)
         self.address = address or f"inprocess:shard{service.shard.index}"
 
     def call(self, method: str, payload: bytes, timeout: float, owned: bool = False) -> CallHandle:
         future: Future = Future()
-        result = answer(self.service, method, payload if isinstance(payload, bytes) else b"".join(payload), "in-process")
+        payload = payload if isinstance(payload, bytes) else b"".join(payload)
+        result = answer(self.service, method, payload, "in-process", token=self.token)
         if result.ok:
             future.set_result(result.reply)
         else:

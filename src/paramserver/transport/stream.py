@@ -19,8 +19,11 @@ further one is answered RESOURCE_EXHAUSTED and closed.
 Message = 16-byte prefix ``<4sBBHQ``: magic b"PSTS", kind, status (a gRPC status code
 value, 0 = OK), method id (index in METHODS), payload length; then the payload, unless the
 kind says it lies in shared memory. Kinds: 0 request, 1 reply, 2 request in shared
-memory, 3 reply in shared memory, 4 attach (payload: JSON {"pid", "fd", "capacity"}). A failed
-reply's payload is the UTF-8 error message.
+memory, 3 reply in shared memory, 4 attach (payload: JSON {"pid", "fd", "capacity"}), 5 auth (payload:
+the client's token, UTF-8; sent once, first, on a connection to a PS that checks tokens: until it
+is accepted, every request is refused UNAUTHENTICATED, nothing over 64 KiB is read and no segment
+is attached; a refused token closes the connection). A failed reply's payload is the UTF-8 error
+message.
 
 With TLS (an `ssl.SSLContext` on both ends, base/tls.py), every connection starts with a TLS
 handshake and carries the same messages inside it; a peer that fails the handshake (no
@@ -47,17 +50,18 @@ from ..base.errors import (DeadlineExceededError, MalformedFrameError, ParamServ
 from ..base.lifecycle import Lifecycle, ReadyFlag
 from . import codec
 from .channel import CallHandle
-from .dispatch import answer
+from .dispatch import answer, introduce, needs_token
 from .shared_memory import Segment, SegmentError, write_parts
 
 log = logging.getLogger(__name__)
 MAGIC = b"PSTS"
 METHODS = ("Hello", "Register", "PushPull", "SetMode", "Leave", "RegisterTable", "Lookup", "PushSparse")
 _PREFIX = struct.Struct("<4sBBHQ")
-REQUEST, REPLY, REQUEST_SHM, REPLY_SHM, ATTACH = range(5)
+REQUEST, REPLY, REQUEST_SHM, REPLY_SHM, ATTACH, AUTH = range(6)
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 _SOCKET_BUFFER = 8 * 1024 * 1024
 _SHM_MIN_BYTES = 64 * 1024  # smaller messages go inline: not worth a segment
+_ANONYMOUS_BYTES = 64 * 1024  # the most a PS that checks tokens reads from a connection before its token
 _OWNED_REPLY_BYTES = 1 << 20  # replies up to this size are returned as owned bytes, larger ones as views
 _FIRST_CHUNK = 1 << 20  # a receive buffer grows from here as bytes arrive (a prefix alone proves nothing)
 _REFUSE_TIMEOUT_S = 1.0  # longest send of a refusal to a connection that is not served
@@ -186,6 +190,14 @@ def _peer_closed(sock: socket.socket) -> bool:
         return True
 
 
+class _Connection:
+    """What a served connection has established: its attached segment and its accepted token."""
+
+    def __init__(self) -> None:
+        self.segment: Segment | None = None
+        self.token: str | None = None
+
+
 class StreamServer(Lifecycle):
     """Accepts tensor streams and answers each with `service.call`. A thread per connection.
 
@@ -261,9 +273,9 @@ class StreamServer(Lifecycle):
                     self._connections[conn] = thread
                     thread.start()
             if full:
-                self._refuse(conn, peer)
+                self._turn_away(conn, peer)
 
-    def _refuse(self, conn: socket.socket, peer) -> None:
+    def _turn_away(self, conn: socket.socket, peer) -> None:
         """Answer a connection past max_connections with the reason, and close it."""
         log.warning("tensor stream from %s refused: %d connections served already", peer, self.max_connections)
         try:
@@ -281,11 +293,11 @@ class StreamServer(Lifecycle):
             conn = self._handshake(conn, peer)
             if conn is None:
                 return
-        segment_box: list[Segment | None] = [None]
+        state = _Connection()
         inbox = _Inbox()
         conn.settimeout(self.idle_timeout_s)  # also bounds a request that stops half-way
         try:
-            while self._serve_one(conn, peer, inbox, segment_box):
+            while self._serve_one(conn, peer, inbox, state):
                 pass
         except socket.timeout:
             log.info("tensor stream from %s closed: idle for %.0fs (idle_timeout_s)", peer, self.idle_timeout_s)
@@ -298,21 +310,32 @@ class StreamServer(Lifecycle):
             with self._lock:
                 self._connections.pop(conn, None)
             conn.close()
-            if segment_box[0] is not None:
-                segment_box[0].close()
+            if state.segment is not None:
+                state.segment.close()
 
-    def _serve_one(self, conn: socket.socket, peer, inbox: _Inbox, segment_box: list) -> bool:
-        """Read and answer one message; False when the connection must close. `segment_box[0]`:
-        the attached segment (replaced by an attach)."""
+    def _serve_one(self, conn: socket.socket, peer, inbox: _Inbox, state: "_Connection") -> bool:
+        """Read and answer one message; False when the connection must close."""
         kind, _, method_id, size = _read_prefix(conn)
         if size > self.max_message_bytes:  # refused before a byte of it is read or allocated
             _send_error(conn, grpc.StatusCode.RESOURCE_EXHAUSTED, method_id,
                         f"message of {size} bytes exceeds max_message_bytes {self.max_message_bytes}")
             return False
-        segment = segment_box[0]
-        if kind == ATTACH:
-            segment_box[0] = self._attach(conn, inbox.receive(conn, size), segment)
+        if kind == AUTH:
+            state.token = self._authenticate(conn, size, inbox, peer)
             return True
+        if state.token is None and needs_token(self.service):
+            if size > _ANONYMOUS_BYTES:  # not read: a caller without a token gets no memory
+                _send_error(conn, grpc.StatusCode.UNAUTHENTICATED, method_id,
+                            "the tensor stream needs an accepted token first")
+                return False
+            if kind == ATTACH:
+                inbox.receive(conn, size)
+                _send_error(conn, grpc.StatusCode.UNAUTHENTICATED, 0, "shared memory needs an accepted token first")
+                return True
+        if kind == ATTACH:
+            state.segment = self._attach(conn, inbox.receive(conn, size), state.segment)
+            return True
+        segment = state.segment
         if kind == REQUEST_SHM and segment is not None and size <= segment.capacity:
             payload = inbox.copy(segment.requests[:size])  # the worker can still write the segment
         elif kind == REQUEST:
@@ -321,7 +344,7 @@ class StreamServer(Lifecycle):
             _send_error(conn, grpc.StatusCode.INVALID_ARGUMENT, method_id,
                         f"unexpected tensor stream message kind {kind} of {size} bytes")
             return False
-        status, reply = self._answer(method_id, payload, peer, segment)
+        status, reply = self._answer(method_id, payload, peer, segment, state.token)
         if isinstance(reply, int):  # already written into the segment
             _send(conn, REPLY_SHM, status, method_id, [], reply, False)
         else:
@@ -367,7 +390,21 @@ class StreamServer(Lifecycle):
         _send(conn, REPLY, 0, 0, [], 0, True)
         return segment
 
-    def _answer(self, method_id: int, payload, peer, segment: Segment | None) -> tuple[int, bytes | int]:
+    def _authenticate(self, conn: socket.socket, size: int, inbox: _Inbox, peer) -> str:
+        """The connection's token, once the service accepted it; a refused one closes the connection."""
+        if size > _ANONYMOUS_BYTES:
+            _send_error(conn, grpc.StatusCode.UNAUTHENTICATED, 0, f"a token of {size} bytes is not a token")
+            raise ConnectionError("an oversized auth message")
+        token = bytes(inbox.receive(conn, size)).decode(errors="replace")
+        refused = introduce(self.service, token, str(peer))
+        if refused is not None:
+            _send_error(conn, refused.code, 0, str(refused))
+            raise ConnectionError(f"token refused: {refused}")
+        _send(conn, REPLY, 0, 0, [], 0, True)
+        return token
+
+    def _answer(self, method_id: int, payload, peer, segment: Segment | None,
+                token: str | None = None) -> tuple[int, bytes | int]:
         """(status, reply bytes) or, when the reply went into the segment, (0, its size)."""
         def sink(parts: list) -> bytes | int:
             size = segment.write(parts) if segment is not None else None
@@ -376,7 +413,7 @@ class StreamServer(Lifecycle):
         if method_id >= len(METHODS):
             message = f"unknown tensor stream method id {method_id}"
             return grpc.StatusCode.INVALID_ARGUMENT.value[0], message.encode()
-        result = answer(self.service, METHODS[method_id], payload, str(peer), sink)
+        result = answer(self.service, METHODS[method_id], payload, str(peer), sink, token)
         return (0, result.reply) if result.ok else (result.code.value[0], result.reply.encode())
 
 
@@ -415,12 +452,14 @@ class StreamClient:
     """
 
     def __init__(self, host: str, port: int, max_message_bytes: int, label: str, shared_memory: bool,
-                 tls: ssl.SSLContext | None = None) -> None:
+                 tls: ssl.SSLContext | None = None,
+                 token: str | None = None) -> None:
         self.address = f"{host}:{port}"
         self._host, self._port = host, port
         self.tls = tls  # a client SSLContext: the server must show a certificate for `host`
         self.max_message_bytes = max_message_bytes
         self.shared_memory = shared_memory
+        self._token = token  # presented once per connection (an auth message), before any request
         self._sock: socket.socket | None = None
         self._segment: Segment | None = None
         self._inbox = _Inbox()
@@ -495,9 +534,26 @@ class StreamClient:
             _tune(sock)
             if self.tls is not None:  # the handshake runs under the call's deadline (the socket's timeout)
                 sock = self.tls.wrap_socket(sock, server_hostname=self._host.strip("[]"))
+            if self._token:
+                self._present_token(sock, deadline)
             self._sock = sock
         self._sock.settimeout(max(0.001, deadline - time.monotonic()))
         return self._sock
+
+    def _present_token(self, sock: socket.socket, deadline: float) -> None:
+        """Send the auth message and read its answer; a refusal closes the socket and is raised."""
+        data = self._token.encode()
+        try:
+            sock.settimeout(max(0.001, deadline - time.monotonic()))
+            _send(sock, AUTH, 0, 0, [data], len(data), True)
+            _, status, _, size = _read_prefix(sock, self.max_message_bytes)
+            reason = bytes(self._inbox.receive(sock, size)).decode(errors="replace")
+        except BaseException:
+            sock.close()
+            raise
+        if status:
+            sock.close()
+            raise error_for_status(_CODES.get(status, grpc.StatusCode.UNKNOWN), f"{self.address}: {reason}")
 
     def _segment_for(self, sock: socket.socket, size: int) -> Segment | None:
         """The attached segment, (re)created with room for `size`; None if the PS cannot attach it."""

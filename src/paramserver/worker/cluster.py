@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass
 
 import torch
 
+from ..base.auth import COORDINATOR_ACTIONS, Guard, read_token
 from ..base.config import NodeConfig, Options, bind_address
 from ..base.grpc_fork import GRPC_FORK_SUPPORT_ENV, grpc_fork_handlers_on
 from ..base.consistency_spec import ConsistencySpec
@@ -27,6 +29,21 @@ from .modes import ModeSwitcher
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class Credentials:
+    """What this node shows on every channel it opens: TLS material and its token (either may be None)."""
+
+    tls: TlsMaterial | None = None
+    token: str | None = None
+
+    @classmethod
+    def from_options(cls, options: Options) -> "Credentials":
+        return cls(tls_from_options(options), read_token(options.token_file) if options.token_file else None)
+
+    def channel(self, address: str, options: Options, **kwargs) -> GrpcChannel:
+        return GrpcChannel(address, options.max_message_bytes, tls=self.tls, token=self.token, **kwargs)
+
+
 class CoordinatorHost(Lifecycle):
     """The coordinator served over gRPC by the worker that hosts it.
 
@@ -35,13 +52,17 @@ class CoordinatorHost(Lifecycle):
     ("coordinator-watch") tells the shards of workers found dead (`tell_shards`).
     """
 
-    def __init__(self, num_workers: int, address: str, options: Options, tls: TlsMaterial | None = None) -> None:
+    def __init__(self, num_workers: int, address: str, options: Options, credentials: "Credentials | None" = None) -> None:
+        """`credentials`: the hosting worker's own (TLS, token), also used when it tells the shards of dead workers."""
         self.address = address
         self.options = options
-        self.tls = tls
+        self.credentials = credentials or Credentials()
         self.coordinator = Coordinator(num_workers, options.heartbeat_timeout_s)
-        self.server = GrpcServer(CoordinatorService(self.coordinator), bind_address(address),
-                                 options.max_message_bytes, max(8, 2 * num_workers), COORDINATOR, tls)
+        self.guard = Guard.from_options(options, "coordinator", COORDINATOR_ACTIONS)  # token store and audit log
+        service = CoordinatorService(self.coordinator)
+        service.guard = self.guard
+        self.server = GrpcServer(service, bind_address(address), options.max_message_bytes, max(8, 2 * num_workers),
+                                 COORDINATOR, self.credentials.tls)
         self.notices: PSClient | None = None  # gRPC-only channels: a notice never queues behind a push
         self._stopping = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="coordinator-watch", daemon=True)
@@ -57,7 +78,7 @@ class CoordinatorHost(Lifecycle):
 
     def tell_shards(self, ps_addresses: list[str]) -> None:
         """From now on, tell these shards of every worker found dead, so their waits fail at once."""
-        channels = [GrpcChannel(a, self.options.max_message_bytes, use_stream=False, tls=self.tls)
+        channels = [self.credentials.channel(a, self.options, use_stream=False)
                     for a in ps_addresses]
         self.notices = PSClient(channels, self.options.rpc_timeout_s)
 
@@ -65,6 +86,8 @@ class CoordinatorHost(Lifecycle):
         while not self._stopping.wait(self.options.heartbeat_s):
             for worker, why in self.coordinator.newly_gone():
                 log.warning("coordinator: worker %d is gone: %s", worker, why)
+                if self.guard.audit is not None:
+                    self.guard.audit.record("Gone", "ok", "coordinator", "", {"worker": worker, "why": why})
                 if self.notices is not None:
                     self.notices.forget(worker, why, self.options.rpc_timeout_s)
 
@@ -83,6 +106,7 @@ class CoordinatorHost(Lifecycle):
             self._watcher.join(grace + self.options.rpc_timeout_s)
         if self.notices is not None:
             self.notices.close()
+        self.guard.close()
 
 
 def in_process_context(num_ps: int) -> Context:
@@ -119,14 +143,14 @@ def cluster_context(config: NodeConfig) -> Context:
     if options.torch_threads > 0:
         torch.set_num_threads(options.torch_threads)
     workers = cluster.num_workers
-    tls = tls_from_options(options)
-    host, coordinator_address = _host_coordinator(config, tls)
+    credentials = Credentials.from_options(options)  # files read once; the token is presented on every call
+    host, coordinator_address = _host_coordinator(config, credentials)
     spec = options.consistency(workers)
-    client = _connect_shards(config, spec, tls)
+    client = _connect_shards(config, spec, credentials)
     if host is not None:
         host.tell_shards(list(cluster.ps))
-    coordinator = CoordinatorClient(GrpcChannel(coordinator_address, options.max_message_bytes, use_stream=False,
-                                                service_name=COORDINATOR, tls=tls),
+    coordinator = CoordinatorClient(credentials.channel(coordinator_address, options, use_stream=False,
+                                                        service_name=COORDINATOR),
                                     index, options.rpc_timeout_s, options.heartbeat_s)
     _join(coordinator, options.connect_timeout_s)
     checkpointer, meet = _pauses(config, client, coordinator)
@@ -137,19 +161,19 @@ def cluster_context(config: NodeConfig) -> Context:
                    ProgressWriter(options.progress_fd, index), modes, coordinator, host, checkpointer)
 
 
-def _host_coordinator(config: NodeConfig, tls: TlsMaterial | None) -> tuple[CoordinatorHost | None, str]:
+def _host_coordinator(config: NodeConfig, credentials: Credentials) -> tuple[CoordinatorHost | None, str]:
     """(the coordinator this worker hosts, or None; the address to reach the coordinator)."""
     address = (config.cluster.chief or config.cluster.worker)[0]
     if config.worker_index != 0:
         return None, address
-    host = CoordinatorHost(config.cluster.num_workers, address, config.options, tls)
+    host = CoordinatorHost(config.cluster.num_workers, address, config.options, credentials)
     return host, host.start()
 
 
-def _connect_shards(config: NodeConfig, spec: ConsistencySpec, tls: TlsMaterial | None) -> PSClient:
+def _connect_shards(config: NodeConfig, spec: ConsistencySpec, credentials: Credentials) -> PSClient:
     options = config.options
-    channels = [GrpcChannel(address, options.max_message_bytes, options.use_stream, options.shared_memory, tls=tls)
-                for address in config.cluster.ps]
+    channels = [credentials.channel(address, options, use_stream=options.use_stream,
+                                    use_shared_memory=options.shared_memory) for address in config.cluster.ps]
     client = PSClient(channels, options.rpc_timeout_s, options.split_bytes, config.worker_index, spec)
     client.connect(options.connect_timeout_s)
     return client
