@@ -87,7 +87,7 @@ def raw_stream(secured, token, shared_memory=False):
     good = secured.channel("worker-0")
     good.wait_ready(20)
     port = call(good, "Hello", {}).meta["stream_port"]
-    return StreamClient("127.0.0.1", port, 1 << 24, secured.address, shared_memory, token)
+    return StreamClient("127.0.0.1", port, 1 << 24, secured.address, shared_memory, token=token)
 
 
 PUSH = ({"worker": 0}, [("b", np.ones(2, np.float32))])

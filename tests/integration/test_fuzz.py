@@ -318,7 +318,8 @@ def stream_messages(draw):
     elif kind == "shm":
         message = PREFIX.pack(stream_mod.MAGIC, stream_mod.REQUEST_SHM, 0, method, draw(st.integers(0, 1 << 20)))
     elif kind == "bad kind":
-        message = PREFIX.pack(stream_mod.MAGIC, draw(st.integers(5, 255)), 0, method, draw(st.integers(0, 64)))
+        message = PREFIX.pack(stream_mod.MAGIC, draw(st.integers(stream_mod.AUTH + 1, 255)), 0, method,
+                              draw(st.integers(0, 64)))
     elif kind == "too long":
         size = draw(st.integers((1 << 20) + 1, (1 << 64) - 1))
         message = PREFIX.pack(stream_mod.MAGIC, stream_mod.REQUEST, 0, method, size)

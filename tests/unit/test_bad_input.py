@@ -284,7 +284,9 @@ def test_a_request_in_shared_memory_is_copied_out_before_the_service_sees_it():
     ours, theirs = socket.socketpair()
     try:
         theirs.sendall(struct.pack("<4sBBHQ", b"PSTS", stream_mod.REQUEST_SHM, 0, 0, len(request)))
-        assert server._serve_one(ours, "test", stream_mod._Inbox(), [segment])
+        state = stream_mod._Connection()
+        state.segment = segment
+        assert server._serve_one(ours, "test", stream_mod._Inbox(), state)
         assert recorder.in_segment == [False]
     finally:
         ours.close()

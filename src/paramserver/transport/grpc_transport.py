@@ -172,7 +172,8 @@ class GrpcChannel:
             host = self.address.rsplit(":", 1)[0]
             same_host = self.use_shared_memory and reply.meta.get("host_id") == host_id()
             self._stream = StreamClient(host, int(port), self.max_message_bytes, self.address, same_host,
-                                        None if self.tls is None else self.tls.client_context, self._token)
+                                        tls=None if self.tls is None else self.tls.client_context,
+                                        token=self._token)
 
     def close(self) -> None:
         if self._stream is not None:

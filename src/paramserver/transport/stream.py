@@ -451,9 +451,8 @@ class StreamClient:
     on the next call; a call never waits past its deadline.
     """
 
-    def __init__(self, host: str, port: int, max_message_bytes: int, label: str, shared_memory: bool,
-                 tls: ssl.SSLContext | None = None,
-                 token: str | None = None) -> None:
+    def __init__(self, host: str, port: int, max_message_bytes: int, label: str, shared_memory: bool, *,
+                 tls: ssl.SSLContext | None = None, token: str | None = None) -> None:
         self.address = f"{host}:{port}"
         self._host, self._port = host, port
         self.tls = tls  # a client SSLContext: the server must show a certificate for `host`
