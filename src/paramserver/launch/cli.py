@@ -1,16 +1,17 @@
-"""The `paramserver` command: run, node, demo. See docs/cli.md."""
+"""The `paramserver` command: run, node, checkpoint, status, demo. See docs/cli.md."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
 
-from ..base.config import Options
-from ..base.errors import ParamServerError
+from ..base.config import ClusterSpec, Options, config_from_environ, load_cluster_file
+from ..base.errors import ConfigError, ParamServerError
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,13 @@ def _parser() -> argparse.ArgumentParser:
     ckpt.add_argument("dir", help="checkpoint directory (a path or fsspec URL)")
     ckpt.add_argument("name", nargs="?", help="checkpoint name, e.g. ckpt-000000020 (default: the latest complete)")
     ckpt.add_argument("--out", help="export: the .pt file to write (default: <name>.pt here)")
+
+    status = sub.add_parser("status", help="print every node of a running cluster: health, step, pushes/s, memory")
+    status.add_argument("cluster", nargs="?", help="cluster JSON file, as `node --cluster` takes (default: TF_CONFIG)")
+    status.add_argument("--json", action="store_true", help="print one JSON list instead of a table")
+    status.add_argument("--interval", type=float, default=1.0,
+                        help="seconds between the two samples of pushes/s (default 1)")
+    status.add_argument("--timeout", type=float, default=2.0, help="deadline of each call to a node (default 2)")
 
     demo = sub.add_parser("demo", help="train the digits classifier on a local cluster and print one JSON line")
     _add_cluster_flags(demo, ps=2, workers=2)
@@ -156,6 +164,16 @@ def _run_local(args: argparse.Namespace, script: str, script_args: list[str]) ->
     return code
 
 
+def _cluster_spec(path: str | None) -> ClusterSpec:
+    """The cluster of a cluster file, or of TF_CONFIG without one."""
+    if path:
+        return load_cluster_file(path, "ps", 0).cluster
+    config = config_from_environ(os.environ, Options())
+    if config is None:
+        raise ConfigError("status needs a cluster file or TF_CONFIG")
+    return config.cluster
+
+
 def _demo_script() -> Path:
     script = Path(__file__).resolve().parents[3] / "examples" / "digits.py"
     if not script.is_file():
@@ -177,6 +195,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "checkpoint":
             from ..checkpoint.tools import run_tool
             return run_tool(args.action, args.dir, args.name, args.out)
+        if args.command == "status":
+            from .status import run_status
+            return run_status(_cluster_spec(args.cluster), args.json, args.interval, args.timeout)
         from .node import run_node
         script_args = _strip_dashes(args.args)
         return run_node(args.cluster, args.role, args.index, args.bind, args.script, script_args,

@@ -9,6 +9,7 @@ here and answered INTERNAL, and the transport keeps serving.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -36,7 +37,28 @@ class Answer:
 
 
 def answer(service, method: str, payload, peer: str, sink: Callable[[list], Any] = b"".join) -> Answer:
-    """Call `service` and turn what happens into an Answer. Thread-safe as the service is."""
+    """Call `service` and turn what happens into an Answer. Thread-safe as the service is.
+
+    A service with a `calls` attribute (a base.metrics.CallMetrics) has every call recorded there."""
+    calls = getattr(service, "calls", None)
+    if calls is None:
+        return _answer(service, method, payload, peer, sink)
+    started = time.perf_counter()
+    result = _answer(service, method, payload, peer, sink)
+    calls.observe(method, result.code.name, time.perf_counter() - started, _size(payload), _size(result.reply))
+    return result
+
+
+def _size(data) -> int:
+    """Bytes of a payload or reply (bytes, a memoryview, a str message, or the size a sink returned)."""
+    if isinstance(data, int):
+        return data
+    if isinstance(data, memoryview):
+        return data.nbytes
+    return len(data) if isinstance(data, (bytes, bytearray, str)) else 0
+
+
+def _answer(service, method: str, payload, peer: str, sink: Callable[[list], Any]) -> Answer:
     try:
         return Answer(grpc.StatusCode.OK, service.call(method, payload, sink))
     except ParamServerError as exc:

@@ -19,6 +19,7 @@ from ..base.lifecycle import Lifecycle, ReadyFlag
 from . import codec
 from .channel import CallHandle, FutureCall
 from .dispatch import answer
+from .health import Health
 from .stream import METHODS as STREAM_METHODS
 from .stream import StreamClient, host_id
 
@@ -46,7 +47,8 @@ class GrpcServer(Lifecycle):
     """
 
     def __init__(self, service, bind: str, max_message_bytes: int, threads: int = 8,
-                 service_name: str = SERVICE) -> None:
+                 service_name: str = SERVICE, health: Health | None = None) -> None:
+        """`health`: served next to the service (grpc.health.v1), when given."""
         self.service = service
         self.bind = bind
         self.port: int | None = None
@@ -59,6 +61,8 @@ class GrpcServer(Lifecycle):
         self._server = grpc.server(self._executor, options=channel_options(max_message_bytes))
         handlers = {name: grpc.unary_unary_rpc_method_handler(self._handler(name)) for name in service.methods}
         self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service_name, handlers),))
+        if health is not None:
+            health.add_to(self._server)
 
     def _handler(self, method: str):
         def handle(request: bytes, context: grpc.ServicerContext) -> bytes:

@@ -11,6 +11,7 @@ from ..base.config import NodeConfig, Options, bind_address
 from ..base.grpc_fork import GRPC_FORK_SUPPORT_ENV, grpc_fork_handlers_on
 from ..base.consistency_spec import ConsistencySpec
 from ..base.lifecycle import Lifecycle
+from ..base.metrics import NodeMetrics
 from ..base.progress import ProgressWriter
 from ..checkpoint import save_shard
 from ..client.ps_client import PSClient
@@ -20,9 +21,11 @@ from ..coordinator.membership import Coordinator
 from ..server.shard import Shard
 from ..server.shard_service import ShardService
 from ..transport.grpc_transport import GrpcChannel, GrpcServer
+from ..transport.health import Health
 from ..transport.inprocess import InProcessChannel
 from .context import Context
 from .modes import ModeSwitcher
+from .ops import CoordinatorCollector, WorkerCollector, WorkerOps
 
 log = logging.getLogger(__name__)
 
@@ -35,12 +38,18 @@ class CoordinatorHost(Lifecycle):
     ("coordinator-watch") tells the shards of workers found dead (`tell_shards`).
     """
 
-    def __init__(self, num_workers: int, address: str, options: Options) -> None:
+    def __init__(self, num_workers: int, address: str, options: Options, metrics: NodeMetrics | None = None) -> None:
+        """`metrics`: the hosting worker's, which then records the coordinator's calls and membership."""
         self.address = address
         self.options = options
         self.coordinator = Coordinator(num_workers, options.heartbeat_timeout_s)
-        self.server = GrpcServer(CoordinatorService(self.coordinator), bind_address(address),
-                                 options.max_message_bytes, max(8, 2 * num_workers), COORDINATOR)
+        service = CoordinatorService(self.coordinator)
+        if metrics is not None:
+            service.calls = metrics.calls(COORDINATOR, service.methods)
+            metrics.registry.register(CoordinatorCollector(self.coordinator))
+        self.health = Health((COORDINATOR,))  # the hosting worker's health too (worker/ops.py)
+        self.server = GrpcServer(service, bind_address(address), options.max_message_bytes, max(8, 2 * num_workers),
+                                 COORDINATOR, health=self.health)
         self.notices: PSClient | None = None  # gRPC-only channels: a notice never queues behind a push
         self._stopping = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="coordinator-watch", daemon=True)
@@ -117,29 +126,40 @@ def cluster_context(config: NodeConfig) -> Context:
     if options.torch_threads > 0:
         torch.set_num_threads(options.torch_threads)
     workers = cluster.num_workers
-    host, coordinator_address = _host_coordinator(config)
-    spec = options.consistency(workers)
-    client = _connect_shards(config, spec)
-    if host is not None:
-        host.tell_shards(list(cluster.ps))
-    coordinator = CoordinatorClient(GrpcChannel(coordinator_address, options.max_message_bytes, use_stream=False,
-                                                service_name=COORDINATOR),
-                                    index, options.rpc_timeout_s, options.heartbeat_s)
-    _join(coordinator, options.connect_timeout_s)
-    checkpointer, meet = _pauses(config, client, coordinator)
-    modes = ModeSwitcher(client, index, workers, options.mode_changes, options.backup_workers, meet)
+    metrics = NodeMetrics()
+    host, coordinator_address = _host_coordinator(config, metrics)
+    ops = WorkerOps(config, metrics, host.health if host is not None else None)
+    ops.start()
+    try:  # a worker that cannot join stops what it started
+        spec = options.consistency(workers)
+        client = _connect_shards(config, spec)
+        if host is not None:
+            host.tell_shards(list(cluster.ps))
+        coordinator = CoordinatorClient(GrpcChannel(coordinator_address, options.max_message_bytes, use_stream=False,
+                                                    service_name=COORDINATOR),
+                                        index, options.rpc_timeout_s, options.heartbeat_s)
+        _join(coordinator, options.connect_timeout_s)
+        checkpointer, meet = _pauses(config, client, coordinator)
+        modes = ModeSwitcher(client, index, workers, options.mode_changes, options.backup_workers, meet)
+    except BaseException:
+        ops.stop()
+        raise
     log.info("worker %d of %d joined %d PS (%s); coordinator at %s", index, workers, client.num_shards, spec,
              coordinator_address)
+    metrics.registry.register(WorkerCollector(index, lambda: coordinator.step))
+    if checkpointer is not None:
+        checkpointer.metrics = metrics.checkpoints
+    ops.set_serving()
     return Context(index, workers, client.num_shards, client, options, False,
-                   ProgressWriter(options.progress_fd, index), modes, coordinator, host, checkpointer)
+                   ProgressWriter(options.progress_fd, index), modes, coordinator, host, checkpointer, ops)
 
 
-def _host_coordinator(config: NodeConfig) -> tuple[CoordinatorHost | None, str]:
+def _host_coordinator(config: NodeConfig, metrics: NodeMetrics) -> tuple[CoordinatorHost | None, str]:
     """(the coordinator this worker hosts, or None; the address to reach the coordinator)."""
     address = (config.cluster.chief or config.cluster.worker)[0]
     if config.worker_index != 0:
         return None, address
-    host = CoordinatorHost(config.cluster.num_workers, address, config.options)
+    host = CoordinatorHost(config.cluster.num_workers, address, config.options, metrics)
     return host, host.start()
 
 
