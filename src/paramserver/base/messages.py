@@ -40,6 +40,7 @@ class RowLookup(NamedTuple):
 @message("Hello request")
 class HelloRequest(Message):
     """Discovery: the shard's index, protocol version, stream port and counters."""
+    process: bool = doc_field("also say the serving process's resident memory (`paramserver status`)", False)
 
 
 @message("Hello reply")
@@ -57,7 +58,7 @@ class HelloReply(Message):
     tables: dict[str, dict[str, Any]] = doc_field("by table: rows, dim, updates, admission counters, bytes")
     stream_port: int | None = doc_field("the tensor stream's TCP port (a PS node)", None)
     host_id: str | None = doc_field("hostname and boot id: equal on one host, for shared memory", None)
-    rss_bytes: int | None = doc_field("the serving process's resident memory, in bytes", None)
+    rss_bytes: int | None = doc_field("the serving process's resident memory, in bytes (asked with `process`)", None)
 
 
 @message("Register request", tensors="the group's initial values, by part name")

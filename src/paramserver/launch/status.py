@@ -42,10 +42,11 @@ class NodeStatus:
 
 
 def hello(address: str, service: str, timeout: float) -> dict[str, Any] | None:
-    """The meta of `service`'s Hello reply at `address`, or None if it did not answer within `timeout`."""
+    """The meta of `service`'s Hello reply at `address` (with the process's memory), or None if it did
+    not answer within `timeout`."""
     with grpc.insecure_channel(address) as channel:
         try:
-            reply = channel.unary_unary(f"/{service}/Hello")(codec.encode({}), timeout=timeout)
+            reply = channel.unary_unary(f"/{service}/Hello")(codec.encode({"process": True}), timeout=timeout)
         except grpc.RpcError:
             return None
     return codec.decode(reply).meta

@@ -55,10 +55,10 @@ class ShardService:
         return handler(payload, sink)
 
     def hello(self, payload: bytes, sink: Sink) -> Any:
-        msg.HelloRequest.from_meta(codec.decode(payload).meta)
+        request = msg.HelloRequest.from_meta(codec.decode(payload).meta)
         reply = msg.HelloReply(shard=self.shard.index, protocol=[codec.PROTOCOL_MAJOR, codec.PROTOCOL_MINOR],
-                               **self.shard.describe(), tables=self.tables.describe(), rss_bytes=rss_bytes(),
-                               **self.announce)
+                               **self.shard.describe(), tables=self.tables.describe(),
+                               rss_bytes=rss_bytes() if request.process else None, **self.announce)
         return sink(codec.encode_parts(reply.to_meta()))
 
     def register(self, payload: bytes, sink: Sink) -> Any:
