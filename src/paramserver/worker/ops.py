@@ -22,7 +22,7 @@ from prometheus_client.registry import Collector
 
 from ..base.config import NodeConfig, bind_address
 from ..base.errors import UnavailableError
-from ..base.lifecycle import Lifecycle
+from ..base.lifecycle import Lifecycle, ReadyFlag
 from ..base.metrics import MetricsEndpoint, NodeMetrics
 from ..coordinator.membership import Coordinator
 from ..transport.health import Health, HealthServer
@@ -35,9 +35,9 @@ class WorkerOps(Lifecycle):
     """Health and metrics of one worker.
 
     Lifecycle (base/lifecycle.py): `start()` binds the health server (a worker not hosting the
-    coordinator) and the metrics endpoint; `wait_ready(timeout)` returns at once (neither is
-    needed to train); `set_serving()` once joined, `set_draining()` when it shuts down; `stop(grace)`
-    joins their threads ("health-rpc_0", "metrics-http").
+    coordinator) and the metrics endpoint; `wait_ready(timeout)`: both serve once `start` returned;
+    `set_serving()` once joined, `set_draining()` when it shuts down; `stop(grace)` joins their
+    threads ("health-rpc_0", "metrics-http").
     """
 
     def __init__(self, config: NodeConfig, metrics: NodeMetrics, health: Health | None = None) -> None:
@@ -50,6 +50,7 @@ class WorkerOps(Lifecycle):
         port = config.options.metrics_port
         self.endpoint = (MetricsEndpoint(metrics.registry, port, bind.rsplit(":", 1)[0].strip("[]"), self.name)
                          if port >= 0 else None)
+        self.ready = ReadyFlag(f"{self.name}'s health and metrics")
 
     def start(self) -> None:
         if self.health_server is not None:
@@ -58,10 +59,15 @@ class WorkerOps(Lifecycle):
             except UnavailableError as exc:
                 log.warning("%s: no health service: %s", self.name, exc)
         if self.endpoint is not None:
-            self.endpoint.start()
+            try:
+                self.endpoint.start()
+            except BaseException as exc:
+                self.ready.fail(exc)
+                raise
+        self.ready.set()
 
     def wait_ready(self, timeout: float) -> None:
-        """Nothing to wait for: both serve once `start` returned."""
+        self.ready.wait(timeout)
 
     def set_serving(self) -> None:
         self.health.set_serving()
@@ -70,6 +76,7 @@ class WorkerOps(Lifecycle):
         self.health.set_draining()
 
     def stop(self, grace: float = 1.0) -> None:
+        self.ready.fail(UnavailableError(f"{self.name}'s health and metrics stopped"))
         self.health.set_draining()
         if self.health_server is not None:
             self.health_server.stop(grace)
