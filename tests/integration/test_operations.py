@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from paramserver.base.config import Options
 from paramserver.launch.ps_node import PSNode
+from paramserver.transport import codec
 from paramserver.transport.health import check
 from tests.conftest import ROOT, Procs
 from tests.integration.test_node import free_port
@@ -90,6 +91,39 @@ def test_ps_health_is_not_serving_until_ready():
         assert check(address, 10, "no.such.Service") == "UNREACHABLE"  # NOT_FOUND: not a service of a PS
     finally:
         node_.stop(1.0)
+
+
+def test_a_drain_lets_a_call_in_flight_finish_after_health_went_not_serving():
+    node_ = PSNode("127.0.0.1:0", 0, Options())
+    address = node_.start()
+    node_.wait_ready(30)
+    entered, release, seen = threading.Event(), threading.Event(), []
+    hello = node_.service.methods["Hello"]
+
+    def slow_hello(payload, sink):  # a call that is still being answered when the drain starts
+        entered.set()
+        release.wait(BOUND_S)
+        seen.append(node_.health.status())
+        return hello(payload, sink)
+
+    node_.service.methods["Hello"] = slow_hello
+    drainer = threading.Thread(target=node_.drain, args=(BOUND_S,), name="test-drain")
+    with grpc.insecure_channel(address) as channel:
+        try:
+            call = channel.unary_unary("/paramserver.Shard/Hello").future(codec.encode({}), timeout=BOUND_S)
+            assert entered.wait(BOUND_S)
+            drainer.start()
+            deadline = time.monotonic() + BOUND_S
+            while node_.health.status() != "NOT_SERVING" and time.monotonic() < deadline:
+                time.sleep(0.01)  # polling the condition the drain sets first
+            release.set()
+            assert codec.decode(call.result(BOUND_S)).meta["shard"] == 0  # answered, not cancelled
+            assert seen == ["NOT_SERVING"]
+            drainer.join(BOUND_S)
+            assert not drainer.is_alive()  # it ended once the call in flight finished
+        finally:
+            release.set()
+            node_.stop(1.0)
 
 
 def test_sigterm_drains_a_ps_node_while_a_health_watch_sees_it(procs):
