@@ -5,6 +5,7 @@ import json
 import queue
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -16,10 +17,12 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from paramserver.base.config import Options
+from paramserver.base.config import ClusterSpec, NodeConfig, Options, Task
+from paramserver.base.metrics import NodeMetrics
 from paramserver.launch.ps_node import PSNode
 from paramserver.transport import codec
 from paramserver.transport.health import check
+from paramserver.worker.ops import WorkerOps
 from tests.conftest import ROOT, Procs
 from tests.integration.test_node import free_port
 
@@ -88,7 +91,7 @@ def test_ps_health_is_not_serving_until_ready():
         node_.wait_ready(30)
         assert check(address, 10) == "SERVING"
         assert check(address, 10, "paramserver.Shard") == "SERVING"
-        assert check(address, 10, "no.such.Service") == "UNREACHABLE"  # NOT_FOUND: not a service of a PS
+        assert check(address, 10, "no.such.Service") == "SERVICE_UNKNOWN"  # NOT_FOUND: not a service of a PS
     finally:
         node_.stop(1.0)
 
@@ -247,3 +250,16 @@ def test_status_shows_an_unreachable_node_and_says_so_in_its_exit_code(tmp_path,
                              "--interval", "0"], capture_output=True, text=True, timeout=BOUND_S, env=procs.env())
     assert result.returncode == 1
     assert [n["health"] for n in json.loads(result.stdout)] == ["UNREACHABLE", "UNREACHABLE"]
+
+
+def test_a_worker_whose_address_is_taken_trains_on_without_a_health_service():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        address = f"127.0.0.1:{taken.getsockname()[1]}"
+        config = NodeConfig(ClusterSpec(ps=("127.0.0.1:1",), worker=("127.0.0.1:2", address)), Task("worker", 1),
+                            Options(metrics_port=0))
+        with WorkerOps(config, NodeMetrics()) as ops:
+            ops.wait_ready(10)
+            ops.set_serving()
+            assert scrape(f"127.0.0.1:{ops.endpoint.port}")[("paramserver_checkpoint_failures_total", ())] == 0

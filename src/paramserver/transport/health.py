@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 UNREACHABLE = "UNREACHABLE"  # what `check` says of a node that did not answer
+SERVICE_UNKNOWN = "SERVICE_UNKNOWN"  # what `check` says of a service the node does not serve
 
 
 class Health:
@@ -33,6 +34,9 @@ class Health:
     def __init__(self, services: tuple[str, ...] = ()) -> None:
         self.services = ("", *services)
         self.servicer = health.HealthServicer(experimental_non_blocking=True)
+        self._lock = threading.Lock()
+        self._status = NOT_SERVING
+        self._draining = False
         for service in self.services:
             self.servicer.set(service, NOT_SERVING)
 
@@ -40,17 +44,26 @@ class Health:
         health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)
 
     def set_serving(self) -> None:
-        for service in self.services:
-            self.servicer.set(service, SERVING)
+        """SERVING, unless the node drains already."""
+        with self._lock:
+            if self._draining:
+                return
+            self._status = SERVING
+            for service in self.services:
+                self.servicer.set(service, SERVING)
 
     def set_draining(self) -> None:
         """NOT_SERVING from now on, whatever is set later: load balancers and probes stop sending."""
-        self.servicer.enter_graceful_shutdown()
+        with self._lock:
+            self._draining, self._status = True, NOT_SERVING
+            self.servicer.enter_graceful_shutdown()
 
     def status(self, service: str = "") -> str:
-        """"SERVING" or "NOT_SERVING", as a Check of `service` answers."""
-        return health_pb2.HealthCheckResponse.ServingStatus.Name(
-            self.servicer._server_status.get(service, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN))
+        """"SERVING" or "NOT_SERVING", as a Check of `service` answers ("SERVICE_UNKNOWN": not ours)."""
+        if service not in self.services:
+            return SERVICE_UNKNOWN
+        with self._lock:
+            return health_pb2.HealthCheckResponse.ServingStatus.Name(self._status)
 
 
 class HealthServer(Lifecycle):
@@ -76,7 +89,10 @@ class HealthServer(Lifecycle):
 
     def start(self) -> int:
         try:
-            self.port = self._server.add_insecure_port(self.bind)
+            try:
+                self.port = self._server.add_insecure_port(self.bind)
+            except RuntimeError as exc:  # grpcio's "Failed to bind" (older versions returned 0)
+                raise UnavailableError(f"health server: cannot bind {self.bind}: {exc}") from None
             if not self.port:
                 raise UnavailableError(f"health server: cannot bind {self.bind}")
             self._server.start()
@@ -101,13 +117,13 @@ class HealthServer(Lifecycle):
 
 
 def check(address: str, timeout: float, service: str = "") -> str:
-    """The health of the node at `address` ("SERVING", "NOT_SERVING", ...), or UNREACHABLE when it
-    did not answer within `timeout` seconds."""
+    """The health of the node at `address` ("SERVING", "NOT_SERVING"), SERVICE_UNKNOWN when it does
+    not serve `service`, or UNREACHABLE when it did not answer within `timeout` seconds."""
     with grpc.insecure_channel(address) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
                                                               timeout=timeout)
         except grpc.RpcError as exc:
             log.debug("health of %s: %s", address, exc)
-            return UNREACHABLE
+            return SERVICE_UNKNOWN if exc.code() == grpc.StatusCode.NOT_FOUND else UNREACHABLE
     return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
