@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import itertools
 import threading
+import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -16,9 +17,10 @@ from typing import Any, Callable
 import psutil
 import pytest
 
-from paramserver.base.config import Options
+from paramserver.base.config import ClusterSpec, NodeConfig, Options, Task
 from paramserver.base.errors import ParamServerError, UnavailableError
 from paramserver.base.lifecycle import Lifecycle
+from paramserver.base.metrics import MetricsEndpoint, NodeMetrics
 from paramserver.coordinator.coordinator_service import SERVICE as COORDINATOR
 from paramserver.coordinator.coordinator_service import CoordinatorClient, CoordinatorService
 from paramserver.coordinator.membership import Coordinator
@@ -29,8 +31,10 @@ from paramserver.server.shard import Shard
 from paramserver.server.shard_service import ShardService
 from paramserver.transport import codec
 from paramserver.transport.grpc_transport import GrpcChannel, GrpcServer
+from paramserver.transport.health import Health, HealthServer, check
 from paramserver.transport.stream import StreamClient, StreamServer
 from paramserver.worker.cluster import CoordinatorHost
+from paramserver.worker.ops import WorkerOps
 
 BOUND_S = 30.0  # how long a thread or process may take to end after stop() returned; never reached
 
@@ -103,9 +107,44 @@ def ps_node() -> Case:
         channel = GrpcChannel(node.address, 1 << 20, use_stream=True, use_shared_memory=False)
         channel.wait_ready(20)
         channel.call("Hello", codec.encode({}), 20).wait(20)  # over the tensor stream
+        scrape(node.endpoint.port)
         return [channel]
 
-    return Case(lambda: PSNode("127.0.0.1:0", 0, Options()), use)
+    return Case(lambda: PSNode("127.0.0.1:0", 0, Options(metrics_port=0)), use)
+
+
+def scrape(port: int) -> None:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=20) as reply:
+        assert b"process_resident_memory_bytes" in reply.read()
+
+
+def health_server() -> Case:
+    def use(server: HealthServer) -> list:
+        assert check(f"127.0.0.1:{server.port}", 20) == "NOT_SERVING"
+        return []
+
+    return Case(lambda: HealthServer(Health(), "127.0.0.1:0"), use)
+
+
+def metrics_endpoint() -> Case:
+    def use(endpoint: MetricsEndpoint) -> list:
+        scrape(endpoint.port)
+        return []
+
+    return Case(lambda: MetricsEndpoint(NodeMetrics().registry, 0, "127.0.0.1"), use)
+
+
+def worker_ops() -> Case:
+    """A plain worker's: its own health server (on its cluster address) and its metrics endpoint."""
+    def use(ops: WorkerOps) -> list:
+        ops.set_serving()
+        assert check(f"127.0.0.1:{ops.health_server.port}", 20) == "SERVING"
+        scrape(ops.endpoint.port)
+        return []
+
+    config = NodeConfig(ClusterSpec(ps=("127.0.0.1:1",), worker=("127.0.0.1:0", "127.0.0.1:0")), Task("worker", 1),
+                        Options(metrics_port=0))
+    return Case(lambda: WorkerOps(config, NodeMetrics()), use)
 
 
 def coordinator_host() -> Case:
@@ -154,10 +193,12 @@ def case(request, tmp_path, coordinator_server) -> Case:
     return {"GrpcServer": grpc_server, "StreamServer": stream_server, "PSNode": ps_node,
             "CoordinatorHost": coordinator_host, "BatchLoader": batch_loader,
             "CoordinatorClient": lambda: coordinator_client(coordinator_server),
-            "LocalCluster": lambda: local_cluster(tmp_path)}[request.param]()
+            "LocalCluster": lambda: local_cluster(tmp_path), "HealthServer": health_server,
+            "MetricsEndpoint": metrics_endpoint, "WorkerOps": worker_ops}[request.param]()
 
 
-ALL = ["GrpcServer", "StreamServer", "PSNode", "CoordinatorHost", "CoordinatorClient", "BatchLoader", "LocalCluster"]
+ALL = ["GrpcServer", "StreamServer", "PSNode", "CoordinatorHost", "CoordinatorClient", "BatchLoader", "LocalCluster",
+       "HealthServer", "MetricsEndpoint", "WorkerOps"]
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -40,6 +40,7 @@ class RowLookup(NamedTuple):
 @message("Hello request")
 class HelloRequest(Message):
     """Discovery: the shard's index, protocol version, stream port and counters."""
+    process: bool = doc_field("also say the serving process's resident memory (`paramserver status`)", False)
 
 
 @message("Hello reply")
@@ -57,6 +58,7 @@ class HelloReply(Message):
     tables: dict[str, dict[str, Any]] = doc_field("by table: rows, dim, updates, admission counters, bytes")
     stream_port: int | None = doc_field("the tensor stream's TCP port (a PS node)", None)
     host_id: str | None = doc_field("hostname and boot id: equal on one host, for shared memory", None)
+    rss_bytes: int | None = doc_field("the serving process's resident memory, in bytes (asked with `process`)", None)
 
 
 @message("Register request", tensors="the group's initial values, by part name")
@@ -196,6 +198,7 @@ class CoordinatorReply(Message):
     workers: int = doc_field("workers in the cluster")
     states: dict[str, str] = doc_field("by worker: joining, training, finished, exited or dead")
     checkpoints_requested: int = doc_field("timed checkpoints the chief asked for so far")
+    steps: dict[str, int] | None = doc_field("by worker: its step, as its latest heartbeat said", None)
     open: bool | None = doc_field("Barrier only: whether it opened", None)
     waiting: list[int] | None = doc_field("Barrier only, not open: the workers it waits for", None)
 

@@ -58,6 +58,13 @@ class TlsMaterial:
                                             certificate_chain=self.cert)
 
 
+def open_channel(address: str, tls: TlsMaterial | None, options: list | tuple = ()) -> grpc.Channel:
+    """A gRPC channel to `address`: over TLS with `tls`, plaintext without."""
+    if tls is None:
+        return grpc.insecure_channel(address, options=options)
+    return grpc.secure_channel(address, tls.channel_credentials(), options=options)
+
+
 def tls_from_options(options: Options) -> TlsMaterial | None:
     """The node's TlsMaterial, or None when its options leave TLS off (no tls_cert).
     Options made sure tls_cert and tls_key come together, and tls_ca only with them."""

@@ -218,6 +218,7 @@ class Coordinator:
         return {"global_step": sum(m.step for m in self._members.values()),
                 "live": self._live(), "workers": self.num_workers,
                 "states": {str(m.worker): self._state(m) for m in self._members.values()},
+                "steps": {str(m.worker): m.step for m in self._members.values()},
                 "checkpoints_requested": self._checkpoints_requested}
 
     def _check(self, worker: int) -> None:

@@ -1,15 +1,16 @@
-"""The `paramserver` command: run, node, demo, checkpoint, certs. See docs/cli.md."""
+"""The `paramserver` command: run, node, status, checkpoint, certs, demo. See docs/cli.md."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
 
-from ..base.config import Options
+from ..base.config import ClusterSpec, Options, config_from_environ, load_cluster_file
 from ..base.errors import ConfigError, ParamServerError
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,14 @@ def _parser() -> argparse.ArgumentParser:
     certs.add_argument("--hosts", default="", help="comma-separated host names / IPs every node certificate names "
                                                    "(besides localhost, 127.0.0.1 and the node's name)")
     certs.add_argument("--days", type=int, default=365, help="validity in days (default 365)")
+
+    status = sub.add_parser("status", help="print every node of a running cluster: health, step, pushes/s, memory")
+    status.add_argument("cluster", nargs="?", help="cluster JSON file, as `node --cluster` takes (default: TF_CONFIG)")
+    status.add_argument("--json", action="store_true", help="print one JSON list instead of a table")
+    status.add_argument("--interval", type=float, default=1.0,
+                        help="seconds between the two samples of pushes/s (default 1)")
+    status.add_argument("--timeout", type=float, default=2.0, help="deadline of each call to a node (default 2)")
+    _add_security_flags(status)
 
     demo = sub.add_parser("demo", help="train the digits classifier on a local cluster and print one JSON line")
     _add_cluster_flags(demo, ps=2, workers=2)
@@ -198,6 +207,26 @@ def _names(text: str) -> list[str]:
     return [name.strip() for name in text.split(",") if name.strip()]
 
 
+def _status_access(args: argparse.Namespace):
+    """How `status` reaches the nodes: the TLS material and token given as flags."""
+    from ..base.auth import read_token
+    from ..base.tls import tls_from_options
+    from .status import Access
+
+    options = Options(tls_cert=args.tls_cert or "", tls_key=args.tls_key or "", tls_ca=args.tls_ca or "")
+    return Access(tls_from_options(options), read_token(args.token_file) if args.token_file else None)
+
+
+def _cluster_spec(path: str | None) -> ClusterSpec:
+    """The cluster of a cluster file, or of TF_CONFIG without one."""
+    if path:
+        return load_cluster_file(path, "ps", 0).cluster
+    config = config_from_environ(os.environ, Options())
+    if config is None:
+        raise ConfigError("status needs a cluster file or TF_CONFIG")
+    return config.cluster
+
+
 def _demo_script() -> Path:
     script = Path(__file__).resolve().parents[3] / "examples" / "digits.py"
     if not script.is_file():
@@ -221,6 +250,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "checkpoint":
             from ..checkpoint.tools import run_tool
             return run_tool(args.action, args.dir, args.name, args.out)
+        if args.command == "status":
+            from .status import run_status
+            return run_status(_cluster_spec(args.cluster), args.json, args.interval, args.timeout,
+                              _status_access(args))
         from .node import run_node
         script_args = _strip_dashes(args.args)
         return run_node(args.cluster, args.role, args.index, args.bind, args.script, script_args,

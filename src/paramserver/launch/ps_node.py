@@ -3,6 +3,11 @@
 Once ready (`PSNode.wait_ready`), `run_ps_node` prints one line ``PARAMSERVER_READY ps <index>
 <host:port>`` to stdout: the launcher (or whoever started the process) reads it to learn that the
 PS serves and on which port (it binds port 0).
+
+Operations (docs/operations.md): the gRPC port also serves grpc.health.v1 (NOT_SERVING until
+`wait_ready` passed, SERVING, NOT_SERVING once draining); with `metrics_port` >= 0 a Prometheus
+endpoint serves the node's metrics (its port is logged). SIGTERM drains: health goes NOT_SERVING,
+calls in flight get `drain_grace_s` seconds to finish, then the process exits 0.
 """
 
 from __future__ import annotations
@@ -16,13 +21,16 @@ import time
 from ..base.auth import SHARD_ACTIONS, Guard
 from ..base.config import Options
 from ..base.lifecycle import Lifecycle
+from ..base.metrics import MetricsEndpoint, NodeMetrics
 from ..base.tls import tls_from_options
 from ..checkpoint import shard_writer
 from ..server.limits import TableLimits
 from ..server.shard import Shard
+from ..server.shard_metrics import ShardCollector
 from ..server.shard_service import ShardService
 from ..server.table_store import TableStore
-from ..transport.grpc_transport import GrpcServer
+from ..transport.grpc_transport import SERVICE, GrpcServer
+from ..transport.health import Health
 from ..transport.stream import StreamServer, host_id
 
 log = logging.getLogger(__name__)
@@ -35,6 +43,7 @@ class PSNode(Lifecycle):
     Lifecycle (base/lifecycle.py): `start()` returns the gRPC address; `wait_ready(timeout)`;
     `stop(grace)` from any thread: gRPC calls in flight get `grace` seconds, then the stream's
     connections are cut; every thread of both servers is joined (bounded) before it returns.
+    `drain(grace)`: health NOT_SERVING first, then `stop(grace)`, within about `grace` seconds.
     """
 
     def __init__(self, bind: str, index: int, options: Options) -> None:
@@ -48,15 +57,23 @@ class PSNode(Lifecycle):
         self.shard = Shard(index, wait_timeout_s=options.rpc_timeout_s, restore=restore)
         limits = TableLimits(options.max_table_rows, options.max_table_memory_bytes)
         tables = TableStore(index, options.max_table_ids, restore=restore, limits=limits)
+        self.metrics = NodeMetrics()
+        save = shard_writer(options.checkpoint_dir)  # None without a checkpoint_dir: Checkpoint is refused
         self.service = ShardService(self.shard, tables,
-                                    save_checkpoint=shard_writer(options.checkpoint_dir))
+                                    save_checkpoint=save and self.metrics.checkpoints.around(save))
         self.service.guard = self.guard
+        self.service.calls = self.metrics.calls(SERVICE, self.service.methods)
+        self.metrics.registry.register(ShardCollector(self.shard, self.service.tables))
+        self.health = Health((SERVICE,))
         tls = tls_from_options(options)  # gRPC and the stream: TLS on both or on neither
-        self.server = GrpcServer(self.service, bind, options.max_message_bytes, options.ps_threads, tls=tls)
+        self.server = GrpcServer(self.service, bind, options.max_message_bytes, options.ps_threads, tls=tls,
+                                 health=self.health)
         host = bind.rsplit(":", 1)[0].strip("[]")
         self.stream = StreamServer(self.service, host, options.stream_port, options.max_message_bytes,
                                    options.idle_timeout_s, options.max_connections,
                                    None if tls is None else tls.server_context)
+        self.endpoint = (MetricsEndpoint(self.metrics.registry, options.metrics_port, host or "0.0.0.0", f"ps {index}")
+                         if options.metrics_port >= 0 else None)
         self.address: str | None = None
         self._stop_lock = threading.Lock()
         self._stopped = False
@@ -64,6 +81,8 @@ class PSNode(Lifecycle):
     def start(self) -> str:
         self.service.announce.update(stream_port=self.stream.start(), host_id=host_id())
         port = self.server.start()
+        if self.endpoint is not None:
+            self.endpoint.start()
         host = self.server.bind.rsplit(":", 1)[0]
         self.address = f"{'127.0.0.1' if host in ('', '[::]', '0.0.0.0') else host}:{port}"
         log.info("ps %d serving on %s (tensor stream on port %d%s)", self.index, self.address, self.stream.port,
@@ -75,6 +94,15 @@ class PSNode(Lifecycle):
         deadline = time.monotonic() + timeout
         self.stream.wait_ready(timeout)
         self.server.wait_ready(max(0.0, deadline - time.monotonic()))
+        self.health.set_serving()  # the shard was restored (if resuming) before the servers started
+
+    def drain(self, grace: float) -> None:
+        """Stop taking work (health NOT_SERVING), let calls in flight finish within `grace`, stop."""
+        started = time.monotonic()
+        self.health.set_draining()
+        log.info("ps %d draining: health NOT_SERVING, calls in flight get %.1fs", self.index, grace)
+        self.stop(grace)
+        log.info("ps %d drained in %.2fs", self.index, time.monotonic() - started)
 
     def stop(self, grace: float = 2.0) -> None:
         with self._stop_lock:
@@ -82,8 +110,11 @@ class PSNode(Lifecycle):
                 return
             self._stopped = True
         started = time.monotonic()
+        self.health.set_draining()
         self.server.stop(grace)
-        self.stream.stop(grace)
+        self.stream.stop(max(0.5, started + grace - time.monotonic()))  # both within about `grace`
+        if self.endpoint is not None:
+            self.endpoint.stop(0.5)
         self.guard.close()
         stats = self.shard.describe()
         log.info("ps %d stopped after %d updates from %d pushes, %d late pushes dropped (%.2fs)", self.index,
@@ -111,8 +142,9 @@ def _restore_source(options: Options, guard: Guard):
     return source
 
 
-def run_ps_node(bind: str, index: int, options: Options, grace: float = 2.0, ready_timeout: float = 60.0) -> int:
-    """Serve until SIGTERM or SIGINT; returns the process exit code. Call from the main thread.
+def run_ps_node(bind: str, index: int, options: Options, ready_timeout: float = 60.0) -> int:
+    """Serve until SIGTERM or SIGINT, then drain within `drain_grace_s`; returns the process exit code.
+    Call from the main thread.
 
     Once `wait_ready` passed, prints the ready line (module docstring): the one readiness signal a
     PS process gives the process that started it."""
@@ -124,6 +156,6 @@ def run_ps_node(bind: str, index: int, options: Options, grace: float = 2.0, rea
         print(f"{READY_PREFIX} ps {index} {node.address}", flush=True)
         while not stopping.wait(1.0):
             pass
-        node.stop(grace)
+        node.drain(options.drain_grace_s)
     sys.stdout.flush()
     return 0

@@ -23,6 +23,7 @@ from ..base import messages as msg
 from ..base.auth import Claim, Guard
 from ..base.consistency_spec import ConsistencySpec
 from ..base.errors import FailedPreconditionError, MalformedFrameError, NotFoundError
+from ..base.metrics import rss_bytes
 from ..transport import codec
 from .shard import Push, Shard
 from .table_store import TableStore
@@ -71,9 +72,10 @@ class ShardService:
         return Claim(method, worker)
 
     def hello(self, payload: bytes, sink: Sink) -> Any:
-        msg.HelloRequest.from_meta(codec.decode(payload).meta)
+        request = msg.HelloRequest.from_meta(codec.decode(payload).meta)
         reply = msg.HelloReply(shard=self.shard.index, protocol=[codec.PROTOCOL_MAJOR, codec.PROTOCOL_MINOR],
-                               **self.shard.describe(), tables=self.tables.describe(), **self.announce)
+                               **self.shard.describe(), tables=self.tables.describe(),
+                               rss_bytes=rss_bytes() if request.process else None, **self.announce)
         return sink(codec.encode_parts(reply.to_meta()))
 
     def register(self, payload: bytes, sink: Sink) -> Any:

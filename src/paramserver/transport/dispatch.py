@@ -13,6 +13,7 @@ called, so a refused call changes nothing, and refusals and audited calls go to 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -43,7 +44,29 @@ class Answer:
 def answer(service, method: str, payload, peer: str, sink: Callable[[list], Any] = b"".join,
            token: str | None = None) -> Answer:
     """Call `service` and turn what happens into an Answer. Thread-safe as the service is.
-    `token`: the caller's bearer token, if it sent one."""
+    `token`: the caller's bearer token, if it sent one.
+
+    A service with a `calls` attribute (a base.metrics.CallMetrics) has every call recorded there,
+    refused ones included (under their status code)."""
+    calls = getattr(service, "calls", None)
+    if calls is None:
+        return _answer(service, method, payload, peer, sink, token)
+    started = time.perf_counter()
+    result = _answer(service, method, payload, peer, sink, token)
+    calls.observe(method, result.code.name, time.perf_counter() - started, _size(payload), _size(result.reply))
+    return result
+
+
+def _size(data) -> int:
+    """Bytes of a payload or reply (bytes, a memoryview, a str message, or the size a sink returned)."""
+    if isinstance(data, int):
+        return data
+    if isinstance(data, memoryview):
+        return data.nbytes
+    return len(data) if isinstance(data, (bytes, bytearray, str)) else 0
+
+
+def _answer(service, method: str, payload, peer: str, sink: Callable[[list], Any], token: str | None) -> Answer:
     guard: Guard | None = getattr(service, "guard", None)
     principal, claim = None, None
     try:

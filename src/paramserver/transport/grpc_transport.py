@@ -20,6 +20,7 @@ from ..base.tls import TlsMaterial
 from . import codec
 from .channel import CallHandle, FutureCall
 from .dispatch import answer, bearer_token
+from .health import Health
 from .stream import METHODS as STREAM_METHODS
 from .stream import StreamClient, host_id
 
@@ -48,7 +49,8 @@ class GrpcServer(Lifecycle):
     """
 
     def __init__(self, service, bind: str, max_message_bytes: int, threads: int = 8,
-                 service_name: str = SERVICE, tls: TlsMaterial | None = None) -> None:
+                 service_name: str = SERVICE, tls: TlsMaterial | None = None, health: Health | None = None) -> None:
+        """`tls`: serve TLS (mutual with a CA); `health`: served next to the service (grpc.health.v1)."""
         self.service = service
         self.bind = bind
         self.tls = tls
@@ -64,6 +66,8 @@ class GrpcServer(Lifecycle):
                                    options=[*channel_options(max_message_bytes), ("grpc.so_reuseport", 0)])
         handlers = {name: grpc.unary_unary_rpc_method_handler(self._handler(name)) for name in service.methods}
         self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service_name, handlers),))
+        if health is not None:
+            health.add_to(self._server)
 
     def _handler(self, method: str):
         def handle(request: bytes, context: grpc.ServicerContext) -> bytes:

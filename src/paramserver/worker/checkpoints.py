@@ -32,6 +32,7 @@ import time
 from typing import Any, Callable
 
 from ..base.errors import ParamServerError
+from ..base.metrics import CheckpointMetrics
 from ..checkpoint.store import CheckpointError, CheckpointStore, checkpoint_name, os_reason
 from ..coordinator.membership import timed_checkpoint_barrier
 
@@ -66,6 +67,7 @@ class Checkpointer:
         self.failed = 0  # and those it could not write (each attempt counts)
         self.last_error: str | None = None
         self._swept = False  # temporary files a killed earlier run left: removed before the first write
+        self.metrics: CheckpointMetrics | None = None  # durations and failures, for the node's Prometheus endpoint
 
     def due(self, step: int) -> bool:
         """Whether the workers meet after `step`; decided here, once, so that the optimizer can
@@ -186,10 +188,14 @@ class Checkpointer:
             log.error("%s %s failed after %.2fs; the previous one stays, the next checkpoint tries again: %s",
                       what, name, time.monotonic() - started, reason)
             self._discard(name)
+            if self.metrics is not None:
+                self.metrics.failures.inc()
             self._count_failure(reason)
             if isinstance(exc, CheckpointError):
                 raise
             raise CheckpointError(f"{what} {name} not written: {reason}") from exc
+        if self.metrics is not None:
+            self.metrics.duration.observe(time.monotonic() - started)
         self._written = (name, counters) if counters is not None else None
         self.written += 1
         self._report()

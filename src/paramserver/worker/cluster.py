@@ -13,6 +13,7 @@ from ..base.config import NodeConfig, Options, bind_address
 from ..base.grpc_fork import GRPC_FORK_SUPPORT_ENV, grpc_fork_handlers_on
 from ..base.consistency_spec import ConsistencySpec
 from ..base.lifecycle import Lifecycle
+from ..base.metrics import NodeMetrics
 from ..base.tls import TlsMaterial, tls_from_options
 from ..base.progress import ProgressWriter
 from ..client.ps_client import PSClient
@@ -22,9 +23,11 @@ from ..coordinator.membership import Coordinator
 from ..server.shard import Shard
 from ..server.shard_service import ShardService
 from ..transport.grpc_transport import GrpcChannel, GrpcServer
+from ..transport.health import Health
 from ..transport.inprocess import InProcessChannel
 from .context import Context
 from .modes import ModeSwitcher
+from .ops import CoordinatorCollector, WorkerCollector, WorkerOps
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +55,10 @@ class CoordinatorHost(Lifecycle):
     ("coordinator-watch") tells the shards of workers found dead (`tell_shards`).
     """
 
-    def __init__(self, num_workers: int, address: str, options: Options, credentials: "Credentials | None" = None) -> None:
-        """`credentials`: the hosting worker's own (TLS, token), also used when it tells the shards of dead workers."""
+    def __init__(self, num_workers: int, address: str, options: Options, credentials: "Credentials | None" = None,
+                 metrics: NodeMetrics | None = None) -> None:
+        """`credentials`: the hosting worker's own (TLS, token), also used when it tells the shards of dead
+        workers; `metrics`: the hosting worker's, which then records the coordinator's calls and membership."""
         self.address = address
         self.options = options
         self.credentials = credentials or Credentials()
@@ -61,8 +66,12 @@ class CoordinatorHost(Lifecycle):
         self.guard = Guard.from_options(options, "coordinator", COORDINATOR_ACTIONS)  # token store and audit log
         service = CoordinatorService(self.coordinator)
         service.guard = self.guard
+        if metrics is not None:
+            service.calls = metrics.calls(COORDINATOR, service.methods)
+            metrics.registry.register(CoordinatorCollector(self.coordinator))
+        self.health = Health((COORDINATOR,))  # the hosting worker's health too (worker/ops.py)
         self.server = GrpcServer(service, bind_address(address), options.max_message_bytes, max(8, 2 * num_workers),
-                                 COORDINATOR, self.credentials.tls)
+                                 COORDINATOR, self.credentials.tls, health=self.health)
         self.notices: PSClient | None = None  # gRPC-only channels: a notice never queues behind a push
         self._stopping = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="coordinator-watch", daemon=True)
@@ -144,29 +153,41 @@ def cluster_context(config: NodeConfig) -> Context:
         torch.set_num_threads(options.torch_threads)
     workers = cluster.num_workers
     credentials = Credentials.from_options(options)  # files read once; the token is presented on every call
-    host, coordinator_address = _host_coordinator(config, credentials)
-    spec = options.consistency(workers)
-    client = _connect_shards(config, spec, credentials)
-    if host is not None:
-        host.tell_shards(list(cluster.ps))
-    coordinator = CoordinatorClient(credentials.channel(coordinator_address, options, use_stream=False,
-                                                        service_name=COORDINATOR),
-                                    index, options.rpc_timeout_s, options.heartbeat_s)
-    _join(coordinator, options.connect_timeout_s)
-    checkpointer, meet = _pauses(config, client, coordinator)
-    modes = ModeSwitcher(client, index, workers, options.mode_changes, options.backup_workers, meet)
+    metrics = NodeMetrics()
+    host, coordinator_address = _host_coordinator(config, credentials, metrics)
+    ops = WorkerOps(config, metrics, host.health if host is not None else None, credentials.tls)
+    ops.start()
+    try:  # a worker that cannot join stops what it started
+        spec = options.consistency(workers)
+        client = _connect_shards(config, spec, credentials)
+        if host is not None:
+            host.tell_shards(list(cluster.ps))
+        coordinator = CoordinatorClient(credentials.channel(coordinator_address, options, use_stream=False,
+                                                            service_name=COORDINATOR),
+                                        index, options.rpc_timeout_s, options.heartbeat_s)
+        _join(coordinator, options.connect_timeout_s)
+        checkpointer, meet = _pauses(config, client, coordinator)
+        modes = ModeSwitcher(client, index, workers, options.mode_changes, options.backup_workers, meet)
+    except BaseException:
+        ops.stop()
+        raise
     log.info("worker %d of %d joined %d PS (%s); coordinator at %s", index, workers, client.num_shards, spec,
              coordinator_address)
+    metrics.registry.register(WorkerCollector(index, lambda: coordinator.step))
+    if checkpointer is not None:
+        checkpointer.metrics = metrics.checkpoints
+    ops.set_serving()
     return Context(index, workers, client.num_shards, client, options, False,
-                   ProgressWriter(options.progress_fd, index), modes, coordinator, host, checkpointer)
+                   ProgressWriter(options.progress_fd, index), modes, coordinator, host, checkpointer, ops)
 
 
-def _host_coordinator(config: NodeConfig, credentials: Credentials) -> tuple[CoordinatorHost | None, str]:
+def _host_coordinator(config: NodeConfig, credentials: Credentials,
+                      metrics: NodeMetrics) -> tuple[CoordinatorHost | None, str]:
     """(the coordinator this worker hosts, or None; the address to reach the coordinator)."""
     address = (config.cluster.chief or config.cluster.worker)[0]
     if config.worker_index != 0:
         return None, address
-    host = CoordinatorHost(config.cluster.num_workers, address, config.options, credentials)
+    host = CoordinatorHost(config.cluster.num_workers, address, config.options, credentials, metrics)
     return host, host.start()
 
 

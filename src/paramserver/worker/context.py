@@ -45,6 +45,7 @@ class Context:
     coordinator: CoordinatorClient
     coordinator_host: Any = None  # the coordinator's server, on the worker that hosts it
     checkpointer: Any = None  # worker.checkpoints.Checkpointer when a checkpoint_dir is set
+    ops: Any = None  # worker.ops.WorkerOps: health and metrics (a cluster's worker)
     optimizers: list = field(default_factory=list, repr=False)  # this worker's PS optimizers, in creation order
     finished: bool = False  # finish_training() ran: this worker's data is done
     data_position: int = 0  # batches resumable() handed out or skipped so far in this process
@@ -183,6 +184,8 @@ class Context:
             _current = None
 
     def _close(self, completed: bool) -> None:
+        if self.ops is not None:
+            self.ops.set_draining()
         self.progress.flush()
         self.progress.close(done=completed)
         self.client.leave(timeout=5.0)
@@ -194,6 +197,8 @@ class Context:
             self.coordinator_host.wait_done(self.options.connect_timeout_s)
             log.info("coordinator: every worker is done after %.2fs; stopping", time.monotonic() - started)
             self.coordinator_host.stop(1.0)
+        if self.ops is not None:
+            self.ops.stop()
 
 
 def set_launched_config(config: NodeConfig) -> None:

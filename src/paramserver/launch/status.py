@@ -1,0 +1,134 @@
+"""`paramserver status CLUSTER`: one line per node of a running cluster (docs/operations.md).
+
+Asks every node's health service, every PS's Hello (counters, tables, memory) twice, `interval`
+seconds apart, for its pushes per second, and the coordinator's Hello for the workers' steps and
+states. Every call has a deadline and the nodes are asked at once: the command never hangs on a
+node that does not answer; that node shows as UNREACHABLE.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent import futures
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import grpc
+
+from ..base.config import ClusterSpec
+from ..base.tls import TlsMaterial, open_channel
+from ..coordinator.coordinator_service import SERVICE as COORDINATOR
+from ..transport import codec
+from ..transport.grpc_transport import SERVICE as SHARD
+from ..transport.health import UNREACHABLE, check
+
+_COLUMNS = (("role", "ROLE"), ("index", "INDEX"), ("address", "ADDRESS"), ("health", "HEALTH"),
+            ("step", "STEP/VERSION"), ("pushes_per_s", "PUSHES/S"), ("rows", "ROWS"), ("memory", "MEMORY"))
+
+
+@dataclass
+class NodeStatus:
+    """One node as `status` saw it; None where the node did not say (or was not asked)."""
+
+    role: str
+    index: int
+    address: str
+    health: str = UNREACHABLE
+    state: str | None = None  # a worker: joining, training, finished, exited or dead (the coordinator's view)
+    step: int | None = None  # a worker: its step; a PS: its version (updates applied)
+    pushes_per_s: float | None = None
+    rows: int | None = None
+    rss_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class Access:
+    """How `status` reaches nodes that serve TLS or check tokens (both optional)."""
+
+    tls: TlsMaterial | None = None
+    token: str | None = None
+
+    @property
+    def metadata(self) -> tuple | None:
+        return (("authorization", f"Bearer {self.token}"),) if self.token else None
+
+
+def hello(address: str, service: str, timeout: float, access: Access = Access()) -> dict[str, Any] | None:
+    """The meta of `service`'s Hello reply at `address` (with the process's memory), or None if it did
+    not answer within `timeout`."""
+    with open_channel(address, access.tls) as channel:
+        try:
+            reply = channel.unary_unary(f"/{service}/Hello")(codec.encode({"process": True}), timeout=timeout,
+                                                            metadata=access.metadata)
+        except grpc.RpcError:
+            return None
+    return codec.decode(reply).meta
+
+
+def cluster_status(cluster: ClusterSpec, interval: float = 1.0, timeout: float = 2.0,
+                   access: Access = Access()) -> list[NodeStatus]:
+    """Every node of `cluster`: PS first, then the chief and the workers."""
+    nodes = [NodeStatus("ps", i, a) for i, a in enumerate(cluster.ps)]
+    nodes += [NodeStatus("chief", i, a) for i, a in enumerate(cluster.chief)]
+    nodes += [NodeStatus("worker", i, a) for i, a in enumerate(cluster.worker)]
+    workers = [n for n in nodes if n.role != "ps"]  # in worker-number order: the chief is worker 0
+    with futures.ThreadPoolExecutor(max_workers=min(32, 2 * len(nodes) + 1), thread_name_prefix="status") as pool:
+        healths = [pool.submit(check, n.address, timeout, "", access.tls) for n in nodes]
+        view = pool.submit(hello, workers[0].address, COORDINATOR, timeout, access)
+        first = _sample(pool, cluster.ps, timeout, access)
+        time.sleep(interval)  # the sampling interval of pushes/s, nothing waits on it
+        second = _sample(pool, cluster.ps, timeout, access)
+        for node, health in zip(nodes, healths):
+            node.health = health.result()
+        _fill_ps(nodes[:len(cluster.ps)], first, second)
+        _fill_workers(workers, view.result())
+    return nodes
+
+
+def _sample(pool: futures.ThreadPoolExecutor, addresses: tuple[str, ...], timeout: float, access: Access) -> list:
+    calls = [pool.submit(hello, address, SHARD, timeout, access) for address in addresses]
+    return [(call.result(), time.monotonic()) for call in calls]
+
+
+def _fill_ps(nodes: list[NodeStatus], first: list, second: list) -> None:
+    for node, (before, t0), (after, t1) in zip(nodes, first, second):
+        latest = after or before
+        if latest is None:
+            continue
+        node.step = latest.get("version")
+        node.rows = sum(table.get("rows", 0) for table in (latest.get("tables") or {}).values())
+        node.rss_bytes = latest.get("rss_bytes")
+        if before is not None and after is not None and t1 > t0:
+            node.pushes_per_s = round((after["pushes"] - before["pushes"]) / (t1 - t0), 1)
+
+
+def _fill_workers(workers: list[NodeStatus], view: dict | None) -> None:
+    if view is None:
+        return
+    for number, node in enumerate(workers):
+        node.state = (view.get("states") or {}).get(str(number))
+        node.step = (view.get("steps") or {}).get(str(number))
+
+
+def table(nodes: list[NodeStatus]) -> str:
+    """The nodes as aligned text columns, with a header line."""
+    rows = [[title for _, title in _COLUMNS]] + [[_cell(node, key) for key, _ in _COLUMNS] for node in nodes]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows)
+
+
+def _cell(node: NodeStatus, key: str) -> str:
+    if key == "memory":
+        return "-" if node.rss_bytes is None else f"{node.rss_bytes / 2**20:.0f} MiB"
+    if key == "health" and node.state is not None:
+        return f"{node.health} ({node.state})"
+    value = getattr(node, key)
+    return "-" if value is None else str(value)
+
+
+def run_status(cluster: ClusterSpec, as_json: bool, interval: float, timeout: float, access: Access = Access()) -> int:
+    """Print the cluster's status; exit code 0 when every node is SERVING, else 1."""
+    nodes = cluster_status(cluster, interval, timeout, access)
+    print(json.dumps([asdict(n) for n in nodes]) if as_json else table(nodes), flush=True)
+    return 0 if all(n.health == "SERVING" for n in nodes) else 1
