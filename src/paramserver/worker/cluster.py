@@ -23,6 +23,7 @@ from ..transport.grpc_transport import GrpcChannel, GrpcServer
 from ..transport.inprocess import InProcessChannel
 from .context import Context
 from .modes import ModeSwitcher
+from .summaries import open_summaries
 
 log = logging.getLogger(__name__)
 
@@ -130,8 +131,9 @@ def cluster_context(config: NodeConfig) -> Context:
     modes = ModeSwitcher(client, index, workers, options.mode_changes, options.backup_workers, meet)
     log.info("worker %d of %d joined %d PS (%s); coordinator at %s", index, workers, client.num_shards, spec,
              coordinator_address)
+    summaries = open_summaries(options.logdir, options.summary_every, index, client.record)
     return Context(index, workers, client.num_shards, client, options, False,
-                   ProgressWriter(options.progress_fd, index), modes, coordinator, host, checkpointer)
+                   ProgressWriter(options.progress_fd, index), modes, coordinator, host, checkpointer, summaries)
 
 
 def _host_coordinator(config: NodeConfig) -> tuple[CoordinatorHost | None, str]:
