@@ -9,8 +9,9 @@ a lookup of those ids, and the pull of the dense variable. Each client counts it
 
 At the end every update must be there exactly once: the dense values equal minus the number of
 dense pushes applied, and each row minus the number of pushes of its id (`lost_or_doubled` counts
-the values that differ). The PS's resident memory (psutil) is read after setup, at its peak while
-loaded (sampled every 0.5 s) and after the clients are gone. Prints one JSON line:
+the values that differ). The PS's resident memory (psutil, sampled every 0.5 s) is reported after
+setup, after the warm-up, at the end of the load, at its peak, and once the clients are gone and the
+PS closed their connections (its thread count back to where it started). Prints one JSON line:
 
     python bench/load.py [--seconds 60] [--clients 32] [--dense-mb 2] [--transport tcp|shm|grpc]
 """
@@ -109,13 +110,16 @@ def start_clients(args: argparse.Namespace, address: str, dense_values: int) -> 
     return clients
 
 
-def collect(clients: list[subprocess.Popen], ps: psutil.Process, seconds: float) -> tuple[list[dict], float]:
-    """Each client's result line, and the PS's peak RSS (MB) while they ran."""
-    peak, done = [0.0], threading.Event()
+def collect(clients: list[subprocess.Popen], ps: psutil.Process, seconds: float) -> tuple[list[dict], dict]:
+    """Each client's result line, and the PS's RSS (MB) while they ran: peak, after the warm-up
+    (the first sixth of the time, 10 s at most) and at the end of the load."""
+    samples: list[tuple[float, float]] = []  # (seconds since "go", RSS)
+    done = threading.Event()
 
     def sample() -> None:
+        started = time.monotonic()
         while not done.wait(0.5):
-            peak[0] = max(peak[0], rss_mb(ps))
+            samples.append((time.monotonic() - started, rss_mb(ps)))
 
     sampler = threading.Thread(target=sample, name="load-rss-sampler", daemon=True)
     sampler.start()
@@ -133,7 +137,20 @@ def collect(clients: list[subprocess.Popen], ps: psutil.Process, seconds: float)
     finally:
         done.set()
         sampler.join(10)
-    return results, peak[0]
+    warm = min(10.0, seconds / 6)
+    loaded = [rss for t, rss in samples if t <= seconds] or [0.0]
+    return results, {"ps_rss_peak_mb": max(rss for _, rss in samples),
+                     "ps_rss_after_warmup_mb": next((rss for t, rss in samples if t >= warm), loaded[-1]),
+                     "ps_rss_loaded_end_mb": loaded[-1]}
+
+
+def settled(ps: psutil.Process, threads: int, timeout: float = 30.0) -> tuple[float, int]:
+    """The PS's RSS (MB) and thread count once it closed the clients' connections (its thread count
+    back to `threads`), or after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while ps.num_threads() > threads and time.monotonic() < deadline:
+        time.sleep(0.2)  # polling the count; the deadline only bounds the wait
+    return rss_mb(ps), ps.num_threads()
 
 
 def check_updates(client: PSClient, tables: TableClient, results: list[dict]) -> dict:
@@ -163,10 +180,10 @@ def run(args: argparse.Namespace) -> dict:
         address, ps = line.split()[-1], psutil.Process(ps_proc.pid)
         client, tables = connect(address, args.transport, dense_values, worker=args.clients)
         tables.lookup(TABLE, np.arange(ID_SPACE, dtype=np.int64))  # every row exists: no push is dropped as unknown
-        rss_start = rss_mb(ps)
+        rss_start, threads_start = rss_mb(ps), ps.num_threads()
         clients = start_clients(args, address, dense_values)
-        results, rss_peak = collect(clients, ps, args.seconds)
-        rss_end = rss_mb(ps)
+        results, rss_loaded = collect(clients, ps, args.seconds)
+        rss_end, threads_end = settled(ps, threads_start)
         checked = check_updates(client, tables, results)
         client.close()
     finally:
@@ -185,7 +202,8 @@ def run(args: argparse.Namespace) -> dict:
             "requests_per_s": round(latencies.size / args.seconds, 1),
             "p50_ms": round(float(np.percentile(latencies, 50)), 1) if latencies.size else None,
             "p99_ms": round(float(np.percentile(latencies, 99)), 1) if latencies.size else None,
-            "ps_rss_start_mb": rss_start, "ps_rss_peak_mb": rss_peak, "ps_rss_end_mb": rss_end, **checked}
+            "ps_rss_start_mb": rss_start, **rss_loaded, "ps_rss_end_mb": rss_end,
+            "ps_threads_start": threads_start, "ps_threads_end": threads_end, **checked}
 
 
 def main() -> None:
