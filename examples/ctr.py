@@ -105,6 +105,7 @@ def main() -> None:
         opt.pull()
         auc = evaluate(model, args.test, 512)
         print(f"held-out AUC {auc:.4f}", flush=True)
+        ps.log_scalar("test/auc", auc)  # TensorBoard, with --logdir (the loss goes there through ctx.report)
         ctx.report_result(test_auc=round(auc, 4), worker0_examples_per_s=round(examples / wall, 1))
 
 

@@ -7,6 +7,7 @@ bundled 8x8 digits upscaled to 28x28 so the input is the article's 784 pixels. E
 trains on its own shard of the training set; worker 0 then reports held-out accuracy.
 
     paramserver run --ps 2 --workers 2 examples/digits.py -- --epochs 20
+    paramserver run --ps 2 --workers 2 --logdir runs/digits examples/digits.py   # + TensorBoard
     python examples/digits.py          # same script, in-process cluster
 """
 
@@ -57,6 +58,7 @@ def main() -> None:
     if ctx.is_chief:
         metrics = trainer.evaluate(test)
         print(f"test accuracy {metrics['accuracy']:.4f} on {metrics['examples']} held-out digits", flush=True)
+        ps.log_scalar("test/accuracy", metrics["accuracy"])  # TensorBoard, with --logdir
         ctx.report_result(test_accuracy=round(metrics["accuracy"], 4),
                           worker0_examples_per_s=round(sum(h.examples for h in history)
                                                        / (time.perf_counter() - started), 1))

@@ -28,15 +28,16 @@ _LAZY = {
     "Context": ("paramserver.worker.context", "Context"),
     "current_context": ("paramserver.worker.context", "current_context"),
     "set_mode": ("paramserver.worker.context", "set_mode"),
+    "log_scalar": ("paramserver.worker.context", "log_scalar"),
     "Trainer": ("paramserver.worker.trainer", "Trainer"),
     "EpochMetrics": ("paramserver.worker.trainer", "EpochMetrics"),
     "optim": ("paramserver.optim", None),
     "nn": ("paramserver.nn", None),
 }
 
-__all__ = ["init", "Context", "current_context", "set_mode", "Trainer", "EpochMetrics", "optim", "nn", "ClusterSpec",
-           "NodeConfig", "Options", "Task", "ParamServerError", "InvalidArgumentError", "MalformedFrameError",
-           "NotFoundError", "FailedPreconditionError", "ProtocolVersionError", "UnavailableError",
+__all__ = ["init", "Context", "current_context", "set_mode", "log_scalar", "Trainer", "EpochMetrics", "optim", "nn",
+           "ClusterSpec", "NodeConfig", "Options", "Task", "ParamServerError", "InvalidArgumentError",
+           "MalformedFrameError", "NotFoundError", "FailedPreconditionError", "ProtocolVersionError", "UnavailableError",
            "DeadlineExceededError", "ConfigError", "NotInitializedError", "AlreadyExistsError",
            "ResourceExhaustedError"]
 

@@ -10,8 +10,9 @@ import signal
 import sys
 from pathlib import Path
 
-from ..base.config import ClusterSpec, Options, config_from_environ, load_cluster_file
+from ..base.config import ClusterSpec, Options, config_from_environ, load_cluster_file, options_from_environ
 from ..base.errors import ConfigError, ParamServerError
+from ..base.logs import configure_logging
 
 log = logging.getLogger(__name__)
 
@@ -236,8 +237,7 @@ def _demo_script() -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _configure_logging(args)
     # SIGTERM stops a launcher as cleanly as Ctrl-C does.
     signal.signal(signal.SIGTERM, _interrupt)
     try:
@@ -263,6 +263,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def _configure_logging(args: argparse.Namespace) -> None:
+    """Text or JSON lines: --log-format, else (a node the launcher started) PARAMSERVER_OPTIONS'
+    log_format. A node names itself once its role is known (node.run_node)."""
+    log_format = getattr(args, "log_format", None)
+    if log_format is None and args.command == "node":
+        try:
+            log_format = options_from_environ(os.environ).log_format
+        except ConfigError:  # run_node reports it, naming the bad option
+            pass
+    node = "launcher" if args.command in ("run", "demo") else ""
+    configure_logging(args.log_level, log_format or "text", node=node, role=node)
 
 
 def _interrupt(signum: int, frame: object) -> None:

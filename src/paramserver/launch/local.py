@@ -108,7 +108,7 @@ class LocalCluster(Lifecycle):
         self.ps_addresses: list[str | None] = [None] * num_ps
         self.worker_addresses: list[str] = []
         self._ps_ready = threading.Condition()
-        self._lines = LineWriter(out or sys.stdout)
+        self._lines = LineWriter(out or sys.stdout, json_lines=self.options.log_format == "json")
         self._stopped = threading.Event()
         self._nodes_lock = threading.Lock()  # no node starts once stop() began
         self._spawned: list[Child] = []  # every node started, for stop() (one may not be in ps/workers yet)
@@ -255,7 +255,7 @@ class LocalCluster(Lifecycle):
         started = time.monotonic()
         self._lines.write("run", f"{child.label} was killed (signal {-child.poll()}); rolling the whole cluster back "
                                  f"to the latest checkpoint in {self.options.checkpoint_dir} "
-                                 f"(restart {self.restarts} of {self.max_restarts})")
+                                 f"(restart {self.restarts} of {self.max_restarts})", event="rollback_started")
         stop_all(self.workers + self.ps, 2.0)
         for index in range(len(self.workers)):
             self._drain_progress(index)
@@ -264,7 +264,8 @@ class LocalCluster(Lifecycle):
         self.ps_addresses = [None] * self.num_ps
         self.options = replace(self.options, resume=True)
         self.start(timeout)
-        self._lines.write("run", f"cluster restarted in {time.monotonic() - started:.2f}s")
+        took = time.monotonic() - started
+        self._lines.write("run", f"cluster restarted in {took:.2f}s", event="rollback_done", duration_s=round(took, 3))
 
     def stop(self, grace: float = 5.0) -> None:
         """SIGTERM every node at once (workers first), wait for all of them together, SIGKILL what is

@@ -17,6 +17,7 @@ from pathlib import Path
 from ..base import config as config_mod
 from ..base.config import NodeConfig, Options, bind_address
 from ..base.errors import ConfigError
+from ..base.logs import name_node, node_name
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,7 @@ def run_node(cluster_file: str | None, role: str | None, index: int | None, bind
         options = config_mod.Options.from_dict({**dataclasses.asdict(options), **overrides})
     config = resolve(cluster_file, role, index, options)
     role = config.task.type if config else role
+    name_node(node_name(role or "node", config.task.index if config else index or 0), role or "")
     if role == "ps":
         from .ps_node import run_ps_node
         if bind is None and config is None:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import threading
 import time
 from typing import Callable, TextIO
 
+from ..base.logs import as_json_line, node_name
 from ..base.parent_death import die_with_parent
 
 
@@ -93,16 +95,30 @@ def stop_all(children: list[Child], grace: float) -> list[int]:
 
 
 class LineWriter:
-    """Writes prefixed lines from many threads without interleaving them. Thread-safe."""
+    """Writes prefixed lines from many threads without interleaving them. Thread-safe.
 
-    def __init__(self, out: TextIO) -> None:
+    With `json_lines`, every line is a JSON object instead (base/logs.py): a node's JSON log line
+    passes as it is, any other line is wrapped, naming the node of its prefix ("ps0" -> "ps-0";
+    the launcher's own, "run", -> "launcher"). `extra` adds fields to a wrapped line (event, duration_s).
+    """
+
+    def __init__(self, out: TextIO, json_lines: bool = False) -> None:
         self.out = out
+        self.json_lines = json_lines
         self._lock = threading.Lock()
 
-    def write(self, prefix: str, line: str) -> None:
+    def write(self, prefix: str, line: str, **extra: object) -> None:
+        if self.json_lines:
+            line = as_json_line(line, *_node_of(prefix), **extra)
         with self._lock:
-            self.out.write(f"[{prefix}] {line}\n" if prefix else line + "\n")
+            self.out.write(f"[{prefix}] {line}\n" if prefix and not self.json_lines else line + "\n")
             self.out.flush()
+
+
+def _node_of(label: str) -> tuple[str, str]:
+    """(node, role) of a launcher label: "worker1" -> ("worker-1", "worker"); others are the launcher's."""
+    match = re.fullmatch(r"([a-z]+)(\d+)", label)
+    return (node_name(match[1], int(match[2])), match[1]) if match else ("launcher", "launcher")
 
 
 def wait_any(children: list[Child], timeout: float | None) -> Child | None:

@@ -86,7 +86,8 @@ class PSNode(Lifecycle):
         host = self.server.bind.rsplit(":", 1)[0]
         self.address = f"{'127.0.0.1' if host in ('', '[::]', '0.0.0.0') else host}:{port}"
         log.info("ps %d serving on %s (tensor stream on port %d%s)", self.index, self.address, self.stream.port,
-                 "" if self.server.tls is None else ", mutual TLS" if self.server.tls.mutual else ", TLS")
+                 "" if self.server.tls is None else ", mutual TLS" if self.server.tls.mutual else ", TLS",
+                 extra={"event": "ps_started"})
         return self.address
 
     def wait_ready(self, timeout: float) -> None:
@@ -117,8 +118,10 @@ class PSNode(Lifecycle):
             self.endpoint.stop(0.5)
         self.guard.close()
         stats = self.shard.describe()
+        took = time.monotonic() - started
         log.info("ps %d stopped after %d updates from %d pushes, %d late pushes dropped (%.2fs)", self.index,
-                 stats["version"], stats["pushes"], stats["dropped_late"], time.monotonic() - started)
+                 stats["version"], stats["pushes"], stats["dropped_late"], took,
+                 extra={"event": "ps_stopped", "duration_s": round(took, 3)})
 
 
 def _restore_source(options: Options, guard: Guard):
@@ -134,7 +137,9 @@ def _restore_source(options: Options, guard: Guard):
     if source is None:
         log.info("no complete checkpoint in %s: starting fresh", options.checkpoint_dir)
     else:
-        log.info("resuming from %s (step %d) in %.2fs", source.name, source.step, time.monotonic() - started)
+        took = time.monotonic() - started
+        log.info("resuming from %s (step %d) in %.2fs", source.name, source.step, took,
+                 extra={"event": "checkpoint_restored", "step": source.step, "duration_s": round(took, 3)})
     if guard.audit is not None:
         detail = {"dir": options.checkpoint_dir, "checkpoint": source.name if source else None,
                   "step": source.step if source else None}

@@ -185,8 +185,10 @@ class Checkpointer:
                                      "mode": self.client.consistency.to_dict()})
         except (ParamServerError, OSError) as exc:  # a shard's error, a deadline, the store's CheckpointError
             reason = str(exc) if isinstance(exc, ParamServerError) else f"{type(exc).__name__}: {os_reason(exc)}"
+            took = time.monotonic() - started
             log.error("%s %s failed after %.2fs; the previous one stays, the next checkpoint tries again: %s",
-                      what, name, time.monotonic() - started, reason)
+                      what, name, took, reason,
+                      extra={"event": "checkpoint_failed", "step": step, "duration_s": round(took, 3)})
             self._discard(name)
             if self.metrics is not None:
                 self.metrics.failures.inc()
@@ -204,8 +206,10 @@ class Checkpointer:
         except (CheckpointError, OSError) as exc:
             removed = []
             log.warning("%s %s: committed, but older checkpoints could not be deleted: %s", what, name, exc)
+        took = time.monotonic() - started
         log.info("%s %s: committed (%d bytes) in %.2fs%s", what, name, sum(e["bytes"] for e in entries),
-                 time.monotonic() - started, f"; removed {', '.join(removed)}" if removed else "")
+                 took, f"; removed {', '.join(removed)}" if removed else "",
+                 extra={"event": "checkpoint_saved", "step": step, "duration_s": round(took, 3)})
         return name
 
     def _sweep(self) -> None:

@@ -28,6 +28,7 @@ from ..transport.inprocess import InProcessChannel
 from .context import Context
 from .modes import ModeSwitcher
 from .ops import CoordinatorCollector, WorkerCollector, WorkerOps
+from .summaries import open_summaries
 
 log = logging.getLogger(__name__)
 
@@ -176,9 +177,11 @@ def cluster_context(config: NodeConfig) -> Context:
     metrics.registry.register(WorkerCollector(index, lambda: coordinator.step))
     if checkpointer is not None:
         checkpointer.metrics = metrics.checkpoints
+    summaries = open_summaries(options.logdir, options.summary_every, index, client.record)
     ops.set_serving()
     return Context(index, workers, client.num_shards, client, options, False,
-                   ProgressWriter(options.progress_fd, index), modes, coordinator, host, checkpointer, ops)
+                   ProgressWriter(options.progress_fd, index), modes, coordinator, host, checkpointer, ops,
+                   summaries)
 
 
 def _host_coordinator(config: NodeConfig, credentials: Credentials,

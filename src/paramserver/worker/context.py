@@ -46,6 +46,7 @@ class Context:
     coordinator_host: Any = None  # the coordinator's server, on the worker that hosts it
     checkpointer: Any = None  # worker.checkpoints.Checkpointer when a checkpoint_dir is set
     ops: Any = None  # worker.ops.WorkerOps: health and metrics (a cluster's worker)
+    summaries: Any = None  # worker.summaries.Summaries on the chief when a logdir is set
     optimizers: list = field(default_factory=list, repr=False)  # this worker's PS optimizers, in creation order
     finished: bool = False  # finish_training() ran: this worker's data is done
     data_position: int = 0  # batches resumable() handed out or skipped so far in this process
@@ -99,8 +100,17 @@ class Context:
         return self.worker_index == 0
 
     def report(self, examples: int = 0, loss: float | None = None) -> None:
-        """Tell the launcher's progress line about examples trained and the latest loss."""
+        """Tell the launcher's progress line (and, on the chief with a logdir, TensorBoard) about
+        examples trained and the latest loss."""
         self.progress.update(examples=examples, loss=loss)
+        if self.summaries is not None:
+            self.summaries.report(examples, loss)
+
+    def log_scalar(self, name: str, value: float, step: int | None = None) -> None:
+        """Write a scalar of your own to TensorBoard at `step` (default: the latest optimizer step).
+        Only the chief writes, and only with a logdir; elsewhere a no-op."""
+        if self.summaries is not None:
+            self.summaries.log_scalar(name, value, step)
 
     def report_result(self, **values: Any) -> None:
         """Hand final figures to `paramserver run`, which prints them in its closing JSON line."""
@@ -186,6 +196,8 @@ class Context:
     def _close(self, completed: bool) -> None:
         if self.ops is not None:
             self.ops.set_draining()
+        if self.summaries is not None:
+            self.summaries.stop()
         self.progress.flush()
         self.progress.close(done=completed)
         self.client.leave(timeout=5.0)
@@ -221,6 +233,11 @@ def current_context() -> Context:
 def set_mode(mode: str, backup_workers: int | None = None) -> ConsistencySpec:
     """Switch the cluster's consistency mode while training runs; see Context.set_mode (chief only)."""
     return current_context().set_mode(mode, backup_workers)
+
+
+def log_scalar(name: str, value: float, step: int | None = None) -> None:
+    """Write a scalar to TensorBoard (chief only, with a logdir); see Context.log_scalar."""
+    current_context().log_scalar(name, value, step)
 
 
 def join(config: NodeConfig | None, num_ps: int = 1) -> Context:

@@ -140,6 +140,8 @@ class PSOptimizer(torch.optim.Optimizer):
         else:
             self._settle(handle, riders, prefetches)
         self.steps += 1
+        if self.context.summaries is not None:
+            self.context.summaries.on_step(self.steps, self._vars)
         if self.context.pauses_at(self.steps):
             self.synchronize()  # the workers are about to meet: nothing of this worker may be in flight
         self.context.on_step(self.steps)
@@ -155,6 +157,8 @@ class PSOptimizer(torch.optim.Optimizer):
             touched = module.take_gradients()
             if touched is not None:
                 riders.push(module.table_name, *touched)
+                if self.context.summaries is not None:
+                    self.context.summaries.note_rows(module.table_name, len(touched[0]))
             waiting = module.ride_lookup()
             if waiting is not None:
                 prefetches.append((waiting, riders.lookup(module.table_name, waiting.unique)))
