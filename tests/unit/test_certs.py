@@ -124,3 +124,17 @@ def test_bad_tls_files_are_a_config_error_naming_the_option(tmp_path, change, fr
     files = {**node_tls_files(tmp_path, "ps-0"), **{k: str(tmp_path / v) for k, v in change.items()}}
     with pytest.raises(ConfigError, match=fragment):
         TlsMaterial.load(files["tls_cert"], files["tls_key"], files["tls_ca"])
+
+
+def test_the_certs_command_writes_tokens_that_the_store_knows_by_role(tmp_path, capsys):
+    from paramserver.base.auth import TokenStore, read_token
+
+    directory = tmp_path / "c"
+    assert cli.main(["certs", str(directory), "--nodes", "ps-0,worker-0,worker-1,admin", "--tokens"]) == 0
+    printed = set(json.loads(capsys.readouterr().out)["files"])
+    assert {"tokens.json", "worker-1.token", "admin.token"} <= printed
+    store = TokenStore.load(directory / "tokens.json")
+    roles = {node: store.find(read_token(directory / f"{node}.token")).role
+             for node in ("ps-0", "worker-0", "worker-1", "admin")}
+    assert roles == {"ps-0": "ps", "worker-0": "chief", "worker-1": "worker", "admin": "admin"}
+    assert store.find("not-a-token") is None

@@ -57,7 +57,6 @@ def write_certs(directory: Path, nodes: list[str], hosts: list[str] | None = Non
     for node in nodes:
         key = ec.generate_private_key(ec.SECP256R1())
         written += _write_pair(directory, node, _node_cert(node, key, sans, ca_cert, ca_key, days), key)
-    # tokens: write_tokens(directory, nodes)
     return written
 
 

@@ -48,6 +48,9 @@ def _parser() -> argparse.ArgumentParser:
     certs.add_argument("--hosts", default="", help="comma-separated host names / IPs every node certificate names "
                                                    "(besides localhost, 127.0.0.1 and the node's name)")
     certs.add_argument("--days", type=int, default=365, help="validity in days (default 365)")
+    certs.add_argument("--tokens", action="store_true",
+                       help="also write a token per node (<node>.token) and the servers' store (tokens.json), "
+                            "replacing any there (docs/security.md)")
 
     status = sub.add_parser("status", help="print every node of a running cluster: health, step, pushes/s, memory")
     status.add_argument("cluster", nargs="?", help="cluster JSON file, as `node --cluster` takes (default: TF_CONFIG)")
@@ -199,7 +202,13 @@ def _cert_dir(args: argparse.Namespace, options: Options) -> Path | None:
 def _make_certs(args: argparse.Namespace) -> int:
     from .certs import write_certs
 
-    written = write_certs(Path(args.dir), _names(args.nodes), _names(args.hosts), args.days)
+    nodes = _names(args.nodes)
+    written = write_certs(Path(args.dir), nodes, _names(args.hosts), args.days)
+    if args.tokens:
+        from .tokens import STORE_FILE, write_tokens
+
+        write_tokens(Path(args.dir), nodes)
+        written += [Path(args.dir) / f"{node}.token" for node in nodes] + [Path(args.dir) / STORE_FILE]
     print(json.dumps({"dir": str(Path(args.dir).resolve()), "files": [p.name for p in written]}), flush=True)
     return 0
 
