@@ -181,12 +181,25 @@ class CheckpointReply(Message):
     sha256: str = doc_field("its SHA-256, hex")
 
 
+@message("Shutdown request")
+class ShutdownRequest(Message):
+    """Drain and stop this PS (admin only): health goes NOT_SERVING, calls in flight finish within
+    `drain_grace_s`, and the process exits 0, as on SIGTERM."""
+    reason: str = doc_field("why, for the log and the audit trail", default="")
+
+
+@message("Shutdown reply")
+class ShutdownReply(Message):
+    """Sent before the drain starts."""
+    version: int = doc_field("the shard's version when the drain was asked for")
+
+
 SHARD_METHODS: dict[str, tuple[type[Message], type[Message]]] = {
     "Hello": (HelloRequest, HelloReply), "Register": (RegisterRequest, RegisterReply),
     "PushPull": (PushPullRequest, PushPullReply), "SetMode": (SetModeRequest, SetModeReply),
     "Leave": (LeaveRequest, LeaveReply), "RegisterTable": (RegisterTableRequest, RegisterTableReply),
     "Lookup": (LookupRequest, LookupReply), "PushSparse": (PushSparseRequest, PushSparseReply),
-    "Checkpoint": (CheckpointRequest, CheckpointReply)}
+    "Checkpoint": (CheckpointRequest, CheckpointReply), "Shutdown": (ShutdownRequest, ShutdownReply)}
 
 
 # ---- coordinator (paramserver.Coordinator) ---------------------------------------------------

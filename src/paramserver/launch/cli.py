@@ -60,6 +60,12 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument("--timeout", type=float, default=2.0, help="deadline of each call to a node (default 2)")
     _add_security_flags(status)
 
+    stop = sub.add_parser("shutdown", help="drain and stop every PS of a running cluster (an admin call)")
+    stop.add_argument("cluster", nargs="?", help="cluster JSON file, as `node --cluster` takes (default: TF_CONFIG)")
+    stop.add_argument("--reason", default="", help="why, for the PS's log and audit trail")
+    stop.add_argument("--timeout", type=float, default=5.0, help="deadline of each call to a PS (default 5)")
+    _add_security_flags(stop)
+
     demo = sub.add_parser("demo", help="train the digits classifier on a local cluster and print one JSON line")
     _add_cluster_flags(demo, ps=2, workers=2)
     demo.add_argument("--epochs", type=int, default=20, help="training epochs (default 20)")
@@ -263,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
             from .status import run_status
             return run_status(_cluster_spec(args.cluster), args.json, args.interval, args.timeout,
                               _status_access(args))
+        if args.command == "shutdown":
+            from .status import shutdown_cluster
+            return shutdown_cluster(_cluster_spec(args.cluster), args.timeout, _status_access(args), args.reason)
         from .node import run_node
         script_args = _strip_dashes(args.args)
         return run_node(args.cluster, args.role, args.index, args.bind, args.script, script_args,

@@ -269,7 +269,9 @@ class LocalCluster(Lifecycle):
 
     def stop(self, grace: float = 5.0) -> None:
         """SIGTERM every node at once (workers first), wait for all of them together, SIGKILL what is
-        left after `grace` seconds; then join the launcher's threads (a few seconds at most)."""
+        left after `grace` seconds (at least a PS's drain_grace_s, plus one: a PS still answering
+        calls in flight is given the time it was promised); then join the launcher's threads (a few
+        seconds at most)."""
         with self._nodes_lock:
             if self._stopped.is_set():
                 return
@@ -278,7 +280,7 @@ class LocalCluster(Lifecycle):
             nodes += [child for child in self._spawned if child not in nodes and child.poll() is None]
         self.ready.fail(UnavailableError("the local cluster was stopped"))
         self.wall_s = time.monotonic() - self._started_at if self._started_at else 0.0
-        stop_all(nodes, grace)
+        stop_all(nodes, max(grace, self.options.drain_grace_s + 1))
         deadline = time.monotonic() + _PROGRESS_EOF_S  # the nodes are gone: their pipes end now
         for thread in [self._watcher, *list(self._progress_readers.values())]:
             if thread is not None:

@@ -148,7 +148,7 @@ def _restore_source(options: Options, guard: Guard):
 
 
 def run_ps_node(bind: str, index: int, options: Options, ready_timeout: float = 60.0) -> int:
-    """Serve until SIGTERM or SIGINT, then drain within `drain_grace_s`; returns the process exit code.
+    """Serve until SIGTERM, SIGINT or an admin's Shutdown call, then drain within `drain_grace_s`; returns the process exit code.
     Call from the main thread.
 
     Once `wait_ready` passed, prints the ready line (module docstring): the one readiness signal a
@@ -157,6 +157,7 @@ def run_ps_node(bind: str, index: int, options: Options, ready_timeout: float = 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stopping.set())
     with PSNode(bind, index, options) as node:
+        node.service.on_shutdown = stopping.set  # an admin's Shutdown call drains like SIGTERM
         node.wait_ready(ready_timeout)
         print(f"{READY_PREFIX} ps {index} {node.address}", flush=True)
         while not stopping.wait(1.0):

@@ -1,4 +1,5 @@
-"""`paramserver status CLUSTER`: one line per node of a running cluster (docs/operations.md).
+"""`paramserver status CLUSTER`: one line per node of a running cluster; `paramserver shutdown
+CLUSTER`: every PS drains and stops (docs/operations.md).
 
 Asks every node's health service, every PS's Hello (counters, tables, memory) twice, `interval`
 seconds apart, for its pushes per second, and the coordinator's Hello for the workers' steps and
@@ -132,3 +133,22 @@ def run_status(cluster: ClusterSpec, as_json: bool, interval: float, timeout: fl
     nodes = cluster_status(cluster, interval, timeout, access)
     print(json.dumps([asdict(n) for n in nodes]) if as_json else table(nodes), flush=True)
     return 0 if all(n.health == "SERVING" for n in nodes) else 1
+
+
+def shutdown_cluster(cluster: ClusterSpec, timeout: float, access: Access = Access(), reason: str = "") -> int:
+    """Ask every PS of `cluster` to drain and stop (an admin call when the PS check tokens); prints one
+    JSON line per PS with its answer. Exit code 0 when every PS accepted, else 1."""
+    request = codec.encode({"reason": reason} if reason else {})
+    accepted = 0
+    for index, address in enumerate(cluster.ps):
+        with open_channel(address, access.tls) as channel:
+            try:
+                reply = codec.decode(channel.unary_unary(f"/{SHARD}/Shutdown")(request, timeout=timeout,
+                                                                             metadata=access.metadata))
+                outcome = {"ps": index, "address": address, "draining": True, "version": reply.meta.get("version")}
+                accepted += 1
+            except grpc.RpcError as exc:
+                outcome = {"ps": index, "address": address, "draining": False,
+                           "error": f"{exc.code().name}: {exc.details()}"}
+        print(json.dumps(outcome), flush=True)
+    return 0 if accepted == len(cluster.ps) else 1

@@ -8,7 +8,7 @@ the default joins them into bytes. Errors are raised as typed ParamServerError
 subclasses; the transport turns them into status codes.
 
 Methods: Hello, Register, PushPull, SetMode, Leave, RegisterTable, Lookup, PushSparse,
-Checkpoint. Each request's meta is parsed into its message of base/messages.py (a bad field is
+Checkpoint, Shutdown (admin: the node drains and stops). Each request's meta is parsed into its message of base/messages.py (a bad field is
 a MalformedFrameError naming it, before anything changes) and each reply is built from one;
 the fields, their meanings and the tensors each frame carries are documented there (and in
 docs/protocol.md, generated from them). A PushPull without gradients, row pushes or "marker" is
@@ -16,6 +16,8 @@ a plain pull; its parts (dense and riders) are all checked before any is applied
 """
 
 from __future__ import annotations
+
+import logging
 
 from typing import Any, Callable
 
@@ -28,6 +30,7 @@ from ..transport import codec
 from .shard import Push, Shard
 from .table_store import TableStore
 
+log = logging.getLogger(__name__)
 Sink = Callable[[list], Any]
 
 
@@ -45,10 +48,12 @@ class ShardService:
         self.shard.row_applier = self.tables.apply_rows  # the shard applies row pushes with its steps
         self.announce: dict[str, Any] = {}  # extra Hello fields, e.g. the node's stream port
         self.guard: Guard | None = None  # tokens, roles and audit (transport/dispatch.py), given by the node
+        self.on_shutdown: Callable[[], None] | None = None  # what a Shutdown call sets off (the node's drain)
         self.methods: dict[str, Callable[[bytes, Sink], Any]] = {
             "Hello": self.hello, "Register": self.register, "PushPull": self.push_pull, "SetMode": self.set_mode,
             "Leave": self.leave, "RegisterTable": self.register_table, "Lookup": self.lookup,
-            "PushSparse": self.push_sparse, "Checkpoint": self.checkpoint}
+            "PushSparse": self.push_sparse, "Checkpoint": self.checkpoint,
+            "Shutdown": self.shutdown}
 
     def call(self, method: str, payload: bytes, sink: Sink = b"".join) -> Any:
         """Handle one request; returns what `sink` made of the reply (by default, its bytes)."""
@@ -69,6 +74,8 @@ class ShardService:
             return Claim(method, worker, {"consistency": request.consistency})
         if isinstance(request, msg.CheckpointRequest):
             return Claim(method, worker, {"name": request.name})
+        if isinstance(request, msg.ShutdownRequest):
+            return Claim(method, worker, {"reason": request.reason})
         return Claim(method, worker)
 
     def hello(self, payload: bytes, sink: Sink) -> Any:
@@ -130,6 +137,15 @@ class ShardService:
             raise FailedPreconditionError(f"shard {self.shard.index} was started without a checkpoint_dir")
         entry = self.save_checkpoint(request.name, self.shard, self.tables)
         return sink(codec.encode_parts(msg.CheckpointReply(**entry).to_meta()))
+
+    def shutdown(self, payload: bytes, sink: Sink) -> Any:
+        request = msg.ShutdownRequest.from_meta(codec.decode(payload).meta)
+        if self.on_shutdown is None:
+            raise FailedPreconditionError(f"shard {self.shard.index} is not a node that can be shut down remotely")
+        log.info("shard %d: shutdown asked%s", self.shard.index, f": {request.reason}" if request.reason else "")
+        version = self.shard.version
+        self.on_shutdown()  # only sets a flag: the node drains after this reply is sent
+        return sink(codec.encode_parts(msg.ShutdownReply(version=version).to_meta()))
 
     def push_sparse(self, payload: bytes, sink: Sink) -> Any:
         frame = codec.decode(payload)
