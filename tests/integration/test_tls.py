@@ -49,7 +49,7 @@ def material(pki, ca_dir: str, node: str) -> TlsMaterial:
 def tls_ps(pki):
     """A real PS with mutual TLS on, one registered group, and a good client on its tensor stream."""
     procs = Procs()
-    options = Options(**node_tls_files(pki / "cluster", "ps-0"))
+    options = Options(**node_tls_files(pki / "cluster", "ps-0"), audit_log=str(pki / "ps-audit.jsonl"))
     try:
         _, address = procs.start_ps(PARAMSERVER_OPTIONS=options.to_json())
         good = GrpcChannel(address, 1 << 24, use_stream=True, use_shared_memory=False,
@@ -133,7 +133,7 @@ def _stream_attackers(pki):
 def test_the_tensor_stream_refuses_a_client_without_a_certificate_from_its_ca(pki, tls_ps, attacker):
     """A raw push on the stream port: the connection ends without a reply, and nothing changed."""
     _, stream_port, good = tls_ps
-    before = pull(good)
+    before, audited = pull(good), tls_refusals(pki)
     reply = b""
     try:
         with _stream_attackers(pki)[attacker](stream_port) as sock:
@@ -145,6 +145,14 @@ def test_the_tensor_stream_refuses_a_client_without_a_certificate_from_its_ca(pk
         pass
     assert reply == b""
     assert_unchanged(good, before)
+    assert tls_refusals(pki) == audited + 1  # written before the PS closed the connection
+
+
+def tls_refusals(pki) -> int:
+    """The stream's refused TLS handshakes in the PS's audit log."""
+    path = pki / "ps-audit.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return sum(1 for r in map(json.loads, lines) if r["what"] == "StreamTLS" and r["outcome"] == "UNAUTHENTICATED")
 
 
 def test_paramserver_clients_without_tls_or_trusting_another_ca_are_refused(pki, tls_ps):

@@ -103,6 +103,13 @@ def introduce(service, token: str, peer: str) -> UnauthenticatedError | None:
         return exc
 
 
+def turned_away(service, what: str, peer: str, error: ParamServerError) -> None:
+    """Audit a connection refused before any call on it (e.g. a failed TLS handshake on the stream)."""
+    guard: Guard | None = getattr(service, "guard", None)
+    if guard is not None:
+        guard.record(what, Claim(what), ANONYMOUS, peer, error)
+
+
 def needs_token(service) -> bool:
     """Whether `service` serves only callers with a known token."""
     guard: Guard | None = getattr(service, "guard", None)

@@ -45,12 +45,12 @@ from pathlib import Path
 
 import grpc
 
-from ..base.errors import (DeadlineExceededError, MalformedFrameError, ParamServerError, UnavailableError,
-                           error_for_status)
+from ..base.errors import (DeadlineExceededError, MalformedFrameError, ParamServerError, UnauthenticatedError,
+                           UnavailableError, error_for_status)
 from ..base.lifecycle import Lifecycle, ReadyFlag
 from . import codec
 from .channel import CallHandle
-from .dispatch import answer, introduce, needs_token
+from .dispatch import answer, introduce, needs_token, turned_away
 from .shared_memory import Segment, SegmentError, write_parts
 
 log = logging.getLogger(__name__)
@@ -365,6 +365,8 @@ class StreamServer(Lifecycle):
                 if not self._stopping.is_set():
                     self.refused += 1
                     log.warning("tensor stream from %s refused: TLS handshake failed: %s", peer, exc)
+                    turned_away(self.service, "StreamTLS", str(peer),
+                                UnauthenticatedError(f"TLS handshake failed: {exc}"))
             (conn if secure is None else secure).close()
             return None
         secure.settimeout(previous)
