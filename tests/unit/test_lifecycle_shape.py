@@ -31,7 +31,8 @@ from paramserver.server.shard import Shard
 from paramserver.server.shard_service import ShardService
 from paramserver.transport import codec
 from paramserver.transport.grpc_transport import GrpcChannel, GrpcServer
-from paramserver.transport.health import Health, HealthServer, check
+from paramserver.transport.grpc_transport import health_server as make_health_server
+from paramserver.transport.health import Health, check
 from paramserver.transport.stream import StreamClient, StreamServer
 from paramserver.worker.cluster import CoordinatorHost
 from paramserver.worker.ops import WorkerOps
@@ -119,11 +120,11 @@ def scrape(port: int) -> None:
 
 
 def health_server() -> Case:
-    def use(server: HealthServer) -> list:
+    def use(server) -> list:
         assert check(f"127.0.0.1:{server.port}", 20) == "NOT_SERVING"
         return []
 
-    return Case(lambda: HealthServer(Health(), "127.0.0.1:0"), use)
+    return Case(lambda: make_health_server(Health(), "127.0.0.1:0"), use)
 
 
 def metrics_endpoint() -> Case:

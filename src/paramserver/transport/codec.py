@@ -85,6 +85,24 @@ def parts_size(parts: list) -> int:
 
 def decode(payload: bytes) -> Frame:
     """Decode a frame, validating every length and dtype. Raises MalformedFrameError."""
+    meta, entries, header_end = _header(payload)
+    data = memoryview(payload)[header_end + _pad(header_end):]
+    tensors: dict[str, np.ndarray] = {}
+    for entry in map(_check_entry, entries):
+        if entry[0] in tensors:  # the second would silently replace the first
+            raise MalformedFrameError(f"frame names tensor {entry[0][:100]!r} twice")
+        tensors[entry[0]] = _tensor(entry, data)
+    return Frame(meta, tensors)
+
+
+def decode_meta(payload) -> dict[str, Any]:
+    """Only a frame's meta, without building its tensors (cheap: for checks before the full decode,
+    which still validates the whole frame). Raises MalformedFrameError / ProtocolVersionError."""
+    return _header(payload)[0]
+
+
+def _header(payload) -> tuple[dict, list, int]:
+    """(meta, tensor entries, where the header ends) of a frame, its prefix and header checked."""
     if len(payload) < _PREFIX.size:
         raise MalformedFrameError(f"frame of {len(payload)} bytes is shorter than its {_PREFIX.size}-byte prefix")
     magic, major, _minor, header_len = _PREFIX.unpack_from(payload)
@@ -105,13 +123,7 @@ def decode(payload: bytes) -> Frame:
         raise MalformedFrameError(f"frame header is not valid: {why}") from None
     if not isinstance(meta, dict) or not isinstance(entries, list):
         raise MalformedFrameError("frame header must hold a 'meta' object and a 'tensors' list")
-    data = memoryview(payload)[header_end + _pad(header_end):]
-    tensors: dict[str, np.ndarray] = {}
-    for entry in map(_check_entry, entries):
-        if entry[0] in tensors:  # the second would silently replace the first
-            raise MalformedFrameError(f"frame names tensor {entry[0][:100]!r} twice")
-        tensors[entry[0]] = _tensor(entry, data)
-    return Frame(meta, tensors)
+    return meta, entries, header_end
 
 
 def _no_constant(name: str) -> Any:
@@ -144,25 +156,3 @@ def _tensor(entry: list, data: memoryview) -> np.ndarray:
         return np.frombuffer(data, dtype=dtype, count=count, offset=offset).reshape(shape)
     except (ValueError, OverflowError) as exc:  # e.g. a zero-size shape whose other sides overflow
         raise MalformedFrameError(f"tensor {name[:100]!r}: shape {str(shape)[:100]} is not valid: {exc}") from None
-
-
-def decode_meta(payload) -> dict[str, Any]:
-    """Only a frame's meta, without building its tensors (cheap: for checks before the full decode,
-    which still validates the whole frame). Raises MalformedFrameError / ProtocolVersionError."""
-    if len(payload) < _PREFIX.size:
-        raise MalformedFrameError(f"frame of {len(payload)} bytes is shorter than its {_PREFIX.size}-byte prefix")
-    magic, major, _minor, header_len = _PREFIX.unpack_from(payload)
-    if magic != MAGIC:
-        raise MalformedFrameError(f"frame does not start with {MAGIC!r} (got {magic!r})")
-    if major != PROTOCOL_MAJOR:
-        raise ProtocolVersionError(
-            f"peer speaks protocol {major}.x, this node speaks {PROTOCOL_MAJOR}.{PROTOCOL_MINOR}")
-    if _PREFIX.size + header_len > len(payload):
-        raise MalformedFrameError(f"header length {header_len} runs past the frame's {len(payload)} bytes")
-    try:
-        meta = json.loads(bytes(payload[_PREFIX.size:_PREFIX.size + header_len]))["meta"]
-    except (ValueError, KeyError, TypeError, RecursionError) as exc:
-        raise MalformedFrameError(f"frame header is not valid: {exc!r}"[:500]) from None
-    if not isinstance(meta, dict):
-        raise MalformedFrameError("frame header must hold a 'meta' object")
-    return meta

@@ -26,7 +26,8 @@ from .stream import StreamClient, host_id
 
 log = logging.getLogger(__name__)
 SERVICE = "paramserver.Shard"
-_PEER_KINDS = {"paramserver.Coordinator": "coordinator"}  # service name -> what error messages call it
+HEALTH_ONLY = "paramserver.HealthOnly"  # the service name of a server that serves health and nothing else
+_PEER_KINDS = {"paramserver.Coordinator": "coordinator", HEALTH_ONLY: "health"}  # service name -> what error messages call it
 
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -65,7 +66,8 @@ class GrpcServer(Lifecycle):
         self._server = grpc.server(self._executor,
                                    options=[*channel_options(max_message_bytes), ("grpc.so_reuseport", 0)])
         handlers = {name: grpc.unary_unary_rpc_method_handler(self._handler(name)) for name in service.methods}
-        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service_name, handlers),))
+        if handlers:
+            self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service_name, handlers),))
         if health is not None:
             health.add_to(self._server)
 
@@ -112,6 +114,18 @@ class GrpcServer(Lifecycle):
             thread.join(max(0.5, deadline - time.monotonic()))
             if thread.is_alive():
                 log.warning("%s still busy after stop(%.1f)", thread.name, grace)
+
+
+class _NoMethods:
+    """The service of a health-only server."""
+
+    methods: dict = {}
+
+
+def health_server(health: Health, bind: str, tls: TlsMaterial | None = None) -> GrpcServer:
+    """A gRPC server with only the health service (one request thread, "health-rpc_0"; Watch streams
+    hold none): what a plain worker binds on its cluster address. Lifecycle as GrpcServer's."""
+    return GrpcServer(_NoMethods(), bind, 4 << 20, threads=1, service_name=HEALTH_ONLY, tls=tls, health=health)
 
 
 class GrpcChannel:

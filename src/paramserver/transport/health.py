@@ -1,8 +1,8 @@
 """A node's health, as the standard gRPC health service (grpc.health.v1) reports it.
 
 Every node serves `grpc.health.v1.Health` on its gRPC port: a PS next to its shard service, the
-chief next to the coordinator, a plain worker on its own cluster address (HealthServer, which
-serves nothing else). Kubernetes' gRPC probes and `grpc_health_probe` read it (docs/operations.md).
+chief next to the coordinator, a plain worker on its own cluster address (grpc_transport.health_server,
+which serves nothing else). Kubernetes' gRPC probes and `grpc_health_probe` read it (docs/operations.md).
 
 States: NOT_SERVING from the start until the node is ready (a PS restored its shard and serves; a
 worker joined the cluster), then SERVING, then NOT_SERVING for good once it drains. The overall
@@ -13,13 +13,10 @@ from __future__ import annotations
 
 import logging
 import threading
-from concurrent import futures
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from ..base.errors import UnavailableError
-from ..base.lifecycle import Lifecycle, ReadyFlag
 from ..base.tls import TlsMaterial, open_channel
 
 log = logging.getLogger(__name__)
@@ -65,59 +62,6 @@ class Health:
             return SERVICE_UNKNOWN
         with self._lock:
             return health_pb2.HealthCheckResponse.ServingStatus.Name(self._status)
-
-
-class HealthServer(Lifecycle):
-    """A gRPC server with only the health service: what a plain worker binds on its cluster address.
-
-    Lifecycle (base/lifecycle.py): `start()` binds and returns the port (UnavailableError if it
-    cannot); `wait_ready(timeout)`; `stop(grace)`. One request thread, "health-rpc_0"; Watch
-    streams hold none (the servicer answers them without blocking).
-    """
-
-    def __init__(self, health_status: Health, bind: str, tls: TlsMaterial | None = None) -> None:
-        """`tls`: serve over TLS, as the node's other servers do."""
-        self.health = health_status
-        self.bind = bind
-        self.tls = tls
-        self.port: int | None = None
-        self.ready = ReadyFlag(f"health server on {bind}")
-        self._threads: list[threading.Thread] = []
-        self._executor = futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="health-rpc",
-            initializer=lambda: self._threads.append(threading.current_thread()))
-        self._server = grpc.server(self._executor)
-        health_status.add_to(self._server)
-        self._stopped = threading.Event()
-
-    def start(self) -> int:
-        try:
-            try:
-                self.port = (self._server.add_insecure_port(self.bind) if self.tls is None else
-                             self._server.add_secure_port(self.bind, self.tls.server_credentials()))
-            except RuntimeError as exc:  # grpcio's "Failed to bind" (older versions returned 0)
-                raise UnavailableError(f"health server: cannot bind {self.bind}: {exc}") from None
-            if not self.port:
-                raise UnavailableError(f"health server: cannot bind {self.bind}")
-            self._server.start()
-        except BaseException as exc:
-            self.ready.fail(exc)
-            raise
-        self.ready.set()
-        return self.port
-
-    def wait_ready(self, timeout: float) -> None:
-        self.ready.wait(timeout)
-
-    def stop(self, grace: float = 1.0) -> None:
-        if self._stopped.is_set():
-            return
-        self._stopped.set()
-        self.ready.fail(UnavailableError(f"health server on {self.bind} stopped"))
-        self._server.stop(grace).wait(grace + 1)
-        self._executor.shutdown(wait=False, cancel_futures=True)
-        for thread in list(self._threads):
-            thread.join(grace + 1)
 
 
 def check(address: str, timeout: float, service: str = "", tls: TlsMaterial | None = None) -> str:

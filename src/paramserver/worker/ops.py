@@ -26,7 +26,8 @@ from ..base.lifecycle import Lifecycle, ReadyFlag
 from ..base.metrics import MetricsEndpoint, NodeMetrics
 from ..base.tls import TlsMaterial
 from ..coordinator.membership import Coordinator
-from ..transport.health import Health, HealthServer
+from ..transport.grpc_transport import health_server
+from ..transport.health import Health
 
 log = logging.getLogger(__name__)
 _STATES = ("joining", "training", "finished", "exited", "dead")
@@ -49,7 +50,7 @@ class WorkerOps(Lifecycle):
         self.metrics = metrics
         self.health = health or Health()
         bind = bind_address(config.address)
-        self.health_server = HealthServer(self.health, bind, tls) if health is None else None
+        self.health_server = health_server(self.health, bind, tls) if health is None else None
         port = config.options.metrics_port
         self.endpoint = (MetricsEndpoint(metrics.registry, port, bind.rsplit(":", 1)[0].strip("[]"), self.name)
                          if port >= 0 else None)
