@@ -13,7 +13,7 @@ import pytest
 
 import paramserver as ps
 from paramserver.transport import codec
-from paramserver.transport import stream as stream_mod
+from paramserver.transport import stream_server
 from paramserver.transport.grpc_transport import GrpcChannel
 
 PREFIX = struct.Struct("<4sBBHQ")
@@ -155,4 +155,4 @@ def test_a_second_ps_on_an_address_in_use_fails_to_start(procs):
 def test_a_stream_server_on_a_port_in_use_is_an_error():
     with socket.create_server(("127.0.0.1", 0)) as taken:
         with pytest.raises(ps.UnavailableError, match="cannot listen"):
-            stream_mod.StreamServer(None, "127.0.0.1", taken.getsockname()[1], 1 << 20)
+            stream_server.StreamServer(None, "127.0.0.1", taken.getsockname()[1], 1 << 20)

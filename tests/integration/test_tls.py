@@ -23,7 +23,9 @@ from paramserver.server.shard import Shard
 from paramserver.server.shard_service import ShardService
 from paramserver.transport import codec
 from paramserver.transport.grpc_transport import GrpcChannel
-from paramserver.transport.stream import MAGIC, METHODS, StreamClient, StreamServer
+from paramserver.transport.stream import MAGIC, METHODS
+from paramserver.transport.stream_client import StreamClient
+from paramserver.transport.stream_server import StreamServer
 from tests.conftest import ROOT, Procs
 
 SMALL = str(ROOT / "tests" / "integration" / "scripts" / "train_small.py")

@@ -21,6 +21,7 @@ from paramserver.server.shard_service import ShardService
 from paramserver.server.table_store import TableStore
 from paramserver.transport import codec
 from paramserver.transport import stream as stream_mod
+from paramserver.transport import stream_server
 from paramserver.transport.shared_memory import Segment
 
 SGD = {"name": "sgd", "hyper": {"lr": 0.5}}
@@ -243,7 +244,7 @@ def test_a_row_policy_of_wrong_types_is_an_invalid_argument():
 
 # ---- the stream: memory taken as bytes arrive; shared memory sealed and copied ---------------------------
 def test_a_declared_size_is_not_allocated_before_the_bytes_arrive():
-    inbox, (ours, theirs) = stream_mod._Inbox(), socket.socketpair()
+    inbox, (ours, theirs) = stream_mod.Inbox(), socket.socketpair()
     with ours, theirs:
         theirs.sendall(b"x" * 100)
         theirs.close()
@@ -277,16 +278,16 @@ class Recorder:
 
 def test_a_request_in_shared_memory_is_copied_out_before_the_service_sees_it():
     segment, _ = Segment.create(1 << 16)
-    server = stream_mod.StreamServer(None, "127.0.0.1", 0, 1 << 20)
+    server = stream_server.StreamServer(None, "127.0.0.1", 0, 1 << 20)
     server.service = recorder = Recorder(segment)
     request = codec.encode({})
     segment.requests[:len(request)] = request
     ours, theirs = socket.socketpair()
     try:
         theirs.sendall(struct.pack("<4sBBHQ", b"PSTS", stream_mod.REQUEST_SHM, 0, 0, len(request)))
-        state = stream_mod._Connection()
+        state = stream_server._Connection()
         state.segment = segment
-        assert server._serve_one(ours, "test", stream_mod._Inbox(), state)
+        assert server._serve_one(ours, "test", stream_mod.Inbox(), state)
         assert recorder.in_segment == [False]
     finally:
         ours.close()

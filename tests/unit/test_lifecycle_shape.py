@@ -33,7 +33,8 @@ from paramserver.transport import codec
 from paramserver.transport.grpc_transport import GrpcChannel, GrpcServer
 from paramserver.transport.grpc_transport import health_server as make_health_server
 from paramserver.transport.health import Health, check
-from paramserver.transport.stream import StreamClient, StreamServer
+from paramserver.transport.stream_client import StreamClient
+from paramserver.transport.stream_server import StreamServer
 from paramserver.worker.cluster import CoordinatorHost
 from paramserver.worker.ops import WorkerOps
 

@@ -31,7 +31,8 @@ from ..server.shard_service import ShardService
 from ..server.table_store import TableStore
 from ..transport.grpc_transport import SERVICE, GrpcServer
 from ..transport.health import Health
-from ..transport.stream import StreamServer, host_id
+from ..transport.stream import host_id
+from ..transport.stream_server import StreamServer
 
 log = logging.getLogger(__name__)
 READY_PREFIX = "PARAMSERVER_READY"

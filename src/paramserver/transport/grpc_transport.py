@@ -22,7 +22,8 @@ from .channel import CallHandle, FutureCall
 from .dispatch import answer, bearer_token
 from .health import Health
 from .stream import METHODS as STREAM_METHODS
-from .stream import StreamClient, host_id
+from .stream import host_id
+from .stream_client import StreamClient
 
 log = logging.getLogger(__name__)
 SERVICE = "paramserver.Shard"
