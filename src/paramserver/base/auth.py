@@ -225,7 +225,8 @@ class Guard:
     def needs_claim(self, method: str) -> bool:
         """Whether the request must be read before it is served (to authorize it, or to audit it)."""
         rule = self.actions.get(method)
-        audited = rule is not None and (rule.audited or rule.role == "admin") or method == "Leave"  # a Leave may be a Forget (audited)
+        # a Leave is read too: it may be a Forget, which is audited
+        audited = rule is not None and (rule.audited or rule.role == "admin") or method == "Leave"
         return self.checks or (self.audit is not None and audited)
 
     def permit(self, principal: Principal, claim: Claim) -> None:
