@@ -37,7 +37,8 @@ _LAZY = {
 
 __all__ = ["init", "Context", "current_context", "set_mode", "log_scalar", "Trainer", "EpochMetrics", "optim", "nn",
            "ClusterSpec", "NodeConfig", "Options", "Task", "ParamServerError", "InvalidArgumentError",
-           "MalformedFrameError", "NotFoundError", "FailedPreconditionError", "ProtocolVersionError", "UnavailableError",
+           "MalformedFrameError", "NotFoundError", "FailedPreconditionError", "ProtocolVersionError",
+           "UnavailableError",
            "DeadlineExceededError", "ConfigError", "NotInitializedError", "AlreadyExistsError",
            "ResourceExhaustedError"]
 

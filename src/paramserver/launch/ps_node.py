@@ -149,7 +149,8 @@ def _restore_source(options: Options, guard: Guard):
 
 
 def run_ps_node(bind: str, index: int, options: Options, ready_timeout: float = 60.0) -> int:
-    """Serve until SIGTERM, SIGINT or an admin's Shutdown call, then drain within `drain_grace_s`; returns the process exit code.
+    """Serve until SIGTERM, SIGINT or an admin's Shutdown call, then drain within `drain_grace_s`;
+    returns the process exit code.
     Call from the main thread.
 
     Once `wait_ready` passed, prints the ready line (module docstring): the one readiness signal a

@@ -7,18 +7,18 @@ view live values) and writes them where the reply must go, e.g. into shared memo
 the default joins them into bytes. Errors are raised as typed ParamServerError
 subclasses; the transport turns them into status codes.
 
-Methods: Hello, Register, PushPull, SetMode, Leave, RegisterTable, Lookup, PushSparse,
-Checkpoint, Shutdown (admin: the node drains and stops). Each request's meta is parsed into its message of base/messages.py (a bad field is
-a MalformedFrameError naming it, before anything changes) and each reply is built from one;
-the fields, their meanings and the tensors each frame carries are documented there (and in
-docs/protocol.md, generated from them). A PushPull without gradients, row pushes or "marker" is
-a plain pull; its parts (dense and riders) are all checked before any is applied. Thread-safe.
+Methods: Hello, Register, PushPull, SetMode, Leave, RegisterTable, Lookup, PushSparse, Checkpoint,
+Shutdown (admin: the node drains and stops). Each request's meta is parsed into its message of
+base/messages.py (a bad field is a MalformedFrameError naming it, before anything changes) and each
+reply is built from one; the fields, their meanings and the tensors each frame carries are
+documented there (and in docs/protocol.md, generated from them). A PushPull without gradients, row
+pushes or "marker" is a plain pull; its parts (dense and riders) are all checked before any is
+applied. Thread-safe.
 """
 
 from __future__ import annotations
 
 import logging
-
 from typing import Any, Callable
 
 from ..base import messages as msg

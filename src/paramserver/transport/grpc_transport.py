@@ -28,7 +28,8 @@ from .stream_client import StreamClient
 log = logging.getLogger(__name__)
 SERVICE = "paramserver.Shard"
 HEALTH_ONLY = "paramserver.HealthOnly"  # the service name of a server that serves health and nothing else
-_PEER_KINDS = {"paramserver.Coordinator": "coordinator", HEALTH_ONLY: "health"}  # service name -> what error messages call it
+# service name -> what error messages (and thread names) call it
+_PEER_KINDS = {"paramserver.Coordinator": "coordinator", HEALTH_ONLY: "health"}
 
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -181,7 +182,8 @@ class GrpcChannel:
         try:
             grpc.channel_ready_future(self._channel).result(timeout=timeout)
         except grpc.FutureTimeoutError:
-            hint = "" if self.tls is None else " (TLS: does it serve TLS, with a certificate for this host from our CA?)"
+            hint = ("" if self.tls is None else
+                    " (TLS: does it serve TLS, with a certificate for this host from our CA?)")
             raise UnavailableError(f"{self.peer_kind} {self.address} not reachable within "
                                    f"{timeout:.1f}s{hint}") from None
         reply = codec.decode(self.call("Hello", codec.encode({}), max(0.1, deadline - time.monotonic()))

@@ -17,8 +17,8 @@ from ..base.errors import (DeadlineExceededError, MalformedFrameError, ParamServ
 from . import codec
 from .channel import CallHandle
 from .shared_memory import Segment, write_parts
-from .stream import (ATTACH, AUTH, CODES, METHODS, REPLY_SHM, REQUEST, REQUEST_SHM, Inbox, peer_closed, read_prefix, send,
-                     tune)
+from .stream import (ATTACH, AUTH, CODES, METHODS, REPLY_SHM, REQUEST, REQUEST_SHM, Inbox, peer_closed, read_prefix,
+                     send, tune)
 
 log = logging.getLogger(__name__)
 _SHM_MIN_BYTES = 64 * 1024  # smaller messages go inline: not worth a segment

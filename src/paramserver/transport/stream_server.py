@@ -22,8 +22,8 @@ from ..base.errors import MalformedFrameError, UnauthenticatedError, Unavailable
 from ..base.lifecycle import Lifecycle, ReadyFlag
 from .dispatch import answer, introduce, needs_token, turned_away
 from .shared_memory import Segment, SegmentError
-from .stream import (ATTACH, AUTH, METHODS, REPLY, REPLY_SHM, REQUEST, REQUEST_SHM, Inbox, read_prefix, send, send_error,
-                     shut, tune)
+from .stream import (ATTACH, AUTH, METHODS, REPLY, REPLY_SHM, REQUEST, REQUEST_SHM, Inbox, read_prefix, send,
+                     send_error, shut, tune)
 
 log = logging.getLogger(__name__)
 _ANONYMOUS_BYTES = 64 * 1024  # the most a PS that checks tokens reads from a connection before its token
