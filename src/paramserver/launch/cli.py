@@ -179,6 +179,8 @@ def _run_local(args: argparse.Namespace, script: str, script_args: list[str]) ->
     threads = args.torch_threads or default_torch_threads(args.ps, args.workers)
     options = Options(rpc_timeout_s=args.rpc_timeout, torch_threads=threads, **mode_options(args))
     options.validate(args.workers)  # what needs the cluster's size too, before any process starts
+    if options.metrics_port > 0:
+        raise ConfigError("with `run` every node shares this host: --metrics-port 0 gives each a free port of its own")
     certs = _cert_dir(args, options)
     if args.tokens:
         from .tokens import STORE_FILE, local_nodes, write_tokens
