@@ -118,3 +118,10 @@ def test_health_goes_serving_then_draining_for_good():
     health.set_draining()
     health.set_serving()  # too late: a draining node never serves again
     assert [health.status(s) for s in ("", "paramserver.Shard")] == ["NOT_SERVING", "NOT_SERVING"]
+
+
+def test_run_refuses_one_fixed_metrics_port_for_nodes_that_share_a_host(capsys):
+    from paramserver.launch import cli
+
+    assert cli.main(["run", "--metrics-port", "9100", "no_such_script.py"]) == 2
+    assert "--metrics-port 0" in capsys.readouterr().err
