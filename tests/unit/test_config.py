@@ -27,6 +27,25 @@ def test_a_chief_is_worker_zero_and_shifts_the_workers():
     assert (chief.worker_index, worker.worker_index, worker.cluster.num_workers) == (0, 1, 3)
 
 
+def tfjob_tf_config(replicas: dict[str, int], task_type: str, index: int) -> str:
+    """TF_CONFIG as Kubeflow's TFJob controller writes it: lower-case replica types as cluster keys,
+    one `<job>-<type>-<i>.<namespace>.svc:2222` address per replica, and "environment": "cloud"."""
+    cluster = {kind: [f"job-{kind}-{i}.ns.svc:2222" for i in range(count)] for kind, count in replicas.items()}
+    return json.dumps({"cluster": cluster, "task": {"type": task_type, "index": index}, "environment": "cloud"})
+
+
+def test_a_tfjob_master_replica_is_the_chief():
+    replicas = {"master": 1, "ps": 2, "worker": 2}
+    master = parse_tf_config(tfjob_tf_config(replicas, "master", 0))
+    worker = parse_tf_config(tfjob_tf_config(replicas, "worker", 1))
+    assert master.task == Task("chief", 0) and master.worker_index == 0
+    assert master.cluster.chief == ("job-master-0.ns.svc:2222",) and master.address == "job-master-0.ns.svc:2222"
+    assert (worker.worker_index, worker.cluster.num_workers) == (2, 3)
+    both = {"cluster": {"master": ["a:1"], "chief": ["b:1"], "ps": ["c:1"]}, "task": {"type": "ps", "index": 0}}
+    with pytest.raises(ConfigError, match="both 'chief' and 'master'"):
+        parse_tf_config(json.dumps(both))
+
+
 @pytest.mark.parametrize("text, fragment", [
     ("{", "TF_CONFIG is not valid"),
     (json.dumps({"cluster": SEED}), "TF_CONFIG is not valid"),

@@ -20,6 +20,7 @@ from .consistency_spec import ConsistencySpec, ModeChange, parse_schedule
 from .errors import ConfigError, InvalidArgumentError
 
 ROLES = ("chief", "worker", "ps")
+LEGACY_CHIEF = "master"  # TF1's name for the chief, still written by Kubeflow's TFJob for a Master replica
 OPTIONS_ENV = "PARAMSERVER_OPTIONS"
 TF_CONFIG_ENV = "TF_CONFIG"
 
@@ -36,6 +37,10 @@ class ClusterSpec:
     def from_dict(cls, spec: Mapping[str, Any]) -> "ClusterSpec":
         if not isinstance(spec, Mapping):
             raise ConfigError(f"cluster spec must be an object of role -> address list, got {spec!r}")
+        if LEGACY_CHIEF in spec:  # {"master": [...]} is the chief
+            if spec.get("chief"):
+                raise ConfigError("a cluster spec names a chief under both 'chief' and 'master'; give one")
+            spec = {**{k: v for k, v in spec.items() if k != LEGACY_CHIEF}, "chief": spec[LEGACY_CHIEF]}
         unknown = sorted(set(spec) - set(ROLES) - {"evaluator", "options"})
         if unknown:
             raise ConfigError(f"cluster spec has unknown roles {unknown}; known: {list(ROLES)}")
@@ -305,6 +310,8 @@ def parse_tf_config(text: str, options: Options | None = None) -> NodeConfig:
         data = json.loads(text)
         spec, task = data["cluster"], data["task"]
         task = Task(str(task["type"]), int(task.get("index", 0)))
+        if task.type == LEGACY_CHIEF:
+            task = Task("chief", task.index)
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ConfigError(f"TF_CONFIG is not valid: {exc!r}") from None
     # the cluster's, the task's and the options' own errors say what is wrong themselves
