@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .audit import AuditLog
+from .tls import TlsMaterial, tls_from_options
 from .errors import ConfigError, ParamServerError, PermissionDeniedError, UnauthenticatedError
 
 log = logging.getLogger(__name__)
@@ -81,6 +82,37 @@ COORDINATOR_ACTIONS: dict[str, Action] = {
     "Hello": Action("ps"), "Join": Action("worker", audited=True), "Heartbeat": _WORKER,
     "Finish": Action("worker", audited=True), "Barrier": _WORKER, "Leave": Action("worker", audited=True),
     "RequestCheckpoint": _CHIEF}
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """What a node shows on every channel it opens: TLS material and its token (either may be None)."""
+
+    tls: TlsMaterial | None = None
+    token: str | None = None
+
+    @classmethod
+    def from_options(cls, options) -> "Credentials":
+        """From Options.tls_* and Options.token_file (files read now, once)."""
+        return cls(tls_from_options(options), read_token(options.token_file) if options.token_file else None)
+
+    @property
+    def metadata(self) -> tuple | None:
+        """The gRPC call metadata carrying the token, or None without one."""
+        return bearer_metadata(self.token)
+
+
+def bearer_metadata(token: str | None) -> tuple | None:
+    """gRPC call metadata ("authorization", "Bearer <token>"), or None without a token."""
+    return (("authorization", f"Bearer {token}"),) if token else None
+
+
+def bearer_token(metadata) -> str | None:
+    """The token of an ("authorization", "Bearer <token>") entry of gRPC call metadata, if any."""
+    for key, value in metadata or ():
+        if key == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
+            return value[len("Bearer "):]
+    return None
 
 
 def token_hash(token: str) -> str:

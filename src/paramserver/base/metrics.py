@@ -49,12 +49,25 @@ class CallMetrics:
         self.sent = Counter("paramserver_reply_bytes", "Bytes of replies sent (errors included), by service and "
                             "method", ("service", "method"), registry=registry)
 
+        self._children: dict[tuple[str, str], tuple] = {}  # (method, code) -> its labelled metrics
+
     def observe(self, method: str, code: str, seconds: float, request_bytes: int, reply_bytes: int) -> None:
         method = method if method in self.methods else UNKNOWN_METHOD
-        self.calls.labels(self.service, method, code).inc()
-        self.latency.labels(self.service, method).observe(seconds)
-        self.received.labels(self.service, method).inc(request_bytes)
-        self.sent.labels(self.service, method).inc(reply_bytes)
+        calls, latency, received, sent = self._labelled(method, code)
+        calls.inc()
+        latency.observe(seconds)
+        received.inc(request_bytes)
+        sent.inc(reply_bytes)
+
+    def _labelled(self, method: str, code: str) -> tuple:
+        """The four metrics of (method, code), labelled once: labels() takes a lock and builds a key
+        each time, and this runs on every call a server answers."""
+        found = self._children.get((method, code))
+        if found is None:  # a race here labels twice and keeps either: labels() returns the same child
+            found = self._children[(method, code)] = (
+                self.calls.labels(self.service, method, code), self.latency.labels(self.service, method),
+                self.received.labels(self.service, method), self.sent.labels(self.service, method))
+        return found
 
 
 class CheckpointMetrics:

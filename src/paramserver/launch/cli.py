@@ -226,13 +226,11 @@ def _names(text: str) -> list[str]:
 
 
 def _status_access(args: argparse.Namespace):
-    """How `status` reaches the nodes: the TLS material and token given as flags."""
-    from ..base.auth import read_token
-    from ..base.tls import tls_from_options
-    from .status import Access
+    """How `status` and `shutdown` reach the nodes: the TLS material and token given as flags."""
+    from ..base.auth import Credentials
 
-    options = Options(tls_cert=args.tls_cert or "", tls_key=args.tls_key or "", tls_ca=args.tls_ca or "")
-    return Access(tls_from_options(options), read_token(args.token_file) if args.token_file else None)
+    return Credentials.from_options(Options(tls_cert=args.tls_cert or "", tls_key=args.tls_key or "",
+                                            tls_ca=args.tls_ca or "", token_file=args.token_file or ""))
 
 
 def _cluster_spec(path: str | None) -> ClusterSpec:

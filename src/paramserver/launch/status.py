@@ -18,7 +18,8 @@ from typing import Any
 import grpc
 
 from ..base.config import ClusterSpec
-from ..base.tls import TlsMaterial, open_channel
+from ..base.auth import Credentials
+from ..base.tls import open_channel
 from ..coordinator.coordinator_service import SERVICE as COORDINATOR
 from ..transport import codec
 from ..transport.grpc_transport import SERVICE as SHARD
@@ -43,19 +44,8 @@ class NodeStatus:
     rss_bytes: int | None = None
 
 
-@dataclass(frozen=True)
-class Access:
-    """How `status` reaches nodes that serve TLS or check tokens (both optional)."""
-
-    tls: TlsMaterial | None = None
-    token: str | None = None
-
-    @property
-    def metadata(self) -> tuple | None:
-        return (("authorization", f"Bearer {self.token}"),) if self.token else None
-
-
-def hello(address: str, service: str, timeout: float, access: Access = Access()) -> dict[str, Any] | None:
+def hello(address: str, service: str, timeout: float,
+          access: Credentials = Credentials()) -> dict[str, Any] | None:
     """The meta of `service`'s Hello reply at `address` (with the process's memory), or None if it did
     not answer within `timeout`."""
     with open_channel(address, access.tls) as channel:
@@ -68,7 +58,7 @@ def hello(address: str, service: str, timeout: float, access: Access = Access())
 
 
 def cluster_status(cluster: ClusterSpec, interval: float = 1.0, timeout: float = 2.0,
-                   access: Access = Access()) -> list[NodeStatus]:
+                   access: Credentials = Credentials()) -> list[NodeStatus]:
     """Every node of `cluster`: PS first, then the chief and the workers."""
     nodes = [NodeStatus("ps", i, a) for i, a in enumerate(cluster.ps)]
     nodes += [NodeStatus("chief", i, a) for i, a in enumerate(cluster.chief)]
@@ -87,7 +77,8 @@ def cluster_status(cluster: ClusterSpec, interval: float = 1.0, timeout: float =
     return nodes
 
 
-def _sample(pool: futures.ThreadPoolExecutor, addresses: tuple[str, ...], timeout: float, access: Access) -> list:
+def _sample(pool: futures.ThreadPoolExecutor, addresses: tuple[str, ...], timeout: float,
+            access: Credentials) -> list:
     calls = [pool.submit(hello, address, SHARD, timeout, access) for address in addresses]
     return [(call.result(), time.monotonic()) for call in calls]
 
@@ -128,14 +119,16 @@ def _cell(node: NodeStatus, key: str) -> str:
     return "-" if value is None else str(value)
 
 
-def run_status(cluster: ClusterSpec, as_json: bool, interval: float, timeout: float, access: Access = Access()) -> int:
+def run_status(cluster: ClusterSpec, as_json: bool, interval: float, timeout: float,
+               access: Credentials = Credentials()) -> int:
     """Print the cluster's status; exit code 0 when every node is SERVING, else 1."""
     nodes = cluster_status(cluster, interval, timeout, access)
     print(json.dumps([asdict(n) for n in nodes]) if as_json else table(nodes), flush=True)
     return 0 if all(n.health == "SERVING" for n in nodes) else 1
 
 
-def shutdown_cluster(cluster: ClusterSpec, timeout: float, access: Access = Access(), reason: str = "") -> int:
+def shutdown_cluster(cluster: ClusterSpec, timeout: float, access: Credentials = Credentials(),
+                     reason: str = "") -> int:
     """Ask every PS of `cluster` to drain and stop (an admin call when the PS check tokens); prints one
     JSON line per PS with its answer. Exit code 0 when every PS accepted, else 1."""
     request = codec.encode({"reason": reason} if reason else {})

@@ -114,11 +114,3 @@ def needs_token(service) -> bool:
     """Whether `service` serves only callers with a known token."""
     guard: Guard | None = getattr(service, "guard", None)
     return guard is not None and guard.checks
-
-
-def bearer_token(metadata) -> str | None:
-    """The token of an ("authorization", "Bearer <token>") entry of gRPC call metadata, if any."""
-    for key, value in metadata or ():
-        if key == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
-            return value[len("Bearer "):]
-    return None

@@ -14,12 +14,13 @@ from concurrent.futures import Future
 
 import grpc
 
+from ..base.auth import bearer_metadata, bearer_token
 from ..base.errors import UnavailableError, error_for_status
 from ..base.lifecycle import Lifecycle, ReadyFlag
 from ..base.tls import TlsMaterial
 from . import codec
 from .channel import CallHandle, FutureCall
-from .dispatch import answer, bearer_token
+from .dispatch import answer
 from .health import Health
 from .stream import METHODS as STREAM_METHODS
 from .stream import host_id
@@ -157,7 +158,7 @@ class GrpcChannel:
         self._methods: dict[str, grpc.UnaryUnaryMultiCallable] = {}
         self._stream: StreamClient | None = None
         self._token = token
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self._metadata = bearer_metadata(token)
 
     def call(self, method: str, payload: bytes, timeout: float, owned: bool = False) -> CallHandle:
         if self._stream is not None and method in STREAM_METHODS:

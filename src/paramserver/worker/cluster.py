@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
 
 import torch
 
-from ..base.auth import COORDINATOR_ACTIONS, Guard, read_token
+from ..base.auth import COORDINATOR_ACTIONS, Credentials, Guard
 from ..base.config import NodeConfig, Options, bind_address
 from ..base.grpc_fork import GRPC_FORK_SUPPORT_ENV, grpc_fork_handlers_on
 from ..base.consistency_spec import ConsistencySpec
 from ..base.lifecycle import Lifecycle
 from ..base.metrics import NodeMetrics
-from ..base.tls import TlsMaterial, tls_from_options
 from ..base.progress import ProgressWriter
 from ..client.ps_client import PSClient
 from ..coordinator.coordinator_service import SERVICE as COORDINATOR
@@ -33,19 +31,9 @@ from .summaries import open_summaries
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class Credentials:
-    """What this node shows on every channel it opens: TLS material and its token (either may be None)."""
-
-    tls: TlsMaterial | None = None
-    token: str | None = None
-
-    @classmethod
-    def from_options(cls, options: Options) -> "Credentials":
-        return cls(tls_from_options(options), read_token(options.token_file) if options.token_file else None)
-
-    def channel(self, address: str, options: Options, **kwargs) -> GrpcChannel:
-        return GrpcChannel(address, options.max_message_bytes, tls=self.tls, token=self.token, **kwargs)
+def _channel(credentials: Credentials, address: str, options: Options, **kwargs) -> GrpcChannel:
+    """A channel to `address` showing this node's TLS material and token."""
+    return GrpcChannel(address, options.max_message_bytes, tls=credentials.tls, token=credentials.token, **kwargs)
 
 
 class CoordinatorHost(Lifecycle):
@@ -56,7 +44,7 @@ class CoordinatorHost(Lifecycle):
     ("coordinator-watch") tells the shards of workers found dead (`tell_shards`).
     """
 
-    def __init__(self, num_workers: int, address: str, options: Options, credentials: "Credentials | None" = None,
+    def __init__(self, num_workers: int, address: str, options: Options, credentials: Credentials | None = None,
                  metrics: NodeMetrics | None = None) -> None:
         """`credentials`: the hosting worker's own (TLS, token), also used when it tells the shards of dead
         workers; `metrics`: the hosting worker's, which then records the coordinator's calls and membership."""
@@ -88,7 +76,7 @@ class CoordinatorHost(Lifecycle):
 
     def tell_shards(self, ps_addresses: list[str]) -> None:
         """From now on, tell these shards of every worker found dead, so their waits fail at once."""
-        channels = [self.credentials.channel(a, self.options, use_stream=False)
+        channels = [_channel(self.credentials, a, self.options, use_stream=False)
                     for a in ps_addresses]
         self.notices = PSClient(channels, self.options.rpc_timeout_s)
 
@@ -163,8 +151,8 @@ def cluster_context(config: NodeConfig) -> Context:
         client = _connect_shards(config, spec, credentials)
         if host is not None:
             host.tell_shards(list(cluster.ps))
-        coordinator = CoordinatorClient(credentials.channel(coordinator_address, options, use_stream=False,
-                                                            service_name=COORDINATOR),
+        coordinator = CoordinatorClient(_channel(credentials, coordinator_address, options, use_stream=False,
+                                                 service_name=COORDINATOR),
                                         index, options.rpc_timeout_s, options.heartbeat_s)
         _join(coordinator, options.connect_timeout_s)
         checkpointer, meet = _pauses(config, client, coordinator)
@@ -196,8 +184,8 @@ def _host_coordinator(config: NodeConfig, credentials: Credentials,
 
 def _connect_shards(config: NodeConfig, spec: ConsistencySpec, credentials: Credentials) -> PSClient:
     options = config.options
-    channels = [credentials.channel(address, options, use_stream=options.use_stream,
-                                    use_shared_memory=options.shared_memory) for address in config.cluster.ps]
+    channels = [_channel(credentials, address, options, use_stream=options.use_stream,
+                         use_shared_memory=options.shared_memory) for address in config.cluster.ps]
     client = PSClient(channels, options.rpc_timeout_s, options.split_bytes, config.worker_index, spec)
     client.connect(options.connect_timeout_s)
     return client
