@@ -2,7 +2,10 @@
 
 Read once when a node starts, from one of:
 - ``TF_CONFIG`` (TensorFlow / Kubeflow TFJob JSON: {"cluster": {...}, "task": {"type", "index"}}),
-- a cluster file plus ``--role`` / ``--index`` flags,
+  including the sparse form a TFJob with ``enableDynamicWorker`` writes ({"sparseCluster": ...}),
+  which names only part of the cluster: the rest comes from a cluster file or PARAMSERVER_CLUSTER;
+- a cluster file (or ``PARAMSERVER_CLUSTER``, the same JSON) plus ``--role`` / ``--index`` flags,
+  or the task that TF_CONFIG names;
 and ``PARAMSERVER_OPTIONS`` (JSON of :class:`Options`, set by ``paramserver run``).
 Nothing below this module reads the environment.
 """
@@ -20,18 +23,23 @@ from .consistency_spec import ConsistencySpec, ModeChange, parse_schedule
 from .errors import ConfigError, InvalidArgumentError
 
 ROLES = ("chief", "worker", "ps")
+EVALUATOR = "evaluator"  # TF's sidecar evaluator: outside the training cluster, follows its checkpoints
+TASK_TYPES = (*ROLES, EVALUATOR)
 LEGACY_CHIEF = "master"  # TF1's name for the chief, still written by Kubeflow's TFJob for a Master replica
 OPTIONS_ENV = "PARAMSERVER_OPTIONS"
 TF_CONFIG_ENV = "TF_CONFIG"
+CLUSTER_ENV = "PARAMSERVER_CLUSTER"  # a whole cluster spec (JSON), as in a cluster file
 
 
 @dataclass(frozen=True)
 class ClusterSpec:
-    """Addresses ("host:port") of every node, by role. A chief, if present, is worker number 0."""
+    """Addresses ("host:port") of every node, by role. A chief, if present, is worker number 0.
+    Evaluators are listed but are not workers: they never train and nothing waits for them."""
 
     ps: tuple[str, ...] = ()
     worker: tuple[str, ...] = ()
     chief: tuple[str, ...] = ()
+    evaluator: tuple[str, ...] = ()
 
     @classmethod
     def from_dict(cls, spec: Mapping[str, Any]) -> "ClusterSpec":
@@ -41,11 +49,11 @@ class ClusterSpec:
             if spec.get("chief"):
                 raise ConfigError("a cluster spec names a chief under both 'chief' and 'master'; give one")
             spec = {**{k: v for k, v in spec.items() if k != LEGACY_CHIEF}, "chief": spec[LEGACY_CHIEF]}
-        unknown = sorted(set(spec) - set(ROLES) - {"evaluator", "options"})
+        unknown = sorted(set(spec) - set(TASK_TYPES) - {"options"})
         if unknown:
-            raise ConfigError(f"cluster spec has unknown roles {unknown}; known: {list(ROLES)}")
+            raise ConfigError(f"cluster spec has unknown roles {unknown}; known: {list(TASK_TYPES)}")
         lists = {}
-        for role in ROLES:
+        for role in TASK_TYPES:
             addresses = spec.get(role, [])
             if not isinstance(addresses, list) or not all(isinstance(a, str) and ":" in a for a in addresses):
                 raise ConfigError(f"cluster role {role!r} must be a list of 'host:port' strings, got {addresses!r}")
@@ -59,7 +67,7 @@ class ClusterSpec:
         return cls(**lists)
 
     def to_dict(self) -> dict[str, list[str]]:
-        return {role: list(getattr(self, role)) for role in ROLES if getattr(self, role)}
+        return {role: list(getattr(self, role)) for role in TASK_TYPES if getattr(self, role)}
 
     @property
     def num_workers(self) -> int:
@@ -278,10 +286,11 @@ class NodeConfig:
     options: Options = field(default_factory=Options)
 
     def __post_init__(self) -> None:
-        if self.task.type not in ROLES:
-            raise ConfigError(f"task type {self.task.type!r} is not one of {list(ROLES)}")
+        if self.task.type not in TASK_TYPES:
+            raise ConfigError(f"task type {self.task.type!r} is not one of {list(TASK_TYPES)}")
         count = len(getattr(self.cluster, self.task.type))
-        if not 0 <= self.task.index < count:
+        unlisted_evaluator = self.task.type == EVALUATOR and count == 0  # it serves nothing: needs no address
+        if self.task.index < 0 or not unlisted_evaluator and self.task.index >= count:
             raise ConfigError(f"task {self.task.type}:{self.task.index} is outside the cluster "
                               f"({count} {self.task.type} address(es))")
         self.options.validate(self.cluster.num_workers)
@@ -294,8 +303,10 @@ class NodeConfig:
         return len(self.cluster.chief) + self.task.index
 
     @property
-    def address(self) -> str:
-        return getattr(self.cluster, self.task.type)[self.task.index]
+    def address(self) -> str | None:
+        """This node's own address; None for an evaluator the cluster spec does not list."""
+        addresses = getattr(self.cluster, self.task.type)
+        return addresses[self.task.index] if self.task.index < len(addresses) else None
 
 
 def bind_address(address: str) -> str:
@@ -304,18 +315,60 @@ def bind_address(address: str) -> str:
     return address if host in ("localhost", "127.0.0.1", "[::1]") else f"0.0.0.0:{port}"
 
 
-def parse_tf_config(text: str, options: Options | None = None) -> NodeConfig:
-    """A NodeConfig from TF_CONFIG's JSON text."""
+def parse_tf_config(text: str, options: Options | None = None, cluster: ClusterSpec | None = None) -> NodeConfig:
+    """A NodeConfig from TF_CONFIG's JSON text.
+
+    The sparse form (a TFJob with enableDynamicWorker: {"sparseCluster": {"ps": [...], "worker":
+    {"3": "host:port"}}, ...}, or "cluster" with a worker object) names only part of the cluster;
+    `cluster` (a cluster file or PARAMSERVER_CLUSTER) gives the whole, and must agree with it.
+    """
     try:
         data = json.loads(text)
-        spec, task = data["cluster"], data["task"]
+        task = data["task"]
         task = Task(str(task["type"]), int(task.get("index", 0)))
         if task.type == LEGACY_CHIEF:
             task = Task("chief", task.index)
+        spec = data["sparseCluster"] if "sparseCluster" in data else data["cluster"]
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ConfigError(f"TF_CONFIG is not valid: {exc!r}") from None
+    if "sparseCluster" in data or isinstance(spec, Mapping) and isinstance(spec.get("worker"), Mapping):
+        return NodeConfig(_whole_cluster(spec, task, cluster), task, options or Options())
     # the cluster's, the task's and the options' own errors say what is wrong themselves
     return NodeConfig(ClusterSpec.from_dict(spec), task, options or Options())
+
+
+def _whole_cluster(sparse: Any, task: Task, cluster: ClusterSpec | None) -> ClusterSpec:
+    """The whole cluster behind TF_CONFIG's sparse form, checked against what the form names."""
+    if not isinstance(sparse, Mapping):
+        raise ConfigError(f"TF_CONFIG's sparse cluster must be an object, got {sparse!r}")
+    if cluster is None:
+        raise ConfigError("TF_CONFIG has the sparse cluster form (a TFJob with enableDynamicWorker), which names "
+                          "neither the other workers nor the chief; give the whole cluster too: --cluster FILE or "
+                          f"{CLUSTER_ENV} (paramserver k8s --tfjob writes it)")
+    workers = sparse.get("worker") or {}
+    named = {("worker", int(index)): address for index, address in workers.items()} if isinstance(workers, Mapping) \
+        else {}
+    ps = sparse.get("ps") or []
+    if task.type == "ps" and len(ps) == 1:  # a PS's sparse form lists only itself
+        named[("ps", task.index)] = ps[0]
+    else:
+        named.update({("ps", index): address for index, address in enumerate(ps)})
+    for (role, index), address in named.items():
+        listed = getattr(cluster, role)
+        if index >= len(listed) or listed[index] != address:
+            raise ConfigError(f"TF_CONFIG names {role}:{index} at {address}, but the whole cluster given "
+                              f"has {listed[index] if index < len(listed) else 'no such task'}")
+    return cluster
+
+
+def cluster_from_text(text: str, source: str) -> ClusterSpec:
+    """A ClusterSpec from a cluster file's JSON: a spec, or {"cluster": spec, "options": {...}}."""
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise ConfigError(f"{source} is not valid JSON: {exc}") from None
+    spec = data.get("cluster", data) if isinstance(data, dict) else data
+    return ClusterSpec.from_dict(spec)
 
 
 def load_cluster_file(path: str | Path, role: str, index: int, options: Options | None = None) -> NodeConfig:
@@ -323,15 +376,21 @@ def load_cluster_file(path: str | Path, role: str, index: int, options: Options 
 
     Options in the file (e.g. "mode") override those from the environment.
     """
+    cluster, options = read_cluster_file(path, options)
+    return NodeConfig(cluster, Task(role, index), options)
+
+
+def read_cluster_file(path: str | Path, options: Options | None = None) -> tuple[ClusterSpec, Options]:
+    """A cluster file's spec, and `options` with the file's own options laid over them."""
     try:
-        data = json.loads(Path(path).read_text())
+        text = Path(path).read_text()
+        data = json.loads(text)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"cannot read cluster file {path}: {exc}") from None
-    spec = data.get("cluster", data) if isinstance(data, dict) else data
     options = options or Options()
     if isinstance(data, dict) and isinstance(data.get("options"), dict):
         options = Options.from_dict({**asdict(options), **data["options"]})
-    return NodeConfig(ClusterSpec.from_dict(spec), Task(role, index), options)
+    return cluster_from_text(text, f"cluster file {path}"), options
 
 
 def options_from_environ(environ: Mapping[str, str] = os.environ) -> Options:
@@ -345,10 +404,14 @@ def options_from_environ(environ: Mapping[str, str] = os.environ) -> Options:
     return Options.from_dict(values)
 
 
-def config_from_environ(environ: Mapping[str, str] = os.environ, options: Options | None = None) -> NodeConfig | None:
+def config_from_environ(environ: Mapping[str, str] = os.environ, options: Options | None = None,
+                        cluster: ClusterSpec | None = None) -> NodeConfig | None:
     """The node config given by TF_CONFIG, or None when TF_CONFIG is unset. Its options are `options`
-    (e.g. PARAMSERVER_OPTIONS combined with command-line flags), else PARAMSERVER_OPTIONS."""
+    (e.g. PARAMSERVER_OPTIONS combined with command-line flags), else PARAMSERVER_OPTIONS. A sparse
+    TF_CONFIG takes the whole cluster from `cluster`, else from PARAMSERVER_CLUSTER."""
     text = environ.get(TF_CONFIG_ENV)
     if not text:
         return None
-    return parse_tf_config(text, options or options_from_environ(environ))
+    if cluster is None and environ.get(CLUSTER_ENV):
+        cluster = cluster_from_text(environ[CLUSTER_ENV], CLUSTER_ENV)
+    return parse_tf_config(text, options or options_from_environ(environ), cluster)

@@ -29,7 +29,8 @@ def _parser() -> argparse.ArgumentParser:
 
     node = sub.add_parser("node", help="run one node from TF_CONFIG or --cluster/--role/--index")
     node.add_argument("--cluster", help="JSON file with the cluster spec ({'ps': [...], 'worker': [...]})")
-    node.add_argument("--role", choices=["ps", "worker", "chief"], help="this node's role (with --cluster)")
+    node.add_argument("--role", choices=["ps", "worker", "chief", "evaluator"],
+                      help="this node's role (with --cluster or PARAMSERVER_CLUSTER; else TF_CONFIG's task)")
     node.add_argument("--index", type=int, help="this node's index within its role (default 0)")
     node.add_argument("--bind", help="PS only: listen address HOST:PORT (default: from the cluster spec)")
     _add_node_flags(node)

@@ -23,12 +23,21 @@ log = logging.getLogger(__name__)
 
 
 def resolve(cluster_file: str | None, role: str | None, index: int | None, options: Options) -> NodeConfig | None:
-    """The node's config from flags (a cluster file) or TF_CONFIG; None if neither is given."""
+    """The node's config from flags (a cluster file), TF_CONFIG, or both; None if neither is given.
+
+    With `--cluster FILE` and no `--role`, the task is TF_CONFIG's and the file gives the whole
+    cluster (what a TFJob's sparse TF_CONFIG leaves out)."""
+    if cluster_file and role is None and os.environ.get(config_mod.TF_CONFIG_ENV):
+        whole, options = config_mod.read_cluster_file(cluster_file, options)
+        return config_mod.config_from_environ(os.environ, options, whole)
     if cluster_file:
         if role is None:
-            raise ConfigError("--cluster needs --role (ps, worker or chief)")
+            raise ConfigError("--cluster needs --role (ps, worker, chief or evaluator), or TF_CONFIG naming the task")
         return config_mod.load_cluster_file(cluster_file, role, index or 0, options)
     config = config_mod.config_from_environ(os.environ, options)
+    if config is None and role is not None and os.environ.get(config_mod.CLUSTER_ENV):
+        whole = config_mod.cluster_from_text(os.environ[config_mod.CLUSTER_ENV], config_mod.CLUSTER_ENV)
+        return NodeConfig(whole, config_mod.Task(role, index or 0), options)
     if config is not None and role is not None and (role, index or 0) != (config.task.type, config.task.index):
         raise ConfigError(f"--role {role} --index {index or 0} contradicts TF_CONFIG's task "
                           f"{config.task.type}:{config.task.index}")
