@@ -39,6 +39,7 @@ class Client:
     `pushes` stands for the shards' counters."""
 
     channels = [object()]
+    incarnations = [None]  # an in-process shard: never restarts
     consistency = type("Spec", (), {"to_dict": lambda self: {"mode": "async"}})()
 
     def __init__(self, fs=None, directory=""):

@@ -93,6 +93,13 @@ class NotInitializedError(ParamServerError, RuntimeError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class RollbackError(ParamServerError):
+    """A PS or the chief restarted: the cluster goes back to its latest checkpoint, and this worker
+    must restart to follow it (`paramserver node` exits with RESTART_EXIT_CODE for its restart loop)."""
+
+    code = grpc.StatusCode.ABORTED
+
+
 _BY_CODE: dict[grpc.StatusCode, type[ParamServerError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
     grpc.StatusCode.NOT_FOUND: NotFoundError,
@@ -103,6 +110,7 @@ _BY_CODE: dict[grpc.StatusCode, type[ParamServerError]] = {
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
     grpc.StatusCode.UNAUTHENTICATED: UnauthenticatedError,
     grpc.StatusCode.PERMISSION_DENIED: PermissionDeniedError,
+    grpc.StatusCode.ABORTED: RollbackError,
 }
 
 

@@ -58,6 +58,8 @@ class HelloReply(Message):
     tables: dict[str, dict[str, Any]] = doc_field("by table: rows, dim, updates, admission counters, bytes")
     stream_port: int | None = doc_field("the tensor stream's TCP port (a PS node)", None)
     host_id: str | None = doc_field("hostname and boot id: equal on one host, for shared memory", None)
+    incarnation: str | None = doc_field("random id of this PS process: a new one after every restart", None)
+    groups: int = doc_field("dense groups registered (0 for a PS that no worker registered with since it started)", 0)
     rss_bytes: int | None = doc_field("the serving process's resident memory, in bytes (asked with `process`)", None)
 
 
@@ -136,6 +138,7 @@ class RegisterTableRequest(Message):
     capacity: int = doc_field("rows this shard reserves up front (at most 2^30)", 0)
     num_shards: int = doc_field("the shards the table spreads over", 1)
     consistency: dict[str, Any] | None = doc_field("the mode, for a shard that holds no dense variable", None)
+    worker: int | None = doc_field("the registering worker's index", None)
 
 
 @message("RegisterTable reply")
@@ -186,6 +189,8 @@ class ShutdownRequest(Message):
     """Drain and stop this PS (admin only): health goes NOT_SERVING, calls in flight finish within
     `drain_grace_s`, and the process exits 0, as on SIGTERM."""
     reason: str = doc_field("why, for the log and the audit trail", default="")
+    restart: bool = doc_field("exit with code 75 instead of 0, for the node's restart loop to start it again from "
+                              "the latest checkpoint (a roll-back; the chief may ask this)", False)
 
 
 @message("Shutdown reply")
@@ -214,6 +219,7 @@ class CoordinatorReply(Message):
     steps: dict[str, int] | None = doc_field("by worker: its step, as its latest heartbeat said", None)
     open: bool | None = doc_field("Barrier only: whether it opened", None)
     waiting: list[int] | None = doc_field("Barrier only, not open: the workers it waits for", None)
+    incarnation: str | None = doc_field("random id of this coordinator: a new one when the chief restarted", None)
 
 
 @message("coordinator Hello request")

@@ -126,6 +126,11 @@ class PSClient:
         for channel in self.channels:
             channel.wait_ready(max(0.1, deadline - time.monotonic()))
 
+    @property
+    def incarnations(self) -> list[str | None]:
+        """Each shard's process as `connect` found it (None: a channel that does not say, e.g. in-process)."""
+        return [(getattr(channel, "hello", None) or {}).get("incarnation") for channel in self.channels]
+
     def register(self, group: str, optimizer_spec: dict, values: dict[str, np.ndarray]):
         """Place and register a group of variables; returns the handle of the shards' current values."""
         by_shard: dict[int, list[tuple[str, np.ndarray]]] = {}

@@ -90,10 +90,12 @@ class StepRiders:
 class TableClient:
     """Registers tables, looks rows up, pushes row gradients."""
 
-    def __init__(self, channels: list[ShardChannel], rpc_timeout_s: float, consistency: dict | None = None) -> None:
+    def __init__(self, channels: list[ShardChannel], rpc_timeout_s: float, consistency: dict | None = None,
+                 worker: int | None = None) -> None:
         self.channels = channels
         self.rpc_timeout_s = rpc_timeout_s
         self.consistency = consistency  # the mode, told to shards that hold no dense variable
+        self.worker = worker  # named when registering: a PS node accepts pushes only from workers that registered
 
     def register(self, table: str, dim: int, optimizer_spec: dict, init: dict, policy: dict | None = None,
                  capacity: int = 0) -> None:
@@ -101,7 +103,7 @@ class TableClient:
         per_shard = -(-capacity // len(self.channels))  # ids spread evenly over shards by hash
         request = msg.RegisterTableRequest(table=table, dim=dim, optimizer=optimizer_spec, init=init,
                                            policy=policy or {}, capacity=per_shard, num_shards=len(self.channels),
-                                           consistency=self.consistency)
+                                           consistency=self.consistency, worker=self.worker)
         payload = codec.encode(request.to_meta())
         self.wait_all([channel.call("RegisterTable", payload, self.rpc_timeout_s) for channel in self.channels])
 

@@ -68,8 +68,13 @@ class CoordinatorClient(Lifecycle):
     is read by the heartbeat thread; the training thread sets it.
     """
 
-    def __init__(self, channel, worker: int, rpc_timeout_s: float, heartbeat_s: float = 1.0) -> None:
+    def __init__(self, channel, worker: int, rpc_timeout_s: float, heartbeat_s: float = 1.0,
+                 on_restart: Callable[[str], None] | None = None) -> None:
+        """`on_restart(reason)`: called (from the thread whose call saw it) when a reply comes from a
+        coordinator other than the one this worker joined: the chief restarted."""
         self.channel = channel
+        self.on_restart = on_restart
+        self.incarnation: str | None = None  # the coordinator's this worker joined
         self.worker = worker
         self.rpc_timeout_s = rpc_timeout_s
         self.heartbeat_s = heartbeat_s
@@ -88,7 +93,24 @@ class CoordinatorClient(Lifecycle):
         payload = codec.encode(request_type(worker=self.worker, **fields).to_meta())
         reply = codec.decode(self.channel.call(method, payload, timeout).wait(timeout))
         self.view = msg.CoordinatorReply.from_meta(reply.meta).to_meta()
+        incarnation = self.view.get("incarnation")
+        if method == "Join" and self.incarnation is None:
+            self.incarnation = incarnation
+        elif incarnation != self.incarnation and self.on_restart is not None:
+            self.on_restart(f"the coordinator restarted (the chief; incarnation {self.incarnation} is now {incarnation})")
         return self.view
+
+    def restarted(self) -> str | None:
+        """Why the coordinator is not the one this worker joined (it restarted, or does not answer), or None."""
+        timeout = min(self.rpc_timeout_s, 5.0)
+        try:
+            payload = codec.encode(msg.CoordinatorHelloRequest().to_meta())
+            now = codec.decode(self.channel.call("Hello", payload, timeout).wait(timeout)).meta.get("incarnation")
+        except ParamServerError as exc:
+            return f"the coordinator does not answer ({exc})"
+        if now != self.incarnation:
+            return f"the coordinator restarted (incarnation {self.incarnation} is now {now})"
+        return None
 
     def start(self) -> None:
         self._thread.start()

@@ -19,6 +19,8 @@ The global step is the sum of the members' reported steps. Thread-safe.
 from __future__ import annotations
 
 import logging
+import re
+import secrets
 import threading
 import time
 from dataclasses import dataclass
@@ -31,6 +33,7 @@ _INT64 = 1 << 63
 # caller hold one of the coordinator's few request threads
 MAX_BARRIER_WAIT_S = 60
 STATES = ("joining", "training", "finished", "exited", "dead")
+_STEP_PAUSE = re.compile(r"^checkpoint@(\d+)(:written)?$")  # the pauses of checkpoint_every
 
 
 @dataclass
@@ -62,6 +65,7 @@ class Coordinator:
         self._checkpoints_requested = 0  # timed checkpoints asked for by the chief so far
         self._started = clock()
         self._cond = threading.Condition()
+        self.incarnation = secrets.token_hex(8)  # a restarted chief's coordinator is another: workers roll back
 
     # ---- a member's own calls ----------------------------------------------------------------
     def join(self, worker: int) -> dict:
@@ -200,10 +204,23 @@ class Coordinator:
                 if m.worker not in arrived and self._state(m) not in skipped]
 
     def _barrier_open(self, name: str, training_only: bool) -> bool:
-        if name in self._opened or not self._missing(name, training_only):
+        missing = self._missing(name, training_only)
+        if name in self._opened or not missing or training_only and self._passed_by(name, missing):
             self._opened.add(name)
             return True
         return False
+
+    def _passed_by(self, name: str, missing: list[int]) -> bool:
+        """Whether every missing worker waits at a later step's checkpoint pause: this one's checkpoint
+        was written before this coordinator started (its chief restarted), and a worker that resumed
+        behind the others reaches it alone. It goes on, to meet them at theirs."""
+        match = _STEP_PAUSE.match(name)
+        if match is None:
+            return False
+        later = {worker for barrier, arrived in self._barriers.items() if barrier not in self._opened
+                 and (other := _STEP_PAUSE.match(barrier)) and int(other.group(1)) > int(match.group(1))
+                 for worker in arrived}
+        return all(worker in later for worker in missing)
 
     def _fail_if_dead(self, name: str, training_only: bool) -> None:
         for worker in self._missing(name, training_only):
@@ -219,7 +236,7 @@ class Coordinator:
                 "live": self._live(), "workers": self.num_workers,
                 "states": {str(m.worker): self._state(m) for m in self._members.values()},
                 "steps": {str(m.worker): m.step for m in self._members.values()},
-                "checkpoints_requested": self._checkpoints_requested}
+                "checkpoints_requested": self._checkpoints_requested, "incarnation": self.incarnation}
 
     def _check(self, worker: int) -> None:
         if not isinstance(worker, int) or isinstance(worker, bool) or not 0 <= worker < self.num_workers:

@@ -3,6 +3,13 @@
 The node's role comes from `--cluster FILE --role R --index I`, or from TF_CONFIG. A PS
 node serves its shard until SIGTERM; a worker (or chief) node runs SCRIPT with ARGS as
 `__main__`, and `paramserver.init()` inside it joins the cluster this node belongs to.
+
+Under a restart loop (Kubernetes' restartPolicy, a supervisor), recovery needs no launcher:
+- a PS of a cluster with a checkpoint_dir starts from the latest complete checkpoint there;
+- a PS or the chief that restarted makes the cluster roll back to that checkpoint: the chief
+  restarts (or, restarted, finds the PS holding state), asks every PS holding state to restart,
+  and every worker that learns of it exits with RESTART_EXIT_CODE to be started again
+  (docs/deploy.md, "When a pod dies").
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from pathlib import Path
 from ..base import config as config_mod
 from ..base.config import NodeConfig, Options, bind_address
 from ..base.errors import ConfigError
+from ..base.lifecycle import RESTART_EXIT_CODE
 from ..base.logs import name_node, node_name
 
 log = logging.getLogger(__name__)
@@ -57,6 +65,10 @@ def run_node(cluster_file: str | None, role: str | None, index: int | None, bind
         from .ps_node import run_ps_node
         if bind is None and config is None:
             raise ConfigError("a PS node needs TF_CONFIG, --cluster, or --bind HOST:PORT")
+        if config is not None:  # with the cluster file's own options
+            options = config.options
+        if config is not None and options.checkpoint_dir:  # a restarted PS of a cluster resumes by itself
+            options = dataclasses.replace(options, resume=True)
         return run_ps_node(bind or bind_address(config.address), config.task.index if config else index or 0,
                            options)
     if config is None:
@@ -85,6 +97,14 @@ def run_script(config: NodeConfig, script: str, args: list[str]) -> int:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         completed = code == 0
         return code
+    except Exception as exc:
+        why = context._current.rollback_reason() if context._current is not None else None
+        if why is None:
+            raise
+        log.warning("%s %d: the cluster rolls back (%s); exiting with %d to be restarted (the script stopped "
+                    "with %s: %s)", config.task.type, config.task.index, why, RESTART_EXIT_CODE,
+                    type(exc).__name__, exc, extra={"event": "rollback_exit"})
+        return RESTART_EXIT_CODE
     finally:
         if context._current is not None:
             context._current.shutdown(completed)

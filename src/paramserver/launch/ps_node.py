@@ -8,11 +8,18 @@ Operations (docs/operations.md): the gRPC port also serves grpc.health.v1 (NOT_S
 `wait_ready` passed, SERVING, NOT_SERVING once draining); with `metrics_port` >= 0 a Prometheus
 endpoint serves the node's metrics (its port is logged). SIGTERM drains: health goes NOT_SERVING,
 calls in flight get `drain_grace_s` seconds to finish, then the process exits 0.
+
+Restarts (docs/deploy.md, "When a pod dies"): each PS process has a random `incarnation`, announced
+in Hello, so that a worker or the chief can tell a restarted PS from the one it registered with, and
+it accepts pushes only from workers that registered with it (ShardService.sessions). The chief's
+roll-back asks a PS to restart (a Shutdown with `restart`): it drains and exits RESTART_EXIT_CODE,
+for its restart loop to start it again from the latest checkpoint.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 import signal
 import sys
 import threading
@@ -20,7 +27,7 @@ import time
 
 from ..base.auth import SHARD_ACTIONS, Guard
 from ..base.config import Options
-from ..base.lifecycle import Lifecycle
+from ..base.lifecycle import RESTART_EXIT_CODE, Lifecycle
 from ..base.metrics import MetricsEndpoint, NodeMetrics
 from ..base.tls import tls_from_options
 from ..checkpoint import shard_writer
@@ -63,6 +70,8 @@ class PSNode(Lifecycle):
         self.service = ShardService(self.shard, tables,
                                     save_checkpoint=save and self.metrics.checkpoints.around(save))
         self.service.guard = self.guard
+        self.service.sessions = set()  # pushes only from workers that registered with this process
+        self.incarnation = secrets.token_hex(8)
         self.service.calls = self.metrics.calls(SERVICE, self.service.methods)
         self.metrics.registry.register(ShardCollector(self.shard, self.service.tables))
         self.health = Health((SERVICE,))
@@ -80,7 +89,7 @@ class PSNode(Lifecycle):
         self._stopped = False
 
     def start(self) -> str:
-        self.service.announce.update(stream_port=self.stream.start(), host_id=host_id())
+        self.service.announce.update(stream_port=self.stream.start(), host_id=host_id(), incarnation=self.incarnation)
         port = self.server.start()
         if self.endpoint is not None:
             self.endpoint.start()
@@ -155,15 +164,22 @@ def run_ps_node(bind: str, index: int, options: Options, ready_timeout: float = 
 
     Once `wait_ready` passed, prints the ready line (module docstring): the one readiness signal a
     PS process gives the process that started it."""
-    stopping = threading.Event()
+    stopping, restart = threading.Event(), []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stopping.set())
+
+    def shutdown(restart_asked: bool) -> None:  # an admin's Shutdown (or the chief's restart) drains like SIGTERM
+        restart.append(restart_asked)
+        stopping.set()
     with PSNode(bind, index, options) as node:
-        node.service.on_shutdown = stopping.set  # an admin's Shutdown call drains like SIGTERM
+        node.service.on_shutdown = shutdown
         node.wait_ready(ready_timeout)
         print(f"{READY_PREFIX} ps {index} {node.address}", flush=True)
         while not stopping.wait(1.0):
             pass
         node.drain(options.drain_grace_s)
     sys.stdout.flush()
+    if any(restart):
+        log.info("ps %d: exiting with %d for its restart loop (a roll-back)", index, RESTART_EXIT_CODE)
+        return RESTART_EXIT_CODE
     return 0

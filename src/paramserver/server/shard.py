@@ -338,7 +338,7 @@ class Shard:
         """Counters and mode, for Hello replies and monitoring."""
         with self._cond:
             stats = self.stats
-            return {"version": self.version, "sync_step": self.sync_step,
+            return {"version": self.version, "sync_step": self.sync_step, "groups": len(self._groups),
                     "mode": str(self.spec or ConsistencySpec()), "pushes": stats.pushes,
                     "dropped_late": stats.dropped_late, "waiting": self.waiting, "staleness_max": stats.staleness_max,
                     "staleness_mean": stats.staleness_sum / stats.pushes if stats.pushes else 0.0}

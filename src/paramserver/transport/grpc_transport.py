@@ -161,7 +161,8 @@ class GrpcChannel:
         self._metadata = bearer_metadata(token)
 
     def call(self, method: str, payload: bytes, timeout: float, owned: bool = False) -> CallHandle:
-        if self._stream is not None and method in STREAM_METHODS:
+        # Hello always asks the PS process on gRPC: a restarted PS may serve its stream on another port
+        if self._stream is not None and method in STREAM_METHODS and method != "Hello":
             return self._stream.call(method, payload, timeout, owned)
         stub = self._methods.get(method)
         if stub is None:
@@ -189,6 +190,7 @@ class GrpcChannel:
                                    f"{timeout:.1f}s{hint}") from None
         reply = codec.decode(self.call("Hello", codec.encode({}), max(0.1, deadline - time.monotonic()))
                              .wait(max(0.1, deadline - time.monotonic())))
+        self.hello = reply.meta  # the PS's latest Hello: its incarnation, what it holds
         port = reply.meta.get("stream_port")
         if self.use_stream and port and self._stream is None:
             host = self.address.rsplit(":", 1)[0]

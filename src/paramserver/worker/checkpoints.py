@@ -31,10 +31,11 @@ import logging
 import time
 from typing import Any, Callable
 
-from ..base.errors import ParamServerError
+from ..base.errors import ParamServerError, RollbackError
 from ..base.metrics import CheckpointMetrics
 from ..checkpoint.store import CheckpointError, CheckpointStore, checkpoint_name, os_reason
 from ..coordinator.membership import timed_checkpoint_barrier
+from .rollback import restarted_shard
 
 log = logging.getLogger(__name__)
 FINAL = "checkpoint:final"
@@ -181,6 +182,7 @@ class Checkpointer:
             if self.store.uncommit(name):
                 log.info("%s %s: replaces the complete checkpoint of that name", what, name)
             entries = self.client.checkpoint(name, timeout)
+            self._check_same_shards()
             self.store.commit(name, {"step": step, "num_shards": len(entries), "shards": entries,
                                      "mode": self.client.consistency.to_dict()})
         except (ParamServerError, OSError) as exc:  # a shard's error, a deadline, the store's CheckpointError
@@ -211,6 +213,13 @@ class Checkpointer:
                  took, f"; removed {', '.join(removed)}" if removed else "",
                  extra={"event": "checkpoint_saved", "step": step, "duration_s": round(took, 3)})
         return name
+
+    def _check_same_shards(self) -> None:
+        """A shard that restarted since this worker registered wrote the state it restored, not the cluster's:
+        such a checkpoint is never committed (the cluster rolls back instead)."""
+        why = restarted_shard(self.client.channels, self.client.incarnations)
+        if why is not None:
+            raise RollbackError(f"not committed: {why}")
 
     def _sweep(self) -> None:
         """Before the chief's first write: delete the temporary files that writers killed in an

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import Callable
 
 import torch
 
@@ -11,6 +12,7 @@ from ..base.auth import COORDINATOR_ACTIONS, Credentials, Guard
 from ..base.config import NodeConfig, Options, bind_address
 from ..base.grpc_fork import GRPC_FORK_SUPPORT_ENV, grpc_fork_handlers_on
 from ..base.consistency_spec import ConsistencySpec
+from ..base.errors import ParamServerError
 from ..base.lifecycle import Lifecycle
 from ..base.metrics import NodeMetrics
 from ..base.progress import ProgressWriter
@@ -26,6 +28,7 @@ from ..transport.inprocess import InProcessChannel
 from .context import Context
 from .modes import ModeSwitcher
 from .ops import CoordinatorCollector, WorkerCollector, WorkerOps
+from .rollback import RollbackFlag, hello, roll_back_shards
 from .summaries import open_summaries
 
 log = logging.getLogger(__name__)
@@ -41,7 +44,8 @@ class CoordinatorHost(Lifecycle):
 
     Lifecycle (base/lifecycle.py): `start()` returns the address to reach it; `wait_ready(timeout)`;
     `wait_done(grace)` while workers may need it; `stop(grace)`. A named thread
-    ("coordinator-watch") tells the shards of workers found dead (`tell_shards`).
+    ("coordinator-watch") tells the shards of workers found dead (`tell_shards`), and calls
+    `on_restart(reason)` when a shard is no longer the process it was (worker/rollback.py).
     """
 
     def __init__(self, num_workers: int, address: str, options: Options, credentials: Credentials | None = None,
@@ -62,6 +66,8 @@ class CoordinatorHost(Lifecycle):
         self.server = GrpcServer(service, bind_address(address), options.max_message_bytes, max(8, 2 * num_workers),
                                  COORDINATOR, self.credentials.tls, health=self.health)
         self.notices: PSClient | None = None  # gRPC-only channels: a notice never queues behind a push
+        self.incarnations: list[str | None] = []  # of the shards, as the chief registered with them
+        self.on_restart: Callable[[str], None] | None = None
         self._stopping = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="coordinator-watch", daemon=True)
 
@@ -74,11 +80,14 @@ class CoordinatorHost(Lifecycle):
     def wait_ready(self, timeout: float) -> None:
         self.server.wait_ready(timeout)
 
-    def tell_shards(self, ps_addresses: list[str]) -> None:
-        """From now on, tell these shards of every worker found dead, so their waits fail at once."""
+    def tell_shards(self, ps_addresses: list[str], incarnations: list[str | None] | None = None,
+                    on_restart: Callable[[str], None] | None = None) -> None:
+        """From now on, tell these shards of every worker found dead, so their waits fail at once; and
+        watch that each stays the process of `incarnations` (else `on_restart(reason)`)."""
         channels = [_channel(self.credentials, a, self.options, use_stream=False)
                     for a in ps_addresses]
         self.notices = PSClient(channels, self.options.rpc_timeout_s)
+        self.incarnations, self.on_restart = list(incarnations or []), on_restart
 
     def _watch(self) -> None:
         while not self._stopping.wait(self.options.heartbeat_s):
@@ -88,6 +97,20 @@ class CoordinatorHost(Lifecycle):
                     self.guard.audit.record("Gone", "ok", "coordinator", "", {"worker": worker, "why": why})
                 if self.notices is not None:
                     self.notices.forget(worker, why, self.options.rpc_timeout_s)
+            self._watch_shards()
+
+    def _watch_shards(self) -> None:
+        """A shard that answers as another process restarted: the cluster must roll back."""
+        if self.notices is None or self.on_restart is None or not any(self.incarnations):
+            return
+        for index, channel in enumerate(self.notices.channels):
+            try:
+                now = hello(channel).get("incarnation")
+            except ParamServerError:
+                continue  # down: it says who it is once its restart loop started it again
+            if self.incarnations[index] is not None and now != self.incarnations[index]:
+                self.on_restart(f"ps {index} restarted (incarnation {self.incarnations[index]} is now {now})")
+                return
 
     def wait_done(self, joining_grace_s: float) -> None:
         """Block while any worker may still need the coordinator (see Coordinator.all_done)."""
@@ -143,22 +166,33 @@ def cluster_context(config: NodeConfig) -> Context:
     workers = cluster.num_workers
     credentials = Credentials.from_options(options)  # files read once; the token is presented on every call
     metrics = NodeMetrics()
-    host, coordinator_address = _host_coordinator(config, credentials, metrics)
+    rollback = RollbackFlag(max(10.0, 2 * options.heartbeat_s))
+    spec = options.consistency(workers)
+    client = _connect_shards(config, spec, credentials)
+    try:
+        if index == 0 and roll_back_shards(client.channels, options.connect_timeout_s):
+            client.close()  # the shards restarted: new processes, new streams
+            client = _connect_shards(config, spec, credentials)
+        host, coordinator_address = _host_coordinator(config, credentials, metrics)
+    except BaseException:
+        client.close()
+        raise
     ops = WorkerOps(config, metrics, host.health if host is not None else None, credentials.tls)
     ops.start()
     try:  # a worker that cannot join stops what it started
-        spec = options.consistency(workers)
-        client = _connect_shards(config, spec, credentials)
         if host is not None:
-            host.tell_shards(list(cluster.ps))
+            host.tell_shards(list(cluster.ps), client.incarnations, rollback.flag)
         coordinator = CoordinatorClient(_channel(credentials, coordinator_address, options, use_stream=False,
                                                  service_name=COORDINATOR),
-                                        index, options.rpc_timeout_s, options.heartbeat_s)
+                                        index, options.rpc_timeout_s, options.heartbeat_s, rollback.flag)
         _join(coordinator, options.connect_timeout_s)
         checkpointer, meet = _pauses(config, client, coordinator)
         modes = ModeSwitcher(client, index, workers, options.mode_changes, options.backup_workers, meet)
     except BaseException:
         ops.stop()
+        if host is not None:
+            host.stop(1.0)
+        client.close()
         raise
     log.info("worker %d of %d joined %d PS (%s); coordinator at %s", index, workers, client.num_shards, spec,
              coordinator_address)
@@ -169,7 +203,7 @@ def cluster_context(config: NodeConfig) -> Context:
     ops.set_serving()
     return Context(index, workers, client.num_shards, client, options, False,
                    ProgressWriter(options.progress_fd, index), modes, coordinator, host, checkpointer, ops,
-                   summaries)
+                   summaries, rollback)
 
 
 def _host_coordinator(config: NodeConfig, credentials: Credentials,

@@ -47,6 +47,7 @@ class Context:
     checkpointer: Any = None  # worker.checkpoints.Checkpointer when a checkpoint_dir is set
     ops: Any = None  # worker.ops.WorkerOps: health and metrics (a cluster's worker)
     summaries: Any = None  # worker.summaries.Summaries on the chief when a logdir is set
+    rollback: Any = None  # worker.rollback.RollbackFlag: set when the cluster rolls back (a PS or the chief restarted)
     optimizers: list = field(default_factory=list, repr=False)  # this worker's PS optimizers, in creation order
     finished: bool = False  # finish_training() ran: this worker's data is done
     data_position: int = 0  # batches resumable() handed out or skipped so far in this process
@@ -92,7 +93,8 @@ class Context:
     @functools.cached_property
     def tables(self) -> TableClient:
         """The embedding tables of the cluster (used by HashEmbedding through the optimizer)."""
-        return TableClient(self.client.channels, self.options.rpc_timeout_s, self.client.consistency.to_dict())
+        return TableClient(self.client.channels, self.options.rpc_timeout_s, self.client.consistency.to_dict(),
+                           self.client.worker)
 
     @property
     def is_chief(self) -> bool:
@@ -151,8 +153,24 @@ class Context:
         """The coordinator's latest word: global step (all workers' steps), live workers, worker count."""
         return dict(self.coordinator.view)
 
+    def rollback_reason(self) -> str | None:
+        """Why the cluster rolls back (a PS or the chief restarted, or does not answer), or None. Asks the
+        peers when no thread has flagged it yet: called when the script failed, to tell a roll-back from a bug."""
+        if self.rollback is None:
+            return None
+        if self.rollback.reason is None:
+            from .rollback import restarted_shard
+
+            reason = restarted_shard(self.client.channels, self.client.incarnations) or self.coordinator.restarted()
+            if reason is not None:
+                self.rollback.flag(reason)
+        return self.rollback.reason
+
     def on_step(self, step: int) -> None:
-        """Called by the optimizer after each step: progress, heartbeat step, the mode schedule."""
+        """Called by the optimizer after each step: progress, heartbeat step, the mode schedule.
+        Raises RollbackError once the cluster rolls back (`paramserver node` then exits to be restarted)."""
+        if self.rollback is not None:
+            self.rollback.check()
         self.progress.update(steps=1, staleness=self.client.record.staleness)
         self.coordinator.step = self.progress.steps
         if self.finished:  # a push after finish_training() brought this worker back into the quorums
@@ -203,7 +221,9 @@ class Context:
         self.client.leave(timeout=5.0)
         self.client.close()
         self.coordinator.stop()
-        if self.coordinator_host is not None:
+        if self.coordinator_host is not None and self.rollback is not None and self.rollback.reason is not None:
+            self.coordinator_host.stop(1.0)  # rolling back: every worker restarts, none needs this coordinator
+        elif self.coordinator_host is not None:
             started = time.monotonic()
             log.info("coordinator: serving until every worker is done")
             self.coordinator_host.wait_done(self.options.connect_timeout_s)
