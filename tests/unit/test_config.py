@@ -8,6 +8,7 @@ from paramserver.base.config import (OPTIONS_ENV, ClusterSpec, NodeConfig, Optio
                                      load_cluster_file, options_from_environ, parse_tf_config)
 from paramserver.base.errors import ConfigError
 from paramserver.launch import cli
+from tests.tfjob import tfjob_cluster, tfjob_tf_config
 
 SEED = {"ps": ["localhost:2222"], "worker": ["localhost:2223", "localhost:2224"]}
 
@@ -25,29 +26,6 @@ def test_a_chief_is_worker_zero_and_shifts_the_workers():
     chief = parse_tf_config(json.dumps({"cluster": cluster, "task": {"type": "chief", "index": 0}}))
     worker = parse_tf_config(json.dumps({"cluster": cluster, "task": {"type": "worker", "index": 0}}))
     assert (chief.worker_index, worker.worker_index, worker.cluster.num_workers) == (0, 1, 3)
-
-
-def tfjob_cluster(replicas: dict[str, int], job: str = "job", namespace: str = "ns", port: int = 2222) -> dict:
-    """The cluster Kubeflow's TFJob controller builds (genClusterSpec): every replica type, evaluator
-    and master included, lower-cased, one `<job>-<type>-<i>.<namespace>.svc:<port>` per replica."""
-    return {kind.lower(): [f"{job}-{kind.lower()}-{i}.{namespace}.svc:{port}" for i in range(count)]
-            for kind, count in replicas.items()}
-
-
-def tfjob_tf_config(replicas: dict[str, int], task_type: str, index: int, sparse: bool = False, **where) -> str:
-    """TF_CONFIG as the TFJob controller writes it (genTFConfigJSONStr): the dense form with
-    "environment": "cloud", or with `sparse` (enableDynamicWorker) the sparse form: a worker names
-    itself and every PS, a PS only itself, any other task (chief, master, evaluator) nothing."""
-    cluster, task_type = tfjob_cluster(replicas, **where), task_type.lower()
-    task = {"type": task_type, "index": index}
-    if not sparse:
-        return json.dumps({"cluster": cluster, "task": task, "environment": "cloud"})
-    sparse_cluster = {"worker": {}, "ps": []}
-    if task_type == "ps":
-        sparse_cluster["ps"] = [cluster["ps"][index]]
-    elif task_type == "worker":
-        sparse_cluster = {"worker": {str(index): cluster["worker"][index]}, "ps": cluster.get("ps", [])}
-    return json.dumps({"sparseCluster": sparse_cluster, "task": task})
 
 
 def test_a_tfjob_master_replica_is_the_chief():
