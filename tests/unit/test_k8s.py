@@ -366,3 +366,8 @@ def test_the_tfjob_pods_train_under_the_operators_tf_config(dynamic, procs, tmp_
     assert applied_pushes(ps_address) == 10  # 5 steps of each worker
     started["PS"].terminate()
     assert started["PS"].wait(30) == 0
+
+
+def test_health_of_a_node_that_does_not_answer_is_a_failing_probe(capsys):
+    assert cli.main(["health", f"127.0.0.1:{free_port()}", "--timeout", "0.5"]) == 1
+    assert capsys.readouterr().out.strip() == "UNREACHABLE"
