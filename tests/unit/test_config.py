@@ -8,6 +8,7 @@ from paramserver.base.config import (OPTIONS_ENV, ClusterSpec, NodeConfig, Optio
                                      load_cluster_file, options_from_environ, parse_tf_config)
 from paramserver.base.errors import ConfigError
 from paramserver.launch import cli
+from tests.tfjob import tfjob_cluster, tfjob_tf_config
 
 SEED = {"ps": ["localhost:2222"], "worker": ["localhost:2223", "localhost:2224"]}
 
@@ -25,13 +26,6 @@ def test_a_chief_is_worker_zero_and_shifts_the_workers():
     chief = parse_tf_config(json.dumps({"cluster": cluster, "task": {"type": "chief", "index": 0}}))
     worker = parse_tf_config(json.dumps({"cluster": cluster, "task": {"type": "worker", "index": 0}}))
     assert (chief.worker_index, worker.worker_index, worker.cluster.num_workers) == (0, 1, 3)
-
-
-def tfjob_tf_config(replicas: dict[str, int], task_type: str, index: int) -> str:
-    """TF_CONFIG as Kubeflow's TFJob controller writes it: lower-case replica types as cluster keys,
-    one `<job>-<type>-<i>.<namespace>.svc:2222` address per replica, and "environment": "cloud"."""
-    cluster = {kind: [f"job-{kind}-{i}.ns.svc:2222" for i in range(count)] for kind, count in replicas.items()}
-    return json.dumps({"cluster": cluster, "task": {"type": task_type, "index": index}, "environment": "cloud"})
 
 
 def test_a_tfjob_master_replica_is_the_chief():
@@ -200,3 +194,72 @@ def test_the_command_line_gives_booleans_and_refuses_bad_options_before_starting
         signal.signal(signal.SIGTERM, previous)
     assert code == 2
     assert "option 'backup_workers' is not valid" in capsys.readouterr().err
+
+
+TFJOB = {"Chief": 1, "PS": 2, "Worker": 3, "Evaluator": 1}
+
+
+def test_a_tfjob_evaluator_is_no_worker():
+    evaluator = parse_tf_config(tfjob_tf_config(TFJOB, "Evaluator", 0))
+    worker = parse_tf_config(tfjob_tf_config(TFJOB, "Worker", 2))
+    assert evaluator.task == Task("evaluator", 0)
+    assert evaluator.cluster.evaluator == ("job-evaluator-0.ns.svc:2222",)
+    assert evaluator.address == "job-evaluator-0.ns.svc:2222"
+    assert evaluator.cluster.num_workers == worker.cluster.num_workers == 4  # the chief and 3 workers
+    assert worker.worker_index == 3
+    assert "job-evaluator-0.ns.svc:2222" not in worker.cluster.worker + worker.cluster.chief
+
+
+@pytest.mark.parametrize("task_type, index", [("PS", 0), ("PS", 1), ("Worker", 0), ("Worker", 2), ("Chief", 0),
+                                              ("Evaluator", 0)])
+def test_the_sparse_form_with_the_whole_cluster_agrees_with_the_dense_form(task_type, index):
+    whole = ClusterSpec.from_dict(tfjob_cluster(TFJOB))
+    dense = parse_tf_config(tfjob_tf_config(TFJOB, task_type, index))
+    sparse = parse_tf_config(tfjob_tf_config(TFJOB, task_type, index, sparse=True), cluster=whole)
+    assert sparse == dense
+    from_environ = config_from_environ({"TF_CONFIG": tfjob_tf_config(TFJOB, task_type, index, sparse=True),
+                                        "PARAMSERVER_CLUSTER": json.dumps(tfjob_cluster(TFJOB))})
+    assert from_environ == dense
+
+
+def test_a_sparse_master_is_the_chief_of_the_whole_cluster():
+    replicas = {"Master": 1, "PS": 1, "Worker": 1}
+    whole = ClusterSpec.from_dict(tfjob_cluster(replicas))
+    master = parse_tf_config(tfjob_tf_config(replicas, "Master", 0, sparse=True), cluster=whole)
+    assert master.task == Task("chief", 0) and master.address == "job-master-0.ns.svc:2222"
+
+
+@pytest.mark.parametrize("task_type", ["PS", "Worker", "Chief", "Evaluator"])
+def test_the_sparse_form_alone_names_where_the_whole_cluster_comes_from(task_type):
+    with pytest.raises(ConfigError, match="PARAMSERVER_CLUSTER"):
+        parse_tf_config(tfjob_tf_config(TFJOB, task_type, 0, sparse=True))
+    with pytest.raises(ConfigError, match="PARAMSERVER_CLUSTER"):
+        config_from_environ({"TF_CONFIG": tfjob_tf_config(TFJOB, task_type, 0, sparse=True)})
+
+
+@pytest.mark.parametrize("task_type, index, named", [
+    ("Worker", 1, "worker:1"),  # the worker's own address differs
+    ("PS", 1, "ps:1"),  # the PS's own address differs
+])
+def test_a_sparse_form_contradicting_the_whole_cluster_is_refused_naming_the_task(task_type, index, named):
+    other_job = ClusterSpec.from_dict(tfjob_cluster(TFJOB, job="other"))
+    with pytest.raises(ConfigError, match=named):
+        parse_tf_config(tfjob_tf_config(TFJOB, task_type, index, sparse=True), cluster=other_job)
+
+
+def test_a_worker_outside_the_whole_cluster_is_refused():
+    smaller = ClusterSpec.from_dict(tfjob_cluster({"Chief": 1, "PS": 2, "Worker": 1}))
+    with pytest.raises(ConfigError, match="worker:2"):
+        parse_tf_config(tfjob_tf_config(TFJOB, "Worker", 2, sparse=True), cluster=smaller)
+    fewer_ps = ClusterSpec.from_dict(tfjob_cluster({"Chief": 1, "PS": 1, "Worker": 3}))
+    with pytest.raises(ConfigError, match="ps:1"):  # a worker's sparse form lists every PS
+        parse_tf_config(tfjob_tf_config(TFJOB, "Worker", 0, sparse=True), cluster=fewer_ps)
+
+
+@pytest.mark.parametrize("sparse", [{"worker": {"one": "a:1"}, "ps": []}, {"worker": [], "ps": "a:1"},
+                                    {"worker": {"0": 7}, "ps": []}, ["a:1"]])
+def test_a_malformed_sparse_form_is_a_config_error(sparse):
+    whole = ClusterSpec.from_dict(tfjob_cluster(TFJOB))
+    with pytest.raises(ConfigError, match="TF_CONFIG"):
+        parse_tf_config(json.dumps({"sparseCluster": sparse, "task": {"type": "worker", "index": 0}}),
+                        cluster=whole)

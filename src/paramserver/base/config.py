@@ -345,10 +345,13 @@ def _whole_cluster(sparse: Any, task: Task, cluster: ClusterSpec | None) -> Clus
         raise ConfigError("TF_CONFIG has the sparse cluster form (a TFJob with enableDynamicWorker), which names "
                           "neither the other workers nor the chief; give the whole cluster too: --cluster FILE or "
                           f"{CLUSTER_ENV} (paramserver k8s --tfjob writes it)")
-    workers = sparse.get("worker") or {}
-    named = {("worker", int(index)): address for index, address in workers.items()} if isinstance(workers, Mapping) \
-        else {}
-    ps = sparse.get("ps") or []
+    workers, ps = sparse.get("worker") or {}, sparse.get("ps") or []
+    if not isinstance(workers, Mapping) or not all(isinstance(i, str) and i.isdigit() and isinstance(a, str)
+                                                   for i, a in workers.items()):
+        raise ConfigError(f"TF_CONFIG's sparse cluster: 'worker' must map indexes to 'host:port', got {workers!r}")
+    if not isinstance(ps, list) or not all(isinstance(a, str) for a in ps):
+        raise ConfigError(f"TF_CONFIG's sparse cluster: 'ps' must be a list of 'host:port', got {ps!r}")
+    named = {("worker", int(index)): address for index, address in workers.items()}
     if task.type == "ps" and len(ps) == 1:  # a PS's sparse form lists only itself
         named[("ps", task.index)] = ps[0]
     else:

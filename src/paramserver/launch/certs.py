@@ -193,3 +193,30 @@ def check_cert_dir(directory: Path, nodes: list[str]) -> None:
 def with_node_tls(options: Options, directory: Path | None, node: str) -> Options:
     """`options` with `node`'s files from `directory` (unchanged without a directory)."""
     return options if directory is None else replace(options, **node_tls_files(directory, node))
+
+
+def check_cert_hosts(directory: Path, hosts: dict[str, str]) -> None:
+    """A ConfigError naming every node (of `hosts`: node -> host it is dialled at) whose certificate
+    in `directory` does not name its host, as a client dialling it checks (an exact DNS name, or
+    a wildcard `*.rest` for the host's first label)."""
+    wrong = []
+    for node, host in hosts.items():
+        cert = x509.load_pem_x509_certificate((Path(directory) / f"{node}.crt").read_bytes())
+        try:
+            names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        except x509.ExtensionNotFound:
+            names = x509.SubjectAlternativeName([])
+        if not any(_covers(name, host) for name in names.get_values_for_type(x509.DNSName)):
+            wrong.append(f"{node} ({host})")
+    if wrong:
+        needed = ",".join(sorted(set(hosts.values())))
+        raise ConfigError(f"certificates in {directory} do not name the hosts their nodes are dialled at: "
+                          f"{', '.join(wrong)}; issue them with `paramserver certs {directory} --nodes "
+                          f"{','.join(hosts)} --hosts {needed}`")
+
+
+def _covers(name: str, host: str) -> bool:
+    name, host = name.lower().rstrip("."), host.lower().rstrip(".")
+    if name.startswith("*."):
+        return "." in host and host.split(".", 1)[1] == name[2:]
+    return name == host

@@ -1,4 +1,4 @@
-"""The `paramserver` command: run, node, status, checkpoint, certs, demo. See docs/cli.md."""
+"""The `paramserver` command: run, node, k8s, status, health, checkpoint, certs, demo. See docs/cli.md."""
 
 from __future__ import annotations
 
@@ -67,10 +67,44 @@ def _parser() -> argparse.ArgumentParser:
     stop.add_argument("--timeout", type=float, default=5.0, help="deadline of each call to a PS (default 5)")
     _add_security_flags(stop)
 
+    health = sub.add_parser("health", help="one node's health (grpc.health.v1): exit 0 when SERVING")
+    health.add_argument("address", help="HOST:PORT of the node")
+    health.add_argument("--service", default="", help="a named service, e.g. paramserver.Shard (default: the node)")
+    health.add_argument("--timeout", type=float, default=5.0, help="deadline of the call (default 5)")
+    _add_security_flags(health)
+
+    _add_k8s_parser(sub)
+
     demo = sub.add_parser("demo", help="train the digits classifier on a local cluster and print one JSON line")
     _add_cluster_flags(demo, ps=2, workers=2)
     demo.add_argument("--epochs", type=int, default=20, help="training epochs (default 20)")
     return parser
+
+
+def _add_k8s_parser(sub) -> None:
+    k8s = sub.add_parser("k8s", help="print the Kubernetes objects of a cluster running SCRIPT (docs/deploy.md)")
+    k8s.add_argument("--ps", type=int, default=1, help="number of PS (default 1)")
+    k8s.add_argument("--workers", type=int, default=1, help="number of workers, a chief apart (default 1)")
+    k8s.add_argument("--image", required=True, help="container image holding paramserver and SCRIPT")
+    k8s.add_argument("--tfjob", action="store_true", help="one Kubeflow TFJob instead of a StatefulSet and Jobs")
+    k8s.add_argument("--dynamic-workers", action="store_true", help="TFJob: enableDynamicWorker (sparse TF_CONFIG)")
+    k8s.add_argument("--chief", action="store_true", help="a chief besides the workers (else worker 0 is the chief)")
+    k8s.add_argument("--evaluator", action="store_true", help="an evaluator task running SCRIPT too")
+    k8s.add_argument("--name", default="paramserver", help="prefix of every object's name (default paramserver)")
+    k8s.add_argument("--namespace", default="default", help="namespace of every object (default default)")
+    k8s.add_argument("--port", type=int, default=2222, help="every node's gRPC port; a PS's stream takes the next "
+                                                            "(default 2222)")
+    k8s.add_argument("--storage-size", default="10Gi", help="size of the checkpoint volume (default 10Gi)")
+    k8s.add_argument("--certs", help="a directory made by `paramserver certs`: a Secret, mutual TLS everywhere")
+    k8s.add_argument("--tokens", help="a directory of node tokens and tokens.json: a Secret, tokens everywhere")
+    k8s.add_argument("--cpu", default="1", help="CPU request of each node (default 1)")
+    k8s.add_argument("--memory", default="4Gi", help="memory request and limit of each node (default 4Gi)")
+    k8s.add_argument("-o", "--output", help="write the YAML to this file (default: stdout)")
+    _add_mode_flags(k8s)
+    _add_limit_flags(k8s)
+    _add_ops_flags(k8s)
+    k8s.add_argument("script", help="training script, its path inside the image")
+    k8s.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
 
 
 def _add_cluster_flags(parser: argparse.ArgumentParser, ps: int = 1, workers: int = 1) -> None:
@@ -169,7 +203,7 @@ _FLAG_OPTIONS = {
 
 def mode_options(args: argparse.Namespace) -> dict:
     """The options given on the command line (unset ones left out)."""
-    given = {option: getattr(args, flag) for flag, option in _FLAG_OPTIONS.items()}
+    given = {option: getattr(args, flag, None) for flag, option in _FLAG_OPTIONS.items()}
     given["resume"] = True if args.resume else None
     return {key: value for key, value in given.items() if value is not None}
 
@@ -206,6 +240,36 @@ def _cert_dir(args: argparse.Namespace, options: Options) -> Path | None:
     nodes = [ps_node_name(i) for i in range(args.ps)] + [worker_node_name(i) for i in range(args.workers)]
     check_cert_dir(Path(args.certs), nodes)
     return Path(args.certs)
+
+
+def _k8s(args: argparse.Namespace) -> int:
+    from .k8s import Deployment, render
+
+    deployment = Deployment(
+        name=args.name, image=args.image, script=args.script, args=tuple(_strip_dashes(args.args)), ps=args.ps,
+        workers=args.workers, chief=args.chief, evaluator=args.evaluator, namespace=args.namespace, port=args.port,
+        tfjob=args.tfjob, dynamic_workers=args.dynamic_workers, storage_size=args.storage_size,
+        certs=Path(args.certs) if args.certs else None, tokens=Path(args.tokens) if args.tokens else None,
+        cpu=args.cpu, memory=args.memory, options=mode_options(args))
+    text = render(deployment)
+    if args.output:
+        Path(args.output).write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def _health(args: argparse.Namespace) -> int:
+    """One node's health. Without --tls-* flags, TLS as PARAMSERVER_OPTIONS says: in a node's container
+    (a Kubernetes exec probe) the node's own certificate."""
+    from ..base.tls import tls_from_options
+    from ..transport.health import check
+
+    access = _status_access(args)
+    tls = access.tls if args.tls_cert else tls_from_options(options_from_environ(os.environ))
+    status = check(args.address, args.timeout, args.service, tls)
+    print(status, flush=True)
+    return 0 if status == "SERVING" else 1
 
 
 def _make_certs(args: argparse.Namespace) -> int:
@@ -263,6 +327,10 @@ def main(argv: list[str] | None = None) -> int:
             return _run_local(args, str(_demo_script()), ["--epochs", str(args.epochs)])
         if args.command == "certs":
             return _make_certs(args)
+        if args.command == "k8s":
+            return _k8s(args)
+        if args.command == "health":
+            return _health(args)
         if args.command == "checkpoint":
             from ..checkpoint.tools import run_tool
             return run_tool(args.action, args.dir, args.name, args.out)

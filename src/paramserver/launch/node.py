@@ -28,6 +28,9 @@ from ..base.lifecycle import RESTART_EXIT_CODE
 from ..base.logs import name_node, node_name
 
 log = logging.getLogger(__name__)
+RESTART_EXIT_CODE = 75
+"""A node asks its restart loop to restart it (cluster roll-back): EX_TEMPFAIL. Kubernetes restarts it
+under restartPolicy OnFailure (a TFJob's ExitCode policy would not: it retries only codes 128 and up)."""
 
 
 def resolve(cluster_file: str | None, role: str | None, index: int | None, options: Options) -> NodeConfig | None:

@@ -1,0 +1,126 @@
+"""The pod side of `paramserver k8s`: one container per node, its probes, volumes and Secrets.
+
+Every pod of a role shares one template, so what differs per node (its index, its certificate and
+token files) comes from the pod itself: the downward API gives PARAMSERVER_TASK_INDEX, and
+Kubernetes expands `$(VAR)` in later env values and in args (docs/deploy.md). k8s.py builds the
+Kubernetes objects around these pieces.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+
+from ..base.errors import ConfigError
+from .certs import CA_CERT, check_cert_dir, check_cert_hosts
+from .tokens import STORE_FILE
+
+CONFIG_DIR = "/etc/paramserver"  # the ConfigMap: cluster.json (plain form)
+CLUSTER_FILE = f"{CONFIG_DIR}/cluster.json"
+TLS_DIR = "/var/run/paramserver/tls"  # the Secret made from --certs
+TOKENS_DIR = "/var/run/paramserver/tokens"  # the Secret made from --tokens
+INDEX_ENV = "PARAMSERVER_TASK_INDEX"
+NODE_ENV = "PARAMSERVER_NODE"  # ps-<i>, chief-0, worker-<i>: the names `paramserver certs` and tokens use
+# where a pod finds its own index: a StatefulSet's pod label, an indexed Job's annotation, a TFJob's label
+PS_INDEX_FIELD = "metadata.labels['apps.kubernetes.io/pod-index']"
+JOB_INDEX_FIELD = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+TFJOB_INDEX_FIELD = "metadata.labels['training.kubeflow.org/replica-index']"
+SERVING_ROLES = ("ps", "chief", "worker")  # the roles that serve health on their cluster port
+
+
+def node_env(role: str, index_field: str, options: dict, extra: dict[str, str] | None = None) -> list[dict]:
+    """The env of a node's container: its index (downward API), its node name and its options
+    (PARAMSERVER_OPTIONS, where `$(PARAMSERVER_NODE)` names its own files), then `extra`."""
+    env = [{"name": INDEX_ENV, "valueFrom": {"fieldRef": {"fieldPath": index_field}}},
+           {"name": NODE_ENV, "value": f"{role}-$({INDEX_ENV})"},
+           {"name": "PYTHONUNBUFFERED", "value": "1"}]
+    if options:
+        env.append({"name": "PARAMSERVER_OPTIONS", "value": json.dumps(options, sort_keys=True)})
+    return env + [{"name": name, "value": value} for name, value in (extra or {}).items()]
+
+
+def node_options(role: str, certs: bool, tokens: bool) -> dict:
+    """The security options of one node: its own certificate, key and token, the CA and the token
+    store (none for an evaluator, which serves nothing and joins nothing: a CA alone would be refused)."""
+    if role not in SERVING_ROLES:
+        return {}
+    options = {}
+    if certs:
+        options.update(tls_cert=f"{TLS_DIR}/$({NODE_ENV}).crt", tls_key=f"{TLS_DIR}/$({NODE_ENV}).key",
+                       tls_ca=f"{TLS_DIR}/{CA_CERT}")
+    if tokens:
+        options.update(token_file=f"{TOKENS_DIR}/$({NODE_ENV}).token", auth_tokens=f"{TOKENS_DIR}/{STORE_FILE}")
+    return options
+
+
+def shared_options(port: int) -> dict:
+    """Options every node of the deployment shares: a fixed stream port next to the gRPC port, so a
+    Service and a NetworkPolicy can name it (0, a free port, could not be declared)."""
+    return {"stream_port": port + 1}
+
+
+def probes(role: str, port: int, tls: bool) -> dict:
+    """The probes of a node's container.
+
+    Without TLS Kubernetes' own gRPC probe asks grpc.health.v1 on the node's port. With TLS it cannot
+    (it shows no client certificate), so an exec probe runs `paramserver health`, which reads the
+    node's own TLS files from PARAMSERVER_OPTIONS in the container's env. A PS gets a startup probe
+    (restoring a large checkpoint keeps it NOT_SERVING for a while), readiness and liveness; a worker
+    readiness only: it is NOT_SERVING once its script ended while the chief's coordinator still
+    serves the others, so a liveness probe would kill a chief waiting for its workers (a hung
+    worker is the coordinator's heartbeat timeout's to find). An evaluator serves nothing."""
+    if role not in SERVING_ROLES:
+        return {}
+    check = ({"exec": {"command": ["paramserver", "health", f"localhost:{port}"]}, "timeoutSeconds": 10} if tls
+             else {"grpc": {"port": port}, "timeoutSeconds": 5})
+    found = {"readinessProbe": {**check, "periodSeconds": 10 if tls else 5}}
+    if role == "ps":
+        found["startupProbe"] = {**check, "periodSeconds": 10, "failureThreshold": 60}
+        found["livenessProbe"] = {**check, "periodSeconds": 20, "failureThreshold": 6}
+    return found
+
+
+def container(name: str, image: str, args: list[str], env: list[dict], ports: list[dict], mounts: list[dict],
+              resources: dict, probe_spec: dict) -> dict:
+    """One node's container: `paramserver` ARGS."""
+    found = {"name": name, "image": image, "command": ["paramserver"], "args": args, "env": env, "ports": ports,
+             "resources": resources, **probe_spec}
+    if mounts:
+        found["volumeMounts"] = mounts
+    return found
+
+
+def resources(cpu: str, memory: str) -> dict:
+    """Requests of `cpu` and `memory`; memory is the limit too (a node over it is killed, not the host)."""
+    return {"requests": {"cpu": cpu, "memory": memory}, "limits": {"memory": memory}}
+
+
+def secret(name: str, namespace: str, labels: dict, files: dict[str, bytes]) -> dict:
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": {"name": name, "namespace": namespace, "labels": labels},
+            "data": {key: base64.b64encode(data).decode() for key, data in sorted(files.items())}}
+
+
+def cert_files(directory: Path, hosts: dict[str, str]) -> dict[str, bytes]:
+    """The CA certificate and each node's certificate and key (never the CA's key), once every node's
+    files are there and its certificate names the host the cluster spec dials it at."""
+    check_cert_dir(directory, list(hosts))
+    check_cert_hosts(directory, hosts)
+    names = [CA_CERT] + [f"{node}{ext}" for node in hosts for ext in (".crt", ".key")]
+    return {name: (directory / name).read_bytes() for name in names}
+
+
+def token_files(directory: Path, nodes: list[str]) -> dict[str, bytes]:
+    """Each node's token and the store (never an admin's token: operators keep theirs)."""
+    names = [STORE_FILE] + [f"{node}.token" for node in nodes]
+    missing = [name for name in names if not (directory / name).is_file()]
+    if missing:
+        raise ConfigError(f"--tokens {directory}: missing {missing}; make them with `paramserver certs DIR --nodes "
+                          f"{','.join(nodes)},admin --tokens` (or write_tokens, docs/security.md)")
+    return {name: (directory / name).read_bytes() for name in names}
+
+
+def secret_volume(name: str, secret_name: str) -> dict:
+    """A Secret as files readable by the container's user and group only."""
+    return {"name": name, "secret": {"secretName": secret_name, "defaultMode": 0o440}}
