@@ -28,9 +28,8 @@ from ..base.lifecycle import RESTART_EXIT_CODE
 from ..base.logs import name_node, node_name
 
 log = logging.getLogger(__name__)
-RESTART_EXIT_CODE = 75
-"""A node asks its restart loop to restart it (cluster roll-back): EX_TEMPFAIL. Kubernetes restarts it
-under restartPolicy OnFailure (a TFJob's ExitCode policy would not: it retries only codes 128 and up)."""
+# RESTART_EXIT_CODE (75, EX_TEMPFAIL; base/lifecycle.py): a node asks its restart loop to start it again (a
+# roll-back). Kubernetes restarts it under restartPolicy OnFailure; a TFJob's ExitCode policy retries only 128 and up.
 
 
 def resolve(cluster_file: str | None, role: str | None, index: int | None, options: Options) -> NodeConfig | None:

@@ -35,6 +35,7 @@ inside the authenticated connection.
 
 from __future__ import annotations
 
+import os
 import socket
 import ssl
 import struct
@@ -55,12 +56,26 @@ _TLS_COALESCE_BYTES = 64 * 1024  # TLS: parts up to this size share records (eac
 
 
 def host_id() -> str:
-    """Identifies this host's shared memory: same id, same host (and boot)."""
+    """Says who may share memory with whom: equal ids, same kernel (boot), same hostname, and the same
+    PID and network namespaces.
+
+    The PID namespace because the PS opens the worker's segment as /proc/<its pid>/fd/<n>, a path
+    that names another process (or none) in another PID namespace. The network namespace because
+    a node in its own one stands for a host of its own (containers, tests/fault/test_multihost.py):
+    its peers reach it over TCP, as they would another machine."""
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
         boot = "unknown-boot"
-    return f"{socket.gethostname()}/{boot}"
+    return "/".join([socket.gethostname(), boot, *(_namespace(kind) for kind in ("pid", "net"))])
+
+
+def _namespace(kind: str) -> str:
+    """This process's namespace of `kind` ("pid", "net") as `kind:inode`; `kind:?` where unreadable."""
+    try:
+        return f"{kind}:{os.stat(f'/proc/self/ns/{kind}').st_ino}"
+    except OSError:
+        return f"{kind}:?"
 
 
 def shut(sock: socket.socket) -> None:
