@@ -45,7 +45,7 @@ import psutil
 
 from ..base.config import OPTIONS_ENV, TF_CONFIG_ENV, Options
 from ..base.errors import UnavailableError
-from ..base.lifecycle import Lifecycle, ReadyFlag
+from ..base.lifecycle import RESTART_EXIT_CODE, Lifecycle, ReadyFlag
 from ..base.progress import ProgressBoard
 from .certs import ps_node_name, with_node_tls, worker_node_name
 from .processes import Child, LineWriter, stop_all, wait_any
@@ -188,7 +188,8 @@ class LocalCluster(Lifecycle):
         pending = list(self.workers)
         while pending:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            child = wait_any(pending + self.ps, min(left, 1.0) if left is not None else 1.0)
+            # the PS first: a worker whose PS died exits too (75, or with the error), but the PS is the cause
+            child = wait_any(self.ps + pending, min(left, 1.0) if left is not None else 1.0)
             if child is not None and self._killed_after_done(child, pending):
                 pending.remove(child)
                 continue
@@ -228,12 +229,16 @@ class LocalCluster(Lifecycle):
         return True
 
     def _killed_with_restarts_left(self, child: Child) -> bool:
+        """Killed by a signal, or a worker asking for the roll-back it learned of (RESTART_EXIT_CODE)."""
         code = child.poll()
-        return code is not None and code < 0 and self.restarts < self.max_restarts
+        asked = code == RESTART_EXIT_CODE and child in self.workers
+        return code is not None and (code < 0 or asked) and self.restarts < self.max_restarts
 
     def _restartable_alone(self, child: Child) -> bool:
-        # in every mode: a restarted worker joins the sync step under way (docs/consistency.md)
-        return self._killed_with_restarts_left(child) and child in self.workers[1:]
+        # in every mode: a restarted worker joins the sync step under way (docs/consistency.md); one that
+        # asked for a roll-back saw a PS or the chief restart: the whole cluster goes back
+        return self._killed_with_restarts_left(child) and child in self.workers[1:] \
+            and child.poll() != RESTART_EXIT_CODE
 
     def _restart_worker(self, child: Child) -> Child:
         self.restarts += 1
@@ -253,7 +258,8 @@ class LocalCluster(Lifecycle):
         """Stop every node and start them all again from the latest complete checkpoint."""
         self.restarts += 1
         started = time.monotonic()
-        self._lines.write("run", f"{child.label} was killed (signal {-child.poll()}); rolling the whole cluster back "
+        why = "asked for a roll-back" if child.poll() == RESTART_EXIT_CODE else f"was killed (signal {-child.poll()})"
+        self._lines.write("run", f"{child.label} {why}; rolling the whole cluster back "
                                  f"to the latest checkpoint in {self.options.checkpoint_dir} "
                                  f"(restart {self.restarts} of {self.max_restarts})", event="rollback_started")
         stop_all(self.workers + self.ps, 2.0)
