@@ -8,7 +8,8 @@ size and SHA-256, so a truncated, missing or tampered file is found before it is
 Local writes go to a temporary name (``<file>.tmp-<8 hex>``), are fsynced, then renamed (and the
 directory fsynced); a write that fails removes its temporary file, and one a crashed writer left
 is removed at the next write of the same file (or by `remove_temporary`). Object stores write
-whole objects, which is atomic there.
+whole objects in one call (`pipe_file`: one PUT, or a multipart upload completed only when every
+part is sent), so an object is there whole or not at all; there is no rename on S3.
 
 Every OSError of the filesystem (create a directory, write, fsync, rename, list, read, delete)
 is raised as a CheckpointError naming the checkpoint, the path and the OS's reason
@@ -86,8 +87,8 @@ class CheckpointStore:
 
     def __init__(self, url: str, fs: fsspec.AbstractFileSystem | None = None) -> None:
         self.url = url
-        if fs is None:
-            self.fs, self.root = fsspec.core.url_to_fs(url)
+        if fs is None:  # other processes write here: a cached listing (s3fs keeps them) would hide their files
+            self.fs, self.root = fsspec.core.url_to_fs(url, use_listings_cache=False)
         else:
             self.fs, self.root = fs, fs._strip_protocol(url)
         self.local = isinstance(self.fs, LocalFileSystem)
@@ -217,10 +218,13 @@ class CheckpointStore:
         directory = posixpath.dirname(path)
         with self._os("create directory", directory, name):
             self.fs.makedirs(directory, exist_ok=True)
-        if not self.local:  # an object appears whole or not at all
+        if not self.local:
+            # One call with the whole object: S3 stores a PUT (or a completed multipart upload)
+            # whole or not at all. Not open()/write(): its close() on an error would complete a
+            # multipart upload with the parts sent so far, a truncated object.
             try:
-                with self._os("write", path, name), self.fs.open(path, "wb") as handle:
-                    handle.write(data)
+                with self._os("write", path, name):
+                    self.fs.pipe_file(path, data)
             except CheckpointError:
                 self._remove_quietly(path)  # a filesystem that writes in place may hold part of it
                 raise
