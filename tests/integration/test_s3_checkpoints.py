@@ -21,8 +21,6 @@ from tests.integration.test_checkpoints import RESUME, cli, export_file, run, sa
 s3fs = pytest.importorskip("s3fs", reason="s3fs is not installed (pip install -e '.[s3]')")
 pytest.importorskip("moto.server", reason="moto's server is not installed (pip install 'moto[server]')")
 
-pytestmark = pytest.mark.slow  # a few short clusters each: ~30-60 s per test
-
 BUCKET = "paramserver-test"
 URL = f"s3://{BUCKET}/run1"
 
@@ -59,6 +57,7 @@ def digests(store: CheckpointStore, name: str) -> list[tuple[str, int, str]]:
     return [(entry.file, entry.bytes, entry.sha256) for entry in store.shard_files(name, store.manifest(name))]
 
 
+@pytest.mark.slow  # three short clusters: ~25-30 s
 def test_checkpoints_written_to_s3_are_those_of_a_local_run_and_export_the_trained_values(procs, s3, tmp_path):
     s3()
     local = str(tmp_path / "ckpt")
@@ -86,6 +85,7 @@ def test_checkpoints_written_to_s3_are_those_of_a_local_run_and_export_the_train
     assert procs.leftovers() == []
 
 
+@pytest.mark.slow  # three short clusters: ~25-30 s
 def test_a_ps_killed_mid_write_to_s3_leaves_no_manifest_and_resume_takes_the_previous_checkpoint(procs, s3):
     server = s3(hold="/ckpt-000000020/shard-1.safetensors")
     crashed = LauncherRun(procs, ["--ps", "2", "--workers", "1", "--max-restarts", "0", "--checkpoint-dir", URL,
@@ -107,3 +107,19 @@ def test_a_ps_killed_mid_write_to_s3_leaves_no_manifest_and_resume_takes_the_pre
     same_end(resumed, run(procs, 2, steps=30))  # ends where an uninterrupted run ends
     assert listed(URL) == [("ckpt-000000010", "ok"), ("ckpt-000000020", "ok"), ("ckpt-000000030", "ok")]
     assert procs.leftovers() == []
+
+
+@pytest.mark.timeout(120)
+def test_the_unfinished_uploads_of_killed_writes_are_aborted_and_no_others(s3):
+    s3()
+    client = s3fs.S3FileSystem(skip_instance_cache=True)
+    keys = ["run1/ckpt-000000020/shard-1.safetensors", "run1/ckpt-000000030/shard-0.safetensors",
+            "run10/ckpt-000000020/shard-1.safetensors", "run1/notes/ckpt-000000020"]  # the last two: not ours
+    for key in keys:  # what a writer killed between parts leaves: an upload begun, a part sent, never completed
+        upload = client.call_s3("create_multipart_upload", Bucket=BUCKET, Key=key)
+        client.call_s3("upload_part", Bucket=BUCKET, Key=key, PartNumber=1, UploadId=upload["UploadId"], Body=b"x")
+    store = CheckpointStore(URL)
+    assert sorted(store.remove_temporary("ckpt-000000030")) == [f"{BUCKET}/{keys[1]}"]
+    assert sorted(store.remove_temporary()) == [f"{BUCKET}/{keys[0]}"]
+    assert sorted(upload["Key"] for upload in client.list_multipart_uploads(BUCKET)) == sorted(keys[2:])
+    assert store.complete() == []  # an unfinished upload never shows as an object

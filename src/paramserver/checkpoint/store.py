@@ -161,11 +161,32 @@ class CheckpointStore:
 
     def remove_temporary(self, name: str | None = None) -> list[str]:
         """Delete the temporary files (``<file>.tmp-<hex>``) under checkpoint `name`, or under every
-        checkpoint: writes that died. Only when no write is under way. Returns their paths."""
-        removed = []
+        checkpoint: writes that died. Only when no write is under way. Returns their paths.
+        On S3, what a dead writer leaves is an unfinished multipart upload instead (invisible, but
+        stored and billed): those under this directory are aborted."""
+        removed = [] if self.local else self._abort_uploads(name)
         for checkpoint in [name] if name is not None else self._all():
             removed += self._remove_temporary(checkpoint, self.path(checkpoint))
         return removed
+
+    def _abort_uploads(self, name: str | None) -> list[str]:
+        """Abort the unfinished multipart uploads under checkpoint `name` (every checkpoint: None),
+        on a filesystem that has them (s3fs); returns their paths."""
+        if not hasattr(self.fs, "list_multipart_uploads"):
+            return []
+        bucket, _, base = self.root.partition("/")
+        head = f"{base.rstrip('/')}/" if base else ""
+        aborted = []
+        with self._os("abort the unfinished uploads under", self.path(name) if name else self.root, name):
+            for upload in self.fs.list_multipart_uploads(bucket):
+                key = upload["Key"]
+                checkpoint = key[len(head):].split("/")[0] if key.startswith(head) else ""
+                if _NAME.match(checkpoint) and name in (None, checkpoint):
+                    self.fs.abort_mpu(bucket, key, upload["UploadId"])
+                    aborted.append(f"{bucket}/{key}")
+        if aborted:
+            log.info("aborted %d unfinished upload(s) a killed write left: %s", len(aborted), ", ".join(aborted))
+        return aborted
 
     def prune(self, keep: int, protect: str | None = None) -> list[str]:
         """Delete what is older than the newest `keep` verified checkpoints: older checkpoints,
