@@ -6,8 +6,11 @@ Written checkpoints are listed, verified, byte-for-byte those of the same run on
 directory, and export to the values the worker ended with; a PS killed while its shard file's
 PUT is in flight leaves no manifest and no object for that file, `checkpoint list` shows the
 complete ones only, and `--resume` continues from the previous one to the uninterrupted end.
+Unfinished multipart uploads under the directory are aborted, and a store sees what other
+processes committed after it listed (s3fs caches listings by default).
 """
 
+import dataclasses
 import json
 
 import pytest
@@ -123,3 +126,16 @@ def test_the_unfinished_uploads_of_killed_writes_are_aborted_and_no_others(s3):
     assert sorted(store.remove_temporary()) == [f"{BUCKET}/{keys[0]}"]
     assert sorted(upload["Key"] for upload in client.list_multipart_uploads(BUCKET)) == sorted(keys[2:])
     assert store.complete() == []  # an unfinished upload never shows as an object
+
+
+@pytest.mark.timeout(120)
+def test_a_store_sees_checkpoints_other_processes_commit_after_it_listed(s3):
+    s3()
+    reader = CheckpointStore(URL)
+    writer = CheckpointStore(URL, fs=s3fs.S3FileSystem(skip_instance_cache=True))  # as another process would
+    for step in (10, 20):
+        name = f"ckpt-{step:09d}"
+        entry = writer.write_shard(name, 0, b"shard bytes %d" % step)
+        writer.commit(name, {"step": step, "num_shards": 1, "shards": [dataclasses.asdict(entry)]})
+        assert reader.complete()[-1] == name  # a cached listing (s3fs's default) would still say the one before
+        assert reader.verify(name)["step"] == step
