@@ -8,7 +8,8 @@ size and SHA-256, so a truncated, missing or tampered file is found before it is
 Local writes go to a temporary name (``<file>.tmp-<8 hex>``), are fsynced, then renamed (and the
 directory fsynced); a write that fails removes its temporary file, and one a crashed writer left
 is removed at the next write of the same file (or by `remove_temporary`). Object stores write
-whole objects, which is atomic there.
+whole objects in one call (`pipe_file`: one PUT, or a multipart upload completed only when every
+part is sent), so an object is there whole or not at all; there is no rename on S3.
 
 Every OSError of the filesystem (create a directory, write, fsync, rename, list, read, delete)
 is raised as a CheckpointError naming the checkpoint, the path and the OS's reason
@@ -86,8 +87,8 @@ class CheckpointStore:
 
     def __init__(self, url: str, fs: fsspec.AbstractFileSystem | None = None) -> None:
         self.url = url
-        if fs is None:
-            self.fs, self.root = fsspec.core.url_to_fs(url)
+        if fs is None:  # other processes write here: a cached listing (s3fs keeps them) would hide their files
+            self.fs, self.root = fsspec.core.url_to_fs(url, use_listings_cache=False)
         else:
             self.fs, self.root = fs, fs._strip_protocol(url)
         self.local = isinstance(self.fs, LocalFileSystem)
@@ -160,11 +161,32 @@ class CheckpointStore:
 
     def remove_temporary(self, name: str | None = None) -> list[str]:
         """Delete the temporary files (``<file>.tmp-<hex>``) under checkpoint `name`, or under every
-        checkpoint: writes that died. Only when no write is under way. Returns their paths."""
-        removed = []
+        checkpoint: writes that died. Only when no write is under way. Returns their paths.
+        On S3, what a dead writer leaves is an unfinished multipart upload instead (invisible, but
+        stored and billed): those under this directory are aborted."""
+        removed = [] if self.local else self._abort_uploads(name)
         for checkpoint in [name] if name is not None else self._all():
             removed += self._remove_temporary(checkpoint, self.path(checkpoint))
         return removed
+
+    def _abort_uploads(self, name: str | None) -> list[str]:
+        """Abort the unfinished multipart uploads under checkpoint `name` (every checkpoint: None),
+        on a filesystem that has them (s3fs); returns their paths."""
+        if not hasattr(self.fs, "list_multipart_uploads"):
+            return []
+        bucket, _, base = self.root.partition("/")
+        head = f"{base.rstrip('/')}/" if base else ""
+        aborted = []
+        with self._os("abort the unfinished uploads under", self.path(name) if name else self.root, name):
+            for upload in self.fs.list_multipart_uploads(bucket):
+                key = upload["Key"]
+                checkpoint = key[len(head):].split("/")[0] if key.startswith(head) else ""
+                if _NAME.match(checkpoint) and name in (None, checkpoint):
+                    self.fs.abort_mpu(bucket, key, upload["UploadId"])
+                    aborted.append(f"{bucket}/{key}")
+        if aborted:
+            log.info("aborted %d unfinished upload(s) a killed write left: %s", len(aborted), ", ".join(aborted))
+        return aborted
 
     def prune(self, keep: int, protect: str | None = None) -> list[str]:
         """Delete what is older than the newest `keep` verified checkpoints: older checkpoints,
@@ -217,10 +239,13 @@ class CheckpointStore:
         directory = posixpath.dirname(path)
         with self._os("create directory", directory, name):
             self.fs.makedirs(directory, exist_ok=True)
-        if not self.local:  # an object appears whole or not at all
+        if not self.local:
+            # One call with the whole object: S3 stores a PUT (or a completed multipart upload)
+            # whole or not at all. Not open()/write(): its close() on an error would complete a
+            # multipart upload with the parts sent so far, a truncated object.
             try:
-                with self._os("write", path, name), self.fs.open(path, "wb") as handle:
-                    handle.write(data)
+                with self._os("write", path, name):
+                    self.fs.pipe_file(path, data)
             except CheckpointError:
                 self._remove_quietly(path)  # a filesystem that writes in place may hold part of it
                 raise
