@@ -138,7 +138,8 @@ class Evaluator:
             result = self.fn(self.model, step) if self._takes_step else self.fn(self.model)
         if not isinstance(result, Mapping):
             raise TypeError(f"the evaluation function must return a dict of metric -> number, got {result!r}")
-        return {str(key): float(value) for key, value in result.items()}
+        return {str(key): float(value.detach() if isinstance(value, torch.Tensor) else value)
+                for key, value in result.items()}
 
     def _report(self, name: str, step: int, metrics: dict[str, float], took: float) -> None:
         shown = " ".join(f"{key}={value:.6g}" for key, value in metrics.items())
