@@ -131,3 +131,16 @@ def test_an_evaluator_whose_script_fails_or_has_no_checkpoint_dir_exits_0(procs,
     out, _ = broken.communicate(timeout=120)
     assert broken.returncode == 0, out
     assert "needs the run's checkpoint directory" in out and "never fails the job" in out
+
+
+def test_run_with_evaluator_starts_one_next_to_the_workers(procs, tmp_path):
+    directory = str(tmp_path / "ckpt")
+    proc = procs.start([sys.executable, "-m", "paramserver", "run", "--ps", "1", "--workers", "2", "--progress-every",
+                        "0", "--checkpoint-dir", directory, "--checkpoint-every", "10", "--evaluator", SCRIPT, "--",
+                        "--heldout", heldout(tmp_path), "--steps", str(STEPS)],
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 0, out
+    assert "[evaluator0]" in out and "evaluation of ckpt-000000030 (step 30): loss=" in out, out
+    assert "evaluated the final checkpoint ckpt-000000030; done" in out
+    assert procs.leftovers() == []
