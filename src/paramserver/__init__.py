@@ -5,6 +5,7 @@ Public API::
     ctx = paramserver.init()                       # join the cluster (or run one in-process)
     opt = paramserver.optim.Adam(model.parameters(), lr=1e-3)
     paramserver.Trainer(model, opt, loss_fn).fit(loader, epochs=5)
+    if ctx.is_evaluator: ctx.evaluate(model, fn)    # an evaluator task: follow the run's checkpoints
 
 Torch-dependent names load on first use, so a PS process never imports torch.
 """
@@ -31,11 +32,14 @@ _LAZY = {
     "log_scalar": ("paramserver.worker.context", "log_scalar"),
     "Trainer": ("paramserver.worker.trainer", "Trainer"),
     "EpochMetrics": ("paramserver.worker.trainer", "EpochMetrics"),
+    "evaluate": ("paramserver.worker.evaluator", "evaluate"),
+    "Evaluation": ("paramserver.worker.evaluator", "Evaluation"),
     "optim": ("paramserver.optim", None),
     "nn": ("paramserver.nn", None),
 }
 
-__all__ = ["init", "Context", "current_context", "set_mode", "log_scalar", "Trainer", "EpochMetrics", "optim", "nn",
+__all__ = ["init", "Context", "current_context", "set_mode", "log_scalar", "Trainer", "EpochMetrics", "evaluate",
+           "Evaluation", "optim", "nn",
            "ClusterSpec", "NodeConfig", "Options", "Task", "ParamServerError", "InvalidArgumentError",
            "MalformedFrameError", "NotFoundError", "FailedPreconditionError", "ProtocolVersionError",
            "UnavailableError",

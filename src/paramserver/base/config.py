@@ -117,6 +117,7 @@ class Options:
     checkpoint_every_seconds: float = 0.0  # seconds (the chief's clock) between checkpoints; 0: none
     checkpoint_keep: int = 3  # complete checkpoints kept; older ones are deleted
     resume: bool = False  # start from the latest complete checkpoint in checkpoint_dir (if any)
+    eval_timeout_s: float = 0.0  # an evaluator ends after this long without a new checkpoint; 0: at the final one
     # limits a PS enforces before it takes memory (docs/security.md)
     max_table_rows: int = 1 << 27  # most rows one table may hold on one PS (capacity asked, or rows created)
     max_table_memory_bytes: int = 16 << 30  # most bytes all tables of one PS may hold (values + optimizer state)
@@ -195,6 +196,7 @@ class Options:
         need("checkpoint_every", lambda v: v >= 0, "0 (none) or more")
         need("checkpoint_every_seconds", lambda v: v >= 0, "0 (none) or more")
         need("checkpoint_keep", lambda v: v >= 1, "at least 1")
+        need("eval_timeout_s", lambda v: v >= 0, "0 (wait for the final checkpoint) or more")
         for name in ("max_table_rows", "max_table_memory_bytes", "max_connections", "summary_every"):
             need(name, lambda v: v >= 1, "at least 1")
         for name in ("idle_timeout_s", "drain_grace_s"):

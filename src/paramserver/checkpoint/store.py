@@ -134,6 +134,16 @@ class CheckpointStore:
         self._write_atomic(name, self.path(name, MANIFEST), json.dumps(body, indent=1, sort_keys=True).encode())
         self._good.add(name)  # its entries hash the very bytes the shards wrote: sizes are checked at prune
 
+    def mark_final(self, name: str) -> None:
+        """Add ``"final": true`` to the manifest of committed checkpoint `name` (the final one of a
+        run that was written as a periodic one), rewriting it atomically; its shard files and time
+        stay. A manifest without the field (older ones too) is not final."""
+        manifest = self.manifest(name)
+        if manifest.get("final") is True:
+            return
+        body = json.dumps({**manifest, "final": True}, indent=1, sort_keys=True).encode()
+        self._write_atomic(name, self.path(name, MANIFEST), body)
+
     def uncommit(self, name: str) -> bool:
         """Remove the manifest of checkpoint `name` if it has one (before its files are written
         again): from then on it is incomplete. Returns whether there was one."""

@@ -24,6 +24,9 @@ def _parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="start a whole cluster on this machine and run SCRIPT on every worker")
     _add_cluster_flags(run)
+    run.add_argument("--evaluator", action="store_true",
+                     help="also run SCRIPT as an evaluator task that evaluates each new checkpoint (needs "
+                          "--checkpoint-dir; docs/evaluator.md)")
     run.add_argument("script", help="training script, run on every worker")
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
 
@@ -216,6 +219,9 @@ def _run_local(args: argparse.Namespace, script: str, script_args: list[str]) ->
     options.validate(args.workers)  # what needs the cluster's size too, before any process starts
     if options.metrics_port > 0:
         raise ConfigError("with `run` every node shares this host: --metrics-port 0 gives each a free port of its own")
+    evaluator = getattr(args, "evaluator", False)  # `demo` has none
+    if evaluator and not options.checkpoint_dir:
+        raise ConfigError("--evaluator evaluates the run's checkpoints: give --checkpoint-dir too")
     certs = _cert_dir(args, options)
     if args.tokens:
         from .tokens import STORE_FILE, local_nodes, write_tokens
@@ -223,7 +229,7 @@ def _run_local(args: argparse.Namespace, script: str, script_args: list[str]) ->
             write_tokens(Path(args.tokens), local_nodes(args.ps, args.workers))
     cluster = LocalCluster(args.ps, args.workers, script, script_args, options,
                            progress_every=args.progress_every, log_level=args.log_level,
-                           max_restarts=args.max_restarts, certs=certs, tokens=args.tokens)
+                           max_restarts=args.max_restarts, certs=certs, tokens=args.tokens, evaluator=evaluator)
     code = cluster.run()
     print(json.dumps(cluster.summary()), flush=True)
     return code

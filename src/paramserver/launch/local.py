@@ -57,6 +57,7 @@ _MEMORY_EVERY_S = 0.5  # how often the nodes' resident memory is sampled for the
 _TREE_EVERY_S = 2.0  # how often the nodes' child processes (data loaders) are listed again
 _PROGRESS_EOF_S = 5.0  # how long to wait for a dead worker's last progress lines (normally instant)
 NO_CHECKPOINT = 3  # exit code: the run succeeded but wrote none of the checkpoints it asked for
+EVALUATOR_GRACE_S = 60.0  # after a clean end: how long the evaluator may take over the final checkpoint
 
 
 def free_port() -> int:
@@ -85,10 +86,11 @@ class LocalCluster(Lifecycle):
     def __init__(self, num_ps: int, num_workers: int, script: str, args: list[str] | None = None,
                  options: Options | None = None, out: TextIO | None = None, progress_every: float = 2.0,
                  log_level: str = "INFO", max_restarts: int = 3, certs: Path | None = None,
-                 tokens: str | None = None) -> None:
+                 tokens: str | None = None, evaluator: bool = False) -> None:
         """`certs`: a `paramserver certs` directory (mutual TLS, each node its own certificate);
         `tokens`: a directory of launch/tokens.py's files (each node presents its own token, checked
-        by the PS and the coordinator)."""
+        by the PS and the coordinator); `evaluator`: one evaluator task runs the script too, following
+        the checkpoints (docs/evaluator.md); its exit code never counts."""
         if num_ps < 1 or num_workers < 1:
             raise ValueError(f"need at least 1 PS and 1 worker, got ps={num_ps} workers={num_workers}")
         self.num_ps, self.num_workers = num_ps, num_workers
@@ -100,6 +102,8 @@ class LocalCluster(Lifecycle):
         self.certs = certs  # mutual TLS: each node's own certificate from this `paramserver certs` directory
         self.tokens = tokens
         self.restarts = 0
+        self.with_evaluator = evaluator
+        self.evaluator: Child | None = None  # reads checkpoints only: started once, kept through roll-backs
         self.board = ProgressBoard()
         self.peak_rss: dict[str, int] = {"ps": 0, "worker": 0}
         self.ps: list[Child] = []
@@ -140,6 +144,11 @@ class LocalCluster(Lifecycle):
             self._watcher.start()
         for i in range(self.num_workers):
             self.workers.append(self._start_worker(i))
+        if self.with_evaluator and self.evaluator is None:
+            config = json.dumps({"cluster": {"ps": self.ps_addresses, "worker": self.worker_addresses},
+                                 "task": {"type": "evaluator", "index": 0}})
+            env = self._env(replace(self.options, progress_fd=-1), config)
+            self.evaluator = self._spawn("evaluator0", self._node_argv(self.script, *self.args), env)
 
     def wait_ready(self, timeout: float) -> None:
         """Every PS announced its address and every worker was started (what `start` waits for)."""
@@ -302,6 +311,8 @@ class LocalCluster(Lifecycle):
         try:
             self.start(timeout)
             code = self.wait()
+            if code == 0:
+                self._let_evaluator_finish()
         except KeyboardInterrupt:
             totals = self.interrupt()
             self._lines.write("run", f"interrupted at steps={totals['steps']:,} examples={totals['examples']:,}; "
@@ -310,6 +321,12 @@ class LocalCluster(Lifecycle):
         finally:
             self.stop()
         return self.checkpoint_verdict(code)
+
+    def _let_evaluator_finish(self, grace: float = EVALUATOR_GRACE_S) -> None:
+        """Give the evaluator, which ends by itself after the final checkpoint, `grace` seconds to
+        evaluate it; `stop` ends it after that. Its exit code is not the run's."""
+        if self.evaluator is not None and self.evaluator.wait_until(time.monotonic() + grace) is None:
+            self._lines.write("run", f"the evaluator did not end within {grace:.0f}s of training; stopping it")
 
     def checkpoint_verdict(self, code: int) -> int:
         """The run's exit code once its checkpoints are counted: NO_CHECKPOINT (and a line saying

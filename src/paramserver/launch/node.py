@@ -2,7 +2,9 @@
 
 The node's role comes from `--cluster FILE --role R --index I`, or from TF_CONFIG. A PS
 node serves its shard until SIGTERM; a worker (or chief) node runs SCRIPT with ARGS as
-`__main__`, and `paramserver.init()` inside it joins the cluster this node belongs to.
+`__main__`, and `paramserver.init()` inside it joins the cluster this node belongs to. An
+evaluator node runs the same SCRIPT, whose `init()` joins nothing (worker/evaluator.py), and
+exits 0 whatever happens to it.
 
 Under a restart loop (Kubernetes' restartPolicy, a supervisor), recovery needs no launcher:
 - a PS of a cluster with a checkpoint_dir starts from the latest complete checkpoint there;
@@ -75,9 +77,30 @@ def run_node(cluster_file: str | None, role: str | None, index: int | None, bind
                            options)
     if config is None:
         raise ConfigError("a worker node needs TF_CONFIG or --cluster FILE --role worker --index I")
+    if role == config_mod.EVALUATOR:
+        return run_evaluator(config, script, args)
     if not script:
         raise ConfigError(f"a {role} node needs the training SCRIPT to run")
     return run_script(config, script, args)
+
+
+def run_evaluator(config: NodeConfig, script: str | None, args: list[str]) -> int:
+    """Run the script on an evaluator task; always exit 0, logging what failed: a TFJob marks the
+    whole job failed when any replica fails, and an evaluator is no part of the training."""
+    try:
+        if not script:
+            raise ConfigError("an evaluator node needs the SCRIPT to run (the same as the workers')")
+        code = run_script(config, script, args)
+    except KeyboardInterrupt:  # SIGTERM too (cli.main): the job is ending
+        log.info("evaluator %d: stopped", config.task.index)
+        return 0
+    except BaseException:  # noqa: BLE001  (SystemExit of the script is handled by run_script)
+        log.exception("evaluator %d failed; exiting with 0 (an evaluator never fails the job)", config.task.index)
+        return 0
+    if code != 0:
+        log.error("evaluator %d: the script exited with %s; exiting with 0 (an evaluator never fails the job)",
+                  config.task.index, code)
+    return 0
 
 
 def run_script(config: NodeConfig, script: str, args: list[str]) -> int:

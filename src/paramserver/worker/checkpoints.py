@@ -147,7 +147,7 @@ class Checkpointer:
             complete = []
         if counters is not None and self._written == (name, counters) and complete[-1:] == [name]:
             log.info("final checkpoint: %s (step %d) holds the final state already", name, step)
-            return name
+            return self._mark_final(name)
         if complete and complete[-1] > name:
             log.warning("final checkpoint %s: %s holds a later checkpoint, %s; resuming and exporting "
                         "take the latest", name, self.store.url, complete[-1])
@@ -155,6 +155,15 @@ class Checkpointer:
             return self.save(step, timeout, counters, final=True)
         except CheckpointError:
             return None  # logged and counted by save()
+
+    def _mark_final(self, name: str) -> str:
+        """Mark the periodic checkpoint `name` as the final one (an evaluator ends after it); a
+        failure is a warning: the checkpoint stays complete, an evaluator ends on its own timeout."""
+        try:
+            self.store.mark_final(name)
+        except CheckpointError as exc:
+            log.warning("final checkpoint %s: cannot mark it final: %s", name, exc)
+        return name
 
     def _counters(self) -> list | None:
         """What changes on a shard with every update it applies (None when a shard did not answer)."""
@@ -183,8 +192,9 @@ class Checkpointer:
                 log.info("%s %s: replaces the complete checkpoint of that name", what, name)
             entries = self.client.checkpoint(name, timeout)
             self._check_same_shards()
-            self.store.commit(name, {"step": step, "num_shards": len(entries), "shards": entries,
-                                     "mode": self.client.consistency.to_dict()})
+            manifest = {"step": step, "num_shards": len(entries), "shards": entries,
+                        "mode": self.client.consistency.to_dict()}
+            self.store.commit(name, {**manifest, "final": True} if final else manifest)
         except (ParamServerError, OSError) as exc:  # a shard's error, a deadline, the store's CheckpointError
             reason = str(exc) if isinstance(exc, ParamServerError) else f"{type(exc).__name__}: {os_reason(exc)}"
             took = time.monotonic() - started

@@ -13,7 +13,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from ..base import config as config_mod
 from ..base.config import NodeConfig, Options
@@ -95,6 +95,8 @@ class Context:
         """The embedding tables of the cluster (used by HashEmbedding through the optimizer)."""
         return TableClient(self.client.channels, self.options.rpc_timeout_s, self.client.consistency.to_dict(),
                            self.client.worker)
+
+    is_evaluator: ClassVar[bool] = False  # a training task; an evaluator's is worker.evaluator.EvaluatorContext
 
     @property
     def is_chief(self) -> bool:
@@ -266,6 +268,11 @@ def join(config: NodeConfig | None, num_ps: int = 1) -> Context:
     Called by `paramserver.init()`, which sends PS tasks to their node instead."""
     global _current
     if _current is not None:
+        return _current
+    if config is not None and config.task.type == config_mod.EVALUATOR:  # follows checkpoints, joins nothing
+        from .evaluator import EvaluatorContext
+
+        _current = EvaluatorContext(config, config.options)
         return _current
     from .cluster import cluster_context, in_process_context
 

@@ -48,9 +48,7 @@ class Summaries(Lifecycle):
         self._rows: dict[str, int] = {}
 
     def start(self) -> None:
-        from torch.utils.tensorboard import SummaryWriter  # loads tensorboard: only with a logdir
-
-        self._writer = SummaryWriter(log_dir=self.logdir)
+        self._writer = event_writer(self.logdir)
         self._window = _Window(time.perf_counter(), self._record.staleness_sum, self._record.pushes)
         log.info("TensorBoard summaries every %d steps in %s", self.every, self.logdir)
 
@@ -118,6 +116,13 @@ class _Window:
     started: float
     staleness_sum: int
     pushes: int
+
+
+def event_writer(logdir: str) -> Any:
+    """A torch SummaryWriter writing event files into `logdir` (the chief's, an evaluator's)."""
+    from torch.utils.tensorboard import SummaryWriter  # loads tensorboard: only with a logdir
+
+    return SummaryWriter(log_dir=logdir)
 
 
 def open_summaries(logdir: str, every: int, worker_index: int, record: Any) -> Summaries | None:

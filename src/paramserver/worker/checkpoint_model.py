@@ -1,0 +1,118 @@
+"""A checkpoint loaded into the user's torch model, with no PS: what an evaluator evaluates.
+
+Dense variables go in by the names `paramserver checkpoint export` gives them (the model's own
+names, the optimizer's `optK.` prefix dropped; positional `paramN` as the N-th parameter of
+`model.parameters()`), strictly: a variable the model lacks, or of another shape, is an error, and
+what the checkpoint does not hold (buffers, embedding placeholders) keeps its value. Each
+HashEmbedding is attached to its table's saved rows and looks them up locally, as a PS reading that
+checkpoint would answer: a saved row's values, an id never stored its table's initial values.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import torch
+
+from ..checkpoint.restore import RestoreSource, SavedTable
+from ..checkpoint.store import CheckpointError
+from ..checkpoint.tools import export_names
+from ..server.embedding_table import initial_rows
+from .hash_embedding import HashEmbedding
+
+_POSITIONAL = re.compile(r"^param(\d+)$")
+_OPTIMIZER_PREFIX = re.compile(r"^opt\d+\.")
+
+
+class SavedRows:
+    """The saved rows of a checkpoint's tables, answering `lookup` as a PS would (a HashEmbedding's
+    `_tables`). Read-only, so thread-safe."""
+
+    def __init__(self, tables: dict[str, SavedTable]) -> None:
+        self._tables = {name: _sorted(saved) for name, saved in tables.items()}
+
+    def lookup(self, table: str, ids: np.ndarray) -> np.ndarray:
+        """Rows of the distinct `ids` (len(ids) x dim, float32)."""
+        sorted_ids, order, values, meta = self._tables[table]
+        ids = np.ascontiguousarray(ids, np.int64)
+        out = initial_rows(ids, meta["dim"], meta.get("init", {}))
+        at = np.minimum(np.searchsorted(sorted_ids, ids), max(len(sorted_ids) - 1, 0))
+        found = sorted_ids[at] == ids if len(sorted_ids) else np.zeros(len(ids), bool)
+        out[found] = values[order[at[found]]]
+        return out
+
+
+def _sorted(saved: SavedTable) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict]:
+    order = np.argsort(saved.ids, kind="stable")
+    return saved.ids[order], order, saved.arrays["values"], saved.meta
+
+
+def load_into(model: torch.nn.Module, source: RestoreSource) -> None:
+    """Load checkpoint `source` into `model`: dense values by name, embedding tables as local
+    lookups. Raises CheckpointError naming what does not fit (the model is then unchanged, or
+    changed in its dense values only when a table does not fit)."""
+    state = dense_state(model, source)
+    model.load_state_dict({**model.state_dict(), **state})
+    attach_tables(model, source.tables, source.name)
+
+
+def dense_state(model: torch.nn.Module, source: RestoreSource) -> dict[str, torch.Tensor]:
+    """The checkpoint's dense values under the model's parameter names, shapes checked."""
+    values = {var: v.value for info in source.groups.values() for var, v in info["vars"].items()}
+    names = [name for name, _ in model.named_parameters()]
+    own = model.state_dict()
+    state, unknown = {}, []
+    for var, exported in export_names(list(values)).items():
+        name = _model_name(exported, names)
+        if name not in own:
+            unknown.append(exported)
+            continue
+        if tuple(own[name].shape) != tuple(values[var].shape):
+            raise CheckpointError(f"checkpoint {source.name}: variable {exported!r} has shape "
+                                  f"{tuple(values[var].shape)}, the model's {name!r} {tuple(own[name].shape)}")
+        state[name] = torch.from_numpy(np.array(values[var]))
+    if unknown:
+        raise CheckpointError(f"checkpoint {source.name}: the model has no parameter {', '.join(unknown[:5])}"
+                              f"{' ...' if len(unknown) > 5 else ''} (a checkpoint of another model?)")
+    return state
+
+
+def _model_name(exported: str, names: list[str]) -> str:
+    """`paramN` (an optimizer given model.parameters()) is the model's N-th parameter."""
+    match = _POSITIONAL.match(exported)
+    if match and exported not in names and int(match.group(1)) < len(names):
+        return names[int(match.group(1))]
+    return exported
+
+
+def attach_tables(model: torch.nn.Module, tables: dict[str, SavedTable], checkpoint: str) -> None:
+    """Point every HashEmbedding of `model` at its table's saved rows; each saved table must
+    belong to one of them."""
+    modules = [(path, module) for path, module in model.named_modules() if isinstance(module, HashEmbedding)]
+    positions = {id(param): index for index, param in enumerate(model.parameters())}
+    rows, matched = SavedRows(tables), {}
+    for path, module in modules:
+        table = _table_of(module, path, positions.get(id(module.placeholder)), tables)
+        if table is None:
+            raise CheckpointError(f"checkpoint {checkpoint} has no table for the model's HashEmbedding {path!r} "
+                                  f"(it holds {sorted(tables)})")
+        if tables[table].meta["dim"] != module.dim:
+            raise CheckpointError(f"checkpoint {checkpoint}: table {table!r} has dim {tables[table].meta['dim']}, "
+                                  f"the model's {path!r} {module.dim}")
+        matched[path] = (module, table)
+    unused = sorted(set(tables) - {table for _, table in matched.values()})
+    if unused:
+        raise CheckpointError(f"checkpoint {checkpoint}: table(s) {unused} match no HashEmbedding of the model")
+    for module, table in matched.values():
+        module.attach(rows, table)
+
+
+def _table_of(module: HashEmbedding, path: str, position: int | None, tables: dict) -> str | None:
+    """The saved table of `module`: its own `name=`, else the one the optimizer named after its
+    path (`optK.<path>`) or its position among the model's parameters (`optK.paramN`)."""
+    if module.table_name in tables:
+        return module.table_name
+    wanted = {path, f"param{position}"} if position is not None else {path}
+    found = [name for name in tables if _OPTIMIZER_PREFIX.sub("", name, count=1) in wanted]
+    return found[0] if len(found) == 1 else None
