@@ -13,7 +13,6 @@ rolls back by itself, and the time to the first step trained again is read from 
 import argparse
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -22,6 +21,8 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+
+from recovery import wait_for  # bench/ is on the path when run as a script
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,16 +56,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def wait_for(lines: list[str], pattern: str, start: int = 0, timeout: float = 600) -> int:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for i in range(start, len(lines)):
-            if re.search(pattern, lines[i]):
-                return i
-        time.sleep(0.01)
-    raise SystemExit(f"no {pattern!r} in {timeout}s:\n" + "".join(lines[-40:]))
 
 
 def kill_to_first_step(loops: dict, lines: list, victim: str, after: int) -> tuple[float, int]:

@@ -20,12 +20,13 @@ import time
 import pytest
 
 from paramserver.base.lifecycle import RESTART_EXIT_CODE
+from tests.fault.test_lifecycle import WORKERS, check_every_batch_trained_once
 from tests.restart_loop import RestartLoop
 
 pytestmark = pytest.mark.slow  # a cluster of five restart loops through three kills: one to three minutes
 
 SCRIPT = "tests/integration/scripts/train_counted.py"
-BATCHES, WORKERS = 90, 3
+BATCHES = 90  # per worker: long enough for three kills
 SEED = int(os.environ.get("PARAMSERVER_CHAOS_SEED", time.time_ns() % 1_000_000))
 WAIT_S = 180.0  # only stops a hung test: every wait is for a line or an exit
 
@@ -84,22 +85,9 @@ def test_a_cluster_under_restart_loops_recovers_from_a_ps_the_chief_and_a_worker
     finally:
         for loop in loops.values():
             loop.stop()
-    check_every_batch_trained_once(mode, json.loads((tmp_path / "cells.json").read_text()), tmp_path / "ckpt", replay)
+    check_every_batch_trained_once(mode, json.loads((tmp_path / "cells.json").read_text()), tmp_path / "ckpt", replay,
+                                   BATCHES)
     codes = {code for loop in loops.values() for code in loop.exits}
     assert RESTART_EXIT_CODE in codes, (replay, {n: loop.exits for n, loop in loops.items()})
     assert codes <= {0, -9, RESTART_EXIT_CODE}, (replay, "\n".join(loop.log() for loop in loops.values()))
     assert procs.leftovers() == []
-
-
-def check_every_batch_trained_once(mode: str, cells: list[list[float]], directory, replay: str) -> None:
-    from paramserver.checkpoint.restore import RestoreSource
-    from paramserver.checkpoint.store import CheckpointStore
-
-    store = CheckpointStore(str(directory))
-    positions = RestoreSource(store, store.complete()[-1]).positions
-    assert positions == {w: BATCHES for w in range(WORKERS)}, (replay, positions)
-    values = {round(v, 5) for row in cells for v in row}
-    if mode == "async":
-        assert values == {1.0}, (replay, cells)
-    else:  # a sync step of k workers applies 1/k of each
-        assert values <= {1.0, 0.5, round(1 / 3, 5)}, (replay, cells)
