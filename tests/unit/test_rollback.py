@@ -26,7 +26,7 @@ ROWS = {"name": "adagrad", "hyper": {"lr": 0.1}}
 def fenced_service() -> ShardService:
     """A shard as a PS node serves it: pushes only from workers that registered with this process."""
     service = ShardService(Shard(0), TableStore(0))
-    service.sessions = set()
+    service.shard.sessions = set()
     service.call("Register", codec.encode({"group": "g", "optimizer": SGD, "worker": 0},
                                           [("w", np.arange(4, dtype=np.float32))]))
     return service

@@ -10,8 +10,9 @@ endpoint serves the node's metrics (its port is logged). SIGTERM drains: health 
 calls in flight get `drain_grace_s` seconds to finish, then the process exits 0.
 
 Restarts (docs/deploy.md, "When a pod dies"): each PS process has a random `incarnation`, announced
-in Hello, so that a worker or the chief can tell a restarted PS from the one it registered with, and
-it accepts pushes only from workers that registered with it (ShardService.sessions). The chief's
+in Hello, so that a worker or the chief can tell a restarted PS from the one it registered with; a
+resuming one (a cluster's PS with a checkpoint_dir) accepts pushes only from workers that registered
+with it (Shard.sessions). The chief's
 roll-back asks a PS to restart (a Shutdown with `restart`): it drains and exits RESTART_EXIT_CODE,
 for its restart loop to start it again from the latest checkpoint.
 """
@@ -70,7 +71,8 @@ class PSNode(Lifecycle):
         self.service = ShardService(self.shard, tables,
                                     save_checkpoint=save and self.metrics.checkpoints.around(save))
         self.service.guard = self.guard
-        self.service.sessions = set()  # pushes only from workers that registered with this process
+        if options.resume:  # a PS that may restart into a running cluster: pushes only from its own registrants
+            self.shard.sessions = set()
         self.incarnation = secrets.token_hex(8)
         self.service.calls = self.metrics.calls(SERVICE, self.service.methods)
         self.metrics.registry.register(ShardCollector(self.shard, self.service.tables))

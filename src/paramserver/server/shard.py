@@ -17,7 +17,7 @@ import numpy as np
 
 from ..base.consistency_spec import ConsistencySpec
 from ..base.errors import (DeadlineExceededError, FailedPreconditionError, InvalidArgumentError, NotFoundError,
-                           UnavailableError)
+                           RollbackError, UnavailableError)
 from .consistency import SyncRound
 from .dense import DenseGroup
 from .optimizers import build_optimizer, check_lr
@@ -68,6 +68,9 @@ class Shard:
         self.wait_timeout_s = wait_timeout_s
         self.waiting = 0  # pushes blocked in a sync step or an ssp bound right now
         self._groups: dict[str, DenseGroup] = {}
+        # workers that registered with this process: None takes every push; a PS node sets a set, so that a
+        # worker from before a restart (or a roll-back) cannot push into the state this one restored
+        self.sessions: set[int] | None = None
         self._group_of: dict[str, DenseGroup] = {}
         self._clocks: dict[int, int] = {}  # pushes applied per worker (ssp)
         self._pushes_by: dict[int, int] = {}  # pushes taken per worker since this shard started
@@ -199,6 +202,7 @@ class Shard:
             spec = self.spec or ConsistencySpec()
             self._check_worker(spec, push.worker)
             self._check_step(spec, push)
+            self._check_session(push.worker)
             # every check (the sync step included) before anything changes: a refused push changes nothing
             step = self._target_step(push, self._quorum.is_returning(push.worker)) if spec.mode == "sync" else None
             self._quorum.pushed(push.worker, push.resumed)
@@ -333,6 +337,19 @@ class Shard:
 
     def _pushed(self) -> set[int]:
         return self._round.contributors if self._round is not None else set()
+
+    def open_session(self, worker: int | None) -> None:
+        """`worker` registered (a group or a table) with this process: its pushes are taken from now on."""
+        with self._cond:
+            if self.sessions is not None and worker is not None:
+                self.sessions.add(worker)
+
+    def _check_session(self, worker: int | None) -> None:
+        """Refuse a push from a worker that has not registered with this PS process: it registered with an
+        earlier one, which restarted (or was rolled back) since; its gradients belong to that state."""
+        if self.sessions is not None and worker is not None and worker not in self.sessions:
+            raise RollbackError(f"shard {self.index}: worker {worker} has not registered with this PS since it "
+                                f"started (it restarted, or the cluster rolls back): the worker must restart")
 
     def describe(self) -> dict:
         """Counters and mode, for Hello replies and monitoring."""

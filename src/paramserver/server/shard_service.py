@@ -24,7 +24,7 @@ from typing import Any, Callable
 from ..base import messages as msg
 from ..base.auth import Claim, Guard
 from ..base.consistency_spec import ConsistencySpec
-from ..base.errors import FailedPreconditionError, MalformedFrameError, NotFoundError, RollbackError
+from ..base.errors import FailedPreconditionError, MalformedFrameError, NotFoundError
 from ..base.metrics import rss_bytes
 from ..transport import codec
 from .shard import Push, Shard
@@ -49,9 +49,6 @@ class ShardService:
         self.announce: dict[str, Any] = {}  # extra Hello fields, e.g. the node's stream port
         self.guard: Guard | None = None  # tokens, roles and audit (transport/dispatch.py), given by the node
         self.on_shutdown: Callable[[bool], None] | None = None  # what Shutdown sets off: the node's drain (restart?)
-        # workers that registered with this PS process: None accepts every push; a PS node sets a set, so
-        # that a worker from before a restart (or a roll-back) cannot push into the state it restored
-        self.sessions: set[int] | None = None
         self.methods: dict[str, Callable[[bytes, Sink], Any]] = {
             "Hello": self.hello, "Register": self.register, "PushPull": self.push_pull, "SetMode": self.set_mode,
             "Leave": self.leave, "RegisterTable": self.register_table, "Lookup": self.lookup,
@@ -93,7 +90,7 @@ class ShardService:
         request = msg.RegisterRequest.from_meta(frame.meta)
         spec = ConsistencySpec.from_dict(request.consistency) if request.consistency is not None else None
         self.shard.register(request.group, request.optimizer, frame.tensors, spec, request.worker)
-        self._open_session(request.worker)
+        self.shard.open_session(request.worker)
         position, restored = self.shard.position(request.worker), self.shard.restored_position(request.worker)
         return self.shard.pull(frame.tensors, _reply(
             sink, lambda version: msg.RegisterReply(version=version, position=position, restored=restored)))
@@ -101,7 +98,6 @@ class ShardService:
     def push_pull(self, payload: bytes, sink: Sink) -> Any:
         frame = codec.decode(payload)
         request = msg.PushPullRequest.from_meta(frame.meta)
-        self._check_session(request.worker)
         # row pushes and lookups riding along: all checked before anything changes
         row_pushes = [self.tables.check_push(table, _take(frame, ids), _take(frame, grads))
                       for table, ids, grads in request.sparse]
@@ -126,7 +122,7 @@ class ShardService:
             self.shard.check_mode(spec)  # adopted only once the table is registered: a refusal changes nothing
         self.tables.register(request.table, request.dim, request.optimizer, request.init, request.policy,
                              request.capacity, request.num_shards)
-        self._open_session(request.worker)
+        self.shard.open_session(request.worker)
         if spec is not None:
             self.shard.adopt_mode(spec)
         return sink(codec.encode_parts(msg.RegisterTableReply().to_meta()))
@@ -153,17 +149,6 @@ class ShardService:
         version = self.shard.version
         self.on_shutdown(request.restart)  # only sets a flag: the node drains after this reply is sent
         return sink(codec.encode_parts(msg.ShutdownReply(version=version).to_meta()))
-
-    def _open_session(self, worker: int | None) -> None:
-        if self.sessions is not None and worker is not None:
-            self.sessions.add(worker)
-
-    def _check_session(self, worker: int | None) -> None:
-        """Refuse a push from a worker that has not registered with this PS process: it registered with
-        an earlier one, which restarted (or was rolled back) since; its gradients belong to that state."""
-        if self.sessions is not None and worker is not None and worker not in self.sessions:
-            raise RollbackError(f"shard {self.shard.index}: worker {worker} has not registered with this PS since it "
-                                f"started (it restarted, or the cluster rolls back): the worker must restart")
 
     def push_sparse(self, payload: bytes, sink: Sink) -> Any:
         frame = codec.decode(payload)

@@ -170,7 +170,8 @@ def cluster_context(config: NodeConfig) -> Context:
     spec = options.consistency(workers)
     client = _connect_shards(config, spec, credentials)
     try:
-        if index == 0 and roll_back_shards(client.channels, options.connect_timeout_s):
+        # with checkpoints, a chief that finds PS holding state restarted: it rolls them back (without, it adopts)
+        if index == 0 and options.checkpoint_dir and roll_back_shards(client.channels, options.connect_timeout_s):
             client.close()  # the shards restarted: new processes, new streams
             client = _connect_shards(config, spec, credentials)
         host, coordinator_address = _host_coordinator(config, credentials, metrics)

@@ -13,7 +13,7 @@ that restarted sends the cluster back to its latest checkpoint, as `paramserver 
   them to restart before it serves the coordinator (`roll_back_shards`): every PS then holds the
   latest checkpoint, and no worker joins before that.
 A PS takes pushes only from workers that registered with its current process, so a worker from
-before the roll-back can change nothing on it (server/shard_service.py, `sessions`).
+before the roll-back can change nothing on it (server/shard.py, `sessions`).
 """
 
 from __future__ import annotations
