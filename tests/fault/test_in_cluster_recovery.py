@@ -1,9 +1,9 @@
 """Recovery inside the cluster: `paramserver node` per node under a restart loop (standing in for
 Kubernetes' restartPolicy), no launcher. A PS killed with -9 restarts from the latest checkpoint
 and the cluster rolls back to it by itself; the chief killed with -9 restarts and rolls the PS
-back; a worker killed with -9 rejoins alone. In async and sync mode. The run finishes by itself, every worker's position in
-the final checkpoint is its number of batches, and every batch's update was applied exactly once
-(tests/integration/scripts/train_counted.py marks one cell per batch).
+back; a worker killed with -9 rejoins alone. In async and sync mode. The run finishes by itself,
+every worker's position in the final checkpoint is its number of batches, and every batch's update
+was applied exactly once (tests/integration/scripts/train_counted.py marks one cell per batch).
 
 Replay a failure with PARAMSERVER_CHAOS_SEED=<the seed in its message>.
 """

@@ -97,7 +97,8 @@ class CoordinatorClient(Lifecycle):
         if method == "Join" and self.incarnation is None:
             self.incarnation = incarnation
         elif incarnation != self.incarnation and self.on_restart is not None:
-            self.on_restart(f"the coordinator restarted (the chief; incarnation {self.incarnation} is now {incarnation})")
+            self.on_restart(f"the coordinator restarted (the chief; incarnation {self.incarnation} "
+                            f"is now {incarnation})")
         return self.view
 
     def restarted(self) -> str | None:
