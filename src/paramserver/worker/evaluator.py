@@ -81,7 +81,7 @@ class Evaluator:
             idle_since = self._clock()
             name, manifest = newest
             if self._tried == (name, manifest.get("time")) and done and done[-1].metrics is not None:
-                log.info("evaluator: %s, evaluated already, is the final checkpoint; done", name)
+                log.info("evaluator: evaluated the final checkpoint %s (marked final since); done", name)
                 break  # marked final since: the same state
             done.append(self._evaluate(name, manifest))
             if done[-1].final:
