@@ -112,6 +112,8 @@ BAD = [
     ("audit_log", 1, {}), ("drain_grace_s", -1, {}),
     ("tls_cert", "/c.pem", {}), ("tls_key", "/k.pem", {}), ("tls_ca", "/ca.pem", {}),
     ("auth_tokens", 7, {}), ("token_file", None, {}),
+    ("compression", "zip", {}), ("compression", "topk:2", {}), ("compression", "=fp16", {}), ("compression", 1, {}),
+    ("dense_sync", "ring", {}), ("dense_sync", None, {}),
 ]
 
 

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from .compression_spec import CompressionSpec
 from .consistency_spec import ConsistencySpec, ModeChange, parse_schedule
 from .errors import ConfigError, InvalidArgumentError
 
@@ -98,7 +99,7 @@ class Options:
 
     rpc_timeout_s: float = 60.0  # deadline of every call to a PS
     connect_timeout_s: float = 120.0  # how long a worker waits for all PS at start
-    max_message_bytes: int = 1 << 30  # largest gRPC message sent or received
+    max_message_bytes: int = 1 << 30  # largest message on the wire; a larger payload is split into several
     split_bytes: int = 256 * 1024  # variables this large are split along axis 0 across PS
     ps_threads: int = 8  # gRPC request threads of a PS
     stream_port: int = 0  # TCP port of a PS's tensor stream; 0 picks a free one (announced in Hello)
@@ -117,6 +118,9 @@ class Options:
     checkpoint_every_seconds: float = 0.0  # seconds (the chief's clock) between checkpoints; 0: none
     checkpoint_keep: int = 3  # complete checkpoints kept; older ones are deleted
     resume: bool = False  # start from the latest complete checkpoint in checkpoint_dir (if any)
+    # communication (docs/performance.md)
+    compression: str = ""  # gradient compression rules, e.g. "fp16" or "mlp.*=int8,emb=bf16"; "": none
+    dense_sync: str = "ps"  # dense variables: "ps" (pushed to the PS) or "allreduce" (among workers, gloo)
     eval_timeout_s: float = 0.0  # an evaluator ends after this long without a new checkpoint; 0: at the final one
     # limits a PS enforces before it takes memory (docs/security.md)
     max_table_rows: int = 1 << 27  # most rows one table may hold on one PS (capacity asked, or rows created)
@@ -203,6 +207,12 @@ class Options:
             need(name, lambda v: v > 0, "positive")
         need("metrics_port", lambda v: -1 <= v <= 65535, "-1 (none), 0 (a free port) or a port number")
         need("log_format", lambda v: v in ("text", "json"), "'text' or 'json'")
+        need("dense_sync", lambda v: v in ("ps", "allreduce"), "'ps' or 'allreduce'")
+        if "compression" not in skip:
+            try:
+                CompressionSpec.parse(self.compression)
+            except InvalidArgumentError as exc:
+                found.append(f"option 'compression' is not valid: {exc}")
         for name, other in (("tls_cert", "tls_key"), ("tls_key", "tls_cert")):
             if needs(name, other) and getattr(self, name) and not getattr(self, other):
                 found.append(f"option {name!r} needs {other} too")
@@ -246,6 +256,11 @@ class Options:
         """The consistency spec these options give a cluster of `num_workers` workers."""
         self.validate(num_workers)
         return ConsistencySpec.parse(self.mode, num_workers, self.backup_workers)
+
+    @property
+    def compression_spec(self) -> CompressionSpec:
+        """`compression`, parsed."""
+        return CompressionSpec.parse(self.compression)
 
     @property
     def mode_changes(self) -> list[ModeChange]:

@@ -146,6 +146,10 @@ def _add_limit_flags(parser: argparse.ArgumentParser) -> None:
                                                             f"(default {Options.max_table_memory_bytes})")
     group.add_argument("--max-message-bytes", type=int, help=f"largest message sent or received "
                                                              f"(default {Options.max_message_bytes})")
+    group.add_argument("--compression", help="gradient compression: a codec for all (fp16, bf16, int8, topk:R) "
+                                             "or PATTERN=CODEC rules, comma-separated (docs/performance.md)")
+    group.add_argument("--dense-sync", choices=["ps", "allreduce"],
+                       help="dense variables: pushed to the PS (default) or all-reduced among the workers")
     group.add_argument("--idle-timeout", type=float, help=f"seconds after which an idle tensor-stream connection "
                                                           f"is closed (default {Options.idle_timeout_s:.0f})")
     group.add_argument("--max-connections", type=int, help=f"tensor-stream connections per PS "
@@ -197,6 +201,7 @@ _FLAG_OPTIONS = {
     "heartbeat_timeout": "heartbeat_timeout_s",
     "max_table_rows": "max_table_rows", "max_table_memory": "max_table_memory_bytes",
     "max_message_bytes": "max_message_bytes", "idle_timeout": "idle_timeout_s", "max_connections": "max_connections",
+    "compression": "compression", "dense_sync": "dense_sync",
     "metrics_port": "metrics_port", "log_format": "log_format", "logdir": "logdir", "summary_every": "summary_every",
     "audit_log": "audit_log", "drain_grace": "drain_grace_s",
     "tls_cert": "tls_cert", "tls_key": "tls_key", "tls_ca": "tls_ca", "auth_tokens": "auth_tokens",
