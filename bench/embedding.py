@@ -126,9 +126,10 @@ def write_ctr_data(directory: str, rows: int) -> tuple[str, str]:
     return paths[0], paths[1]
 
 
-def run_ctr(num_ps: int, workers: int, flags: list[str], train: str, test: str) -> dict:
-    """examples/ctr.py on a local cluster (one torch thread per worker); its JSON record."""
-    cluster = LocalCluster(num_ps, workers, str(ROOT / "examples" / "ctr.py"),
+def run_ctr(num_ps: int, workers: int, flags: list[str], train: str, test: str, script: str = "") -> dict:
+    """examples/ctr.py (or `script`, taking its flags) on a local cluster (one torch thread per worker);
+    its JSON record."""
+    cluster = LocalCluster(num_ps, workers, script or str(ROOT / "examples" / "ctr.py"),
                            ["--train", train, "--test", test, *flags],
                            Options(torch_threads=1), out=io.StringIO(), progress_every=0, log_level="WARNING")
     if cluster.run() != 0:

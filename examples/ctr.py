@@ -5,8 +5,9 @@ one shared PS embedding table (no vocabulary: ids are hashed values); the dense 
 and the 26 embeddings go through an MLP 256-128-1. With `--wide`, a linear part over the
 same ids (a second, 1-wide table) is added. Worker 0 reports held-out AUC. Lines are parsed
 in the training loop by the C parser (`--prefetch N` parses in a loader process, N batches
-ahead); the next batch's rows (the batch after next's with `--overlap`) come back with each
-step's reply (`--no-prefetch-rows` looks them up at the forward instead; see docs/embeddings.md).
+ahead). The loop is a plain one: `ctx.resumable` pipelines it, so the next batch's rows (the
+batch after next's with `--overlap`) come back with each step's reply (`--no-prefetch-rows`
+looks them up at the forward instead; see docs/embeddings.md).
 
     python examples/ctr_data.py --rows 200000 --out /tmp/train.tsv --seed 1
     python examples/ctr_data.py --rows 20000 --out /tmp/test.tsv --seed 2
@@ -14,7 +15,6 @@ step's reply (`--no-prefetch-rows` looks them up at the forward instead; see doc
 """
 
 import argparse
-import itertools
 import time
 
 import numpy as np
@@ -78,23 +78,14 @@ def main() -> None:
     model = CTRModel(wide=args.wide, table_rows=args.table_rows)
     opt = ps.optim.Adam(model.named_parameters(), lr=args.lr, overlap=args.overlap)
     started, examples = time.perf_counter(), 0
-    # this worker's share, from its data position on (a restarted worker skips what it trained)
-    batches = iter(ctx.resumable(lambda epoch: criteo.batches(args.train, args.batch_size, ctx.worker_index,
-                                                              ctx.num_workers, prefetch=args.prefetch),
-                                 epochs=args.epochs))
-    # rows prefetched now come back with this step's reply: with --overlap that reply is read
-    # at the next step, so the rows are for the batch after next
-    ahead = 2 if args.overlap else 1
-    window = list(itertools.islice(batches, ahead))
-    while window:
-        dense, sparse, labels = window.pop(0)
+    # this worker's share, from its data position on (a restarted worker skips what it trained); each
+    # step brings back the embedding rows of the batch its reply serves (docs/embeddings.md, "Pipelining")
+    batches = ctx.resumable(lambda epoch: criteo.batches(args.train, args.batch_size, ctx.worker_index,
+                                                         ctx.num_workers, prefetch=args.prefetch),
+                            epochs=args.epochs, prefetch_rows=args.prefetch_rows)
+    for dense, sparse, labels in batches:
         opt.zero_grad()
         loss = F.binary_cross_entropy_with_logits(model(dense, sparse), labels)
-        window.extend(itertools.islice(batches, ahead - len(window)))
-        if args.prefetch_rows and len(window) == ahead:
-            embedded = [model.embedding] + ([model.wide] if model.wide is not None else [])
-            for module in embedded:
-                module.prefetch(window[-1][1])
         loss.backward()
         opt.step()
         examples += len(labels)

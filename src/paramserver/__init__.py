@@ -5,6 +5,7 @@ Public API::
     ctx = paramserver.init()                       # join the cluster (or run one in-process)
     opt = paramserver.optim.Adam(model.parameters(), lr=1e-3)
     paramserver.Trainer(model, opt, loss_fn).fit(loader, epochs=5)
+    for batch in ctx.resumable(loader): ...        # or a loop: resumes, and prefetches embedding rows
     if ctx.is_evaluator: ctx.evaluate(model, fn)    # an evaluator task: follow the run's checkpoints
 
 Torch-dependent names load on first use, so a PS process never imports torch.
@@ -30,6 +31,7 @@ _LAZY = {
     "current_context": ("paramserver.worker.context", "current_context"),
     "set_mode": ("paramserver.worker.context", "set_mode"),
     "log_scalar": ("paramserver.worker.context", "log_scalar"),
+    "pipeline": ("paramserver.worker.context", "pipeline"),
     "Trainer": ("paramserver.worker.trainer", "Trainer"),
     "EpochMetrics": ("paramserver.worker.trainer", "EpochMetrics"),
     "evaluate": ("paramserver.worker.evaluator", "evaluate"),
@@ -38,7 +40,7 @@ _LAZY = {
     "nn": ("paramserver.nn", None),
 }
 
-__all__ = ["init", "Context", "current_context", "set_mode", "log_scalar", "Trainer", "EpochMetrics", "evaluate",
+__all__ = ["init", "Context", "current_context", "set_mode", "log_scalar", "pipeline", "Trainer", "EpochMetrics", "evaluate",
            "Evaluation", "optim", "nn",
            "ClusterSpec", "NodeConfig", "Options", "Task", "ParamServerError", "InvalidArgumentError",
            "MalformedFrameError", "NotFoundError", "FailedPreconditionError", "ProtocolVersionError",

@@ -60,11 +60,18 @@ class Context:
         skips that many batches for you."""
         return self.client.record.position
 
-    def resumable(self, source, epochs: int = 1, steps_per_epoch: int | None = None):
+    def resumable(self, source, epochs: int = 1, steps_per_epoch: int | None = None, prefetch_rows: bool = True):
         """`source`'s batches for `epochs` passes, starting at this worker's data position, and
-        `finish_training()` once the last one is consumed. See worker/resumable.py."""
+        `finish_training()` once the last one is consumed; with `prefetch_rows`, each step brings
+        back the next batch's embedding rows. See worker/resumable.py and worker/pipeline.py."""
         from .resumable import ResumableBatches
-        return ResumableBatches(source, epochs, steps_per_epoch, self)
+        return ResumableBatches(source, epochs, steps_per_epoch, self, prefetch_rows)
+
+    def pipeline(self, batches):
+        """`batches`, each step bringing back the embedding rows of the batch after it (no resumption,
+        no finish_training: see `resumable` for both). Iterate after the optimizers are created."""
+        from .pipeline import RowPipeline, embedding_modules
+        return RowPipeline(batches, embedding_modules(self))
 
     def finish_training(self) -> None:
         """This worker's data is done: it leaves every sync/ssp quorum (no step waits for it) and
@@ -255,6 +262,11 @@ def current_context() -> Context:
 def set_mode(mode: str, backup_workers: int | None = None) -> ConsistencySpec:
     """Switch the cluster's consistency mode while training runs; see Context.set_mode (chief only)."""
     return current_context().set_mode(mode, backup_workers)
+
+
+def pipeline(batches):
+    """`batches`, each step bringing back the embedding rows of the batch after it; see Context.pipeline."""
+    return current_context().pipeline(batches)
 
 
 def log_scalar(name: str, value: float, step: int | None = None) -> None:

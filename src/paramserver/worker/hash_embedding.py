@@ -97,8 +97,10 @@ class HashEmbedding(nn.Module):
         """
         self._check_attached()
         shape, unique, inverse = self._distinct(ids)
-        # at most one earlier prefetch can still be used: the one riding the step in flight
-        self._prefetches = self._prefetches[-1:] + [_Prefetch(ids, shape, unique, inverse)]
+        # at most one earlier prefetch can still be used: the one riding the step in flight; one
+        # still waiting for a step is replaced (asked twice before a step: the later ids win)
+        riding = [p for p in self._prefetches if p.sent][-1:]
+        self._prefetches = riding + [_Prefetch(ids, shape, unique, inverse)]
 
     def ride_lookup(self) -> "_Prefetch | None":
         """The prefetch waiting to ride along a step, marked as sent; None if there is none.

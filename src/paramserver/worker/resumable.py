@@ -16,6 +16,9 @@ as `criteo.batches`). Skipped batches are read and dropped, so a shuffling loade
 generator replays the same order. Once the last epoch is consumed, the worker finishes its data
 (`Context.finish_training`): it leaves every quorum before it waits anywhere.
 
+The batches are pipelined (`prefetch_rows`, on by default): each step brings back the embedding
+rows of the batch after it, so a plain loop gets the fast path (worker/pipeline.py).
+
 Not thread-safe: iterate from the training thread, after the first optimizer was created (its
 registration brings the position back from the shards).
 """
@@ -27,6 +30,7 @@ import logging
 from typing import Any, Callable, Iterable, Iterator
 
 from ..base.errors import InvalidArgumentError, NotInitializedError
+from .pipeline import RowPipeline, embedding_modules
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +39,7 @@ class ResumableBatches:
     """`source`'s batches for `epochs` epochs, from this worker's data position on."""
 
     def __init__(self, source: Iterable | Callable[[int], Iterable], epochs: int = 1,
-                 steps_per_epoch: int | None = None, context: Any = None) -> None:
+                 steps_per_epoch: int | None = None, context: Any = None, prefetch_rows: bool = True) -> None:
         if not isinstance(epochs, int) or epochs < 1:
             raise InvalidArgumentError(f"epochs must be a positive integer, got {epochs!r}")
         if steps_per_epoch is not None and (not isinstance(steps_per_epoch, int) or steps_per_epoch < 1):
@@ -47,6 +51,7 @@ class ResumableBatches:
         self.epochs = epochs
         self.steps_per_epoch = steps_per_epoch
         self.context = context
+        self.prefetch_rows = prefetch_rows
         self.position = 0  # batches of this worker trained or skipped so far
         self.skipped = 0
 
@@ -63,7 +68,7 @@ class ResumableBatches:
         cycle = self._cycle() if self.steps_per_epoch else None
         for epoch in range(self.epochs):
             batches = itertools.islice(cycle, self.steps_per_epoch) if cycle else iter(self._epoch_source(epoch))
-            yield epoch, self._counted(batches, context)
+            yield epoch, self._pipelined(self._counted(batches, context), context)
         context.finish_training()
 
     def _counted(self, batches: Iterator, context) -> Iterator:
@@ -76,6 +81,11 @@ class ResumableBatches:
                 self.skipped += 1
                 continue
             yield batch
+
+    def _pipelined(self, batches: Iterator, context) -> Iterator:
+        if not self.prefetch_rows:
+            return batches
+        return iter(RowPipeline(batches, embedding_modules(context)))
 
     def _epoch_source(self, epoch: int) -> Iterable:
         return self.source(epoch) if callable(self.source) else self.source
