@@ -130,3 +130,43 @@ def test_trainer_fit_is_pipelined(fresh_context):
     ps.Trainer(model, opt, F.mse_loss, verbose=False).fit(data)
     assert methods.count("Lookup") == 2  # the first batch only (on both shards)
     ctx.shutdown()
+
+
+def test_an_exact_step_reads_the_next_batch_while_it_waits_for_the_ps(fresh_context):
+    ctx = ps.init(num_ps=1)
+    model = TwoTables()
+    opt = ps.optim.SGD(model.parameters(), lr=0.1)
+    events = record_calls(ctx)
+    settle = opt._settle
+    opt._settle = lambda *args: (events.append("reply"), settle(*args))
+
+    def reading(data):
+        for index, batch in enumerate(data):
+            events.append(f"read {index}")
+            yield batch
+    for users, items, y in ctx.resumable(reading(batches(4))):
+        opt.zero_grad()
+        F.mse_loss(model(users, items), y).backward()
+        opt.step()
+    trained = [e for e in events if e != "Lookup"]
+    # batches 0 and 1 before the first step, then each next one between a step's request and its reply
+    assert trained[:6] == ["read 0", "read 1", "PushPull", "read 2", "reply", "PushPull"], trained
+    assert trained[6:8] == ["read 3", "reply"], trained
+
+
+def test_a_loader_error_raised_while_a_step_waits_comes_out_of_the_loop(fresh_context):
+    ctx = ps.init(num_ps=1)
+    model = TwoTables()
+    opt = ps.optim.SGD(model.parameters(), lr=0.1)
+
+    def failing():
+        yield from batches(2)
+        raise OSError("disk gone")
+    trained = 0
+    with pytest.raises(OSError, match="disk gone"):
+        for users, items, y in ctx.pipeline(failing()):
+            opt.zero_grad()
+            F.mse_loss(model(users, items), y).backward()
+            opt.step()  # the read during this step's wait fails: the step itself succeeds
+            trained += 1
+    assert trained == 1 and opt.while_waiting is None

@@ -70,8 +70,8 @@ class Context:
     def pipeline(self, batches):
         """`batches`, each step bringing back the embedding rows of the batch after it (no resumption,
         no finish_training: see `resumable` for both). Iterate after the optimizers are created."""
-        from .pipeline import RowPipeline, embedding_modules
-        return RowPipeline(batches, embedding_modules(self))
+        from .pipeline import for_context
+        return for_context(batches, self)
 
     def finish_training(self) -> None:
         """This worker's data is done: it leaves every sync/ssp quorum (no step waits for it) and

@@ -9,8 +9,9 @@ batch's forward needs no request of its own. The pipeline does this for a loop w
     for batch in paramserver.pipeline(loader):                # the same, without resumption
         ...
 
-It reads the loader ahead (one batch, two when the table's optimizer overlaps) and, after a table's
-forward on the current batch, asks for the same table's rows of the batch the next reply serves.
+It reads the loader ahead (one batch, two when the table's optimizer overlaps; the next one is read
+while a step waits for its reply) and, after a table's forward on the current batch, asks for the
+same table's rows of the batch the next reply serves.
 Which element of a batch feeds which table is learned at the first forward: the ids a module is
 given must be an element of the batch (a tensor of a tuple, list or dict, as TorchRec's pipeline
 needs a model input); a module given something else (a slice, a computed tensor) looks its rows up
@@ -61,24 +62,30 @@ class RowPipeline:
     """`batches`, each yielded while the embedding rows of a later one ride along the steps.
 
     `modules`: [(HashEmbedding, ahead)], ahead = how many batches later the rows asked for after
-    a forward are read (1; 2 when its optimizer overlaps).
+    a forward are read (1; 2 when its optimizer overlaps). `optimizers`: those whose `step` may read
+    the next batch while it waits for the PS (each one's `while_waiting`, set while iterating).
     """
 
-    def __init__(self, batches: Iterable, modules: list[tuple[Any, int]]) -> None:
+    def __init__(self, batches: Iterable, modules: list[tuple[Any, int]], optimizers: Iterable = ()) -> None:
         self.batches = batches
+        self.optimizers = [opt for opt in optimizers if not opt.overlap]  # those whose step waits for its reply
         self.ahead = {module: ahead for module, ahead in modules}
         self.paths: dict[Any, Any] = {module: _UNKNOWN for module in self.ahead}
         self.window: deque = deque()  # the current batch first, then those read ahead
         self.asked: set = set()  # modules whose later rows were asked for during the current batch
         self.prefetched = 0  # prefetches asked for, over the whole iteration
+        self.exhausted = False
+        self.failed: Exception | None = None  # the loader's error, raised while a step waited
 
     def __iter__(self) -> Iterator:
-        if not self.ahead:
+        if not self.ahead and not self.optimizers:
             yield from self.batches
             return
         source = iter(self.batches)
-        depth = max(self.ahead.values()) + 1
+        depth = max(self.ahead.values(), default=0) + 1
         hooks = [module.register_forward_hook(self._after_forward) for module in self.ahead]
+        for optimizer in self.optimizers:  # the next batch is read while a step waits for the PS
+            optimizer.while_waiting = lambda: self._read_while_waiting(source, depth + 1)
         try:
             self._fill(source, depth)
             while self.window:
@@ -89,14 +96,29 @@ class RowPipeline:
         finally:
             for hook in hooks:
                 hook.remove()
+            for optimizer in self.optimizers:
+                optimizer.while_waiting = None
             self.window.clear()
 
     def _fill(self, source: Iterator, depth: int) -> None:
-        while len(self.window) < depth:
+        """Read batches until the window holds `depth` (fewer at the end of the data). A loader
+        error raised while a step waited is raised here, in the loop."""
+        if self.failed is not None:
+            failed, self.failed = self.failed, None
+            raise failed
+        while len(self.window) < depth and not self.exhausted:
             try:
                 self.window.append(next(source))
             except StopIteration:
-                return
+                self.exhausted = True
+
+    def _read_while_waiting(self, source: Iterator, depth: int) -> None:
+        """An optimizer's `while_waiting`: one more batch read, its error kept for the loop."""
+        if self.failed is None:
+            try:
+                self._fill(source, depth)
+            except Exception as exc:  # noqa: BLE001 (re-raised by the loop's next _fill)
+                self.failed = exc
 
     def _after_forward(self, module, args: tuple, output) -> None:
         """A table's forward hook: ask for its rows of the batch its next reply serves."""
@@ -118,7 +140,8 @@ class RowPipeline:
             self.prefetched += 1
 
 
-def embedding_modules(context) -> list[tuple[Any, int]]:
-    """[(HashEmbedding, ahead)] of every PS optimizer of `context`."""
-    return [(module, 2 if optimizer.overlap else 1)
-            for optimizer in context.optimizers for module in getattr(optimizer, "_embeddings", ())]
+def for_context(batches: Iterable, context) -> RowPipeline:
+    """`batches` pipelined for the tables and optimizers of `context`."""
+    modules = [(module, 2 if optimizer.overlap else 1)
+               for optimizer in context.optimizers for module in getattr(optimizer, "_embeddings", ())]
+    return RowPipeline(batches, modules, context.optimizers)

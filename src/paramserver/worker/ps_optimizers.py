@@ -60,6 +60,8 @@ class PSOptimizer(torch.optim.Optimizer):
         self.steps = 0
         self.context = context or current_context()
         self._pending: tuple[PushPullHandle, Any, list] | None = None  # overlap: a step whose reply is unread
+        # work done while a step waits for its reply (a pipeline reads the next batch); set by RowPipeline
+        self.while_waiting: Callable[[], None] | None = None
         self._embeddings: list = []
         self._vars: list[tuple[str, torch.Tensor]] = []
         self._sent_lr: dict[str, float] = {}
@@ -138,6 +140,8 @@ class PSOptimizer(torch.optim.Optimizer):
             handle.wait_sent(self.context.options.rpc_timeout_s)  # the gradients may now be freed
             self._pending = (handle, riders, prefetches)
         else:
+            if self.while_waiting is not None:
+                self.while_waiting()
             self._settle(handle, riders, prefetches)
         self.steps += 1
         if self.context.summaries is not None:

@@ -30,7 +30,7 @@ import logging
 from typing import Any, Callable, Iterable, Iterator
 
 from ..base.errors import InvalidArgumentError, NotInitializedError
-from .pipeline import RowPipeline, embedding_modules
+from . import pipeline
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class ResumableBatches:
     def _pipelined(self, batches: Iterator, context) -> Iterator:
         if not self.prefetch_rows:
             return batches
-        return iter(RowPipeline(batches, embedding_modules(context)))
+        return iter(pipeline.for_context(batches, context))
 
     def _epoch_source(self, epoch: int) -> Iterable:
         return self.source(epoch) if callable(self.source) else self.source
