@@ -10,7 +10,7 @@ import paramserver as ps
 from paramserver.worker.resumable import ResumableBatches
 
 
-def fake_context(resume_step=0, optimizers=("opt",)):
+def fake_context(resume_step=0, optimizers=(SimpleNamespace(overlap=True, _embeddings=()),)):
     ctx = SimpleNamespace(resume_step=resume_step, optimizers=list(optimizers), worker_index=1, finished=0,
                           data_position=0)
     ctx.finish_training = lambda: setattr(ctx, "finished", ctx.finished + 1)
