@@ -1,5 +1,6 @@
 """Transport throughput: pull and push of a 64 MB dense variable between one worker and one PS, over
-TCP and over shared memory, next to a raw-socket baseline and a memcpy baseline, all in one run.
+TCP and over shared memory (and gRPC, for reference), next to a raw-socket baseline and a memcpy
+baseline, all measured in the same rounds of one run (each round times every figure once).
 
 The PS is a real process (`paramserver node --role ps`); this process is the worker, calling it
 through PSClient (no torch). SGD, so a push costs mostly its transfer. The raw-socket baseline moves
@@ -28,15 +29,22 @@ SGD = {"name": "sgd", "hyper": {"lr": 1e-9}}
 _SMALL = 64  # bytes of a raw-socket request or acknowledgement
 
 
-def best_gbps(run, nbytes: int, repeats: int) -> float:
-    """GB/s of the fastest of `repeats` runs (after one warm-up): the least disturbed by other load."""
+def timed(run) -> float:
+    started = time.perf_counter()
     run()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - started)
-    return round(nbytes / min(times) / 1e9, 3)
+    return time.perf_counter() - started
+
+
+def best_gbps(runs: dict, nbytes: int, repeats: int) -> dict:
+    """GB/s of each run, the fastest of `repeats` rounds (after a warm-up one). Each round times every
+    run once, so that the machine's load drifts alike for all of them and their ratios hold."""
+    best = {name: float("inf") for name in runs}
+    for round_ in range(repeats + 1):
+        for name, run in runs.items():
+            took = timed(run)
+            if round_:
+                best[name] = min(best[name], took)
+    return {name: round(nbytes / took / 1e9, 3) for name, took in best.items()}
 
 
 def start_ps(max_message_bytes: int) -> tuple[subprocess.Popen, str]:
@@ -50,34 +58,38 @@ def start_ps(max_message_bytes: int) -> tuple[subprocess.Popen, str]:
     return proc, line.split()[-1]
 
 
-def ps_figures(address: str, values: np.ndarray, shared_memory: bool, max_message_bytes: int,
-               repeats: int) -> dict:
-    channel = GrpcChannel(address, max_message_bytes, use_stream=True, use_shared_memory=shared_memory)
-    client = PSClient([channel], 120.0)
+TRANSPORTS = {"tcp": dict(use_stream=True, use_shared_memory=False), "shm": dict(use_stream=True),
+              "grpc": dict(use_stream=False)}
+
+
+def ps_runs(address: str, values: np.ndarray, transport: str, max_message_bytes: int) -> tuple[dict, PSClient]:
+    """Pull and push of `values` through a PS client on `transport`, as runs for best_gbps."""
+    client = PSClient([GrpcChannel(address, max_message_bytes, **TRANSPORTS[transport])], 120.0)
     client.connect(30.0)
-    name = f"w_{'shm' if shared_memory else 'tcp'}"
-    try:
-        client.register(name, SGD, {name: values}).wait(120.0)
-        grad = np.full_like(values, 1e-3)
-        pull = best_gbps(lambda: client.push_pull({}, [name]).wait(120.0), values.nbytes, repeats)
-        push = best_gbps(lambda: client.push_pull({name: grad}, []).wait(120.0), values.nbytes, repeats)
-    finally:
-        client.close()
-    return {"pull": pull, "push": push}
+    name = f"w_{transport}"
+    client.register(name, SGD, {name: values}).wait(120.0)
+    grad = np.full_like(values, 1e-3)
+    return {f"{transport}_pull": lambda: client.push_pull({}, [name]).wait(120.0),
+            f"{transport}_push": lambda: client.push_pull({name: grad}, []).wait(120.0)}, client
 
 
-def _socket_peer(port: int, nbytes: int, rounds: int) -> None:
-    """The raw-socket baseline's other process: answers each pull with `nbytes`, each push with a few."""
+def _socket_peer(port: int, nbytes: int) -> None:
+    """The raw-socket baseline's other process: a pull request (b"L") gets `nbytes` back, a push (b"P")
+    is followed by `nbytes`, answered with a few bytes; until the connection closes."""
     data = np.ones(nbytes, np.uint8)
-    inbox = bytearray(nbytes)
+    inbox = bytearray(max(nbytes, _SMALL))
     with socket.create_connection(("127.0.0.1", port)) as sock:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        for _ in range(rounds):  # pulls: a small request, the whole payload back
-            _receive(sock, memoryview(inbox)[:_SMALL])
-            sock.sendall(data)
-        for _ in range(rounds):  # pushes: the whole payload, a small reply
-            _receive(sock, memoryview(inbox))
-            sock.sendall(bytes(_SMALL))
+        while True:
+            try:
+                _receive(sock, memoryview(inbox)[:_SMALL])
+            except ConnectionError:
+                return
+            if inbox[0] == ord("L"):
+                sock.sendall(data)
+            else:
+                _receive(sock, memoryview(inbox)[:nbytes])
+                sock.sendall(bytes(_SMALL))
 
 
 def _receive(sock: socket.socket, view: memoryview) -> None:
@@ -89,34 +101,27 @@ def _receive(sock: socket.socket, view: memoryview) -> None:
         got += n
 
 
-def socket_figures(nbytes: int, repeats: int) -> dict:
-    rounds = repeats + 1
+def socket_runs(nbytes: int) -> tuple[dict, socket.socket, multiprocessing.Process]:
+    """Pull and push of `nbytes` over a local TCP socket to another process, as runs for best_gbps."""
     with socket.create_server(("127.0.0.1", 0)) as listener:
         peer = multiprocessing.get_context("fork").Process(target=_socket_peer,
-                                                            args=(listener.getsockname()[1], nbytes, rounds))
+                                                            args=(listener.getsockname()[1], nbytes))
         peer.start()
         sock, _ = listener.accept()
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     data, inbox = np.ones(nbytes, np.uint8), bytearray(nbytes)
+    pull_request, push_request = b"L" * _SMALL, b"P" * _SMALL
 
     def pull() -> None:
-        sock.sendall(bytes(_SMALL))
+        sock.sendall(pull_request)
         _receive(sock, memoryview(inbox))
 
     def push() -> None:
+        sock.sendall(push_request)
         sock.sendall(data)
         _receive(sock, memoryview(inbox)[:_SMALL])
 
-    try:
-        return {"pull": best_gbps(pull, nbytes, repeats), "push": best_gbps(push, nbytes, repeats)}
-    finally:
-        sock.close()
-        peer.join(30)
-
-
-def memcpy_gbps(nbytes: int, repeats: int) -> float:
-    source, target = np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8)
-    return best_gbps(lambda: np.copyto(target, source), nbytes, repeats)
+    return {"socket_pull": pull, "socket_push": push}, sock, peer
 
 
 def main() -> None:
@@ -128,22 +133,31 @@ def main() -> None:
     args = parser.parse_args()
     nbytes = args.mb << 20
     values = np.linspace(-1, 1, nbytes // 4, dtype=np.float32)
+    source, target = np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8)
+    runs, clients = {"memcpy": lambda: np.copyto(target, source)}, []
     proc, address = start_ps(args.max_message_bytes)
+    sock, peer = None, None
     try:
-        tcp = ps_figures(address, values, False, args.max_message_bytes, args.repeats)
-        shm = ps_figures(address, values, True, args.max_message_bytes, args.repeats)
+        for transport in TRANSPORTS:
+            transport_runs, client = ps_runs(address, values, transport, args.max_message_bytes)
+            runs.update(transport_runs)
+            clients.append(client)
+        socket_run, sock, peer = socket_runs(nbytes)
+        runs.update(socket_run)
+        gbps = best_gbps(runs, nbytes, args.repeats)
     finally:
+        for client in clients:
+            client.close()
+        if sock is not None:
+            sock.close()
+            peer.join(30)
         proc.terminate()
         proc.wait(30)
-    raw = socket_figures(nbytes, args.repeats)
-    memcpy = memcpy_gbps(nbytes, args.repeats)
     result = {"bench": "transport", "mb": args.mb, "max_message_bytes": args.max_message_bytes,
-              "tcp_pull_gbps": tcp["pull"], "tcp_push_gbps": tcp["push"],
-              "shm_pull_gbps": shm["pull"], "shm_push_gbps": shm["push"],
-              "socket_pull_gbps": raw["pull"], "socket_push_gbps": raw["push"], "memcpy_gbps": memcpy}
+              **{f"{name}_gbps": value for name, value in gbps.items()}}
     for way in ("pull", "push"):
-        result[f"tcp_{way}_vs_socket"] = round(tcp[way] / raw[way], 3)
-        result[f"shm_{way}_vs_memcpy"] = round(shm[way] / memcpy, 3)
+        result[f"tcp_{way}_vs_socket"] = round(gbps[f"tcp_{way}"] / gbps[f"socket_{way}"], 3)
+        result[f"shm_{way}_vs_memcpy"] = round(gbps[f"shm_{way}"] / gbps["memcpy"], 3)
     print(json.dumps(result))
 
 

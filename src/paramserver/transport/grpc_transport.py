@@ -122,7 +122,8 @@ class GrpcServer(Lifecycle):
     def _reply_chunks(self, method: str, request: bytes, context: grpc.ServicerContext):
         """The reply as messages of at most max_message_bytes (copied out under the call: reply buffers are reused)."""
         limit = self.max_message_bytes
-        result = answer(self.service, method, request, context.peer(), token=bearer_token(context.invocation_metadata()),
+        token = bearer_token(context.invocation_metadata())
+        result = answer(self.service, method, request, context.peer(), token=token,
                         sink=lambda parts: [b"".join(piece) for piece in split_parts(parts, limit)] or [b""])
         if not result.ok:
             context.abort(result.code, result.reply)

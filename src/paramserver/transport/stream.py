@@ -11,8 +11,12 @@ its stream (transport/shared_memory.py: a sealed memfd): requests are encoded st
 the segment's first half (the PS copies each out before checking it) and replies written
 into its second half, and only 16-byte prefixes cross the socket.
 
-Limits (Options): a message longer than `max_message_bytes` is refused before any memory is
-taken for it, and a receive buffer grows with the bytes that arrive, never ahead of them; a
+Limits (Options): no message is longer than `max_message_bytes`: a longer request or reply goes
+as consecutive parts (kind | MORE, then a last part without the flag; `send_parts`,
+`receive_parts`), put back together by the receiver before anything else sees it, in all at most
+`max_payload_bytes`; a part in shared memory is acknowledged (kind 6) once copied out, before the
+next one overwrites it. A single message declaring more than `max_message_bytes` is refused before
+any memory is taken for it, and a receive buffer grows with the bytes that arrive, never ahead of them; a
 connection without a request for `idle_timeout_s` is closed (the client notices before its
 next call and reconnects); at most `max_connections` connections are served at once, a
 further one is answered RESOURCE_EXHAUSTED and closed.
@@ -23,8 +27,8 @@ kind says it lies in shared memory. Kinds: 0 request, 1 reply, 2 request in shar
 memory, 3 reply in shared memory, 4 attach (payload: JSON {"pid", "fd", "capacity"}), 5 auth (payload:
 the client's token, UTF-8; sent once, first, on a connection to a PS that checks tokens: until it
 is accepted, every request is refused UNAUTHENTICATED, nothing over 64 KiB is read and no segment
-is attached; a refused token closes the connection). A failed reply's payload is the UTF-8 error
-message.
+is attached; a refused token closes the connection), 6 acknowledgement of a part in shared memory
+(no payload). A failed reply's payload is the UTF-8 error message.
 
 With TLS (an `ssl.SSLContext` on both ends, base/tls.py), every connection starts with a TLS
 handshake and carries the same messages inside it; a peer that fails the handshake (no

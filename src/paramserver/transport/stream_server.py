@@ -1,10 +1,11 @@
 """The PS side of the tensor stream (wire format: stream.py): a thread per connection, each request
 answered through dispatch.answer like a gRPC call.
 
-Limits (Options): a message longer than `max_message_bytes` is refused before any memory is taken
-for it; a connection without a request for `idle_timeout_s` is closed; at most `max_connections`
-connections are served at once. With TLS, each connection's thread runs the handshake first; with
-a token store, nothing large is read and no segment attached before the connection's token.
+Limits (Options): a single message longer than `max_message_bytes` is refused before any memory is
+taken for it (longer requests come in parts, bounded in all by `max_payload_bytes`); a connection
+without a request for `idle_timeout_s` is closed; at most `max_connections` connections are served
+at once. With TLS, each connection's thread runs the handshake first; with a token store, nothing
+large is read and no segment attached before the connection's token.
 """
 
 from __future__ import annotations
