@@ -3,6 +3,7 @@ and a sequence of parts that does not make one request is refused cleanly."""
 
 import socket
 
+import grpc
 import numpy as np
 import pytest
 
@@ -130,4 +131,17 @@ def test_a_malformed_sequence_of_parts_is_refused_and_changes_nothing(node, part
             pass
         status, message = refusal(sock)
     assert status == code and fragment in message
+    assert (shard.version, shard.describe()) == before
+
+
+@pytest.mark.parametrize("chunks, code", [([b"x" * LIMIT] * (PAYLOAD // LIMIT + 1), grpc.StatusCode.RESOURCE_EXHAUSTED),
+                                          ([], grpc.StatusCode.INVALID_ARGUMENT)])
+def test_a_chunked_grpc_request_past_max_payload_bytes_or_empty_is_refused(node, chunks, code):
+    shard = node[0].service.shard
+    before = (shard.version, shard.describe())
+    with grpc.insecure_channel(node[1], options=grpc_transport.channel_options(LIMIT)) as channel:
+        call = channel.stream_stream(f"/{grpc_transport.SERVICE}/PushPull{grpc_transport.CHUNKED}")
+        with pytest.raises(grpc.RpcError) as caught:
+            list(call(iter(chunks), timeout=10))
+    assert caught.value.code() == code
     assert (shard.version, shard.describe()) == before
