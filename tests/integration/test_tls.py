@@ -222,3 +222,21 @@ def test_a_cluster_trains_over_mutual_tls_to_the_same_values_as_in_plaintext(pro
     assert len(checksums(secure)) == 2 and checksums(secure) == checksums(plain)
     assert json.loads(secure.strip().splitlines()[-1])["steps"] == 40
     assert procs.leftovers() == []
+
+
+def test_payloads_past_the_message_limit_travel_in_parts_over_tls(pki):
+    """A 160 KB registration and its pull through a stream that allows 4 KiB messages, on TLS."""
+    server = StreamServer(ShardService(Shard(0)), "127.0.0.1", 0, 4096,
+                          tls=material(pki, "cluster", "ps-0").server_context)
+    server.start()
+    client = StreamClient("127.0.0.1", server.port, 4096, "test", shared_memory=False,
+                          tls=material(pki, "cluster", "client").client_context)
+    values = np.linspace(-1, 1, 40_000, dtype=np.float32)
+    try:
+        register = {"group": "g", "optimizer": {"name": "sgd", "hyper": {"lr": 0.5}}}
+        client.call("Register", codec.encode_parts(register, [("w", values)]), BOUND_S).wait(BOUND_S)
+        pulled = codec.decode(client.call("PushPull", codec.encode({"pull": ["w"]}), BOUND_S).wait(BOUND_S))
+        np.testing.assert_array_equal(pulled.tensors["w"], values)
+    finally:
+        client.close()
+        server.stop(BOUND_S)

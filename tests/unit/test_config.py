@@ -84,6 +84,7 @@ BAD = [
     ("rpc_timeout_s", float("nan"), {}), ("rpc_timeout_s", float("inf"), {}),
     ("connect_timeout_s", 0, {}), ("connect_timeout_s", None, {}),
     ("max_message_bytes", 0, {}), ("max_message_bytes", 2**31, {}), ("max_message_bytes", 1.5, {}),
+    ("max_payload_bytes", 1 << 20, {"max_message_bytes": 1 << 21}), ("max_payload_bytes", "1", {}),
     ("split_bytes", 0, {}), ("split_bytes", "big", {}),
     ("ps_threads", 0, {}), ("ps_threads", 2.0, {}),
     ("stream_port", -1, {}), ("stream_port", 65536, {}),

@@ -100,6 +100,7 @@ class Options:
     rpc_timeout_s: float = 60.0  # deadline of every call to a PS
     connect_timeout_s: float = 120.0  # how long a worker waits for all PS at start
     max_message_bytes: int = 1 << 30  # largest message on the wire; a larger payload is split into several
+    max_payload_bytes: int = 16 << 30  # largest request or reply put back together from its messages
     split_bytes: int = 256 * 1024  # variables this large are split along axis 0 across PS
     ps_threads: int = 8  # gRPC request threads of a PS
     stream_port: int = 0  # TCP port of a PS's tensor stream; 0 picks a free one (announced in Hello)
@@ -190,6 +191,9 @@ class Options:
         for name in ("rpc_timeout_s", "connect_timeout_s", "heartbeat_s"):
             need(name, lambda v: v > 0, "positive")
         need("max_message_bytes", lambda v: 1024 <= v <= _GRPC_MAX_MESSAGE, f"between 1024 and {_GRPC_MAX_MESSAGE}")
+        if needs("max_payload_bytes", "max_message_bytes"):
+            need("max_payload_bytes", lambda v: v >= self.max_message_bytes,
+                 f"at least max_message_bytes ({self.max_message_bytes})")
         need("split_bytes", lambda v: v >= 1, "at least 1")
         need("ps_threads", lambda v: v >= 1, "at least 1")
         need("stream_port", lambda v: 0 <= v <= 65535, "a port number from 0 to 65535")

@@ -145,7 +145,10 @@ def _add_limit_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-table-memory", type=int, help=f"most bytes of all tables on one PS "
                                                             f"(default {Options.max_table_memory_bytes})")
     group.add_argument("--max-message-bytes", type=int, help=f"largest message sent or received "
-                                                             f"(default {Options.max_message_bytes})")
+                                                             f"(default {Options.max_message_bytes}); a longer "
+                                                             f"request or reply travels in several")
+    group.add_argument("--max-payload-bytes", type=int, help=f"largest request or reply put back together from "
+                                                             f"its messages (default {Options.max_payload_bytes})")
     group.add_argument("--compression", help="gradient compression: a codec for all (fp16, bf16, int8, topk:R) "
                                              "or PATTERN=CODEC rules, comma-separated (docs/performance.md)")
     group.add_argument("--dense-sync", choices=["ps", "allreduce"],
@@ -200,7 +203,7 @@ _FLAG_OPTIONS = {
     "checkpoint_every_seconds": "checkpoint_every_seconds", "keep": "checkpoint_keep",
     "heartbeat_timeout": "heartbeat_timeout_s",
     "max_table_rows": "max_table_rows", "max_table_memory": "max_table_memory_bytes",
-    "max_message_bytes": "max_message_bytes", "idle_timeout": "idle_timeout_s", "max_connections": "max_connections",
+    "max_message_bytes": "max_message_bytes", "max_payload_bytes": "max_payload_bytes", "idle_timeout": "idle_timeout_s", "max_connections": "max_connections",
     "compression": "compression", "dense_sync": "dense_sync",
     "metrics_port": "metrics_port", "log_format": "log_format", "logdir": "logdir", "summary_every": "summary_every",
     "audit_log": "audit_log", "drain_grace": "drain_grace_s",

@@ -79,11 +79,11 @@ class PSNode(Lifecycle):
         self.health = Health((SERVICE,))
         tls = tls_from_options(options)  # gRPC and the stream: TLS on both or on neither
         self.server = GrpcServer(self.service, bind, options.max_message_bytes, options.ps_threads, tls=tls,
-                                 health=self.health)
+                                 health=self.health, max_payload_bytes=options.max_payload_bytes)
         host = bind.rsplit(":", 1)[0].strip("[]")
         self.stream = StreamServer(self.service, host, options.stream_port, options.max_message_bytes,
                                    options.idle_timeout_s, options.max_connections,
-                                   None if tls is None else tls.server_context)
+                                   None if tls is None else tls.server_context, options.max_payload_bytes)
         self.endpoint = (MetricsEndpoint(self.metrics.registry, options.metrics_port, host or "0.0.0.0", f"ps {index}")
                          if options.metrics_port >= 0 else None)
         self.address: str | None = None

@@ -66,7 +66,8 @@ class DenseGroup:
     def apply(self, grads: dict[str, np.ndarray]) -> None:
         """Apply one optimizer step from already-validated gradients of some of this group's variables."""
         steps = {self.steps[name] for name in grads}
-        if len(grads) == len(self.slots) and len(steps) == 1:
+        # several variables in one fused pass over the group's flat buffer; a single one needs no gathering
+        if 1 < len(grads) == len(self.slots) and len(steps) == 1:
             for name, grad in grads.items():
                 slot = self.slots[name]
                 self._grad[slot.start:slot.stop] = grad.reshape(-1)

@@ -83,6 +83,23 @@ def parts_size(parts: list) -> int:
     return sum(len(memoryview(part).cast("B")) for part in parts)
 
 
+def split_parts(parts: list, chunk_bytes: int):
+    """The bytes of `parts`, in order, as lists of byte views of at most `chunk_bytes` in all (the
+    last may be shorter); copies nothing. How a transport cuts a payload past max_message_bytes."""
+    piece, room = [], chunk_bytes
+    for part in parts:
+        view = memoryview(part).cast("B")
+        while len(view):
+            take = view[:room]
+            piece.append(take)
+            view, room = view[len(take):], room - len(take)
+            if not room:
+                yield piece
+                piece, room = [], chunk_bytes
+    if piece:
+        yield piece
+
+
 def decode(payload: bytes) -> Frame:
     """Decode a frame, validating every length and dtype. Raises MalformedFrameError."""
     meta, entries, header_end = _header(payload)

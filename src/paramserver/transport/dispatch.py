@@ -63,6 +63,8 @@ def _size(data) -> int:
         return data
     if isinstance(data, memoryview):
         return data.nbytes
+    if isinstance(data, list):  # a reply in chunks
+        return sum(map(len, data))
     return len(data) if isinstance(data, (bytes, bytearray, str)) else 0
 
 

@@ -2,6 +2,12 @@
 
 Payloads are raw frame bytes (no protobuf), sent through gRPC's generic handlers under
 the service name ``paramserver.Shard``.
+
+No gRPC message exceeds max_message_bytes. Every method `M` is served three ways: `M` (unary: request
+and reply one message each), `M.ChunkedReply` (unary request, the reply streamed as consecutive
+messages of at most max_message_bytes) and `M.Chunked` (both streamed). A shard channel calls
+`M.ChunkedReply`, or `M.Chunked` when its request is longer than the limit, since a reply's size is
+known only once it was made; the pieces put together are bounded by max_payload_bytes on both ends.
 """
 
 from __future__ import annotations
@@ -15,11 +21,13 @@ from concurrent.futures import Future
 import grpc
 
 from ..base.auth import bearer_metadata, bearer_token
-from ..base.errors import UnavailableError, error_for_status
+from ..base.config import Options
+from ..base.errors import ResourceExhaustedError, UnavailableError, error_for_status
 from ..base.lifecycle import Lifecycle, ReadyFlag
 from ..base.tls import TlsMaterial
 from . import codec
 from .channel import CallHandle, FutureCall
+from .codec import split_parts
 from .dispatch import answer
 from .health import Health
 from .stream import METHODS as STREAM_METHODS
@@ -28,6 +36,7 @@ from .stream_client import StreamClient
 
 log = logging.getLogger(__name__)
 SERVICE = "paramserver.Shard"
+CHUNKED_REPLY, CHUNKED = ".ChunkedReply", ".Chunked"  # method name suffixes: the reply, or both, in chunks
 HEALTH_ONLY = "paramserver.HealthOnly"  # the service name of a server that serves health and nothing else
 # service name -> what error messages (and thread names) call it
 _PEER_KINDS = {"paramserver.Coordinator": "coordinator", HEALTH_ONLY: "health"}
@@ -53,9 +62,13 @@ class GrpcServer(Lifecycle):
     """
 
     def __init__(self, service, bind: str, max_message_bytes: int, threads: int = 8,
-                 service_name: str = SERVICE, tls: TlsMaterial | None = None, health: Health | None = None) -> None:
-        """`tls`: serve TLS (mutual with a CA); `health`: served next to the service (grpc.health.v1)."""
+                 service_name: str = SERVICE, tls: TlsMaterial | None = None, health: Health | None = None,
+                 max_payload_bytes: int = Options.max_payload_bytes) -> None:
+        """`tls`: serve TLS (mutual with a CA); `health`: served next to the service (grpc.health.v1);
+        `max_payload_bytes`: the most a chunked request may hold in all."""
         self.service = service
+        self.max_message_bytes = max_message_bytes
+        self.max_payload_bytes = max(max_payload_bytes, max_message_bytes)
         self.bind = bind
         self.tls = tls
         self.port: int | None = None
@@ -68,7 +81,11 @@ class GrpcServer(Lifecycle):
         # no SO_REUSEPORT: a second server on a port in use fails at start instead of sharing it
         self._server = grpc.server(self._executor,
                                    options=[*channel_options(max_message_bytes), ("grpc.so_reuseport", 0)])
-        handlers = {name: grpc.unary_unary_rpc_method_handler(self._handler(name)) for name in service.methods}
+        handlers = {}
+        for name in service.methods:
+            handlers[name] = grpc.unary_unary_rpc_method_handler(self._handler(name))
+            handlers[f"{name}{CHUNKED_REPLY}"] = grpc.unary_stream_rpc_method_handler(self._reply_handler(name))
+            handlers[f"{name}{CHUNKED}"] = grpc.stream_stream_rpc_method_handler(self._chunked_handler(name))
         if handlers:
             self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service_name, handlers),))
         if health is not None:
@@ -82,6 +99,35 @@ class GrpcServer(Lifecycle):
                 context.abort(result.code, result.reply)
             return result.reply
         return handle
+
+    def _reply_handler(self, method: str):
+        def handle(request: bytes, context: grpc.ServicerContext):
+            return self._reply_chunks(method, request, context)
+        return handle
+
+    def _chunked_handler(self, method: str):
+        def handle(requests, context: grpc.ServicerContext):
+            pieces, total = [], 0
+            for piece in requests:
+                total += len(piece)
+                if total > self.max_payload_bytes:  # checked before the piece is kept
+                    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method}: request of more than {total} "
+                                  f"bytes (chunked) exceeds max_payload_bytes {self.max_payload_bytes}")
+                pieces.append(piece)
+            if not pieces:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: a chunked request with no chunk")
+            return self._reply_chunks(method, pieces[0] if len(pieces) == 1 else b"".join(pieces), context)
+        return handle
+
+    def _reply_chunks(self, method: str, request: bytes, context: grpc.ServicerContext):
+        """The reply as messages of at most max_message_bytes (copied out under the call: reply buffers are reused)."""
+        limit = self.max_message_bytes
+        token = bearer_token(context.invocation_metadata())
+        result = answer(self.service, method, request, context.peer(), token=token,
+                        sink=lambda parts: [b"".join(piece) for piece in split_parts(parts, limit)] or [b""])
+        if not result.ok:
+            context.abort(result.code, result.reply)
+        return iter(result.reply)
 
     def start(self) -> int:
         try:
@@ -145,11 +191,13 @@ class GrpcChannel:
 
     def __init__(self, address: str, max_message_bytes: int, use_stream: bool = True,
                  use_shared_memory: bool = True, service_name: str = SERVICE, tls: TlsMaterial | None = None,
-                 token: str | None = None) -> None:
+                 token: str | None = None, max_payload_bytes: int = Options.max_payload_bytes) -> None:
         self.address = address
         self.service_name = service_name
         self.use_shared_memory = use_shared_memory
         self.max_message_bytes = max_message_bytes
+        self.max_payload_bytes = max(max_payload_bytes, max_message_bytes)
+        self._chunked = service_name == SERVICE  # a shard's replies may be large; the coordinator's never are
         self.use_stream = use_stream
         self.tls = tls
         options = channel_options(max_message_bytes)
@@ -164,6 +212,8 @@ class GrpcChannel:
         # Hello always asks the PS process on gRPC: a restarted PS may serve its stream on another port
         if self._stream is not None and method in STREAM_METHODS and method != "Hello":
             return self._stream.call(method, payload, timeout, owned)
+        if self._chunked:
+            return self._call_chunked(method, payload, timeout)
         stub = self._methods.get(method)
         if stub is None:
             stub = self._methods[method] = self._channel.unary_unary(f"/{self.service_name}/{method}")
@@ -172,6 +222,29 @@ class GrpcChannel:
                            metadata=self._metadata)
         call.add_done_callback(lambda done: self._settle(done, result, method))
         return FutureCall(result, f"{self.address} {method}")
+
+    def _call_chunked(self, method: str, payload: bytes | list, timeout: float) -> CallHandle:
+        """The call with its reply in chunks, and its request too when longer than max_message_bytes."""
+        parts = [payload] if isinstance(payload, (bytes, bytearray, memoryview)) else payload
+        size = codec.parts_size(parts)
+        describe = f"{self.address} {method}"
+        if size > self.max_payload_bytes:
+            result: Future = Future()
+            result.set_exception(ResourceExhaustedError(f"{describe}: request of {size} bytes exceeds "
+                                                        f"max_payload_bytes {self.max_payload_bytes}"))
+            return FutureCall(result, describe)
+        whole = size <= self.max_message_bytes
+        name = f"/{self.service_name}/{method}{CHUNKED_REPLY if whole else CHUNKED}"
+        stub = self._methods.get(name)
+        if stub is None:
+            stub = self._methods[name] = (self._channel.unary_stream(name) if whole else
+                                          self._channel.stream_stream(name))
+        if whole:
+            request = payload if isinstance(payload, bytes) else b"".join(parts)
+        else:  # copied now: the caller may reuse its buffers once `call` returns
+            request = iter([b"".join(piece) for piece in split_parts(parts, self.max_message_bytes)])
+        return ChunkedCall(stub(request, timeout=timeout, metadata=self._metadata), describe,
+                           self.max_payload_bytes)
 
     def _settle(self, call: grpc.Future, result: Future, method: str) -> None:
         try:
@@ -197,7 +270,7 @@ class GrpcChannel:
             same_host = self.use_shared_memory and reply.meta.get("host_id") == host_id()
             self._stream = StreamClient(host, int(port), self.max_message_bytes, self.address, same_host,
                                         tls=None if self.tls is None else self.tls.client_context,
-                                        token=self._token)
+                                        token=self._token, max_payload_bytes=self.max_payload_bytes)
 
     def close(self) -> None:
         if self._stream is not None:
@@ -208,3 +281,41 @@ class GrpcChannel:
     def peer_kind(self) -> str:
         """What this channel talks to, for error messages: "coordinator" or "parameter server"."""
         return _PEER_KINDS.get(self.service_name, "parameter server")
+
+
+class ChunkedCall(CallHandle):
+    """A gRPC call whose reply arrives in chunks, put together by `wait` in the caller's thread."""
+
+    def __init__(self, responses, describe: str, max_payload_bytes: int) -> None:
+        self._responses, self._describe, self._max = responses, describe, max_payload_bytes
+        self._reply: bytes | None = None
+        self._error: Exception | None = None
+
+    def done(self) -> bool:
+        return self._reply is not None or self._error is not None or self._responses.done()
+
+    def wait_sent(self, timeout: float) -> None:
+        """The request was copied before `call` returned: nothing to wait for."""
+
+    def wait(self, timeout: float) -> bytes:
+        if self._reply is None and self._error is None:
+            self._collect()
+        if self._error is not None:
+            raise self._error
+        return self._reply
+
+    def _collect(self) -> None:
+        pieces, total = [], 0
+        try:
+            for piece in self._responses:
+                total += len(piece)
+                if total > self._max:
+                    self._responses.cancel()
+                    self._error = ResourceExhaustedError(f"{self._describe}: reply of more than {total} bytes "
+                                                         f"exceeds max_payload_bytes {self._max}")
+                    return
+                pieces.append(piece)
+        except grpc.RpcError as exc:
+            self._error = error_for_status(exc.code(), f"{self._describe}: {exc.details()}")
+            return
+        self._reply = pieces[0] if len(pieces) == 1 else b"".join(pieces)

@@ -11,8 +11,12 @@ its stream (transport/shared_memory.py: a sealed memfd): requests are encoded st
 the segment's first half (the PS copies each out before checking it) and replies written
 into its second half, and only 16-byte prefixes cross the socket.
 
-Limits (Options): a message longer than `max_message_bytes` is refused before any memory is
-taken for it, and a receive buffer grows with the bytes that arrive, never ahead of them; a
+Limits (Options): no message is longer than `max_message_bytes`: a longer request or reply goes
+as consecutive parts (kind | MORE, then a last part without the flag; `send_parts`,
+`receive_parts`), put back together by the receiver before anything else sees it, in all at most
+`max_payload_bytes`; a part in shared memory is acknowledged (kind 6) once copied out, before the
+next one overwrites it. A single message declaring more than `max_message_bytes` is refused before
+any memory is taken for it, and a receive buffer grows with the bytes that arrive, never ahead of them; a
 connection without a request for `idle_timeout_s` is closed (the client notices before its
 next call and reconnects); at most `max_connections` connections are served at once, a
 further one is answered RESOURCE_EXHAUSTED and closed.
@@ -23,8 +27,8 @@ kind says it lies in shared memory. Kinds: 0 request, 1 reply, 2 request in shar
 memory, 3 reply in shared memory, 4 attach (payload: JSON {"pid", "fd", "capacity"}), 5 auth (payload:
 the client's token, UTF-8; sent once, first, on a connection to a PS that checks tokens: until it
 is accepted, every request is refused UNAUTHENTICATED, nothing over 64 KiB is read and no segment
-is attached; a refused token closes the connection). A failed reply's payload is the UTF-8 error
-message.
+is attached; a refused token closes the connection), 6 acknowledgement of a part in shared memory
+(no payload). A failed reply's payload is the UTF-8 error message.
 
 With TLS (an `ssl.SSLContext` on both ends, base/tls.py), every connection starts with a TLS
 handshake and carries the same messages inside it; a peer that fails the handshake (no
@@ -43,12 +47,15 @@ from pathlib import Path
 
 import grpc
 
-from ..base.errors import MalformedFrameError
+from ..base.errors import MalformedFrameError, ResourceExhaustedError, error_for_status
+from .codec import split_parts
+from .shared_memory import write_parts
 
 MAGIC = b"PSTS"
 METHODS = ("Hello", "Register", "PushPull", "SetMode", "Leave", "RegisterTable", "Lookup", "PushSparse")
 PREFIX = struct.Struct("<4sBBHQ")
-REQUEST, REPLY, REQUEST_SHM, REPLY_SHM, ATTACH, AUTH = range(6)
+REQUEST, REPLY, REQUEST_SHM, REPLY_SHM, ATTACH, AUTH, ACK = range(7)
+MORE = 0x80  # kind flag: a part of a longer request or reply; the parts that follow complete it
 CODES = {code.value[0]: code for code in grpc.StatusCode}
 _SOCKET_BUFFER = 8 * 1024 * 1024
 _FIRST_CHUNK = 1 << 20  # a receive buffer grows from here as bytes arrive (a prefix alone proves nothing)
@@ -102,25 +109,37 @@ class Inbox:
     def __init__(self) -> None:
         self._buffer = bytearray(PREFIX.size)
 
-    def receive(self, sock: socket.socket, size: int) -> memoryview:
-        """`size` bytes from `sock`; the buffer grows (doubling) only as the bytes arrive."""
-        got = 0
-        while got < size:
+    def receive(self, sock: socket.socket, size: int, at: int = 0) -> memoryview:
+        """`size` bytes from `sock`, stored from offset `at` (the parts before it are kept); the view
+        covers [0, at + size). The buffer grows (doubling) only as the bytes arrive."""
+        got, end = at, at + size
+        while got < end:
             if got == len(self._buffer):
-                self._grow(got, min(size, max(2 * got, _FIRST_CHUNK)))
-            n = sock.recv_into(memoryview(self._buffer)[got:min(size, len(self._buffer))])
+                self._grow(got, min(end, max(2 * got, _FIRST_CHUNK)))
+            n = sock.recv_into(memoryview(self._buffer)[got:min(end, len(self._buffer))])
             if n == 0:
                 raise ConnectionError("peer closed the tensor stream")
             got += n
-        return memoryview(self._buffer)[:size]
+        return memoryview(self._buffer)[:end]
 
-    def copy(self, source: memoryview) -> memoryview:
-        """A private copy of `source` (memory a peer may still write), in the reused buffer."""
-        if len(self._buffer) < len(source):
-            self._buffer = bytearray(len(source))
-        view = memoryview(self._buffer)[:len(source)]
-        view[:] = source
+    def copy(self, source: memoryview, at: int = 0) -> memoryview:
+        """A private copy of `source` (memory a peer may still write) from offset `at`, in the reused
+        buffer (the bytes before `at` are kept); the view covers [0, at + len(source))."""
+        end = at + len(source)
+        if len(self._buffer) < end:
+            self._grow(at, end if not at else max(end, 2 * len(self._buffer)))
+        view = memoryview(self._buffer)[:end]
+        view[at:] = source
         return view
+
+    def gather(self, parts: list) -> memoryview:
+        """The parts joined in the reused buffer (a reply: a fresh multi-megabyte one costs page faults)."""
+        views = [memoryview(part).cast("B") for part in parts]
+        size = sum(len(view) for view in views)
+        if len(self._buffer) < size:
+            self._buffer = bytearray(size)
+        write_parts(memoryview(self._buffer), views)
+        return memoryview(self._buffer)[:size]
 
     def _grow(self, keep: int, size: int) -> None:
         grown = bytearray(size)
@@ -188,3 +207,69 @@ def peer_closed(sock: socket.socket) -> bool:
         return False
     except OSError:
         return True
+
+
+def send_parts(sock: socket.socket, kinds: tuple[int, int], status: int, method: int, parts: list, size: int,
+               chunk_bytes: int, shm: memoryview | None = None, await_ack=None) -> None:
+    """A message longer than max_message_bytes, as consecutive parts of at most `chunk_bytes`, each
+    but the last flagged MORE. `kinds`: (inline kind, shared-memory kind). With `shm` (a segment's
+    half, at least `chunk_bytes` long) each part is written there, and `await_ack()` waits until the
+    peer copied it out before the next one overwrites it; else the parts go inline."""
+    sent = 0
+    for piece in split_parts(parts, chunk_bytes):
+        length = sum(len(view) for view in piece)
+        sent += length
+        more = MORE if sent < size else 0
+        if shm is None:
+            send(sock, kinds[0] | more, status, method, piece, length, True)
+            continue
+        write_parts(shm, piece)
+        send(sock, kinds[1] | more, status, method, [], length, False)
+        if more:
+            await_ack()
+
+
+def receive_parts(sock: socket.socket, first: tuple[int, int, int, int], inbox: Inbox, kinds: tuple[int, int],
+                  shm: memoryview | None, max_bytes: int, max_total: int) -> memoryview:
+    """A message sent by `send_parts`, put together in `inbox`; `first`: its first prefix (read already).
+
+    Each part must be one of `kinds` (inline, or in `shm` and no longer than it) with the status and
+    method of the first, and only the last lacks MORE; the total is checked against `max_total` before
+    a part is read. Raises MalformedFrameError or ResourceExhaustedError (then the connection must close:
+    the rest of the message is still on its way)."""
+    kind, status, method, size = first
+    got = 0
+    while True:
+        base, more = kind & ~MORE, kind & MORE
+        if base not in kinds or (base == kinds[1] and (shm is None or size > len(shm))):
+            raise MalformedFrameError(f"tensor stream part of kind {kind} and {size} bytes does not belong to a "
+                                      f"message of kind {first[0] & ~MORE}")
+        if more and not size:
+            raise MalformedFrameError("tensor stream message has an empty part")
+        if got + size > max_total:
+            raise ResourceExhaustedError(f"message of more than {got + size} bytes (in parts) exceeds "
+                                         f"max_payload_bytes {max_total}")
+        if base == kinds[1]:
+            view = inbox.copy(shm[:size], at=got)
+            if more:  # copied out: the peer may write the next part
+                send(sock, ACK, 0, method, [], 0, True)
+        else:
+            view = inbox.receive(sock, size, at=got)
+        got += size
+        if not more:
+            return view
+        kind, part_status, part_method, size = read_prefix(sock, max_bytes)
+        if (part_status, part_method) != (status, method):
+            raise MalformedFrameError(f"tensor stream part of method {part_method} (status {part_status}) inside a "
+                                      f"message of method {method} (status {status})")
+
+
+def await_ack(sock: socket.socket, inbox: Inbox, max_bytes: int) -> None:
+    """Wait for the peer's ACK of a part in shared memory; a refusal instead is raised as its typed error."""
+    kind, status, _, size = read_prefix(sock, max_bytes)
+    if kind == ACK and not size:
+        return
+    if kind == REPLY and status:  # the PS refused the request part-way (and closes the connection)
+        reason = bytes(inbox.receive(sock, size)).decode(errors="replace")
+        raise error_for_status(CODES.get(status, grpc.StatusCode.UNKNOWN), reason)
+    raise MalformedFrameError(f"tensor stream: expected the acknowledgement of a part, got kind {kind}")

@@ -12,13 +12,14 @@ import time
 
 import grpc
 
-from ..base.errors import (DeadlineExceededError, MalformedFrameError, ParamServerError, UnavailableError,
-                           error_for_status)
+from ..base.config import Options
+from ..base.errors import (DeadlineExceededError, MalformedFrameError, ParamServerError, ResourceExhaustedError,
+                           UnavailableError, error_for_status)
 from . import codec
 from .channel import CallHandle
 from .shared_memory import Segment, write_parts
-from .stream import (ATTACH, AUTH, CODES, METHODS, REPLY_SHM, REQUEST, REQUEST_SHM, Inbox, peer_closed, read_prefix,
-                     send, tune)
+from .stream import (ATTACH, AUTH, CODES, METHODS, MORE, REPLY, REPLY_SHM, REQUEST, REQUEST_SHM, Inbox, await_ack,
+                     peer_closed, read_prefix, receive_parts, send, send_parts, tune)
 
 log = logging.getLogger(__name__)
 _SHM_MIN_BYTES = 64 * 1024  # smaller messages go inline: not worth a segment
@@ -60,11 +61,14 @@ class StreamClient:
     """
 
     def __init__(self, host: str, port: int, max_message_bytes: int, label: str, shared_memory: bool, *,
-                 tls: ssl.SSLContext | None = None, token: str | None = None) -> None:
+                 tls: ssl.SSLContext | None = None, token: str | None = None,
+                 max_payload_bytes: int = Options.max_payload_bytes) -> None:
         self.address = f"{host}:{port}"
         self._host, self._port = host, port
         self.tls = tls  # a client SSLContext: the server must show a certificate for `host`
         self.max_message_bytes = max_message_bytes
+        # longer requests and replies travel in parts (stream.send_parts); put together, at most this
+        self.max_payload_bytes = max(max_payload_bytes, max_message_bytes)
         self.shared_memory = shared_memory
         self._token = token  # presented once per connection (an auth message), before any request
         self._sock: socket.socket | None = None
@@ -95,14 +99,30 @@ class StreamClient:
 
     def _send_request(self, method_id: int, parts: list, deadline: float) -> None:
         size = codec.parts_size(parts)
+        if size > self.max_payload_bytes:  # refused here: the PS would refuse it part-way
+            raise ResourceExhaustedError(f"{self.address} {METHODS[method_id]}: request of {size} bytes exceeds "
+                                         f"max_payload_bytes {self.max_payload_bytes}")
         try:
             sock = self._connect(deadline)
             segment = self._segment_for(sock, size) if self.shared_memory and size >= _SHM_MIN_BYTES else None
+            if size > self.max_message_bytes:
+                self._send_parts(sock, method_id, parts, size, segment)
+                return
             if segment is not None:
                 write_parts(segment.requests, parts)
             send(sock, REQUEST_SHM if segment else REQUEST, 0, method_id, parts, size, segment is None)
         except (OSError, ConnectionError) as exc:
             raise self._broken(METHODS[method_id], exc) from None
+        except ParamServerError:  # refused part-way: the PS closes the connection
+            self._drop()
+            raise
+
+    def _send_parts(self, sock: socket.socket, method_id: int, parts: list, size: int,
+                    segment: Segment | None) -> None:
+        chunk = self.max_message_bytes if segment is None else min(self.max_message_bytes, segment.capacity)
+        send_parts(sock, (REQUEST, REQUEST_SHM), 0, method_id, parts, size, chunk,
+                   None if segment is None else segment.requests,
+                   lambda: await_ack(sock, self._inbox, self.max_message_bytes))
 
     def _receive(self, call: StreamCall, deadline: float) -> None:
         """Read the in-flight reply into `call`: owned bytes if small or `call.owned`, else a view
@@ -110,9 +130,14 @@ class StreamClient:
         self._in_flight = None
         try:
             self._sock.settimeout(max(0.001, deadline - time.monotonic()))
-            kind, status, _, reply_size = read_prefix(self._sock, self.max_message_bytes)
+            kind, status, method_id, reply_size = read_prefix(self._sock, self.max_message_bytes)
             if kind == REPLY_SHM and self._segment is not None and reply_size <= self._segment.capacity:
                 reply = self._segment.replies[:reply_size]
+            elif kind & MORE:
+                shm = None if self._segment is None else self._segment.replies
+                reply = receive_parts(self._sock, (kind, status, method_id, reply_size), self._inbox,
+                                      (REPLY, REPLY_SHM), shm, self.max_message_bytes, self.max_payload_bytes)
+                reply_size = len(reply)
             else:
                 reply = self._inbox.receive(self._sock, reply_size)
             if call.owned or reply_size <= _OWNED_REPLY_BYTES:
@@ -120,12 +145,15 @@ class StreamClient:
         except (OSError, ConnectionError, MalformedFrameError) as exc:
             call.error = self._broken(call.describe, exc)
             return
+        except ResourceExhaustedError as exc:  # a reply past max_payload_bytes: the rest is not read
+            self._drop()
+            call.error = ResourceExhaustedError(f"{call.describe}: {exc}")
+            return
         if status:
             call.error = error_for_status(CODES.get(status, grpc.StatusCode.UNKNOWN),
                                           f"{call.describe}: {bytes(reply).decode(errors='replace')}")
         else:
             call.reply = reply
-
     def _broken(self, what: str, exc: Exception) -> ParamServerError:
         self._drop()
         if isinstance(exc, socket.timeout):
@@ -164,9 +192,9 @@ class StreamClient:
 
     def _segment_for(self, sock: socket.socket, size: int) -> Segment | None:
         """The attached segment, (re)created with room for `size`; None if the PS cannot attach it."""
-        if self._segment is not None and self._segment.capacity >= size:
+        if self._segment is not None and self._segment.capacity >= min(size, self.max_message_bytes):
             return self._segment
-        capacity = max(2 * size, 1 << 20)
+        capacity = min(max(2 * size, 1 << 20), self.max_message_bytes)  # larger messages go in parts
         segment, spec = Segment.create(capacity)
         try:
             body = json.dumps(spec).encode()

@@ -1,10 +1,11 @@
 """The PS side of the tensor stream (wire format: stream.py): a thread per connection, each request
 answered through dispatch.answer like a gRPC call.
 
-Limits (Options): a message longer than `max_message_bytes` is refused before any memory is taken
-for it; a connection without a request for `idle_timeout_s` is closed; at most `max_connections`
-connections are served at once. With TLS, each connection's thread runs the handshake first; with
-a token store, nothing large is read and no segment attached before the connection's token.
+Limits (Options): a single message longer than `max_message_bytes` is refused before any memory is
+taken for it (longer requests come in parts, bounded in all by `max_payload_bytes`); a connection
+without a request for `idle_timeout_s` is closed; at most `max_connections` connections are served
+at once. With TLS, each connection's thread runs the handshake first; with a token store, nothing
+large is read and no segment attached before the connection's token.
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ import time
 
 import grpc
 
-from ..base.errors import MalformedFrameError, UnauthenticatedError, UnavailableError
+from ..base.config import Options
+from ..base.errors import MalformedFrameError, ParamServerError, UnauthenticatedError, UnavailableError
 from ..base.lifecycle import Lifecycle, ReadyFlag
 from .dispatch import answer, introduce, needs_token, turned_away
 from .shared_memory import Segment, SegmentError
-from .stream import (ATTACH, AUTH, METHODS, REPLY, REPLY_SHM, REQUEST, REQUEST_SHM, Inbox, read_prefix, send,
-                     send_error, shut, tune)
+from .stream import (ATTACH, AUTH, METHODS, MORE, REPLY, REPLY_SHM, REQUEST, REQUEST_SHM, Inbox, await_ack,
+                     read_prefix, receive_parts, send, send_error, send_parts, shut, tune)
 
 log = logging.getLogger(__name__)
 _ANONYMOUS_BYTES = 64 * 1024  # the most a PS that checks tokens reads from a connection before its token
@@ -37,6 +39,7 @@ class _Connection:
     def __init__(self) -> None:
         self.segment: Segment | None = None
         self.token: str | None = None
+        self.outbox = Inbox()  # replies sent inline are joined here, in a buffer reused across requests
 
 
 class StreamServer(Lifecycle):
@@ -51,9 +54,12 @@ class StreamServer(Lifecycle):
     """
 
     def __init__(self, service, host: str, port: int, max_message_bytes: int, idle_timeout_s: float = 300.0,
-                 max_connections: int = 256, tls: ssl.SSLContext | None = None) -> None:
+                 max_connections: int = 256, tls: ssl.SSLContext | None = None,
+                 max_payload_bytes: int = Options.max_payload_bytes) -> None:
         self.service = service
         self.max_message_bytes = max_message_bytes
+        # a request or reply longer than max_message_bytes travels in parts; put together, at most this
+        self.max_payload_bytes = max(max_payload_bytes, max_message_bytes)
         self.idle_timeout_s = idle_timeout_s
         self.max_connections = max_connections
         self.tls = tls
@@ -181,16 +187,43 @@ class StreamServer(Lifecycle):
             payload = inbox.copy(segment.requests[:size])  # the worker can still write the segment
         elif kind == REQUEST:
             payload = inbox.receive(conn, size)
+        elif kind & MORE:
+            payload = self._receive_parts(conn, (kind, 0, method_id, size), inbox, state)
+            if payload is None:
+                return False
         else:
             send_error(conn, grpc.StatusCode.INVALID_ARGUMENT, method_id,
                         f"unexpected tensor stream message kind {kind} of {size} bytes")
             return False
-        status, reply = self._answer(method_id, payload, peer, segment, state.token)
+        status, reply = self._answer(method_id, payload, peer, segment, state.token, state.outbox)
         if isinstance(reply, int):  # already written into the segment
             send(conn, REPLY_SHM, status, method_id, [], reply, False)
+        elif len(reply) > self.max_message_bytes:
+            self._send_parts(conn, status, method_id, reply, inbox, segment)
         else:
             send(conn, REPLY, status, method_id, [reply], len(reply), True)
         return True
+
+    def _receive_parts(self, conn: socket.socket, first: tuple, inbox: Inbox, state: "_Connection"):
+        """A request sent in parts, put together; None (refused, the connection to close) when the parts
+        do not make one request or exceed max_payload_bytes (before a token: 64 KiB in all)."""
+        anonymous = state.token is None and needs_token(self.service)
+        shm = state.segment.requests if state.segment is not None else None
+        try:
+            return receive_parts(conn, first, inbox, (REQUEST, REQUEST_SHM), shm, self.max_message_bytes,
+                                 _ANONYMOUS_BYTES if anonymous else self.max_payload_bytes)
+        except ParamServerError as exc:  # MalformedFrameError, ResourceExhaustedError: nothing was dispatched
+            log.warning("tensor stream request refused: %s", exc)
+            send_error(conn, exc.code, first[2], str(exc))
+            return None
+
+    def _send_parts(self, conn: socket.socket, status: int, method_id: int, reply: memoryview, inbox: Inbox,
+                    segment: Segment | None) -> None:
+        """A reply longer than max_message_bytes, in parts: through the segment when one is attached."""
+        chunk = self.max_message_bytes if segment is None else min(self.max_message_bytes, segment.capacity)
+        send_parts(conn, (REPLY, REPLY_SHM), status, method_id, [reply], len(reply), chunk,
+                   None if segment is None else segment.replies,
+                   lambda: await_ack(conn, inbox, self.max_message_bytes))
 
     def _handshake(self, conn: socket.socket, peer) -> ssl.SSLSocket | None:
         """The connection over TLS; None (logged, counted, closed) when the peer fails the handshake."""
@@ -247,11 +280,11 @@ class StreamServer(Lifecycle):
         return token
 
     def _answer(self, method_id: int, payload, peer, segment: Segment | None,
-                token: str | None = None) -> tuple[int, bytes | int]:
+                token: str | None, outbox: Inbox) -> tuple[int, bytes | memoryview | int]:
         """(status, reply bytes) or, when the reply went into the segment, (0, its size)."""
-        def sink(parts: list) -> bytes | int:
+        def sink(parts: list) -> memoryview | int:
             size = segment.write(parts) if segment is not None else None
-            return b"".join(parts) if size is None else size
+            return outbox.gather(parts) if size is None else size
 
         if method_id >= len(METHODS):
             message = f"unknown tensor stream method id {method_id}"

@@ -36,7 +36,8 @@ log = logging.getLogger(__name__)
 
 def _channel(credentials: Credentials, address: str, options: Options, **kwargs) -> GrpcChannel:
     """A channel to `address` showing this node's TLS material and token."""
-    return GrpcChannel(address, options.max_message_bytes, tls=credentials.tls, token=credentials.token, **kwargs)
+    return GrpcChannel(address, options.max_message_bytes, tls=credentials.tls, token=credentials.token,
+                       max_payload_bytes=options.max_payload_bytes, **kwargs)
 
 
 class CoordinatorHost(Lifecycle):
