@@ -89,7 +89,7 @@ class ShardService:
         frame = codec.decode(payload)
         request = msg.RegisterRequest.from_meta(frame.meta)
         spec = ConsistencySpec.from_dict(request.consistency) if request.consistency is not None else None
-        self.shard.register(request.group, request.optimizer, frame.tensors, spec, request.worker)
+        self.shard.register(request.group, request.optimizer, frame.tensors, spec, request.worker, request.dtypes)
         self.shard.open_session(request.worker)
         position, restored = self.shard.position(request.worker), self.shard.restored_position(request.worker)
         return self.shard.pull(frame.tensors, _reply(
