@@ -1,10 +1,13 @@
-"""base/half.py against torch: float32 -> bfloat16 / float16 bit for bit, and back exactly."""
+"""base/half.py against torch: float32 -> bfloat16 / float16 bit for bit, and back exactly (with the
+C kernels and on numpy)."""
 
 import numpy as np
 import pytest
 import torch
 
 from paramserver.base.half import BF16_NAN, bf16_bits_to_float32, float32_to_bf16_bits, from_wire, to_wire
+
+pytestmark = pytest.mark.usefixtures("both_kernel_paths")
 
 
 def torch_bf16_bits(values: np.ndarray) -> np.ndarray:
@@ -59,6 +62,11 @@ def test_float16_wire_equals_torch_including_overflow_to_infinity():
     theirs = torch.from_numpy(values).half().numpy()
     np.testing.assert_array_equal(ours.view(np.uint16), theirs.view(np.uint16))
     assert np.isinf(ours[-3:-1]).all()
+    halves = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)  # and every float16 back
+    widened = torch.from_numpy(halves.copy()).float().numpy()
+    nan = np.isnan(widened)
+    np.testing.assert_array_equal(from_wire(halves, "float16")[~nan], widened[~nan])
+    assert np.isnan(from_wire(halves, "float16")[nan]).all()
 
 
 @pytest.mark.parametrize("wire", ["float32", "bfloat16", "float16"])

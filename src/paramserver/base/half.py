@@ -3,7 +3,8 @@
 numpy has no bfloat16 and the PS never imports torch, so a bfloat16 array travels as the upper
 16 bits of each float32 (uint16). float32 -> bfloat16 rounds to nearest, ties to even, as torch
 does; a NaN stays a NaN (0x7FC0, c10's scalar conversion; torch's vectorized CPU path writes 0xFFFF
-instead, also a NaN). bfloat16 -> float32 is exact. Pure numpy functions, thread-safe.
+instead, also a NaN). bfloat16 -> float32 is exact. numpy functions, thread-safe; the C kernels
+(base/kernels.py) do the same in one pass where they are built.
 
 A variable's **wire dtype** names how its gradients and values travel ("float32", "bfloat16",
 "float16"); the PS keeps float32 masters whatever it is.
@@ -12,6 +13,8 @@ A variable's **wire dtype** names how its gradients and values travel ("float32"
 from __future__ import annotations
 
 import numpy as np
+
+from . import kernels
 
 BF16_NAN = np.uint16(0x7FC0)
 # how each wire dtype's arrays travel in a frame
@@ -22,14 +25,16 @@ WIRE_DTYPES: dict[str, np.dtype] = {"float32": np.dtype(np.float32), "bfloat16":
 def float32_to_bf16_bits(values: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """float32 values as bfloat16 bits (uint16, same shape), rounded to nearest even."""
     values = np.ascontiguousarray(values, np.float32)
+    if out is None:
+        out = np.empty(values.shape, np.uint16)
+    if _kernel("ps_bf16_from_f32", values, out):
+        return out
     bits = values.view(np.uint32)
     rounded = bits >> 16
     rounded &= 1
     rounded += 0x7FFF  # with the lowest kept bit: ties go to even
     rounded += bits  # cannot wrap for a finite value or an infinity (at most 0xFF800000 + 0x8000)
     rounded >>= 16
-    if out is None:
-        out = np.empty(values.shape, np.uint16)
     np.copyto(out, rounded, casting="unsafe")
     nan = np.isnan(values)
     if nan.any():  # a NaN's payload could round into an infinity
@@ -42,6 +47,8 @@ def bf16_bits_to_float32(bits: np.ndarray, out: np.ndarray | None = None) -> np.
     bits = np.asarray(bits, np.uint16)
     if out is None:
         out = np.empty(bits.shape, np.float32)
+    if _kernel("ps_f32_from_bf16", bits, out):
+        return out
     wide = out.view(np.uint32)
     np.copyto(wide, bits, casting="safe")
     wide <<= 16
@@ -54,8 +61,11 @@ def to_wire(values: np.ndarray, wire: str, out: np.ndarray | None = None) -> np.
         return values
     if wire == "bfloat16":
         return float32_to_bf16_bits(values, out)
+    values = np.ascontiguousarray(values, np.float32)
     if out is None:
         out = np.empty(values.shape, np.float16)
+    if _kernel("ps_f16_from_f32", values, out):
+        return out
     with np.errstate(over="ignore"):  # beyond float16's range is infinity, as in torch
         np.copyto(out, values, casting="unsafe")
     return out
@@ -65,4 +75,18 @@ def from_wire(array: np.ndarray, wire: str) -> np.ndarray:
     """An array that travelled as `wire` dtype, as float32 (exact; array itself for float32)."""
     if wire == "bfloat16":
         return bf16_bits_to_float32(array)
+    if wire == "float16" and array.dtype == np.float16:
+        out = np.empty(array.shape, np.float32)
+        if _kernel("ps_f32_from_f16", array, out):
+            return out
     return np.asarray(array, np.float32)
+
+
+def _kernel(name: str, source: np.ndarray, out: np.ndarray) -> bool:
+    """Convert with C kernel `name` when it is built and both arrays are contiguous; False otherwise."""
+    if kernels.KERNELS is None or not (source.flags.c_contiguous and out.flags.c_contiguous):
+        return False
+    if source.shape != out.shape:
+        raise ValueError(f"output of shape {out.shape} for values of shape {source.shape}")
+    getattr(kernels.KERNELS, name)(kernels.ptr(source), source.size, kernels.ptr(out))
+    return True
