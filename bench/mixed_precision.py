@@ -51,7 +51,8 @@ def step_bytes(opt) -> int:
     """Bytes of one step's request and reply."""
     grads = [(var, wire_array(param.grad)) for var, param in opt._vars]
     _, values = opt.context.client.push_pull(dict(grads), [var for var, _ in grads]).wait(60)
-    return codec.parts_size(codec.encode_parts({}, grads)) + codec.parts_size(codec.encode_parts({}, [(p.name, v) for p, v in values]))
+    pulled = [(part.name, array) for part, array in values]
+    return codec.parts_size(codec.encode_parts({}, grads)) + codec.parts_size(codec.encode_parts({}, pulled))
 
 
 def main() -> None:
@@ -79,7 +80,8 @@ def main() -> None:
                     result[f"{name}_bytes_per_step"] = step_bytes(opt)
             ctx.shutdown()
         for name in ("bfloat16", "float16"):
-            result[f"{name}_bytes_ratio"] = round(result[f"{name}_bytes_per_step"] / result["float32_bytes_per_step"], 3)
+            ratio = result[f"{name}_bytes_per_step"] / result["float32_bytes_per_step"]
+            result[f"{name}_bytes_ratio"] = round(ratio, 3)
             for transport in args.transports.split(","):
                 result[f"{transport}_{name}_time_ratio"] = round(
                     result[f"{transport}_{name}_ms"] / result[f"{transport}_float32_ms"], 2)
