@@ -25,9 +25,8 @@ WIRE_DTYPES: dict[str, np.dtype] = {"float32": np.dtype(np.float32), "bfloat16":
 def float32_to_bf16_bits(values: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """float32 values as bfloat16 bits (uint16, same shape), rounded to nearest even."""
     values = np.ascontiguousarray(values, np.float32)
-    if out is None:
-        out = np.empty(values.shape, np.uint16)
-    if _kernel("ps_bf16_from_f32", values, out):
+    out, done = _by_kernel("ps_bf16_from_f32", values, out, np.uint16)
+    if done:
         return out
     bits = values.view(np.uint32)
     rounded = bits >> 16
@@ -45,13 +44,11 @@ def float32_to_bf16_bits(values: np.ndarray, out: np.ndarray | None = None) -> n
 def bf16_bits_to_float32(bits: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """bfloat16 bits (uint16) as float32 values (exact)."""
     bits = np.asarray(bits, np.uint16)
-    if out is None:
-        out = np.empty(bits.shape, np.float32)
-    if _kernel("ps_f32_from_bf16", bits, out):
-        return out
-    wide = out.view(np.uint32)
-    np.copyto(wide, bits, casting="safe")
-    wide <<= 16
+    out, done = _by_kernel("ps_f32_from_bf16", bits, out, np.float32)
+    if not done:
+        wide = out.view(np.uint32)
+        np.copyto(wide, bits, casting="safe")
+        wide <<= 16
     return out
 
 
@@ -62,12 +59,10 @@ def to_wire(values: np.ndarray, wire: str, out: np.ndarray | None = None) -> np.
     if wire == "bfloat16":
         return float32_to_bf16_bits(values, out)
     values = np.ascontiguousarray(values, np.float32)
-    if out is None:
-        out = np.empty(values.shape, np.float16)
-    if _kernel("ps_f16_from_f32", values, out):
-        return out
-    with np.errstate(over="ignore"):  # beyond float16's range is infinity, as in torch
-        np.copyto(out, values, casting="unsafe")
+    out, done = _by_kernel("ps_f16_from_f32", values, out, np.float16)
+    if not done:
+        with np.errstate(over="ignore"):  # beyond float16's range is infinity, as in torch
+            np.copyto(out, values, casting="unsafe")
     return out
 
 
@@ -75,18 +70,22 @@ def from_wire(array: np.ndarray, wire: str) -> np.ndarray:
     """An array that travelled as `wire` dtype, as float32 (exact; array itself for float32)."""
     if wire == "bfloat16":
         return bf16_bits_to_float32(array)
-    if wire == "float16" and array.dtype == np.float16:
-        out = np.empty(array.shape, np.float32)
-        if _kernel("ps_f32_from_f16", array, out):
-            return out
+    if wire == "float16":
+        out, done = _by_kernel("ps_f32_from_f16", np.asarray(array, np.float16), None, np.float32)
+        if not done:
+            np.copyto(out, array)
+        return out
     return np.asarray(array, np.float32)
 
 
-def _kernel(name: str, source: np.ndarray, out: np.ndarray) -> bool:
-    """Convert with C kernel `name` when it is built and both arrays are contiguous; False otherwise."""
-    if kernels.KERNELS is None or not (source.flags.c_contiguous and out.flags.c_contiguous):
-        return False
-    if source.shape != out.shape:
+def _by_kernel(name: str, source: np.ndarray, out: np.ndarray | None, dtype) -> tuple[np.ndarray, bool]:
+    """`out` (a new array of `dtype` when None) and whether C kernel `name` converted `source` into it:
+    False when the kernels are not built or an array is not contiguous (numpy's turn then)."""
+    if out is None:
+        out = np.empty(source.shape, dtype)
+    if out.shape != source.shape:
         raise ValueError(f"output of shape {out.shape} for values of shape {source.shape}")
+    if kernels.KERNELS is None or not (source.flags.c_contiguous and out.flags.c_contiguous):
+        return out, False
     getattr(kernels.KERNELS, name)(kernels.ptr(source), source.size, kernels.ptr(out))
-    return True
+    return out, True
