@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import paramserver as ps
 from paramserver.base.config import ClusterSpec, NodeConfig, Options, Task
+from paramserver.server.embedding_table import initial_rows
 from paramserver.transport import codec
 from tests.reference import batches, mlp
 
@@ -160,3 +161,31 @@ def test_the_trainer_casts_float32_batches_for_a_bfloat16_model_which_learns(fre
     assert history[-1].loss < history[0].loss
     assert trainer.evaluate(loader)["accuracy"] > 0.8
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_a_half_embedding_table_trains_as_torch_on_float32_rows(procs, fresh_context, dtype):
+    """Rows start as the PS's float32 initial values; lookups (direct and riding along a step) come
+    back rounded to `dtype`, row gradients go out in it and update the float32 rows."""
+    join([procs.start_ps(i)[1] for i in range(2)])
+    lr, half = 2 ** -2, DTYPES[dtype]
+    emb = ps.nn.HashEmbedding(4, init="normal", std=0.5, dtype=half)
+    opt = ps.optim.SGD(emb.parameters(), lr=lr)
+    steps = [torch.tensor(ids) for ids in ([1, 5, 9, 1000], [5, 7, 1000, 3], [9, 3, 2, 1])]  # distinct per batch
+    master: dict[int, torch.Tensor] = {}
+    for t, ids in enumerate(steps):
+        opt.zero_grad()
+        out = emb(ids)
+        if t + 1 < len(steps):
+            emb.prefetch(steps[t + 1])  # the next batch's rows ride along this step
+        assert out.dtype == half
+        (out.float() ** 2).sum().backward()
+        opt.step()
+        for i in ids.tolist():
+            master.setdefault(i, torch.from_numpy(initial_rows(np.array([i], np.int64), 4, emb.init)[0]))
+        rows = torch.stack([master[i] for i in ids.tolist()]).to(half).requires_grad_()
+        (rows.float() ** 2).sum().backward()
+        for k, i in enumerate(ids.tolist()):
+            master[i] = master[i] - lr * rows.grad[k].float()
+    with torch.no_grad():
+        assert torch.equal(emb(torch.tensor(sorted(master))), torch.stack([master[i] for i in sorted(master)]).to(half))

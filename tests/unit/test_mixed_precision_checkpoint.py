@@ -5,6 +5,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+import paramserver as ps
 from paramserver.base.half import float32_to_bf16_bits
 from paramserver.checkpoint import shard_file
 from paramserver.checkpoint.restore import RestoreSource
@@ -72,3 +73,27 @@ def test_a_restored_shard_serves_the_masters_in_the_registered_wire_dtype(tmp_pa
         for name in NAMES:
             want = float32_to_bf16_bits(expected[name]) if wire == "bfloat16" else expected[name]
             np.testing.assert_array_equal(values[name], want)
+
+
+def test_a_bfloat16_hash_embedding_loads_its_tables_saved_float32_rows_rounded(tmp_path):
+    tables = TableStore(0)
+    tables.register("opt0.emb", 2, SGD, {"kind": "normal", "std": 0.5}, wire="bfloat16")
+    saved_rows = np.array([[0.1, -0.2], [0.3, 0.4]], np.float32)  # no bfloat16 holds these
+    tables._table("opt0.emb").load(np.array([3, 10], np.int64), {"values": saved_rows}, {}, 0)
+    store, name = CheckpointStore(str(tmp_path)), checkpoint_name(1)
+    shard = Shard(0)
+    shard.register("opt0.group0", SGD, {"opt0.fc.weight": np.ones((1, 2), np.float32)})
+    store.commit(name, {"step": 1, "num_shards": 1, "shards": [shard_file.write(store, name, shard, tables).__dict__]})
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = ps.nn.HashEmbedding(2, dtype=torch.bfloat16)
+            self.fc = nn.Linear(2, 1, bias=False).to(torch.bfloat16)
+
+    model = Model()
+    load_into(model, RestoreSource(store, name))
+    with torch.no_grad():
+        rows = model.emb(torch.tensor([3, 10]))
+    assert rows.dtype == torch.bfloat16
+    assert torch.equal(rows, torch.from_numpy(saved_rows).to(torch.bfloat16))

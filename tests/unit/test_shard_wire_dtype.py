@@ -10,6 +10,7 @@ from paramserver.base.consistency_spec import ConsistencySpec
 from paramserver.base.errors import FailedPreconditionError, InvalidArgumentError
 from paramserver.base.half import bf16_bits_to_float32, float32_to_bf16_bits
 from paramserver.server.shard import Push, Shard
+from paramserver.server.table_store import TableStore
 
 ADAM = {"name": "adam", "hyper": {"lr": 0.1}}
 MASTER = np.linspace(-2, 2, 6, dtype=np.float32).reshape(3, 2)  # not all bfloat16 values: pulls round
@@ -111,3 +112,23 @@ def test_a_sync_step_averages_the_upcast_half_gradients_in_float32():
     mean = (bf16_bits_to_float32(first) + bf16_bits_to_float32(second)) / np.float32(2)
     np.testing.assert_array_equal(masters(shard)["w"], -mean)  # 1.5 + 2**-11: no bfloat16 holds it
     assert shard.sync_step == 1
+
+
+def test_a_half_table_serves_rows_in_its_wire_dtype_and_refuses_row_gradients_in_another():
+    tables = TableStore(0)
+    tables.register("t", 2, {"name": "sgd", "hyper": {"lr": 1.0}}, {"kind": "normal", "std": 0.5}, wire="bfloat16")
+    ids = np.array([3, 8], np.int64)
+    float_rows = tables.snapshot(lambda found: found["t"].read(ids))
+    rows = tables.lookup("t", ids)
+    assert rows.dtype == np.uint16
+    np.testing.assert_array_equal(rows, float32_to_bf16_bits(float_rows))
+    for bad, fragment in [(np.ones((2, 2), np.float32), "dtype float32 does not match 2 ids x dim 2 bfloat16"),
+                          (np.full((2, 2), 0x7F80, np.uint16), "NaN or infinite")]:
+        with pytest.raises(InvalidArgumentError, match=fragment):
+            tables.push("t", ids, bad)
+        np.testing.assert_array_equal(tables.lookup("t", ids), rows)
+    tables.push("t", ids, float32_to_bf16_bits(np.full((2, 2), 0.5, np.float32)))
+    np.testing.assert_array_equal(tables.snapshot(lambda found: found["t"].read(ids)), float_rows - 0.5)
+    with pytest.raises(FailedPreconditionError, match="'t' was registered to travel as bfloat16, not float16"):
+        tables.register("t", 2, {"name": "sgd", "hyper": {"lr": 1.0}}, {"kind": "normal", "std": 0.5},
+                        wire="float16")

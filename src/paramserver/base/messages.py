@@ -144,6 +144,8 @@ class RegisterTableRequest(Message):
     num_shards: int = doc_field("the shards the table spreads over", 1)
     consistency: dict[str, Any] | None = doc_field("the mode, for a shard that holds no dense variable", None)
     worker: int | None = doc_field("the registering worker's index", None)
+    dtype: str = doc_field("wire dtype of the rows and row gradients: `float32`, `bfloat16` (uint16 bits) or "
+                           "`float16`; the PS keeps float32 rows either way", "float32")
 
 
 @message("RegisterTable reply")
@@ -157,12 +159,12 @@ class LookupRequest(Message):
     table: str = doc_field("the table's name")
 
 
-@message("Lookup reply", tensors="`rows` (len(ids) x dim float32)")
+@message("Lookup reply", tensors="`rows` (len(ids) x dim, in the table's wire dtype)")
 class LookupReply(Message):
     pass
 
 
-@message("PushSparse request", tensors="`ids` (int64, distinct), `grads` (len(ids) x dim float32)")
+@message("PushSparse request", tensors="`ids` (int64, distinct), `grads` (len(ids) x dim, in the table's wire dtype)")
 class PushSparseRequest(Message):
     """A row-wise update, applied at once in every mode."""
     table: str = doc_field("the table's name")

@@ -121,7 +121,7 @@ class ShardService:
         if spec is not None:
             self.shard.check_mode(spec)  # adopted only once the table is registered: a refusal changes nothing
         self.tables.register(request.table, request.dim, request.optimizer, request.init, request.policy,
-                             request.capacity, request.num_shards)
+                             request.capacity, request.num_shards, request.dtype)
         self.shard.open_session(request.worker)
         if spec is not None:
             self.shard.adopt_mode(spec)

@@ -109,7 +109,8 @@ class PSOptimizer(torch.optim.Optimizer):
     def _register_group(self, index: int, spec: dict, dense: list, tables: list):
         for param_name, module, table_spec in tables:
             name = module.table_name or f"{self.name}.{param_name.removesuffix('.placeholder')}"
-            self.context.tables.register(name, module.dim, table_spec, module.init, module.policy, module.capacity)
+            self.context.tables.register(name, module.dim, table_spec, module.init, module.policy, module.capacity,
+                                         WIRE_OF[module.dtype])
             module.attach(self.context.tables, name)
             self._embeddings.append(module)
         values, wire = {}, {}
