@@ -43,3 +43,30 @@ def test_an_optimizer_takes_float32_bfloat16_and_float16_parameters_and_refuses_
     assert [p.tolist() for p in mixed] == [[0.5, 0.5]] * 3 and [p.dtype for p in mixed][1] == torch.bfloat16
     with pytest.raises(InvalidArgumentError, match="float64; PS variables are float32, bfloat16 or float16"):
         ps.optim.SGD([torch.nn.Parameter(torch.ones(2, dtype=torch.float64))], lr=0.5)
+
+
+def test_model_to_bfloat16_makes_its_embedding_tables_bfloat16_and_it_learns(fresh_context):
+    ps.init(num_ps=2)
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.fc = ps.nn.HashEmbeddingBag(8, mode="mean"), torch.nn.Linear(8, 2)
+
+        def forward(self, ids):
+            return self.fc(self.emb(ids))
+
+    model = Model().to(torch.bfloat16)
+    opt = ps.optim.Adam(model.named_parameters(), lr=1e-2)
+    ids = torch.randint(0, 50, (64, 3), generator=torch.Generator().manual_seed(0))  # ids repeat within a batch
+    losses = []
+    for _ in range(30):
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(ids).float(), ids[:, 0] % 2)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert model.emb.dtype == model(ids).dtype == torch.bfloat16
+    assert losses[-1] < 0.7 * losses[0]
+    with pytest.raises(InvalidArgumentError, match="embedding dtype must be"):
+        ps.nn.HashEmbedding(4, dtype=torch.float64)

@@ -56,8 +56,9 @@ class HashEmbedding(nn.Module):
     capacity: rows the table is expected to hold (all shards together), reserved up front so the
     table does not re-grow (copying its arrays) while training; it grows past it if needed.
     Reserved rows cost memory only once used, except the id index (32 bytes per reserved row).
-    dtype: the embeddings' dtype, torch.float32, bfloat16 or float16: rows and their gradients travel
-    in it (half the bytes for the half dtypes); the PS keeps float32 rows and optimizer state.
+    dtype: the embeddings' dtype, torch.float32, bfloat16 or float16 (`model.to(dtype)` before the
+    optimizer is created sets it too): rows and their gradients travel in it (half the bytes for the
+    half dtypes); the PS keeps float32 rows and optimizer state.
     """
 
     def __init__(self, dim: int, *, init: str = "normal", std: float = 0.01, scale: float = 0.05,
@@ -70,7 +71,7 @@ class HashEmbedding(nn.Module):
             raise InvalidArgumentError(f"embedding dim must be a positive integer, got {dim!r}")
         if not isinstance(capacity, int) or capacity < 0:
             raise InvalidArgumentError(f"embedding capacity must be a non-negative integer, got {capacity!r}")
-        self.dim, self.capacity, self.dtype = dim, capacity, dtype
+        self.dim, self.capacity = dim, capacity
         self.init = {"kind": init}
         if init == "normal":
             self.init["std"] = std
@@ -79,15 +80,20 @@ class HashEmbedding(nn.Module):
         self.optimizer_spec = optimizer
         self.policy = policy or {}
         self.table_name = name
-        self.placeholder = nn.Parameter(torch.empty(0))
+        self.placeholder = nn.Parameter(torch.empty(0, dtype=dtype))  # its dtype is the module's
+        self._wire = dtype  # the dtype the table was registered to travel in (set by `attach`)
         self.placeholder._ps_embedding = self  # how the PS optimizer recognizes this table
         self._tables = None
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._prefetches: list[_Prefetch] = []  # oldest first: rows delivered or in flight, then waiting
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.placeholder.dtype
+
     def attach(self, tables, table_name: str) -> None:
-        """Called by the optimizer once the table exists on the PS."""
-        self._tables, self.table_name = tables, table_name
+        """Called by the optimizer once the table exists on the PS (registered in this module's dtype)."""
+        self._tables, self.table_name, self._wire = tables, table_name, self.dtype
 
     def prefetch(self, ids) -> None:
         """Have the rows of `ids` come back with the optimizer's next `step()` (one request per
@@ -134,8 +140,8 @@ class HashEmbedding(nn.Module):
 
     def _tensor(self, rows: np.ndarray) -> torch.Tensor:
         """Rows as they came (the table's wire dtype; float32 from a checkpoint) as a tensor of this dtype."""
-        if self.dtype == torch.bfloat16 and rows.dtype == np.uint16:
-            return torch.from_numpy(rows.view(np.int16)).view(torch.bfloat16)
+        if rows.dtype == np.uint16:  # bfloat16 bits
+            return torch.from_numpy(rows.view(np.int16)).view(torch.bfloat16).to(self.dtype)
         return torch.from_numpy(rows).to(self.dtype)
 
     def _check_attached(self) -> None:
@@ -160,10 +166,10 @@ class HashEmbedding(nn.Module):
         if not used:
             return None
         if len(used) == 1:  # one lookup this step: its ids are distinct already
-            return used[0][0].numpy(), wire_array(used[0][1])
+            return used[0][0].numpy(), wire_array(used[0][1].to(self._wire))
         unique, inverse = distinct(torch.cat([i for i, _ in used]).numpy())
         summed = sum_rows(torch.cat([g for _, g in used]), torch.from_numpy(inverse), unique.shape[0])
-        return unique, wire_array(summed.to(self.dtype))
+        return unique, wire_array(summed.to(self._wire))
 
 
 @dataclass
