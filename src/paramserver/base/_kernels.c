@@ -192,6 +192,43 @@ void ps_scatter_add_rows(const float *grads, const int64_t *inverse, int64_t n, 
     }
 }
 
+/* ---- float32 <-> bfloat16 / float16, mixed precision's wire (paramserver.base.half). ----
+ * Round to nearest even, as torch (c10's BFloat16.h and Half.h, whose float16 formulas these are). */
+static inline uint32_t bits_of(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float float_of(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+void ps_bf16_from_f32(const uint32_t *x, int64_t n, uint16_t *out) {
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t u = x[i];
+        out[i] = (u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0 : (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    }
+}
+
+void ps_f32_from_bf16(const uint16_t *x, int64_t n, uint32_t *out) {
+    for (int64_t i = 0; i < n; i++) out[i] = (uint32_t)x[i] << 16;
+}
+
+void ps_f16_from_f32(const float *x, int64_t n, uint16_t *out) {
+    for (int64_t i = 0; i < n; i++) {
+        float base = (fabsf(x[i]) * 0x1.0p+112f) * 0x1.0p-110f;  /* overflows to infinity where float16 does */
+        uint32_t w = bits_of(x[i]), shl1_w = w + w, sign = w & 0x80000000u;
+        uint32_t bias = shl1_w & 0xFF000000u;
+        if (bias < 0x71000000u) bias = 0x71000000u;
+        base = float_of((bias >> 1) + 0x07800000u) + base;  /* the float addition rounds to nearest even */
+        uint32_t bits = bits_of(base), nonsign = ((bits >> 13) & 0x7C00u) + (bits & 0x0FFFu);
+        out[i] = (uint16_t)((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+    }
+}
+
+void ps_f32_from_f16(const uint16_t *x, int64_t n, float *out) {
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t w = (uint32_t)x[i] << 16, sign = w & 0x80000000u, two_w = w + w;
+        float normalized = float_of((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+        float denormalized = float_of((two_w >> 17) | (126u << 23)) - 0.5f;
+        out[i] = float_of(sign | (two_w < (1u << 27) ? bits_of(denormalized) : bits_of(normalized)));
+    }
+}
+
 /* ---- The Criteo TSV parser (paramserver.data.criteo). ---- */
 
 static int parse_long_count(const char *s, int64_t n, int64_t *out);

@@ -40,6 +40,8 @@ def _load() -> ctypes.CDLL | None:
     lib.ps_random_rows.argtypes = [p, i64, i64, i, f, p]
     lib.ps_sparse_adam.argtypes = [p, p, p, p, p, i64, i64, f, f, f, f]
     lib.ps_sparse_adagrad.argtypes = [p, p, p, p, i64, i64, f, f]
+    for name in ("ps_bf16_from_f32", "ps_f32_from_bf16", "ps_f16_from_f32", "ps_f32_from_f16"):
+        getattr(lib, name).argtypes = [p, i64, p]
     lib.ps_parse_criteo.argtypes = [ctypes.c_char_p, i64, i64, p, p, p]
     lib.ps_parse_criteo.restype = i64
     return lib

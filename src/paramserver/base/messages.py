@@ -63,7 +63,7 @@ class HelloReply(Message):
     rss_bytes: int | None = doc_field("the serving process's resident memory, in bytes (asked with `process`)", None)
 
 
-@message("Register request", tensors="the group's initial values, by part name")
+@message("Register request", tensors="the group's initial values (float32), by part name")
 class RegisterRequest(Message):
     """Register a group of variables; the first registration wins, later ones adopt its values."""
     group: str = doc_field("the optimizer param group's name")
@@ -71,16 +71,20 @@ class RegisterRequest(Message):
     consistency: dict[str, Any] | None = doc_field(
         '{"mode", "workers", "backups", "staleness"}: a mode other than the shard\'s is refused', None)
     worker: int | None = doc_field("the registering worker's index", None)
+    dtypes: dict[str, str] = doc_field(
+        "wire dtype by part name, for parts whose gradients and values travel as `bfloat16` (uint16 bits) or "
+        "`float16`; absent: float32. The PS keeps float32 values either way", {})
 
 
-@message("Register reply", tensors="the stored values of the registered parts")
+@message("Register reply", tensors="the stored values of the registered parts, in their wire dtypes")
 class RegisterReply(Message):
     version: int = doc_field("the shard's version")
     position: int = doc_field("batches this worker trained, as the shard counted them (resumable data)")
     restored: int = doc_field("this worker's step in the checkpoint the shard started from (0: none)")
 
 
-@message("PushPull request", tensors="gradients by part name, plus the rider tensors (names start with `~`)")
+@message("PushPull request", tensors="gradients by part name (in their wire dtypes), plus the rider tensors "
+                                     "(names start with `~`)")
 class PushPullRequest(Message):
     """Push gradients and pull values in one round trip; embedding work may ride along."""
     pull: list[str] | None = doc_field("part names to pull (absent: the pushed names)", None)
@@ -94,7 +98,8 @@ class PushPullRequest(Message):
     lr: dict[str, float] = doc_field("learning rate by group, when it changed", {})
 
 
-@message("PushPull reply", tensors="values of the pulled names, plus the looked-up rows (under their `rows` names)")
+@message("PushPull reply", tensors="values of the pulled names (in their wire dtypes), plus the looked-up rows "
+                                   "(under their `rows` names)")
 class PushPullReply(Message):
     version: int = doc_field("the shard's version after the push")
     step: int = doc_field("the shard's sync step")
@@ -139,6 +144,8 @@ class RegisterTableRequest(Message):
     num_shards: int = doc_field("the shards the table spreads over", 1)
     consistency: dict[str, Any] | None = doc_field("the mode, for a shard that holds no dense variable", None)
     worker: int | None = doc_field("the registering worker's index", None)
+    dtype: str = doc_field("wire dtype of the rows and row gradients: `float32`, `bfloat16` (uint16 bits) or "
+                           "`float16`; the PS keeps float32 rows either way", "float32")
 
 
 @message("RegisterTable reply")
@@ -152,12 +159,12 @@ class LookupRequest(Message):
     table: str = doc_field("the table's name")
 
 
-@message("Lookup reply", tensors="`rows` (len(ids) x dim float32)")
+@message("Lookup reply", tensors="`rows` (len(ids) x dim, in the table's wire dtype)")
 class LookupReply(Message):
     pass
 
 
-@message("PushSparse request", tensors="`ids` (int64, distinct), `grads` (len(ids) x dim float32)")
+@message("PushSparse request", tensors="`ids` (int64, distinct), `grads` (len(ids) x dim, in the table's wire dtype)")
 class PushSparseRequest(Message):
     """A row-wise update, applied at once in every mode."""
     table: str = doc_field("the table's name")

@@ -131,9 +131,13 @@ class PSClient:
         """Each shard's process as `connect` found it (None: a channel that does not say, e.g. in-process)."""
         return [(getattr(channel, "hello", None) or {}).get("incarnation") for channel in self.channels]
 
-    def register(self, group: str, optimizer_spec: dict, values: dict[str, np.ndarray]):
-        """Place and register a group of variables; returns the handle of the shards' current values."""
+    def register(self, group: str, optimizer_spec: dict, values: dict[str, np.ndarray],
+                 wire: dict[str, str] | None = None):
+        """Place and register a group of variables (float32 values); returns the handle of the shards'
+        current values. `wire`: the variables whose gradients and values travel as bfloat16 or float16
+        (base/half.py), by name; their pushed gradients and pulled values are in that dtype."""
         by_shard: dict[int, list[tuple[str, np.ndarray]]] = {}
+        dtypes: dict[int, dict[str, str]] = {}
         for var, array in values.items():
             if var in self.parts_of:
                 raise InvalidArgumentError(f"variable {var!r} is already registered")
@@ -142,12 +146,16 @@ class PSClient:
             for part in parts:
                 self._part_by_name[part.name] = part
                 by_shard.setdefault(part.shard, []).append((part.name, _rows(array, part)))
+                if (wire or {}).get(var, "float32") != "float32":
+                    dtypes.setdefault(part.shard, {})[part.name] = wire[var]
         for shard in by_shard:
             self._groups_on.setdefault(shard, set()).add(group)
-        meta = msg.RegisterRequest(group=group, optimizer=optimizer_spec, consistency=self.consistency.to_dict(),
-                                   worker=self.worker).to_meta()
-        calls = [(shard, self.channels[shard].call("Register", codec.encode_parts(meta, tensors), self.rpc_timeout_s))
-                 for shard, tensors in sorted(by_shard.items())]
+        calls = []
+        for shard, tensors in sorted(by_shard.items()):
+            meta = msg.RegisterRequest(group=group, optimizer=optimizer_spec, consistency=self.consistency.to_dict(),
+                                       worker=self.worker, dtypes=dtypes.get(shard, {})).to_meta()
+            calls.append((shard, self.channels[shard].call("Register", codec.encode_parts(meta, tensors),
+                                                           self.rpc_timeout_s)))
         return PushPullHandle(calls, self._part_by_name, self.record.note_registered)
 
     def push_pull(self, grads: dict[str, np.ndarray], pull: list[str], lrs: dict[str, float] | None = None,

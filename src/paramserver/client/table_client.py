@@ -29,11 +29,11 @@ class RowsHandle:
 
 
 def _joined(count: int, pieces) -> np.ndarray:
-    """(count x dim) rows put together from each shard's (positions, rows)."""
+    """(count x dim) rows put together from each shard's (positions, rows), in their wire dtype."""
     rows = None
     for where, got in pieces:
         if rows is None:
-            rows = np.empty((count, got.shape[1]), np.float32)
+            rows = np.empty((count, got.shape[1]), got.dtype)
         rows[where] = got
     return rows if rows is not None else np.empty((0, 0), np.float32)
 
@@ -98,12 +98,13 @@ class TableClient:
         self.worker = worker  # named when registering: a PS node accepts pushes only from workers that registered
 
     def register(self, table: str, dim: int, optimizer_spec: dict, init: dict, policy: dict | None = None,
-                 capacity: int = 0) -> None:
-        """Create the table on every shard; `capacity` (rows, all shards together) is reserved up front."""
+                 capacity: int = 0, wire: str = "float32") -> None:
+        """Create the table on every shard; `capacity` (rows, all shards together) is reserved up front.
+        `wire`: how its rows and row gradients travel (float32, bfloat16 or float16; base/half.py)."""
         per_shard = -(-capacity // len(self.channels))  # ids spread evenly over shards by hash
         request = msg.RegisterTableRequest(table=table, dim=dim, optimizer=optimizer_spec, init=init,
                                            policy=policy or {}, capacity=per_shard, num_shards=len(self.channels),
-                                           consistency=self.consistency, worker=self.worker)
+                                           consistency=self.consistency, worker=self.worker, dtype=wire)
         payload = codec.encode(request.to_meta())
         self.wait_all([channel.call("RegisterTable", payload, self.rpc_timeout_s) for channel in self.channels])
 

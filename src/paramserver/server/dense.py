@@ -1,10 +1,14 @@
-"""A group of dense float32 variables that share one optimizer, stored contiguously.
+"""A group of dense variables that share one optimizer, stored contiguously in float32.
 
 All variables of a group are views into one flat array (and one flat array per optimizer
 state), so a push that carries every variable of the group is applied by one optimizer
 pass over the whole group. A push that carries only some variables (torch skips
 parameters whose .grad is None) is applied per variable with that variable's own step
 count, exactly as torch.optim counts steps per parameter.
+
+A variable's values are float32 masters whatever its model's dtype; its **wire dtype** (base/half.py)
+is how its gradients arrive and its values leave: a bfloat16 or float16 model pushes and pulls
+half the bytes, the optimizer and its state stay float32.
 
 Not thread-safe: the owning Shard serializes calls.
 """
@@ -16,6 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..base.errors import InvalidArgumentError
+from ..base.half import WIRE_DTYPES, from_wire, to_wire
 from .optimizers import Optimizer
 
 
@@ -27,20 +33,25 @@ class Slot:
     shape: tuple[int, ...]
     start: int
     stop: int
+    wire: str = "float32"  # how its gradients and values travel (base/half.py)
 
 
 class DenseGroup:
     """Variables registered together, with one optimizer and its hyperparameters."""
 
-    def __init__(self, name: str, optimizer: Optimizer, spec: dict, initial: dict[str, np.ndarray]) -> None:
+    def __init__(self, name: str, optimizer: Optimizer, spec: dict, initial: dict[str, np.ndarray],
+                 wire: dict[str, str] | None = None) -> None:
+        """`wire`: the wire dtype of variables that do not travel as float32, by name."""
         self.name = name
         self.optimizer = optimizer
         self.spec = spec
         self.slots: dict[str, Slot] = {}
+        self._wire_buffers: dict[str, np.ndarray] = {}  # pulled values cast to the wire dtype, reused
         start = 0
         for var_name, value in initial.items():
             size = math.prod(value.shape)
-            self.slots[var_name] = Slot(var_name, tuple(value.shape), start, start + size)
+            self.slots[var_name] = Slot(var_name, tuple(value.shape), start, start + size,
+                                        (wire or {}).get(var_name, "float32"))
             start += size
         self.values = np.empty(start, np.float32)
         for var_name, value in initial.items():
@@ -62,6 +73,34 @@ class DenseGroup:
         """The variable's live values, shaped like the variable (a view, not a copy)."""
         slot = self.slots[var_name]
         return self.values[slot.start:slot.stop].reshape(slot.shape)
+
+    def wire_view(self, var_name: str) -> np.ndarray:
+        """The variable's values as they travel: the live view for float32, else a cast into a buffer
+        reused by the next call (the caller copies it out under the shard's lock, as it does a view)."""
+        slot = self.slots[var_name]
+        if slot.wire == "float32":
+            return self.view(var_name)
+        buffer = self._wire_buffers.get(var_name)
+        if buffer is None:
+            buffer = self._wire_buffers[var_name] = np.empty(slot.shape, WIRE_DTYPES[slot.wire])
+        return to_wire(self.view(var_name), slot.wire, buffer)
+
+    def gradient(self, var_name: str, grad: np.ndarray) -> np.ndarray:
+        """A pushed gradient checked against the variable (dtype as registered, shape, finite) and
+        upcast to float32; raises InvalidArgumentError naming what is wrong."""
+        slot = self.slots[var_name]
+        expected = WIRE_DTYPES[slot.wire]
+        if grad.dtype != expected:
+            travels = f"{slot.wire} (as uint16 bits)" if slot.wire == "bfloat16" else slot.wire
+            raise InvalidArgumentError(f"gradient of {var_name!r} has dtype {grad.dtype}, but the variable was "
+                                       f"registered to travel as {travels}")
+        if tuple(grad.shape) != slot.shape:
+            raise InvalidArgumentError(f"gradient of {var_name!r} has shape {tuple(grad.shape)}, "
+                                       f"expected {slot.shape}")
+        grad = from_wire(grad, slot.wire)
+        if not np.isfinite(grad).all():  # a float16 gradient that overflowed is infinite: refused too
+            raise InvalidArgumentError(f"gradient of {var_name!r} holds NaN or infinite values")
+        return grad
 
     def apply(self, grads: dict[str, np.ndarray]) -> None:
         """Apply one optimizer step from already-validated gradients of some of this group's variables."""

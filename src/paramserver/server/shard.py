@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, TypeVar
 
 import numpy as np
@@ -18,6 +18,7 @@ import numpy as np
 from ..base.consistency_spec import ConsistencySpec
 from ..base.errors import (DeadlineExceededError, FailedPreconditionError, InvalidArgumentError, NotFoundError,
                            RollbackError, UnavailableError)
+from ..base.half import WIRE_DTYPES
 from .consistency import SyncRound
 from .dense import DenseGroup
 from .optimizers import build_optimizer, check_lr
@@ -85,21 +86,19 @@ class Shard:
 
     # ---- variables -------------------------------------------------------------------------
     def register(self, group: str, optimizer_spec: dict, initial: dict[str, np.ndarray],
-                 consistency: ConsistencySpec | None = None, worker: int | None = None) -> int:
+                 consistency: ConsistencySpec | None = None, worker: int | None = None,
+                 wire: dict[str, str] | None = None) -> int:
         """Create a group of variables from initial values, or check an existing one matches.
 
         The first registration wins, for the values and for the consistency mode: later callers
-        (other workers) receive the stored values. A mismatched shape, optimizer or consistency
-        mode raises FailedPreconditionError and changes nothing. A registering `worker` (a fresh
-        start or a restart) joins the sync step under way with its first push.
+        (other workers) receive the stored values. A mismatched shape, wire dtype, optimizer or
+        consistency mode raises FailedPreconditionError and changes nothing. A registering `worker`
+        (a fresh start or a restart) joins the sync step under way with its first push. Initial
+        values are float32; `wire` names the variables whose gradients and values travel as
+        bfloat16 or float16 (base/half.py).
         """
-        if not initial:
-            raise InvalidArgumentError(f"group {group!r}: a registration needs at least one variable")
-        for name, value in initial.items():
-            if value.dtype != np.float32:
-                raise InvalidArgumentError(f"variable {name!r}: dtype {value.dtype} not supported (float32 only)")
-            if not np.isfinite(value).all():
-                raise InvalidArgumentError(f"variable {name!r}: initial values hold NaN or infinite values")
+        wire = wire or {}
+        self._check_initial(group, initial, wire)
         optimizer = build_optimizer(optimizer_spec)
         with self._cond:
             self._check_agrees(consistency, worker)
@@ -109,7 +108,7 @@ class Shard:
                 clash = sorted(set(initial) & set(self._group_of))
                 if clash:
                     raise FailedPreconditionError(f"variables {clash} already belong to another group")
-                created = DenseGroup(group, optimizer, optimizer_spec, initial)
+                created = DenseGroup(group, optimizer, optimizer_spec, initial, wire)
                 if self.restore is not None:
                     for part, value in initial.items():  # every check first: a misfit changes nothing
                         saved = self.restore.dense_part(group, optimizer_spec, part, value.shape)
@@ -119,11 +118,29 @@ class Shard:
                 log.info("shard %d: registered group %s (%d variables, %d values, %s)", self.index, group,
                          len(initial), created.values.size, optimizer.name)
             else:
-                self._check_same(existing, optimizer_spec, initial)
+                self._check_same(existing, optimizer_spec, initial, wire)
             self._adopt(consistency)
             if worker is not None:
                 self._quorum.registered(worker)
             return self.version
+
+    @staticmethod
+    def _check_initial(group: str, initial: dict[str, np.ndarray], wire: dict[str, str]) -> None:
+        if not initial:
+            raise InvalidArgumentError(f"group {group!r}: a registration needs at least one variable")
+        for name, dtype in wire.items():
+            if name not in initial:
+                raise InvalidArgumentError(f"group {group!r}: a wire dtype for {name!r}, which it does not register")
+            if dtype not in WIRE_DTYPES:
+                raise InvalidArgumentError(f"variable {name!r}: wire dtype {dtype!r} is not one of "
+                                           f"{sorted(WIRE_DTYPES)}")
+        for name, value in initial.items():
+            if value.dtype != np.float32:
+                raise InvalidArgumentError(f"variable {name!r}: initial values of dtype {value.dtype} not supported "
+                                           f"(float32 only; a bfloat16 or float16 variable registers its values "
+                                           f"as float32 and names its wire dtype)")
+            if not np.isfinite(value).all():
+                raise InvalidArgumentError(f"variable {name!r}: initial values hold NaN or infinite values")
 
     def _check_agrees(self, consistency: ConsistencySpec | None, worker: int | None) -> None:
         """Nodes started with different modes are refused at join, never silently reconciled.
@@ -142,7 +159,8 @@ class Shard:
             log.info("shard %d: consistency %s, %d workers", self.index, consistency, consistency.workers)
 
     @staticmethod
-    def _check_same(group: DenseGroup, optimizer_spec: dict, initial: dict[str, np.ndarray]) -> None:
+    def _check_same(group: DenseGroup, optimizer_spec: dict, initial: dict[str, np.ndarray],
+                    wire: dict[str, str]) -> None:
         if optimizer_spec != group.spec:
             raise FailedPreconditionError(
                 f"group {group.name!r} was registered with optimizer {group.spec}, not {optimizer_spec}")
@@ -152,6 +170,9 @@ class Shard:
             if tuple(value.shape) != group.slots[name].shape:
                 raise FailedPreconditionError(
                     f"variable {name!r} was registered with shape {group.slots[name].shape}, not {tuple(value.shape)}")
+            if wire.get(name, "float32") != group.slots[name].wire:
+                raise FailedPreconditionError(f"variable {name!r} was registered to travel as "
+                                              f"{group.slots[name].wire}, not {wire.get(name, 'float32')}")
 
     def position(self, worker: int | None) -> int:
         """Batches `worker` has trained as this shard saw them: its position in the checkpoint the
@@ -183,13 +204,14 @@ class Shard:
             self._lookup(name)
 
     def pull(self, names: Iterable[str], read: Callable[[int, list[tuple[str, np.ndarray]]], T]) -> T:
-        """Call `read(version, [(name, live view)])` while no push can change the values.
+        """Call `read(version, [(name, values)])` while no push can change the values: each variable's
+        live view, or for one of another wire dtype its values cast to it (a buffer reused by the next pull).
 
         `read` must copy what it keeps (e.g. encode a reply frame) and must not call back into the shard.
         """
         views = [(name, self._lookup(name)) for name in names]
         with self._cond:
-            return read(self.version, [(name, group.view(name)) for name, group in views])
+            return read(self.version, [(name, group.wire_view(name)) for name, group in views])
 
     # ---- pushes ----------------------------------------------------------------------------
     def push(self, push: Push) -> PushOutcome:
@@ -197,7 +219,7 @@ class Shard:
 
         On any validation error nothing is applied or gathered.
         """
-        by_group = self._validated(push)
+        push, by_group = self._validated(push)
         with self._cond:
             spec = self.spec or ConsistencySpec()
             self._check_worker(spec, push.worker)
@@ -428,17 +450,18 @@ class Shard:
         self.stats.staleness_max = max(self.stats.staleness_max, staleness)
 
     # ---- validation ------------------------------------------------------------------------
-    def _validated(self, push: Push) -> dict[DenseGroup, dict[str, np.ndarray]]:
+    def _validated(self, push: Push) -> tuple[Push, dict[DenseGroup, dict[str, np.ndarray]]]:
+        """The push with its gradients checked and upcast to float32, and them by group."""
         by_group: dict[DenseGroup, dict[str, np.ndarray]] = {}
+        grads = {}
         for name, grad in push.grads.items():
             group = self._lookup(name)
-            self._check_grad(group, name, grad)
-            by_group.setdefault(group, {})[name] = grad
+            grads[name] = by_group.setdefault(group, {})[name] = group.gradient(name, grad)
         for group_name, lr in push.lrs.items():
             if group_name not in self._groups:
                 raise NotFoundError(f"shard {self.index} holds no group {group_name!r}")
             check_lr(lr)
-        return by_group
+        return replace(push, grads=grads), by_group
 
     def _check_worker(self, spec: ConsistencySpec, worker: int | None, needed: bool = True) -> None:
         if needed and spec.mode != "async" and worker is None:
@@ -453,13 +476,3 @@ class Shard:
         if group is None:
             raise NotFoundError(f"shard {self.index} holds no variable {name!r}")
         return group
-
-    @staticmethod
-    def _check_grad(group: DenseGroup, name: str, grad: np.ndarray) -> None:
-        slot = group.slots[name]
-        if grad.dtype != np.float32:
-            raise InvalidArgumentError(f"gradient of {name!r} has dtype {grad.dtype}, expected float32")
-        if tuple(grad.shape) != slot.shape:
-            raise InvalidArgumentError(f"gradient of {name!r} has shape {tuple(grad.shape)}, expected {slot.shape}")
-        if not np.isfinite(grad).all():
-            raise InvalidArgumentError(f"gradient of {name!r} holds NaN or infinite values")

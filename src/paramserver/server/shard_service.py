@@ -89,7 +89,7 @@ class ShardService:
         frame = codec.decode(payload)
         request = msg.RegisterRequest.from_meta(frame.meta)
         spec = ConsistencySpec.from_dict(request.consistency) if request.consistency is not None else None
-        self.shard.register(request.group, request.optimizer, frame.tensors, spec, request.worker)
+        self.shard.register(request.group, request.optimizer, frame.tensors, spec, request.worker, request.dtypes)
         self.shard.open_session(request.worker)
         position, restored = self.shard.position(request.worker), self.shard.restored_position(request.worker)
         return self.shard.pull(frame.tensors, _reply(
@@ -121,7 +121,7 @@ class ShardService:
         if spec is not None:
             self.shard.check_mode(spec)  # adopted only once the table is registered: a refusal changes nothing
         self.tables.register(request.table, request.dim, request.optimizer, request.init, request.policy,
-                             request.capacity, request.num_shards)
+                             request.capacity, request.num_shards, request.dtype)
         self.shard.open_session(request.worker)
         if spec is not None:
             self.shard.adopt_mode(spec)

@@ -1,8 +1,9 @@
 """The embedding tables of a shard, and the checks every lookup and sparse push passes.
 
-Thread-safe: one lock serializes all calls. Row pushes are applied when their shard's step
-applies them (`apply_rows`): on arrival in async and ssp modes, averaged with the other
-workers' of the same step in sync mode.
+Rows are float32; a table's wire dtype (base/half.py) is how its rows leave and its row gradients
+arrive (bfloat16 or float16: half the bytes). Thread-safe: one lock serializes all calls. Row
+pushes are applied when their shard's step applies them (`apply_rows`): on arrival in async and
+ssp modes, averaged with the other workers' of the same step in sync mode.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..base.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
+from ..base.half import WIRE_DTYPES, from_wire, to_wire
 from .embedding_table import EmbeddingTable, RowPolicy
 from .limits import TableLimits, check_new_rows, check_new_table, row_bytes, table_bytes
 from .sparse_optimizers import build_sparse_optimizer
@@ -33,17 +35,20 @@ class TableStore:
         self.max_ids = max_ids
         self.limits = limits or TableLimits()
         self._tables: dict[str, EmbeddingTable] = {}
+        self._wire: dict[str, str] = {}  # wire dtype by table
         self._lock = threading.Lock()
 
     def register(self, name: str, dim: int, optimizer_spec: dict, init: dict, policy: dict | None = None,
-                 capacity: int = 0, num_shards: int = 1) -> None:
-        """Create table `name`, or check that the existing one has the same dim and optimizer.
+                 capacity: int = 0, num_shards: int = 1, wire: str = "float32") -> None:
+        """Create table `name`, or check that the existing one has the same dim, optimizer and wire dtype.
 
         capacity: rows to reserve room for up front (0: start small and grow). num_shards: how
         many shards the table is spread over (which saved rows are this shard's, on restore).
         """
         if not 0 <= capacity <= MAX_CAPACITY:
             raise InvalidArgumentError(f"table {name!r}: capacity {capacity} is outside [0, {MAX_CAPACITY}]")
+        if wire not in WIRE_DTYPES:
+            raise InvalidArgumentError(f"table {name!r}: wire dtype {wire!r} is not one of {sorted(WIRE_DTYPES)}")
         with self._lock:
             existing = self._tables.get(name)
             if existing is None:
@@ -57,14 +62,17 @@ class TableStore:
                 if saved is not None:
                     table.load(saved.ids, saved.arrays, saved.meta["counters"], saved.meta["steps"])
                     log.info("shard %d: table %s restored with %d rows", self.shard_index, name, table.size)
-                self._tables[name] = table
+                self._tables[name], self._wire[name] = table, wire
                 log.info("shard %d: table %s (dim %d, %s)", self.shard_index, name, dim, optimizer.name)
             elif (existing.dim, existing.spec, existing.init) != (dim, optimizer_spec, init):
                 raise FailedPreconditionError(
                     f"table {name!r} exists with dim {existing.dim}, optimizer {existing.spec}, init {existing.init}")
+            elif self._wire[name] != wire:
+                raise FailedPreconditionError(f"table {name!r} was registered to travel as {self._wire[name]}, "
+                                              f"not {wire}")
 
     def lookup(self, name: str, ids: np.ndarray) -> np.ndarray:
-        """Rows of `ids`, created on first touch (a copy)."""
+        """Rows of `ids`, created on first touch (a copy, in the table's wire dtype)."""
         return self.lookup_checked([self.check_lookup(name, ids)])[0]
 
     def push(self, name: str, ids: np.ndarray, grads: np.ndarray) -> None:
@@ -81,12 +89,16 @@ class TableStore:
 
     def check_push(self, name: str, ids: np.ndarray, grads: np.ndarray) -> "CheckedPush":
         """Validate a row push without applying it, so that a request carrying several changes
-        can check them all before any is made."""
+        can check them all before any is made. Gradients in the table's wire dtype are upcast to
+        float32 first (one that overflowed float16 is infinite: refused)."""
         table = self._table(name)
         self._check_ids(name, ids)
-        if grads.dtype != np.float32 or grads.shape != (ids.shape[0], table.dim):
+        wire = self._wire[name]
+        if grads.dtype != WIRE_DTYPES[wire] or grads.shape != (ids.shape[0], table.dim):
             raise InvalidArgumentError(f"table {name!r}: gradient of shape {grads.shape} and dtype {grads.dtype} "
-                                       f"does not match {ids.shape[0]} ids x dim {table.dim} float32")
+                                       f"does not match {ids.shape[0]} ids x dim {table.dim} {wire}"
+                                       f"{' (as uint16 bits)' if wire == 'bfloat16' else ''}")
+        grads = from_wire(grads, wire)
         if not np.isfinite(grads).all():
             raise InvalidArgumentError(f"table {name!r}: gradient holds NaN or infinite values")
         return CheckedPush(table, ids, grads)
@@ -97,7 +109,7 @@ class TableStore:
         with self._lock:
             for lookup in lookups:
                 check_new_rows(self.limits, lookup.table, lookup.ids, self._bytes())
-            return [lookup.table.read(lookup.ids) for lookup in lookups]
+            return [to_wire(lookup.table.read(lookup.ids), self._wire[lookup.table.name]) for lookup in lookups]
 
     def push_checked(self, pushes: list["CheckedPush"]) -> None:
         with self._lock:

@@ -29,13 +29,13 @@ from ..base.errors import MalformedFrameError, ProtocolVersionError
 
 MAGIC = b"PSFR"
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 0
+PROTOCOL_MINOR = 1  # 1: uint16 tensors (bfloat16 bits) and Register `dtypes`
 _PREFIX = struct.Struct("<4sHHI")
 _ALIGN = 8
-# The dtypes a frame may carry, by their numpy names.
 _MAX_DIMS = 32  # numpy's limit is 64; no variable of this project has more than a few
 _INT64 = 1 << 63
-DTYPES = frozenset({"float32", "float64", "float16", "int64", "int32", "uint8", "bool"})
+# The dtypes a frame may carry, by their numpy names; bfloat16 travels as uint16 bits (base/half.py).
+DTYPES = frozenset({"float32", "float64", "float16", "int64", "int32", "uint16", "uint8", "bool"})
 
 
 @dataclass

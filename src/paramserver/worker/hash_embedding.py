@@ -20,6 +20,7 @@ from torch import nn
 
 from ..base.errors import InvalidArgumentError, NotInitializedError
 from .distinct_ids import SpreadRows, distinct, sum_rows
+from .wire_dtype import WIRE_OF, wire_array
 
 _INT64_MAX = np.iinfo(np.int64).max
 
@@ -55,12 +56,17 @@ class HashEmbedding(nn.Module):
     capacity: rows the table is expected to hold (all shards together), reserved up front so the
     table does not re-grow (copying its arrays) while training; it grows past it if needed.
     Reserved rows cost memory only once used, except the id index (32 bytes per reserved row).
+    dtype: the embeddings' dtype, torch.float32, bfloat16 or float16 (`model.to(dtype)` before the
+    optimizer is created sets it too): rows and their gradients travel in it (half the bytes for the
+    half dtypes); the PS keeps float32 rows and optimizer state.
     """
 
     def __init__(self, dim: int, *, init: str = "normal", std: float = 0.01, scale: float = 0.05,
                  optimizer: dict | None = None, name: str | None = None, policy: dict | None = None,
-                 capacity: int = 0) -> None:
+                 capacity: int = 0, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
+        if dtype not in WIRE_OF:
+            raise InvalidArgumentError(f"embedding dtype must be torch.float32, bfloat16 or float16, got {dtype}")
         if not isinstance(dim, int) or dim < 1:
             raise InvalidArgumentError(f"embedding dim must be a positive integer, got {dim!r}")
         if not isinstance(capacity, int) or capacity < 0:
@@ -74,15 +80,20 @@ class HashEmbedding(nn.Module):
         self.optimizer_spec = optimizer
         self.policy = policy or {}
         self.table_name = name
-        self.placeholder = nn.Parameter(torch.empty(0))
+        self.placeholder = nn.Parameter(torch.empty(0, dtype=dtype))  # its dtype is the module's
+        self._wire = dtype  # the dtype the table was registered to travel in (set by `attach`)
         self.placeholder._ps_embedding = self  # how the PS optimizer recognizes this table
         self._tables = None
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._prefetches: list[_Prefetch] = []  # oldest first: rows delivered or in flight, then waiting
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.placeholder.dtype
+
     def attach(self, tables, table_name: str) -> None:
-        """Called by the optimizer once the table exists on the PS."""
-        self._tables, self.table_name = tables, table_name
+        """Called by the optimizer once the table exists on the PS (registered in this module's dtype)."""
+        self._tables, self.table_name, self._wire = tables, table_name, self.dtype
 
     def prefetch(self, ids) -> None:
         """Have the rows of `ids` come back with the optimizer's next `step()` (one request per
@@ -121,13 +132,19 @@ class HashEmbedding(nn.Module):
         else:
             shape, unique, inverse = self._distinct(ids)
         if prefetched is not None and prefetched.rows is not None:
-            rows = torch.from_numpy(prefetched.rows)
+            rows = self._tensor(prefetched.rows)
         else:  # not prefetched, or its step's reply not read yet
-            rows = torch.from_numpy(self._tables.lookup(self.table_name, unique))
+            rows = self._tensor(self._tables.lookup(self.table_name, unique))
         if torch.is_grad_enabled() and self.training:
             rows.requires_grad_(True)
             self._pending.append((torch.from_numpy(unique), rows))
         return SpreadRows.apply(rows, inverse).view(*shape, self.dim)
+
+    def _tensor(self, rows: np.ndarray) -> torch.Tensor:
+        """Rows as they came (the table's wire dtype; float32 from a checkpoint) as a tensor of this dtype."""
+        if rows.dtype == np.uint16:  # bfloat16 bits
+            return torch.from_numpy(rows.view(np.int16)).view(torch.bfloat16).to(self.dtype)
+        return torch.from_numpy(rows).to(self.dtype)
 
     def _check_attached(self) -> None:
         if self._tables is None:
@@ -151,10 +168,10 @@ class HashEmbedding(nn.Module):
         if not used:
             return None
         if len(used) == 1:  # one lookup this step: its ids are distinct already
-            return used[0][0].numpy(), used[0][1].numpy()
+            return used[0][0].numpy(), wire_array(used[0][1].to(self._wire))
         unique, inverse = distinct(torch.cat([i for i, _ in used]).numpy())
         summed = sum_rows(torch.cat([g for _, g in used]), torch.from_numpy(inverse), unique.shape[0])
-        return unique, summed.numpy()
+        return unique, wire_array(summed.to(self._wire))
 
 
 @dataclass

@@ -10,6 +10,10 @@ is loaded at the start of the next `step()` (or by `pull()` / `synchronize()`): 
 forward and backward run while the PS applies the update, at the price of computing each
 gradient on parameters one update older (staleness 1, like one more async worker).
 
+Parameters may be float32, bfloat16 or float16: the PS keeps float32 master values and optimizer
+state, and a half-precision parameter's gradients and values travel in its own dtype (half the
+bytes); the PS's values are rounded to it as they are pulled (docs/performance.md, "Mixed precision").
+
 Not thread-safe: use an optimizer from one training thread, as with torch.optim.
 """
 
@@ -19,7 +23,6 @@ import logging
 import time
 from typing import Any, Callable, ClassVar, Iterable
 
-import numpy as np
 import torch
 
 from ..base.errors import InvalidArgumentError
@@ -27,6 +30,7 @@ from ..client.ps_client import PushPullHandle
 from ..server.optimizers import OPTIMIZERS, build_optimizer, check_implementation
 from .context import Context, current_context
 from .hash_embedding import sparse_counterpart
+from .wire_dtype import WIRE_OF, wire_array, write_wire
 
 
 def plain_hyper(key: str, value: Any) -> Any:
@@ -97,8 +101,9 @@ class PSOptimizer(torch.optim.Optimizer):
             module = getattr(param, "_ps_embedding", None)
             if module is not None:
                 tables.append((name, module, module.optimizer_spec or sparse_counterpart(self.kind, hyper, name)))
-            elif param.dtype != torch.float32:
-                raise InvalidArgumentError(f"parameter {name!r} is {param.dtype}; PS variables are float32")
+            elif param.dtype not in WIRE_OF:
+                raise InvalidArgumentError(f"parameter {name!r} is {param.dtype}; PS variables are float32, "
+                                           f"bfloat16 or float16")
             else:
                 dense.append((name, param))
         return spec, dense, tables
@@ -106,16 +111,18 @@ class PSOptimizer(torch.optim.Optimizer):
     def _register_group(self, index: int, spec: dict, dense: list, tables: list):
         for param_name, module, table_spec in tables:
             name = module.table_name or f"{self.name}.{param_name.removesuffix('.placeholder')}"
-            self.context.tables.register(name, module.dim, table_spec, module.init, module.policy, module.capacity)
+            self.context.tables.register(name, module.dim, table_spec, module.init, module.policy, module.capacity,
+                                         WIRE_OF[module.dtype])
             module.attach(self.context.tables, name)
             self._embeddings.append(module)
-        values = {}
+        values, wire = {}, {}
         for name, param in dense:
             var = f"{self.name}.{name}"
-            values[var] = param.detach().cpu().numpy()
+            values[var] = param.detach().cpu().float().numpy()  # exact: the PS's float32 master
+            wire[var] = WIRE_OF[param.dtype]
             self._vars.append((var, param))
         self._sent_lr[self._group_name(index)] = spec["hyper"]["lr"]
-        return self.context.client.register(self._group_name(index), spec, values)
+        return self.context.client.register(self._group_name(index), spec, values, wire)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -129,7 +136,7 @@ class PSOptimizer(torch.optim.Optimizer):
             if param.grad is not None:
                 if param.grad.is_sparse:
                     raise InvalidArgumentError(f"{var}: sparse gradients are not supported for dense variables")
-                grads[var] = param.grad.detach().cpu().numpy()
+                grads[var] = wire_array(param.grad)
         riders, prefetches = self._embedding_riders()
         bases = dict(self.context.client.record.base_versions)  # the values these gradients came from
         self.synchronize()
@@ -204,11 +211,7 @@ class PSOptimizer(torch.optim.Optimizer):
         params = dict(self._vars)
         for part, array in values:
             param = params[part.var]
-            target = param.data if part.whole else param.data[part.lo:part.hi]
-            if target.device.type == "cpu":
-                np.copyto(target.numpy(), array)
-            else:
-                target.copy_(torch.from_numpy(np.array(array)), non_blocking=False)
+            write_wire(part.name, param.data if part.whole else param.data[part.lo:part.hi], array)
 
 
 def _implementation(foreach, fused, capturable=False, differentiable=False) -> dict[str, Any]:

@@ -87,11 +87,12 @@ class Summaries(Lifecycle):
             return
         self._write_rates(step)
         writer = self._writer
-        for name, param in variables:
+        for name, param in variables:  # in float32: tensorboard's numpy has no bfloat16
             if param.grad is not None:
-                writer.add_scalar(f"gradient_norm/{name}", torch.linalg.vector_norm(param.grad).item(), step)
-                writer.add_histogram(f"gradients/{name}", param.grad.detach().cpu(), step)
-            writer.add_histogram(f"parameters/{name}", param.detach().cpu(), step)
+                grad = param.grad.detach().float()
+                writer.add_scalar(f"gradient_norm/{name}", torch.linalg.vector_norm(grad).item(), step)
+                writer.add_histogram(f"gradients/{name}", grad.cpu(), step)
+            writer.add_histogram(f"parameters/{name}", param.detach().float().cpu(), step)
 
     def _write_rates(self, step: int) -> None:
         """examples/s, staleness and rows per step over the steps since the last summary."""

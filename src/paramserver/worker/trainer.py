@@ -32,7 +32,10 @@ class EpochMetrics:
 
 
 class Trainer:
-    """Runs the training loop of one worker. Not thread-safe; call `fit` from the training thread."""
+    """Runs the training loop of one worker. Not thread-safe; call `fit` from the training thread.
+
+    A bfloat16 or float16 model gets its floating-point inputs in its own dtype (a loader's float32
+    batches are cast), so that the same loop trains a model of any precision."""
 
     def __init__(self, model: torch.nn.Module, optimizer: PSOptimizer,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
@@ -43,6 +46,8 @@ class Trainer:
         self.context = context or current_context()
         self.verbose = verbose
         self.steps = 0
+        floating = [p.dtype for p in model.parameters() if p.dtype.is_floating_point]
+        self.input_dtype = floating[0] if floating and floating[0] in (torch.bfloat16, torch.float16) else None
 
     def fit(self, loader: Iterable, epochs: int = 1, steps_per_epoch: int | None = None,
             scheduler: Any = None) -> list[EpochMetrics]:
@@ -74,7 +79,7 @@ class Trainer:
         loss_sum = 0.0
         for x, y in batches:
             self.optimizer.zero_grad()
-            loss = self.loss_fn(self.model(x), y)
+            loss = self.loss_fn(self.model(self._input(x)), y)
             loss.backward()
             self.optimizer.step()
             value = loss.item()
@@ -82,6 +87,11 @@ class Trainer:
             self.context.report(examples=len(x), loss=value)
         self.steps += steps
         return EpochMetrics(epoch, steps, examples, loss_sum / max(steps, 1), time.perf_counter() - started)
+
+    def _input(self, x: Any) -> Any:
+        if self.input_dtype is not None and isinstance(x, torch.Tensor) and x.is_floating_point():
+            return x.to(self.input_dtype)
+        return x
 
     @torch.no_grad()
     def evaluate(self, loader: Iterable, pull: bool = True) -> dict[str, Any]:
@@ -92,7 +102,7 @@ class Trainer:
         total = correct = 0
         loss_sum = 0.0
         for x, y in loader:
-            out = self.model(x)
+            out = self.model(self._input(x))
             loss_sum += self.loss_fn(out, y).item() * len(x)
             if out.dim() == 2 and y.dim() == 1:
                 correct += (out.argmax(dim=1) == y).sum().item()
