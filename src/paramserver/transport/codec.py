@@ -35,7 +35,8 @@ _ALIGN = 8
 # The dtypes a frame may carry, by their numpy names.
 _MAX_DIMS = 32  # numpy's limit is 64; no variable of this project has more than a few
 _INT64 = 1 << 63
-DTYPES = frozenset({"float32", "float64", "float16", "int64", "int32", "uint8", "bool"})
+DTYPES = frozenset({"float32", "float64", "float16", "int64", "int32", "uint8", "bool",
+                    "uint16", "int8"})  # uint16: bfloat16 bits, int8: quantized gradients
 
 
 @dataclass

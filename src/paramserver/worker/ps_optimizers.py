@@ -22,6 +22,7 @@ from typing import Any, Callable, ClassVar, Iterable
 import numpy as np
 import torch
 
+from ..base.compression_spec import Codec
 from ..base.errors import InvalidArgumentError
 from ..client.ps_client import PushPullHandle
 from ..server.optimizers import OPTIMIZERS, build_optimizer, check_implementation
@@ -66,6 +67,7 @@ class PSOptimizer(torch.optim.Optimizer):
         plans = []  # every group is checked before anything is registered
         for group in self.param_groups:
             plans.append(self._plan_group(group, sum(len(plan[1]) for plan in plans)))
+        self._codecs = self._plan_codecs(self.context.next_optimizer_name(), plans)
         self.name = self.context.add_optimizer(self)
         started = time.monotonic()
         for i, plan in enumerate(plans):  # one at a time: a reply may view the stream's buffer
@@ -101,19 +103,34 @@ class PSOptimizer(torch.optim.Optimizer):
                 dense.append((name, param))
         return spec, dense, tables
 
+    def _plan_codecs(self, name: str, plans: list) -> dict[str, Codec]:
+        """The compression codec of each dense parameter (by its name in the model) and table (by table
+        name), from the `compression` option (a table skips topk rules: CompressionSpec.codec_for_table)."""
+        spec = self.context.options.compression_spec
+        codecs = {}
+        for _, dense, tables in plans:
+            for param_name, _ in dense:
+                codecs[param_name] = spec.codec_for(param_name)
+            for param_name, module, _ in tables:
+                table = _table_name(name, param_name, module)
+                codecs[table] = spec.codec_for_table(table)
+        return codecs
+
     def _register_group(self, index: int, spec: dict, dense: list, tables: list):
         for param_name, module, table_spec in tables:
-            name = module.table_name or f"{self.name}.{param_name.removesuffix('.placeholder')}"
-            self.context.tables.register(name, module.dim, table_spec, module.init, module.policy, module.capacity)
+            name = _table_name(self.name, param_name, module)
+            self.context.tables.register(name, module.dim, table_spec, module.init, module.policy, module.capacity,
+                                         self._codecs[name])
             module.attach(self.context.tables, name)
             self._embeddings.append(module)
-        values = {}
+        values, codecs = {}, {}
         for name, param in dense:
             var = f"{self.name}.{name}"
             values[var] = param.detach().cpu().numpy()
+            codecs[var] = self._codecs[name]
             self._vars.append((var, param))
         self._sent_lr[self._group_name(index)] = spec["hyper"]["lr"]
-        return self.context.client.register(self._group_name(index), spec, values)
+        return self.context.client.register(self._group_name(index), spec, values, codecs)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -205,6 +222,11 @@ class PSOptimizer(torch.optim.Optimizer):
                 np.copyto(target.numpy(), array)
             else:
                 target.copy_(torch.from_numpy(np.array(array)), non_blocking=False)
+
+
+def _table_name(optimizer: str, param_name: str, module) -> str:
+    """An embedding module's table: its own name, or one made of the optimizer's and the parameter's."""
+    return module.table_name or f"{optimizer}.{param_name.removesuffix('.placeholder')}"
 
 
 def _implementation(foreach, fused, capturable=False, differentiable=False) -> dict[str, Any]:
