@@ -112,10 +112,10 @@ class TableClient:
         self.worker = worker  # named when registering: a PS node accepts pushes only from workers that registered
 
     def register(self, table: str, dim: int, optimizer_spec: dict, init: dict, policy: dict | None = None,
-                 capacity: int = 0, codec: Codec = NONE) -> None:
+                 capacity: int = 0, compression: Codec = NONE) -> None:
         """Create the table on every shard; `capacity` (rows, all shards together) is reserved up front.
-        `codec`: how its row gradients ride along steps (fp16, bf16 or int8; see StepRiders)."""
-        if codec.kind == "topk":
+        `compression`: how its row gradients ride along steps (fp16, bf16 or int8; see StepRiders)."""
+        if compression.kind == "topk":
             raise InvalidArgumentError(f"table {table!r}: topk compresses dense gradients only; a table's row "
                                        f"gradients take fp16, bf16 or int8")
         per_shard = -(-capacity // len(self.channels))  # ids spread evenly over shards by hash
@@ -124,7 +124,7 @@ class TableClient:
                                            consistency=self.consistency, worker=self.worker)
         payload = codec.encode(request.to_meta())
         self.wait_all([channel.call("RegisterTable", payload, self.rpc_timeout_s) for channel in self.channels])
-        self.codecs[table] = codec
+        self.codecs[table] = compression
 
     def lookup(self, table: str, ids: np.ndarray) -> np.ndarray:
         """Rows (len(ids) x dim) of distinct int64 `ids`, in their order; missing rows are created."""
