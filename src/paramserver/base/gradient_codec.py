@@ -93,8 +93,8 @@ def _encode_int8(grad: np.ndarray, chunk: int) -> Encoded:
     scales = (np.maximum.reduceat(np.abs(flat), starts) / _INT8_MAX).astype(np.float32) if flat.size \
         else np.zeros(0, np.float32)
     inverse = np.divide(1.0, scales, out=np.zeros_like(scales), where=scales > 0)
-    quantized = np.rint(flat * _spread(inverse, chunk, flat.size))
-    payload = np.clip(quantized, -_INT8_MAX, _INT8_MAX).astype(np.int8).reshape(grad.shape)
+    quantized = np.rint(_by_chunk(flat, inverse, chunk), out=...)
+    payload = np.clip(quantized, -_INT8_MAX, _INT8_MAX, out=quantized).astype(np.int8).reshape(grad.shape)
     return Encoded({"codec": "int8", "chunk": chunk}, payload, {"scale": scales})
 
 
@@ -107,9 +107,14 @@ def _encode_topk(grad: np.ndarray, ratio: float) -> Encoded:
     return Encoded({"codec": "topk", "shape": list(grad.shape)}, flat[index].astype(np.float32), {"index": index})
 
 
-def _spread(per_chunk: np.ndarray, chunk: int, size: int) -> np.ndarray:
-    """One value per chunk, repeated over its chunk's values (the last chunk may be short)."""
-    return np.repeat(per_chunk, chunk)[:size]
+def _by_chunk(flat: np.ndarray, per_chunk: np.ndarray, chunk: int) -> np.ndarray:
+    """float32 `flat` times the value of each one's chunk (the last chunk may be short)."""
+    out = np.empty(flat.size, np.float32)
+    full = flat.size // chunk * chunk
+    np.multiply(flat[:full].reshape(-1, chunk), per_chunk[:full // chunk, None], out=out[:full].reshape(-1, chunk))
+    if full < flat.size:
+        np.multiply(flat[full:], per_chunk[-1], out=out[full:])
+    return out
 
 
 # ---- decode ------------------------------------------------------------------------------------
@@ -141,8 +146,7 @@ def _decode_int8(name: str, header: dict, payload: np.ndarray, scales: np.ndarra
                                    f"values), got {scales.dtype} {tuple(scales.shape)}")
     if not np.isfinite(scales).all():
         raise InvalidArgumentError(f"gradient {name!r}: int8 scales hold NaN or infinite values")
-    flat = payload.reshape(-1).astype(np.float32) * _spread(scales, chunk, payload.size)
-    return flat.reshape(payload.shape)
+    return _by_chunk(payload.reshape(-1), scales, chunk).reshape(payload.shape)
 
 
 def _decode_topk(name: str, header: dict, values: np.ndarray, index: np.ndarray) -> np.ndarray:
