@@ -38,12 +38,17 @@ _BF16_NAN = np.uint16(0x7FC0)
 # ---- bfloat16 as uint16 bits (numpy has no bfloat16) ------------------------------------------
 def to_bf16_bits(values: np.ndarray) -> np.ndarray:
     """float32 -> bfloat16 bits (uint16), rounded to nearest even as torch rounds; NaN stays NaN."""
-    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
-    rounded = bits + (np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))
-    out = (rounded >> np.uint32(16)).astype(np.uint16)
-    nan = np.isnan(values)
-    if nan.any():  # a NaN's low bits may carry into the exponent: keep it a NaN
-        out[nan] = _BF16_NAN
+    values = np.ascontiguousarray(values, dtype=np.float32)
+    bits = values.view(np.uint32)
+    rounded = np.right_shift(bits, 16)
+    np.bitwise_and(rounded, 1, out=rounded)
+    rounded += bits
+    rounded += np.uint32(0x7FFF)
+    out = np.right_shift(rounded, 16, out=rounded).astype(np.uint16)
+    with np.errstate(invalid="ignore", over="ignore"):
+        finite = np.isfinite(values.sum(dtype=np.float32))  # cheap test first: a NaN anywhere makes the sum NaN
+    if not finite:
+        out[np.isnan(values)] = _BF16_NAN  # a NaN's low bits may carry into the exponent: keep it a NaN
     return out
 
 
