@@ -1,11 +1,16 @@
 """Gradient compression over a real PS process: the numbers, the loss reached, the bytes pushed."""
 
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import paramserver as ps
 from paramserver.base.config import ClusterSpec, NodeConfig, Options, Task
+from tests.conftest import ROOT
 from tests.reference import mlp, twin
 
 CODECS = ["none", "fp16", "bf16", "int8", "topk:0.01"]
@@ -111,3 +116,22 @@ def test_table_rows_are_compressed_and_topk_leaves_them_as_they_are(procs, fresh
     rows = ctx.tables.lookup("emb", ids.numpy())
     assert (rows == -1.0).all()  # a gradient of ones survives int8 and bf16 exactly
     assert ctx.client.gradient_bytes == (3 * 8 + 3 * 4 if compression == "int8" else 3 * 8 * 2)
+
+
+def run_small(procs, *options):
+    """`paramserver run` of the launcher tests' small job (1 PS, 2 workers in sync mode): its closing JSON line."""
+    script = str(ROOT / "tests" / "integration" / "scripts" / "train_small.py")
+    proc = procs.start([sys.executable, "-m", "paramserver", "--log-level", "WARNING", "run", "--ps", "1",
+                        "--workers", "2", "--mode", "sync", "--progress-every", "0", *options, script, "--",
+                        "--steps", "20"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_paramserver_run_compression_flag_reaches_the_workers_and_its_bytes_the_summary(procs):
+    plain, compressed = run_small(procs), run_small(procs, "--compression", "fp16")
+    assert plain["steps"] == compressed["steps"] == 40
+    assert abs(plain["pushed_bytes"] - 40 * plain["pushed_bytes_per_step"]) <= 20 and plain["pushed_bytes"] > 0
+    # 370 float32 values a step: fp16 saves 740 bytes of each frame, its encodings in the header cost some back
+    assert 400 < plain["pushed_bytes_per_step"] - compressed["pushed_bytes_per_step"] < 740
