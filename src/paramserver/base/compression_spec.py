@@ -5,7 +5,8 @@ gradient; the first rule whose pattern (fnmatch, e.g. `mlp.*`) matches a paramet
 (`model.named_parameters()`) or a table's name wins, and a name no rule matches is sent as is.
 
 Codecs: `none`, `fp16`, `bf16` (a cast), `int8` (quantized, with error feedback),
-`topk:R` (the largest fraction R of the values, with error feedback; dense variables only).
+`topk:R` (the largest fraction R of the values, with error feedback; dense variables only: a table
+skips topk rules, see `codec_for_table`).
 
     "fp16"                                   every gradient as float16
     "mlp.*=int8,ctr.embedding=bf16"          two rules; the rest as is
@@ -76,6 +77,17 @@ class CompressionSpec:
         """The codec of the parameter or table called `name` (NONE when no rule matches)."""
         for pattern, codec in self.rules:
             if fnmatch.fnmatchcase(name, pattern):
+                return codec
+        return NONE
+
+    def codec_for_table(self, name: str) -> Codec:
+        """The codec of table `name`'s row gradients. topk rules are for dense variables: a table skips
+        them (the next matching rule decides); one naming the table itself, no wildcard, is refused."""
+        for pattern, codec in self.rules:
+            if codec.kind == "topk" and pattern == name:
+                raise InvalidArgumentError(f"compression rule {pattern}={codec}: topk compresses dense gradients "
+                                           f"only; table {name!r} takes fp16, bf16 or int8")
+            if codec.kind != "topk" and fnmatch.fnmatchcase(name, pattern):
                 return codec
         return NONE
 

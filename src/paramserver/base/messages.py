@@ -96,6 +96,9 @@ class PushPullRequest(Message):
     marker: bool = doc_field("count as the worker's step with nothing to push", False)
     base: int | None = doc_field("the shard version the gradients were computed from", None)
     lr: dict[str, float] = doc_field("learning rate by group, when it changed", {})
+    codecs: dict[str, dict[str, Any]] = doc_field(
+        "by gradient tensor name (a part or a row push's grads): its compressed encoding, decoded to float32 "
+        "before any check (see \"Compressed gradients\")", {})
 
 
 @message("PushPull reply", tensors="values of the pulled names (in their wire dtypes), plus the looked-up rows "

@@ -1,7 +1,8 @@
 """The progress channel between a worker and `paramserver run`.
 
 A worker writes JSON lines to a file descriptor the launcher gave it:
-``{"worker": i, "steps": n, "examples": n, "loss": x, "staleness_sum": n, "t": unix_time}`` at most every
+``{"worker": i, "steps": n, "examples": n, "loss": x, "staleness_sum": n, "pushed_bytes": n, "t": unix_time}``
+(`pushed_bytes`: the PushPull requests' bytes that carried gradients) at most every
 `interval` seconds, ``{"worker": i, "result": {...}}`` for the run's final JSON line (each result
 line adds its keys to the worker's earlier ones), and ``{"worker": i, "done": true}`` once the
 worker finished its script (the launcher never restarts a worker that said so, even if it is
@@ -32,6 +33,7 @@ class ProgressWriter:
         self.examples = 0
         self.loss: float | None = None
         self.staleness_sum = 0
+        self.pushed_bytes = 0  # set by the worker: its PSClient's count
         self._last_write = 0.0
         self._step_t: float | None = None
         self._done = False
@@ -49,7 +51,7 @@ class ProgressWriter:
 
     def flush(self) -> None:
         self._write({"steps": self.steps, "examples": self.examples, "loss": self.loss,
-                     "staleness_sum": self.staleness_sum,
+                     "staleness_sum": self.staleness_sum, "pushed_bytes": self.pushed_bytes,
                      "t": self._step_t if self._step_t is not None else time.time()})
         self._last_write = time.monotonic()
 
@@ -96,7 +98,7 @@ class ProgressBoard:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._latest: dict[int, dict[str, Any]] = {}
-        self._banked = {"steps": 0, "examples": 0, "staleness_sum": 0}  # totals of workers since restarted
+        self._banked = {"steps": 0, "examples": 0, "staleness_sum": 0, "pushed_bytes": 0}  # totals of workers since restarted
         self._first_t: float | None = None
         self._first_examples = 0  # counted by the first line, so done before _first_t
         self.results: dict[int, dict[str, Any]] = {}
@@ -159,6 +161,7 @@ class ProgressBoard:
         examples = self._banked["examples"] + sum(r["examples"] for r in latest)
         losses = [r["loss"] for r in latest if r.get("loss") is not None]
         staleness = self._banked["staleness_sum"] + sum(r.get("staleness_sum", 0) for r in latest)
+        pushed_bytes = self._banked["pushed_bytes"] + sum(r.get("pushed_bytes", 0) for r in latest)
         now = time.time()
         since, examples_before, steps_before = self._window
         self._window = (now, examples, steps)
@@ -166,7 +169,7 @@ class ProgressBoard:
         elapsed = max(now - since, 1e-9)
         return {"steps": steps, "examples": examples,
                 "loss": sum(losses) / len(losses) if losses else None,
-                "staleness_mean": staleness / steps if steps else 0.0,
+                "staleness_mean": staleness / steps if steps else 0.0, "pushed_bytes": pushed_bytes,
                 "recent_steps_per_s": (steps - steps_before) / elapsed,
                 "recent_examples_per_s": (examples - examples_before) / elapsed,
                 "examples_per_s": ((examples - first_examples) / (last_t - first_t)

@@ -17,10 +17,12 @@ from typing import Callable
 import numpy as np
 
 from ..base import messages as msg
+from ..base.compression_spec import Codec
 from ..base.consistency_spec import ConsistencySpec
 from ..base.errors import InvalidArgumentError, ParamServerError
 from ..transport import codec
 from ..transport.channel import CallHandle, ShardChannel
+from .compression import GradientCompressor
 from .placement import DEFAULT_SPLIT_BYTES, Part, Placer
 from .table_client import StepRiders
 
@@ -115,6 +117,13 @@ class PSClient:
         self.parts_of: dict[str, list[Part]] = {}
         self._part_by_name: dict[str, Part] = {}
         self._groups_on: dict[int, set[str]] = {}
+        self.compressor = GradientCompressor()  # codecs by variable (register), their residuals
+        self.pushed_bytes = 0  # PushPull requests that pushed something, whole frames
+
+    @property
+    def gradient_bytes(self) -> int:
+        """Bytes of every gradient pushed (dense and rows), as encoded."""
+        return self.compressor.gradient_bytes
 
     @property
     def num_shards(self) -> int:
@@ -132,10 +141,11 @@ class PSClient:
         return [(getattr(channel, "hello", None) or {}).get("incarnation") for channel in self.channels]
 
     def register(self, group: str, optimizer_spec: dict, values: dict[str, np.ndarray],
-                 wire: dict[str, str] | None = None):
+                 wire: dict[str, str] | None = None, codecs: dict[str, Codec] | None = None):
         """Place and register a group of variables (float32 values); returns the handle of the shards'
         current values. `wire`: the variables whose gradients and values travel as bfloat16 or float16
-        (base/half.py), by name; their pushed gradients and pulled values are in that dtype."""
+        (base/half.py), by name; their pushed gradients and pulled values are in that dtype.
+        `codecs`: how each float32 variable's gradients are compressed (absent: sent as they are)."""
         by_shard: dict[int, list[tuple[str, np.ndarray]]] = {}
         dtypes: dict[int, dict[str, str]] = {}
         for var, array in values.items():
@@ -148,6 +158,8 @@ class PSClient:
                 by_shard.setdefault(part.shard, []).append((part.name, _rows(array, part)))
                 if (wire or {}).get(var, "float32") != "float32":
                     dtypes.setdefault(part.shard, {})[part.name] = wire[var]
+        for var, var_codec in (codecs or {}).items():
+            self.compressor.add(var, var_codec, tuple(values[var].shape))
         for shard in by_shard:
             self._groups_on.setdefault(shard, set()).add(group)
         calls = []
@@ -170,9 +182,14 @@ class PSClient:
         """
         bases = self.record.base_versions if base_versions is None else base_versions
         pushed: dict[int, list[tuple[str, np.ndarray]]] = {}
+        headers: dict[int, dict[str, dict]] = {}  # by shard: the compressed gradients' encodings
         for var, grad in grads.items():
             for part in self.parts_of[var]:
-                pushed.setdefault(part.shard, []).append((part.name, _rows(grad, part)))
+                rows = None if part.whole else slice(part.lo, part.hi)
+                header, tensors = self.compressor.encode(var, part.name, _rows(grad, part), rows)
+                pushed.setdefault(part.shard, []).extend(tensors)
+                if header is not None:
+                    headers.setdefault(part.shard, {})[part.name] = header
         pulled: dict[int, list[str]] = {}
         for var in pull:
             for part in self.parts_of[var]:
@@ -180,6 +197,8 @@ class PSClient:
         calls = []
         row_pushes, lookups, ride_tensors = (riders.row_pushes, riders.lookups, riders.tensors) if riders is not None \
             else ({}, {}, {})
+        for shard, encodings in (riders.codecs.items() if riders is not None else ()):
+            headers.setdefault(shard, {}).update(encodings)
         # with embedding tables every shard hears of every step (a marker where there is nothing
         # else for it), so that a sync step on a shard holding only rows does not wait for this worker
         shards = range(self.num_shards) if riders is not None else set(pushed) | set(pulled)
@@ -193,8 +212,10 @@ class PSClient:
                 pull=pulled.get(shard, []), worker=self.worker, step=self.record.step,
                 sparse=row_pushes.get(shard, []), lookup=lookups.get(shard, []), resumed=resumed,
                 marker=riders is not None and shard not in pushed and shard not in row_pushes,
-                base=bases.get(shard), lr=shard_lrs)
+                base=bases.get(shard), lr=shard_lrs, codecs=headers.get(shard, {}))
             payload = codec.encode_parts(request.to_meta(), [*pushed.get(shard, ()), *ride_tensors.get(shard, ())])
+            if shard in pushed or shard in row_pushes:
+                self.pushed_bytes += codec.parts_size(payload)
             calls.append((shard, self.channels[shard].call("PushPull", payload, self.rpc_timeout_s, owned)))
         return PushPullHandle(calls, self._part_by_name, lambda metas: self.record.note(metas, bool(grads)))
 

@@ -12,9 +12,12 @@ from typing import Callable
 import numpy as np
 
 from ..base import messages as msg
+from ..base.compression_spec import NONE, Codec
+from ..base.errors import InvalidArgumentError
 from ..base.hashing import shard_of
 from ..transport import codec
 from ..transport.channel import ShardChannel
+from .compression import GradientCompressor
 
 
 class RowsHandle:
@@ -46,12 +49,17 @@ class StepRiders:
     (RowLookup: table, ids name, rows name); rider tensors are named with a leading "~" (never a
     variable's name).
     The shard applies the row pushes with the dense push and reads the lookups after both, so
-    the rows include this step's update. Built by TableClient.riders(); not thread-safe.
+    the rows include this step's update. Row gradients are encoded by their table's codec (`codecs`:
+    the encodings by shard, for the request). Built by TableClient.riders(); not thread-safe.
     """
 
-    def __init__(self, split: Callable[[np.ndarray], list], num_shards: int) -> None:
+    def __init__(self, split: Callable[[np.ndarray], list], num_shards: int,
+                 table_codecs: dict[str, Codec] | None = None, compressor: GradientCompressor | None = None) -> None:
         self._split = split
         self._num_shards = num_shards
+        self._table_codecs = table_codecs or {}
+        self._compressor = compressor or GradientCompressor()
+        self.codecs: dict[int, dict[str, dict]] = {}  # by shard: {grads name: encoding}
         self.row_pushes: dict[int, list[msg.RowPush]] = {}  # by shard
         self.lookups: dict[int, list[msg.RowLookup]] = {}  # by shard
         self.tensors: dict[int, list[tuple[str, np.ndarray]]] = {}
@@ -65,7 +73,11 @@ class StepRiders:
             where, part = parts.get(shard, (slice(0, 0), ids[:0]))
             name = self._name(shard, "s")
             self.row_pushes.setdefault(shard, []).append(msg.RowPush(table, name + ".ids", name + ".grads"))
-            self.tensors.setdefault(shard, []).extend([(name + ".ids", part), (name + ".grads", grads[where])])
+            header, encoded = self._compressor.encode_rows(self._table_codecs.get(table, NONE), name + ".grads",
+                                                           grads[where])
+            self.tensors.setdefault(shard, []).extend([(name + ".ids", part), *encoded])
+            if header is not None:
+                self.codecs.setdefault(shard, {})[name + ".grads"] = header
 
     def lookup(self, table: str, ids: np.ndarray) -> int:
         """Add a lookup of distinct `ids`; returns its index in `rows()`."""
@@ -91,22 +103,29 @@ class TableClient:
     """Registers tables, looks rows up, pushes row gradients."""
 
     def __init__(self, channels: list[ShardChannel], rpc_timeout_s: float, consistency: dict | None = None,
-                 worker: int | None = None) -> None:
+                 worker: int | None = None, compressor: GradientCompressor | None = None) -> None:
         self.channels = channels
+        self.compressor = compressor or GradientCompressor()  # a PSClient's: one count of gradient bytes
+        self.codecs: dict[str, Codec] = {}  # by table: how row gradients riding along a step are encoded
         self.rpc_timeout_s = rpc_timeout_s
         self.consistency = consistency  # the mode, told to shards that hold no dense variable
         self.worker = worker  # named when registering: a PS node accepts pushes only from workers that registered
 
     def register(self, table: str, dim: int, optimizer_spec: dict, init: dict, policy: dict | None = None,
-                 capacity: int = 0, wire: str = "float32") -> None:
+                 capacity: int = 0, wire: str = "float32", compression: Codec = NONE) -> None:
         """Create the table on every shard; `capacity` (rows, all shards together) is reserved up front.
-        `wire`: how its rows and row gradients travel (float32, bfloat16 or float16; base/half.py)."""
+        `wire`: how its rows and row gradients travel (float32, bfloat16 or float16; base/half.py).
+        `compression`: how a float32 table's row gradients ride along steps (fp16, bf16 or int8; StepRiders)."""
+        if compression.kind == "topk":
+            raise InvalidArgumentError(f"table {table!r}: topk compresses dense gradients only; a table's row "
+                                       f"gradients take fp16, bf16 or int8")
         per_shard = -(-capacity // len(self.channels))  # ids spread evenly over shards by hash
         request = msg.RegisterTableRequest(table=table, dim=dim, optimizer=optimizer_spec, init=init,
                                            policy=policy or {}, capacity=per_shard, num_shards=len(self.channels),
                                            consistency=self.consistency, worker=self.worker, dtype=wire)
         payload = codec.encode(request.to_meta())
         self.wait_all([channel.call("RegisterTable", payload, self.rpc_timeout_s) for channel in self.channels])
+        self.codecs[table] = compression
 
     def lookup(self, table: str, ids: np.ndarray) -> np.ndarray:
         """Rows (len(ids) x dim) of distinct int64 `ids`, in their order; missing rows are created."""
@@ -128,7 +147,7 @@ class TableClient:
 
     def riders(self) -> StepRiders:
         """An empty set of row pushes and lookups to send with a step's PushPull."""
-        return StepRiders(self._split, len(self.channels))
+        return StepRiders(self._split, len(self.channels), self.codecs, self.compressor)
 
     def wait_all(self, calls: list) -> None:
         """Wait for calls in flight (e.g. from `push`), all within one deadline."""

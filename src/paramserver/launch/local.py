@@ -353,7 +353,8 @@ class LocalCluster(Lifecycle):
         totals = self.board.totals()
         summary = {"ps": self.num_ps, "workers": self.num_workers, "steps": totals["steps"],
                    "examples": totals["examples"], "examples_per_s": round(totals["examples_per_s"], 1),
-                   "staleness_mean": round(totals["staleness_mean"], 3),
+                   "staleness_mean": round(totals["staleness_mean"], 3), "pushed_bytes": totals["pushed_bytes"],
+                   "pushed_bytes_per_step": round(totals["pushed_bytes"] / totals["steps"]) if totals["steps"] else 0,
                    "wall_s": round(self.wall_s, 2),
                    "peak_rss_mb": {role: round(rss / 2**20, 1) for role, rss in self.peak_rss.items()}}
         for worker in sorted(self.board.results, reverse=True):

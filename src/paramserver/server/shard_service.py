@@ -13,7 +13,7 @@ base/messages.py (a bad field is a MalformedFrameError naming it, before anythin
 reply is built from one; the fields, their meanings and the tensors each frame carries are
 documented there (and in docs/protocol.md, generated from them). A PushPull without gradients, row
 pushes or "marker" is a plain pull; its parts (dense and riders) are all checked before any is
-applied. Thread-safe.
+applied. Compressed gradients (`codecs`, base/gradient_codec.py) are decoded to float32 first. Thread-safe.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from ..base import messages as msg
 from ..base.auth import Claim, Guard
 from ..base.consistency_spec import ConsistencySpec
 from ..base.errors import FailedPreconditionError, MalformedFrameError, NotFoundError
+from ..base.gradient_codec import decode_tensors
 from ..base.metrics import rss_bytes
 from ..transport import codec
 from .shard import Push, Shard
@@ -98,6 +99,8 @@ class ShardService:
     def push_pull(self, payload: bytes, sink: Sink) -> Any:
         frame = codec.decode(payload)
         request = msg.PushPullRequest.from_meta(frame.meta)
+        # compressed gradients become float32 first: every check below sees what is applied
+        frame.tensors = decode_tensors(frame.tensors, request.codecs)
         # row pushes and lookups riding along: all checked before anything changes
         row_pushes = [self.tables.check_push(table, _take(frame, ids), _take(frame, grads))
                       for table, ids, grads in request.sparse]

@@ -34,8 +34,9 @@ _PREFIX = struct.Struct("<4sHHI")
 _ALIGN = 8
 _MAX_DIMS = 32  # numpy's limit is 64; no variable of this project has more than a few
 _INT64 = 1 << 63
-# The dtypes a frame may carry, by their numpy names; bfloat16 travels as uint16 bits (base/half.py).
-DTYPES = frozenset({"float32", "float64", "float16", "int64", "int32", "uint16", "uint8", "bool"})
+# The dtypes a frame may carry, by their numpy names; bfloat16 travels as uint16 bits (base/half.py),
+# int8 carries quantized gradients (base/gradient_codec.py).
+DTYPES = frozenset({"float32", "float64", "float16", "int64", "int32", "uint16", "uint8", "int8", "bool"})
 
 
 @dataclass

@@ -101,7 +101,7 @@ class Context:
     def tables(self) -> TableClient:
         """The embedding tables of the cluster (used by HashEmbedding through the optimizer)."""
         return TableClient(self.client.channels, self.options.rpc_timeout_s, self.client.consistency.to_dict(),
-                           self.client.worker)
+                           self.client.worker, self.client.compressor)
 
     is_evaluator: ClassVar[bool] = False  # a training task; an evaluator's is worker.evaluator.EvaluatorContext
 
@@ -180,6 +180,7 @@ class Context:
         Raises RollbackError once the cluster rolls back (`paramserver node` then exits to be restarted)."""
         if self.rollback is not None:
             self.rollback.check()
+        self.progress.pushed_bytes = self.client.pushed_bytes
         self.progress.update(steps=1, staleness=self.client.record.staleness)
         self.coordinator.step = self.progress.steps
         if self.finished:  # a push after finish_training() brought this worker back into the quorums
@@ -197,8 +198,13 @@ class Context:
     def add_optimizer(self, optimizer: Any) -> str:
         """Record a new optimizer; returns its name, equal on every worker that creates optimizers
         in the same order."""
+        name = self.next_optimizer_name()
         self.optimizers.append(optimizer)
-        return f"opt{len(self.optimizers) - 1}"
+        return name
+
+    def next_optimizer_name(self) -> str:
+        """The name the next optimizer recorded gets (its tables' and variables' names start with it)."""
+        return f"opt{len(self.optimizers)}"
 
     def shutdown(self, completed: bool = False) -> None:
         """Leave the cluster (steps stop waiting for this worker) and close the connections.

@@ -205,6 +205,10 @@ class EvaluatorContext:
                                       "optimizer only when not ctx.is_evaluator, and call ctx.evaluate(model, fn) "
                                       "there instead (docs/evaluator.md)")
 
+    def next_optimizer_name(self) -> str:
+        """Refused as `add_optimizer` (a PS optimizer asks this first)."""
+        return self.add_optimizer(None)
+
     def rollback_reason(self) -> str | None:
         """Never: an evaluator is no part of a roll-back (it follows whatever checkpoints come)."""
         return None

@@ -25,6 +25,7 @@ from typing import Any, Callable, ClassVar, Iterable
 
 import torch
 
+from ..base.compression_spec import NONE, Codec
 from ..base.errors import InvalidArgumentError
 from ..client.ps_client import PushPullHandle
 from ..server.optimizers import OPTIMIZERS, build_optimizer, check_implementation
@@ -72,6 +73,7 @@ class PSOptimizer(torch.optim.Optimizer):
         plans = []  # every group is checked before anything is registered
         for group in self.param_groups:
             plans.append(self._plan_group(group, sum(len(plan[1]) for plan in plans)))
+        self._codecs = self._plan_codecs(self.context.next_optimizer_name(), plans)
         self.name = self.context.add_optimizer(self)
         started = time.monotonic()
         for i, plan in enumerate(plans):  # one at a time: a reply may view the stream's buffer
@@ -108,21 +110,36 @@ class PSOptimizer(torch.optim.Optimizer):
                 dense.append((name, param))
         return spec, dense, tables
 
+    def _plan_codecs(self, name: str, plans: list) -> dict[str, Codec]:
+        """The compression codec of each dense parameter (by its name in the model) and table (by table
+        name), from the `compression` option (a table skips topk rules: CompressionSpec.codec_for_table)."""
+        spec = self.context.options.compression_spec
+        codecs = {}
+        for _, dense, tables in plans:
+            # a bfloat16 / float16 parameter or table already travels at half width, in its own dtype
+            for param_name, param in dense:
+                codecs[param_name] = spec.codec_for(param_name) if param.dtype == torch.float32 else NONE
+            for param_name, module, _ in tables:
+                table = _table_name(name, param_name, module)
+                codecs[table] = spec.codec_for_table(table) if module.dtype == torch.float32 else NONE
+        return codecs
+
     def _register_group(self, index: int, spec: dict, dense: list, tables: list):
         for param_name, module, table_spec in tables:
-            name = module.table_name or f"{self.name}.{param_name.removesuffix('.placeholder')}"
+            name = _table_name(self.name, param_name, module)
             self.context.tables.register(name, module.dim, table_spec, module.init, module.policy, module.capacity,
-                                         WIRE_OF[module.dtype])
+                                         WIRE_OF[module.dtype], self._codecs[name])
             module.attach(self.context.tables, name)
             self._embeddings.append(module)
-        values, wire = {}, {}
+        values, wire, codecs = {}, {}, {}
         for name, param in dense:
             var = f"{self.name}.{name}"
             values[var] = param.detach().cpu().float().numpy()  # exact: the PS's float32 master
             wire[var] = WIRE_OF[param.dtype]
+            codecs[var] = self._codecs[name]
             self._vars.append((var, param))
         self._sent_lr[self._group_name(index)] = spec["hyper"]["lr"]
-        return self.context.client.register(self._group_name(index), spec, values, wire)
+        return self.context.client.register(self._group_name(index), spec, values, wire, codecs)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -212,6 +229,11 @@ class PSOptimizer(torch.optim.Optimizer):
         for part, array in values:
             param = params[part.var]
             write_wire(part.name, param.data if part.whole else param.data[part.lo:part.hi], array)
+
+
+def _table_name(optimizer: str, param_name: str, module) -> str:
+    """An embedding module's table: its own name, or one made of the optimizer's and the parameter's."""
+    return module.table_name or f"{optimizer}.{param_name.removesuffix('.placeholder')}"
 
 
 def _implementation(foreach, fused, capturable=False, differentiable=False) -> dict[str, Any]:
