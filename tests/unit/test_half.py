@@ -87,3 +87,15 @@ def test_conversions_write_into_a_given_buffer():
     back = np.empty(values.shape, np.float32)
     assert bf16_bits_to_float32(out, back) is back
     np.testing.assert_array_equal(out, torch_bf16_bits(values))
+
+
+def test_all_finite_finds_one_nan_or_infinity_anywhere():
+    from paramserver.base.kernels import all_finite
+    values = np.linspace(-3e38, 3e38, 10_001, dtype=np.float32)
+    assert all_finite(values) and all_finite(values[::2]) and all_finite(np.zeros(0, np.float32))
+    for bad in (np.nan, np.inf, -np.inf):
+        for where in (0, 5_000, 10_000):
+            broken = values.copy()
+            broken[where] = bad
+            assert not all_finite(broken), (bad, where)
+    assert not all_finite(np.float16([1, np.inf]))  # other dtypes: the numpy path

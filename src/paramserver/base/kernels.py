@@ -42,12 +42,21 @@ def _load() -> ctypes.CDLL | None:
     lib.ps_sparse_adagrad.argtypes = [p, p, p, p, i64, i64, f, f]
     for name in ("ps_bf16_from_f32", "ps_f32_from_bf16", "ps_f16_from_f32", "ps_f32_from_f16"):
         getattr(lib, name).argtypes = [p, i64, p]
+    lib.ps_all_finite.argtypes = [p, i64]
+    lib.ps_all_finite.restype = i
     lib.ps_parse_criteo.argtypes = [ctypes.c_char_p, i64, i64, p, p, p]
     lib.ps_parse_criteo.restype = i64
     return lib
 
 
 KERNELS = _load()
+
+
+def all_finite(array: np.ndarray) -> bool:
+    """Whether no value of `array` is NaN or infinite; for float32, one pass that allocates nothing."""
+    if KERNELS is not None and array.dtype == np.float32 and array.flags.c_contiguous:
+        return bool(KERNELS.ps_all_finite(array.ctypes.data, array.size))
+    return bool(np.isfinite(array).all())
 
 
 def ptr(array: np.ndarray | None) -> int | None:

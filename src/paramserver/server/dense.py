@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..base import kernels
 from ..base.errors import InvalidArgumentError
 from ..base.half import WIRE_DTYPES, from_wire, to_wire
 from .optimizers import Optimizer
@@ -98,7 +99,7 @@ class DenseGroup:
             raise InvalidArgumentError(f"gradient of {var_name!r} has shape {tuple(grad.shape)}, "
                                        f"expected {slot.shape}")
         grad = from_wire(grad, slot.wire)
-        if not np.isfinite(grad).all():  # a float16 gradient that overflowed is infinite: refused too
+        if not kernels.all_finite(grad):  # a float16 gradient that overflowed is infinite: refused too
             raise InvalidArgumentError(f"gradient of {var_name!r} holds NaN or infinite values")
         return grad
 

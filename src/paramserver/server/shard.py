@@ -16,6 +16,7 @@ from typing import Callable, Iterable, TypeVar
 import numpy as np
 
 from ..base.consistency_spec import ConsistencySpec
+from ..base import kernels
 from ..base.errors import (DeadlineExceededError, FailedPreconditionError, InvalidArgumentError, NotFoundError,
                            RollbackError, UnavailableError)
 from ..base.half import WIRE_DTYPES
@@ -139,7 +140,7 @@ class Shard:
                 raise InvalidArgumentError(f"variable {name!r}: initial values of dtype {value.dtype} not supported "
                                            f"(float32 only; a bfloat16 or float16 variable registers its values "
                                            f"as float32 and names its wire dtype)")
-            if not np.isfinite(value).all():
+            if not kernels.all_finite(value):
                 raise InvalidArgumentError(f"variable {name!r}: initial values hold NaN or infinite values")
 
     def _check_agrees(self, consistency: ConsistencySpec | None, worker: int | None) -> None:

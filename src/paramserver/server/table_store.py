@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..base import kernels
 from ..base.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
 from ..base.half import WIRE_DTYPES, from_wire, to_wire
 from .embedding_table import EmbeddingTable, RowPolicy
@@ -99,7 +100,7 @@ class TableStore:
                                        f"does not match {ids.shape[0]} ids x dim {table.dim} {wire}"
                                        f"{' (as uint16 bits)' if wire == 'bfloat16' else ''}")
         grads = from_wire(grads, wire)
-        if not np.isfinite(grads).all():
+        if not kernels.all_finite(grads):
             raise InvalidArgumentError(f"table {name!r}: gradient holds NaN or infinite values")
         return CheckedPush(table, ids, grads)
 
