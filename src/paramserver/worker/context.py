@@ -51,6 +51,8 @@ class Context:
     optimizers: list = field(default_factory=list, repr=False)  # this worker's PS optimizers, in creation order
     finished: bool = False  # finish_training() ran: this worker's data is done
     data_position: int = 0  # batches resumable() handed out or skipped so far in this process
+    address: str | None = None  # this worker's address in the cluster spec (where peers reach it)
+    dense_group: Any = None  # worker.dense_sync.AllReduceGroup with dense_sync "allreduce"
 
     @property
     def resume_step(self) -> int:
@@ -69,7 +71,9 @@ class Context:
     def finish_training(self) -> None:
         """This worker's data is done: it leaves every sync/ssp quorum (no step waits for it) and
         tells the coordinator and the launcher, before it waits anywhere. Idempotent; `resumable()`,
-        `Trainer.fit` and a clean end of the script call it. A later push brings it back."""
+        `Trainer.fit` and a clean end of the script call it. A later push brings it back, except with
+        dense_sync "allreduce": there it then answers the others' dense all-reduces until every worker
+        is done, and is final."""
         if self.finished:
             return
         for optimizer in self.optimizers:
@@ -79,6 +83,8 @@ class Context:
         self.progress.done()
         self.finished = True
         log.info("worker %d finished its data after %d steps", self.worker_index, self.progress.steps)
+        if self.dense_group is not None:  # the others' dense all-reduces still need this worker's answer
+            self.dense_group.join()
 
     @property
     def rejoined(self) -> bool:
