@@ -81,7 +81,7 @@ def test_uneven_ends_finish_average_over_real_contributors_and_checkpoint_the_de
     print(f"batches per worker: {counts}")
     ckpt = tmp_path / "ckpt"
     result = run(procs, tmp_path / "out", "--dense-sync", "allreduce", "--checkpoint-dir", str(ckpt),
-                 "--checkpoint-every", "3", ps=1, script_args=("--counts", ",".join(map(str, counts)),
+                 "--checkpoint-every", "3", ps=1, script_args=("--counts", ",".join(map(str, counts)), "--lookahead",
                                                                "--optimizer", "Adam", "--lr", "0.01"))
     assert [saved["trained"] for saved in result["saved"]] == counts
     first, second = (saved["dense"] for saved in result["saved"])
@@ -94,6 +94,21 @@ def test_uneven_ends_finish_average_over_real_contributors_and_checkpoint_the_de
     saved = {var.removeprefix("opt0."): dense.value for var, dense in final.groups["opt0.group0"]["vars"].items()}
     for name, value in first.items():  # the chief wrote its values, after the other's last steps
         assert torch.equal(torch.from_numpy(saved[f"mlp.{name}"]), value), name
+    assert procs.leftovers() == []
+
+
+def test_a_worker_that_dies_rolls_the_cluster_back_to_its_checkpoint_with_the_dense_values(procs, tmp_path):
+    # worker 1 dies after step 5; worker 0's all-reduce fails (its peer's connections close), it asks for
+    # the roll-back, and the cluster resumes from checkpoint 3, whose dense values the chief wrote
+    result = run(procs, tmp_path / "out", "--dense-sync", "allreduce", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                 "--checkpoint-every", "3", ps=1, script_args=("--steps", "8", "--die-after", "5"))
+    assert "rolling the whole cluster back" in result["log"], result["log"]
+    assert [saved["trained"] for saved in result["saved"]] == [5, 5]  # batches 4 to 8, after the restore
+    first, second = (saved["dense"] for saved in result["saved"])
+    for name in first:
+        assert torch.equal(first[name], second[name]), name
+    # plain SGD keeps no optimizer state: the interrupted run ends where an uninterrupted one does
+    assert_close(first, reference(result["saved"][0]["rows"], [8, 8], "SGD", 0.1), rtol=1e-5, atol=1e-6)
     assert procs.leftovers() == []
 
 

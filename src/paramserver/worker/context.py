@@ -71,9 +71,9 @@ class Context:
     def finish_training(self) -> None:
         """This worker's data is done: it leaves every sync/ssp quorum (no step waits for it) and
         tells the coordinator and the launcher, before it waits anywhere. Idempotent; `resumable()`,
-        `Trainer.fit` and a clean end of the script call it. A later push brings it back, except with
-        dense_sync "allreduce": there it then answers the others' dense all-reduces until every worker
-        is done, and is final."""
+        `Trainer.fit` and a clean end of the script call it. A later push brings it back. With
+        dense_sync "allreduce", the next `barrier()` or the end of the script first answers the
+        others' dense all-reduces until every worker is done (or waits there too)."""
         if self.finished:
             return
         for optimizer in self.optimizers:
@@ -83,8 +83,18 @@ class Context:
         self.progress.done()
         self.finished = True
         log.info("worker %d finished its data after %d steps", self.worker_index, self.progress.steps)
-        if self.dense_group is not None:  # the others' dense all-reduces still need this worker's answer
-            self.dense_group.join()
+        if self.dense_group is not None:
+            self.dense_group.join_due = True
+
+    def _join_dense(self) -> None:
+        """With dense_sync "allreduce", before this worker waits anywhere after its data ended: answer
+        the others' dense all-reduces until every worker stepped out too (worker/dense_sync.py). Not at
+        finish_training itself: a loop reading one batch ahead ends its data before its last step."""
+        if self.dense_group is None or not self.dense_group.join_due:
+            return
+        if not self.finished:  # a step after finish_training brought it back: done again
+            self.finish_training()
+        self.dense_group.join()
 
     @property
     def rejoined(self) -> bool:
@@ -152,6 +162,7 @@ class Context:
         are alive, however slow; fails at once, naming the worker, when one it needs is dead; with
         `timeout`, fails after that many seconds too.
         """
+        self._join_dense()
         for optimizer in self.optimizers:
             optimizer.synchronize()
         self.client.leave(self.options.rpc_timeout_s, barrier=name)
@@ -211,6 +222,7 @@ class Context:
         try:
             if completed and self.optimizers:
                 self.finish_training()
+                self._join_dense()
                 if self.checkpointer is not None:
                     # named by the optimizer's step count, which goes on from a resumed checkpoint's
                     self.checkpointer.save_final(max(o.steps for o in self.optimizers), self.options.rpc_timeout_s)

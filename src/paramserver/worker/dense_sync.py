@@ -11,9 +11,13 @@ tables stay on the PS. docs/performance.md, "Hybrid: all-reduce for dense, PS fo
   by its own count, as a sync step on the PS averages (server/consistency.py). Every worker then
   applies the same averaged gradient with a local torch.optim optimizer of the PS optimizer's kind
   and hyper-parameters, so the workers' dense values stay equal.
-- Uneven ends (like torch DDP's Join): a worker whose data is done keeps answering the others'
-  all-reduces with zeros and a count of 0, applying the averaged updates too, until an all-reduce
-  comes back with a count of 0: every worker is done, and all stop at that same call.
+- Uneven ends (like torch DDP's Join): a worker whose data is done (`finish_training`) keeps
+  answering the others' all-reduces with zeros and a count of 0, applying the averaged updates
+  too, until an all-reduce comes back with a count of 0: every worker stepped out, and all stop at
+  that same call. It starts answering when it next waits (`barrier()`, the end of the script), not
+  at `finish_training` itself: a loop reading a batch ahead ends its data before its last step.
+  Workers that all meet at a barrier in the middle of training step out together (one all-reduce)
+  and train on in step afterwards.
 - Failures: every gloo call has the `rpc_timeout_s` deadline. A worker that dies fails the others'
   current all-reduce (at once when its connections close, else after the deadline); they flag a
   roll-back and stop with RollbackError, so `paramserver node` exits with RESTART_EXIT_CODE and the
@@ -49,8 +53,9 @@ class AllReduceGroup:
     def __init__(self, context) -> None:
         self.context = context
         self.rank, self.world = context.worker_index, context.num_workers
-        self.timeout = datetime.timedelta(seconds=context.options.rpc_timeout_s)
+        self.timeout = datetime.timedelta(seconds=context.options.rpc_timeout_s)  # of every collective
         self.members: list[DenseSync] = []
+        self.join_due = False  # this worker's data ended: it joins before it next waits (Context._join_dense)
         self._store: Any = None
         self._pg: Any = None
         if self.world > 1:
@@ -60,15 +65,17 @@ class AllReduceGroup:
         from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 
         options, coordinator = self.context.options, self.context.coordinator
+        # the rendezvous waits for late workers as long as joining the cluster does
+        joining = datetime.timedelta(seconds=options.connect_timeout_s)
         try:
             if self.rank == 0:
                 host = self.context.coordinator_host.address.rsplit(":", 1)[0]
-                self._store = TCPStore(host, 0, self.world, True, timeout=self.timeout, wait_for_workers=False)
+                self._store = TCPStore(host, 0, self.world, True, timeout=joining, wait_for_workers=False)
                 coordinator_state = self.context.coordinator_host.coordinator
                 coordinator_state.publish(PUBLISHED_KEY, f"{host}:{self._store.port}")
             else:
                 host, port = coordinator.published(PUBLISHED_KEY, options.connect_timeout_s).rsplit(":", 1)
-                self._store = TCPStore(host, int(port), self.world, False, timeout=self.timeout)
+                self._store = TCPStore(host, int(port), self.world, False, timeout=joining)
             gloo = ProcessGroupGloo._Options()
             gloo._timeout = self.timeout
             own_host = (self.context.address or "").rsplit(":", 1)[0]
@@ -78,16 +85,8 @@ class AllReduceGroup:
             store = PrefixStore(f"paramserver/{coordinator.incarnation}", self._store)
             self._pg = ProcessGroupGloo(store, self.rank, self.world, gloo)
         except RuntimeError as exc:
-            self.fail(f"dense all-reduce: worker {self.rank} could not join the gloo group: {exc}")
+            fail(self.context, f"dense all-reduce: worker {self.rank} could not join the gloo group: {exc}")
         log.info("dense all-reduce: worker %d of %d joined the gloo group", self.rank, self.world)
-
-    def fail(self, reason: str) -> None:
-        """A peer is gone or the group is unusable: the cluster rolls back (RollbackError); without a
-        cluster to roll back (in-process), UnavailableError."""
-        if self.context.rollback is None:
-            raise UnavailableError(reason)
-        self.context.rollback.flag(reason)
-        raise RollbackError(reason)
 
     def all_reduce(self, buckets: list[torch.Tensor]) -> None:
         """Sum `buckets` over the workers, in place, all in flight at once; within `rpc_timeout_s`."""
@@ -98,8 +97,8 @@ class AllReduceGroup:
             for work in works:
                 work.wait(self.timeout)
         except RuntimeError as exc:
-            self.fail(f"dense all-reduce failed (a worker died or stopped answering within "
-                      f"{self.timeout.total_seconds():.0f}s): {exc}")
+            fail(self.context, f"dense all-reduce failed: a worker died, or did not answer within "
+                               f"{self.timeout.total_seconds():.0f}s: {exc}")
 
     def broadcast(self, flat: torch.Tensor) -> None:
         """Worker 0's `flat` on every worker, in place."""
@@ -108,17 +107,27 @@ class AllReduceGroup:
         try:
             self._pg.broadcast(flat, 0).wait(self.timeout)
         except RuntimeError as exc:
-            self.fail(f"dense all-reduce: the broadcast of the initial values failed: {exc}")
+            fail(self.context, f"dense all-reduce: the broadcast of the initial values failed: {exc}")
 
     def join(self) -> None:
         """This worker's data is done: answer the others' all-reduces (zeros, count 0, applying their
-        averaged updates) until every worker is done."""
+        averaged updates) until every worker stepped out (its data done, or waiting at a barrier)."""
+        self.join_due = False
         if not self.members or self._pg is None:
             return
         rounds = 0
         while all(member.answer() for member in self.members):
             rounds += 1
-        log.info("dense all-reduce: every worker is done (this one answered %d steps of the others)", rounds)
+        log.info("dense all-reduce: every worker stepped out (this one answered %d steps of the others)", rounds)
+
+
+def fail(context, reason: str) -> None:
+    """A peer is gone or the group is unusable: the cluster rolls back (RollbackError); without a
+    cluster to roll back (in-process), UnavailableError."""
+    if context.rollback is None:
+        raise UnavailableError(reason)
+    context.rollback.flag(reason)
+    raise RollbackError(reason)
 
 
 def group_of(context) -> AllReduceGroup:
@@ -135,10 +144,10 @@ class DenseSync:
         context = optimizer.context
         self.ps_optimizer = optimizer
         self.params = params
-        self.group = group_of(context)
         if context.rejoined:  # the others' group has no place for a worker restarted alone
-            self.group.fail(f"dense all-reduce: worker {context.worker_index} restarted alone, and the "
-                            "workers' gloo group cannot take it back: the cluster rolls back")
+            fail(context, f"dense all-reduce: worker {context.worker_index} restarted alone, and the workers' "
+                          "gloo group cannot take it back: the cluster rolls back")
+        self.group = group_of(context)
         self.local = self._local_optimizer(optimizer)
         sizes = [param.numel() for _, param in params]
         self._header = 1 + len(params)

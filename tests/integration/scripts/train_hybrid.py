@@ -3,9 +3,14 @@
 mode) and, on worker 0, the table's rows for every id, to --out/w<i>.pt.
 
 --frozen: the table's rows are looked up but not trained (a plain-torch reference can then use them).
+--lookahead: read each batch one ahead (the data ends before the last step, as in examples/ctr.py),
+then meet at a barrier.
+--die-after N: worker 1 kills itself (SIGKILL) after its N-th batch, once per --out directory.
 """
 
 import argparse
+import os
+import signal
 from pathlib import Path
 
 import torch
@@ -43,6 +48,8 @@ parser.add_argument("--counts", default="")
 parser.add_argument("--optimizer", default="SGD")
 parser.add_argument("--lr", type=float, default=0.1)
 parser.add_argument("--frozen", action="store_true")
+parser.add_argument("--lookahead", action="store_true")
+parser.add_argument("--die-after", type=int, default=0)
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
 
@@ -51,11 +58,22 @@ model = Net(args.frozen)
 opt = getattr(ps.optim, args.optimizer)(model.named_parameters(), lr=args.lr)
 counts = [int(c) for c in args.counts.split(",")] if args.counts else [args.steps] * ctx.num_workers
 trained = 0
-for ids, x, y in ctx.resumable([batch(ctx.worker_index, s) for s in range(counts[ctx.worker_index])]):
+batches = iter(ctx.resumable([batch(ctx.worker_index, s) for s in range(counts[ctx.worker_index])]))
+current = next(batches, None)
+while current is not None:
+    following = next(batches, None) if args.lookahead else None  # may end the data before this step
+    ids, x, y = current
     opt.zero_grad()
     F.mse_loss(model(ids, x), y).backward()
     opt.step()
     trained += 1
+    current = following if args.lookahead else next(batches, None)
+    died = Path(args.out) / "died"
+    if ctx.worker_index == 1 and opt.steps == args.die_after and not died.exists():
+        died.touch()
+        os.kill(os.getpid(), signal.SIGKILL)
+if args.lookahead:
+    ctx.barrier("trained")
 opt.pull()
 saved = {"dense": {n: p.detach().clone() for n, p in model.mlp.named_parameters()}, "trained": trained}
 if ctx.worker_index == 0:
