@@ -73,7 +73,7 @@ class Context:
         tells the coordinator and the launcher, before it waits anywhere. Idempotent; `resumable()`,
         `Trainer.fit` and a clean end of the script call it. A later push brings it back. With
         dense_sync "allreduce", the next `barrier()` or the end of the script first answers the
-        others' dense all-reduces until every worker is done (or waits there too)."""
+        others' dense all-reduces until every worker stepped out too."""
         if self.finished:
             return
         for optimizer in self.optimizers:
@@ -83,18 +83,23 @@ class Context:
         self.progress.done()
         self.finished = True
         log.info("worker %d finished its data after %d steps", self.worker_index, self.progress.steps)
-        if self.dense_group is not None:
-            self.dense_group.join_due = True
+        if self.dense_group is not None:  # a worker with no batch at all still answers the others
+            self.dense_group.join_due = self.dense_group.data_ended = True
 
-    def _join_dense(self) -> None:
-        """With dense_sync "allreduce", before this worker waits anywhere after its data ended: answer
-        the others' dense all-reduces until every worker stepped out too (worker/dense_sync.py). Not at
-        finish_training itself: a loop reading one batch ahead ends its data before its last step."""
-        if self.dense_group is None or not self.dense_group.join_due:
+    def _step_out(self, always: bool) -> None:
+        """With dense_sync "allreduce", before this worker waits: answer the others' dense all-reduces
+        until every worker stepped out too (worker/dense_sync.py). At a barrier always; at the end of
+        the script when it trained or finished its data since it last stepped out. Not at finish_training itself: a loop
+        reading one batch ahead ends its data before its last step."""
+        group = self.dense_group
+        if group is None or not (always or group.join_due):
             return
-        if not self.finished:  # a step after finish_training brought it back: done again
+        if group.data_ended and not self.finished:
+            # a step after finish_training (a loop reading ahead) brought it back: done again, so that no
+            # checkpoint pause of the others waits for it while it answers their all-reduces
             self.finish_training()
-        self.dense_group.join()
+        group.data_ended = False
+        group.join()
 
     @property
     def rejoined(self) -> bool:
@@ -162,7 +167,7 @@ class Context:
         are alive, however slow; fails at once, naming the worker, when one it needs is dead; with
         `timeout`, fails after that many seconds too.
         """
-        self._join_dense()
+        self._step_out(always=True)
         for optimizer in self.optimizers:
             optimizer.synchronize()
         self.client.leave(self.options.rpc_timeout_s, barrier=name)
@@ -222,7 +227,7 @@ class Context:
         try:
             if completed and self.optimizers:
                 self.finish_training()
-                self._join_dense()
+                self._step_out(always=False)
                 if self.checkpointer is not None:
                     # named by the optimizer's step count, which goes on from a resumed checkpoint's
                     self.checkpointer.save_final(max(o.steps for o in self.optimizers), self.options.rpc_timeout_s)

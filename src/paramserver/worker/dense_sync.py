@@ -11,13 +11,14 @@ tables stay on the PS. docs/performance.md, "Hybrid: all-reduce for dense, PS fo
   by its own count, as a sync step on the PS averages (server/consistency.py). Every worker then
   applies the same averaged gradient with a local torch.optim optimizer of the PS optimizer's kind
   and hyper-parameters, so the workers' dense values stay equal.
-- Uneven ends (like torch DDP's Join): a worker whose data is done (`finish_training`) keeps
-  answering the others' all-reduces with zeros and a count of 0, applying the averaged updates
-  too, until an all-reduce comes back with a count of 0: every worker stepped out, and all stop at
-  that same call. It starts answering when it next waits (`barrier()`, the end of the script), not
-  at `finish_training` itself: a loop reading a batch ahead ends its data before its last step.
-  Workers that all meet at a barrier in the middle of training step out together (one all-reduce)
-  and train on in step afterwards.
+- Uneven ends (like torch DDP's Join): a worker that waits (`ctx.barrier`, or the end of the
+  script after it trained or finished its data since it last did) first steps out: it answers the others' all-reduces
+  with zeros and a count of 0, applying the averaged updates too, until an all-reduce comes back
+  with a count of 0: every worker stepped out, and all stop at that same call. Not at
+  `finish_training` itself: a loop reading a batch ahead ends its data before its last step.
+  Workers meeting at a barrier in the middle of training step out together and train on in step;
+  one whose data ends at a barrier's phase answers the others until they reach it. Every worker
+  steps its optimizers in the same order.
 - Failures: every gloo call has the `rpc_timeout_s` deadline. A worker that dies fails the others'
   current all-reduce (at once when its connections close, else after the deadline); they flag a
   roll-back and stop with RollbackError, so `paramserver node` exits with RESTART_EXIT_CODE and the
@@ -55,7 +56,9 @@ class AllReduceGroup:
         self.rank, self.world = context.worker_index, context.num_workers
         self.timeout = datetime.timedelta(seconds=context.options.rpc_timeout_s)  # of every collective
         self.members: list[DenseSync] = []
-        self.join_due = False  # this worker's data ended: it joins before it next waits (Context._join_dense)
+        # it trained, or finished its data, since it last stepped out: it does before the script ends
+        self.join_due = False
+        self.data_ended = False  # finish_training ran since it last stepped out
         self._store: Any = None
         self._pg: Any = None
         if self.world > 1:
@@ -110,8 +113,8 @@ class AllReduceGroup:
             fail(self.context, f"dense all-reduce: the broadcast of the initial values failed: {exc}")
 
     def join(self) -> None:
-        """This worker's data is done: answer the others' all-reduces (zeros, count 0, applying their
-        averaged updates) until every worker stepped out (its data done, or waiting at a barrier)."""
+        """Step out: answer the others' all-reduces (zeros, count 0, applying their averaged updates)
+        until every worker stepped out (its data done, or at a barrier), all at the same call."""
         self.join_due = False
         if not self.members or self._pg is None:
             return
@@ -193,6 +196,7 @@ class DenseSync:
                     raise InvalidArgumentError(f"{name}: sparse gradients are not supported for dense variables")
                 self.buffer[1 + i] = 1.0
                 self.buffer[lo:hi].copy_(param.grad.detach().reshape(-1))
+        self.group.join_due = True
         self._reduce_and_apply()
 
     @torch.no_grad()

@@ -5,6 +5,7 @@ mode) and, on worker 0, the table's rows for every id, to --out/w<i>.pt.
 --frozen: the table's rows are looked up but not trained (a plain-torch reference can then use them).
 --lookahead: read each batch one ahead (the data ends before the last step, as in examples/ctr.py),
 then meet at a barrier.
+--mid-barrier K: meet the others at barrier "mid" after K batches (at the end of the data if fewer).
 --die-after N: worker 1 kills itself (SIGKILL) after its N-th batch, once per --out directory.
 """
 
@@ -49,6 +50,7 @@ parser.add_argument("--optimizer", default="SGD")
 parser.add_argument("--lr", type=float, default=0.1)
 parser.add_argument("--frozen", action="store_true")
 parser.add_argument("--lookahead", action="store_true")
+parser.add_argument("--mid-barrier", type=int, default=0)
 parser.add_argument("--die-after", type=int, default=0)
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
@@ -67,11 +69,15 @@ while current is not None:
     F.mse_loss(model(ids, x), y).backward()
     opt.step()
     trained += 1
+    if trained == args.mid_barrier:
+        ctx.barrier("mid")
     current = following if args.lookahead else next(batches, None)
     died = Path(args.out) / "died"
     if ctx.worker_index == 1 and opt.steps == args.die_after and not died.exists():
         died.touch()
         os.kill(os.getpid(), signal.SIGKILL)
+if trained < args.mid_barrier:
+    ctx.barrier("mid")
 if args.lookahead:
     ctx.barrier("trained")
 opt.pull()
