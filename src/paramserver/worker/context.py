@@ -89,8 +89,8 @@ class Context:
     def _step_out(self, always: bool) -> None:
         """With dense_sync "allreduce", before this worker waits: answer the others' dense all-reduces
         until every worker stepped out too (worker/dense_sync.py). At a barrier always; at the end of
-        the script when it trained or finished its data since it last stepped out. Not at finish_training itself: a loop
-        reading one batch ahead ends its data before its last step."""
+        the script when it trained or finished its data since it last stepped out. Not at
+        finish_training itself: a loop reading one batch ahead ends its data before its last step."""
         group = self.dense_group
         if group is None or not (always or group.join_due):
             return
