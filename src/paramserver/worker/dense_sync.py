@@ -44,8 +44,19 @@ from ..base.errors import InvalidArgumentError, RollbackError, UnavailableError
 log = logging.getLogger(__name__)
 PUBLISHED_KEY = "dense_sync"
 BUCKET_ELEMENTS = 4 << 20  # 16 MB of float32 per all-reduce call; a few calls in flight at once
-LOCAL_OPTIMIZERS = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad, "adam": torch.optim.Adam,
-                    "adamw": torch.optim.AdamW}
+
+
+def _without_dynamo(cls: type) -> type:
+    """torch.optim's `cls` without the wrappers whose first call imports torch._dynamo (3-4 s and about
+    70 MB; nothing here is compiled), as PSOptimizer does; its `step` must run under torch.no_grad."""
+    base = torch.optim.Optimizer
+    return type(cls.__name__, (cls,), {"add_param_group": base.add_param_group.__wrapped__,
+                                       "zero_grad": base.zero_grad.__wrapped__, "step": cls.step.__wrapped__})
+
+
+LOCAL_OPTIMIZERS = {kind: _without_dynamo(cls) for kind, cls in (
+    ("sgd", torch.optim.SGD), ("adagrad", torch.optim.Adagrad), ("adam", torch.optim.Adam),
+    ("adamw", torch.optim.AdamW))}
 
 
 class AllReduceGroup:
