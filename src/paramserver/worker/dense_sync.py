@@ -12,13 +12,13 @@ tables stay on the PS. docs/performance.md, "Hybrid: all-reduce for dense, PS fo
   applies the same averaged gradient with a local torch.optim optimizer of the PS optimizer's kind
   and hyper-parameters, so the workers' dense values stay equal.
 - Uneven ends (like torch DDP's Join): a worker that waits (`ctx.barrier`, or the end of the
-  script after it trained or finished its data since it last did) first steps out: it answers the others' all-reduces
-  with zeros and a count of 0, applying the averaged updates too, until an all-reduce comes back
-  with a count of 0: every worker stepped out, and all stop at that same call. Not at
-  `finish_training` itself: a loop reading a batch ahead ends its data before its last step.
-  Workers meeting at a barrier in the middle of training step out together and train on in step;
-  one whose data ends at a barrier's phase answers the others until they reach it. Every worker
-  steps its optimizers in the same order.
+  script after it trained or finished its data since it last did) first steps out: its deferred
+  `finish_training` takes effect (it leaves the shards' quorums; a loop reading a batch ahead ends
+  its data before its last step), then it answers the others' all-reduces with zeros and a count of
+  0, applying the averaged updates too, until an all-reduce comes back with a count of 0: every
+  worker stepped out, and all stop at that same call. Workers meeting at a barrier in the middle of
+  training step out together and train on in step. Every worker steps its optimizers in the same
+  order.
 - Failures: every gloo call has the `rpc_timeout_s` deadline. A worker that dies fails the others'
   current all-reduce (at once when its connections close, else after the deadline); they flag a
   roll-back and stop with RollbackError, so `paramserver node` exits with RESTART_EXIT_CODE and the
