@@ -170,3 +170,20 @@ def test_a_stalled_member_heard_from_again_is_reported_again_if_it_dies_later():
     clock.now = 30
     coordinator.heartbeat(0, 2)
     assert [w for w, _ in coordinator.newly_gone()] == [1]
+
+
+def test_what_the_host_publishes_reaches_every_worker_through_the_wire():
+    from paramserver.coordinator.coordinator_service import CoordinatorClient, CoordinatorService
+    from paramserver.transport.inprocess import InProcessChannel
+
+    coordinator, _ = make()
+    client = CoordinatorClient(InProcessChannel(CoordinatorService(coordinator), "inprocess:coordinator"), 1, 5.0)
+    assert "published" not in coordinator.view()
+    with pytest.raises(UnavailableError, match="no 'dense_sync'"):
+        client.published("dense_sync", timeout=0.0)  # nothing published: one look, then the error
+    reader = threading.Thread(target=lambda: found.append(client.published("dense_sync", timeout=60.0)))
+    found: list[str] = []
+    reader.start()
+    coordinator.publish("dense_sync", "127.0.0.1:4242")
+    reader.join(60.0)
+    assert found == ["127.0.0.1:4242"] and coordinator.view()["published"] == {"dense_sync": "127.0.0.1:4242"}

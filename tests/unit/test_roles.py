@@ -36,6 +36,7 @@ STORE = store_of(("ps-0", "ps", None, "t-ps"), ("worker-0", "chief", 0, "t-chief
     ("SetMode", "t-chief", None, True), ("Checkpoint", "t-chief", None, True), ("Forget", "t-chief", 1, True),
     ("PushPull", "t-chief", 1, False),  # the chief trains as worker 0 only
     ("Restart", "t-chief", None, True), ("Restart", "t-w1", None, False),  # the chief's roll-back
+    ("Assign", "t-chief", 0, True), ("Assign", "t-w1", 1, False),  # dense values before a checkpoint
     ("PushPull", "t-admin", 3, True), ("Explode", "t-admin", None, False)])
 def test_shard_roles(method, token, worker, allowed):
     authorizer = Authorizer(STORE, SHARD_ACTIONS)

@@ -58,3 +58,29 @@ def test_a_good_push_bumps_the_version_and_changes_values(shard):
     outcome = shard.push(Push({"w": np.ones((3, 2), np.float32)}))
     assert outcome.applied and shard.version == 1
     assert not np.array_equal(values(shard)[1][0], np.ones((3, 2), np.float32))
+
+
+@pytest.mark.parametrize("assigned, error, fragment", [
+    ({"w": np.ones((2, 3), np.float32)}, InvalidArgumentError, "value of 'w' has shape"),
+    ({"w": np.ones((3, 2), np.float64)}, InvalidArgumentError, "dtype"),
+    ({"b": np.array([1.0, np.nan], np.float32)}, InvalidArgumentError, "NaN"),
+    ({"nope": np.ones(2, np.float32)}, NotFoundError, "nope"),
+])
+def test_bad_assigned_values_are_refused_and_nothing_changes(shard, assigned, error, fragment):
+    before = values(shard)
+    with pytest.raises(error, match=fragment):
+        shard.assign({"b": np.full(2, 7.0, np.float32), **assigned})  # the good part is not written either
+    for a, b in zip(values(shard)[1], before[1]):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_assign_writes_values_and_keeps_version_and_optimizer_state(shard):
+    shard.push(Push({"w": np.ones((3, 2), np.float32), "b": np.ones(2, np.float32)}))
+    state = {key: array.copy() for key, array in shard._groups["g"].state.items()}
+    assert shard.assign({"w": np.full((3, 2), 5.0, np.float32)}) == 1
+    version, (w, b) = values(shard)
+    assert version == 1
+    np.testing.assert_array_equal(w, np.full((3, 2), 5.0, np.float32))
+    np.testing.assert_allclose(b, np.full(2, -0.1, np.float32), rtol=1e-6)  # Adam: -lr * sign, untouched
+    for key, array in shard._groups["g"].state.items():
+        np.testing.assert_array_equal(array, state[key])

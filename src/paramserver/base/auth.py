@@ -77,7 +77,7 @@ _WORKER, _CHIEF = Action("worker"), Action("chief", audited=True)
 SHARD_ACTIONS: dict[str, Action] = {
     "Hello": Action("ps"), "Register": _WORKER, "PushPull": _WORKER, "RegisterTable": _WORKER, "Lookup": _WORKER,
     "PushSparse": _WORKER, "Leave": _WORKER, "Forget": Action("chief", audited=True, any_worker=True),
-    "SetMode": _CHIEF, "Checkpoint": _CHIEF, "Shutdown": Action("admin", audited=True),
+    "SetMode": _CHIEF, "Checkpoint": _CHIEF, "Assign": _CHIEF, "Shutdown": Action("admin", audited=True),
     "Restart": Action("chief", audited=True)}  # a Shutdown with `restart`: the chief's roll-back
 COORDINATOR_ACTIONS: dict[str, Action] = {
     "Hello": Action("ps"), "Join": Action("worker", audited=True), "Heartbeat": _WORKER,

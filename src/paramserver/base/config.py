@@ -225,6 +225,15 @@ class Options:
         if needs("heartbeat_timeout_s", "heartbeat_s") and self.heartbeat_s > 0:
             need("heartbeat_timeout_s", lambda v: v > 2 * self.heartbeat_s, f"more than twice heartbeat_s "
                                                                              f"({self.heartbeat_s})")
+        if needs("dense_sync") and self.dense_sync == "allreduce":
+            # timed checkpoints pause each worker after whichever step it learns of them, and backup
+            # workers leave steps behind: the workers' all-reduces must meet at the same steps
+            if needs("checkpoint_every_seconds") and self.checkpoint_every_seconds:
+                found.append("option 'checkpoint_every_seconds' needs dense_sync 'ps' (with 'allreduce' the "
+                             "workers must pause at the same step: use checkpoint_every)")
+            if needs("backup_workers") and self.backup_workers:
+                found.append("option 'backup_workers' needs dense_sync 'ps' (the dense all-reduce waits for "
+                             "every worker)")
         for name in ("checkpoint_every", "checkpoint_every_seconds", "resume"):
             if needs(name, "checkpoint_dir") and getattr(self, name) and not self.checkpoint_dir:
                 found.append(f"option {name!r} needs a checkpoint_dir")

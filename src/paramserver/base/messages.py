@@ -194,6 +194,20 @@ class CheckpointReply(Message):
     sha256: str = doc_field("its SHA-256, hex")
 
 
+@message("Assign request", tensors="the new values, one per part, as in Register")
+class AssignRequest(Message):
+    """Overwrite registered variables' values (the chief, before a checkpoint, when dense variables are
+    trained by all-reduce among the workers: `dense_sync` "allreduce"). Every part is checked (known,
+    same shape, float32, finite) before any is written; optimizer state, step counts and the version
+    stay as they are."""
+    worker: int | None = doc_field("the writing worker's index", None)
+
+
+@message("Assign reply")
+class AssignReply(Message):
+    version: int = doc_field("the shard's version (unchanged by an Assign)")
+
+
 @message("Shutdown request")
 class ShutdownRequest(Message):
     """Drain and stop this PS (admin only): health goes NOT_SERVING, calls in flight finish within
@@ -214,7 +228,8 @@ SHARD_METHODS: dict[str, tuple[type[Message], type[Message]]] = {
     "PushPull": (PushPullRequest, PushPullReply), "SetMode": (SetModeRequest, SetModeReply),
     "Leave": (LeaveRequest, LeaveReply), "RegisterTable": (RegisterTableRequest, RegisterTableReply),
     "Lookup": (LookupRequest, LookupReply), "PushSparse": (PushSparseRequest, PushSparseReply),
-    "Checkpoint": (CheckpointRequest, CheckpointReply), "Shutdown": (ShutdownRequest, ShutdownReply)}
+    "Checkpoint": (CheckpointRequest, CheckpointReply), "Assign": (AssignRequest, AssignReply),
+    "Shutdown": (ShutdownRequest, ShutdownReply)}
 
 
 # ---- coordinator (paramserver.Coordinator) ---------------------------------------------------
@@ -230,6 +245,8 @@ class CoordinatorReply(Message):
     open: bool | None = doc_field("Barrier only: whether it opened", None)
     waiting: list[int] | None = doc_field("Barrier only, not open: the workers it waits for", None)
     incarnation: str | None = doc_field("random id of this coordinator: a new one when the chief restarted", None)
+    published: dict[str, str] | None = doc_field("what the hosting worker published for the others, by key "
+                                                 "(e.g. `dense_sync`: the all-reduce rendezvous address)", None)
 
 
 @message("coordinator Hello request")

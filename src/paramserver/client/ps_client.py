@@ -219,6 +219,19 @@ class PSClient:
             calls.append((shard, self.channels[shard].call("PushPull", payload, self.rpc_timeout_s, owned)))
         return PushPullHandle(calls, self._part_by_name, lambda metas: self.record.note(metas, bool(grads)))
 
+    def assign(self, values: dict[str, np.ndarray], timeout: float) -> None:
+        """Overwrite registered variables' values on their shards (see Shard.assign); each shard checks
+        all of its parts before it writes any. Call while no push of this worker is in flight."""
+        by_shard: dict[int, list[tuple[str, np.ndarray]]] = {}
+        for var, array in values.items():
+            for part in self.parts_of[var]:
+                by_shard.setdefault(part.shard, []).append((part.name, _rows(array, part)))
+        payload = msg.AssignRequest(worker=self.worker).to_meta()
+        calls = [self.channels[shard].call("Assign", codec.encode_parts(payload, parts), timeout)
+                 for shard, parts in sorted(by_shard.items())]
+        for call in calls:
+            call.wait(timeout)
+
     def set_mode(self, spec: ConsistencySpec) -> None:
         """Switch every shard to `spec` now (see Shard.set_mode)."""
         payload = codec.encode(msg.SetModeRequest(consistency=spec.to_dict()).to_meta())

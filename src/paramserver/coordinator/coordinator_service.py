@@ -113,6 +113,21 @@ class CoordinatorClient(Lifecycle):
             return f"the coordinator restarted (incarnation {self.incarnation} is now {now})"
         return None
 
+    def published(self, key: str, timeout: float, poll_s: float = 0.05) -> str:
+        """What the hosting worker published under `key`, waiting at most `timeout` seconds for it
+        (UnavailableError after that)."""
+        deadline = time.monotonic() + timeout
+        payload = codec.encode(msg.CoordinatorHelloRequest().to_meta())
+        while True:
+            call_timeout = max(0.1, min(self.rpc_timeout_s, deadline - time.monotonic()))
+            view = codec.decode(self.channel.call("Hello", payload, call_timeout).wait(call_timeout)).meta
+            value = (view.get("published") or {}).get(key)
+            if value is not None:
+                return value
+            if time.monotonic() >= deadline:
+                raise UnavailableError(f"the coordinator published no {key!r} within {timeout:.0f}s")
+            time.sleep(poll_s)
+
     def start(self) -> None:
         self._thread.start()
 

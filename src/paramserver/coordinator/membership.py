@@ -63,6 +63,7 @@ class Coordinator:
         self._barriers: dict[str, set[int]] = {}
         self._opened: set[str] = set()
         self._checkpoints_requested = 0  # timed checkpoints asked for by the chief so far
+        self._published: dict[str, str] = {}  # what the hosting worker tells the others (rendezvous addresses)
         self._started = clock()
         self._cond = threading.Condition()
         self.incarnation = secrets.token_hex(8)  # a restarted chief's coordinator is another: workers roll back
@@ -152,6 +153,13 @@ class Coordinator:
             return self._view()
 
     # ---- what the host asks ------------------------------------------------------------------
+    def publish(self, key: str, value: str) -> None:
+        """Tell every worker `value` under `key`, in every view from now on (e.g. where the dense
+        all-reduce meets: worker/dense_sync.py)."""
+        with self._cond:
+            self._published[key] = value
+            self._cond.notify_all()
+
     def state(self, worker: int) -> str:
         with self._cond:
             return self._state(self._members[worker])
@@ -236,7 +244,8 @@ class Coordinator:
                 "live": self._live(), "workers": self.num_workers,
                 "states": {str(m.worker): self._state(m) for m in self._members.values()},
                 "steps": {str(m.worker): m.step for m in self._members.values()},
-                "checkpoints_requested": self._checkpoints_requested, "incarnation": self.incarnation}
+                "checkpoints_requested": self._checkpoints_requested, "incarnation": self.incarnation,
+                **({"published": dict(self._published)} if self._published else {})}
 
     def _check(self, worker: int) -> None:
         if not isinstance(worker, int) or isinstance(worker, bool) or not 0 <= worker < self.num_workers:

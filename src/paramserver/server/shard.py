@@ -214,6 +214,18 @@ class Shard:
         with self._cond:
             return read(self.version, [(name, group.wire_view(name)) for name, group in views])
 
+    def assign(self, values: dict[str, np.ndarray]) -> int:
+        """Overwrite variables' values (dense variables trained among the workers, written before a
+        checkpoint). Every value is checked before any is written; optimizer state, step counts and
+        the version stay. Returns the version."""
+        checked = [(self._lookup(name), name, value) for name, value in values.items()]
+        for group, name, value in checked:
+            self._check_grad(group, name, value, "value")
+        with self._cond:
+            for group, name, value in checked:
+                group.view(name)[...] = value
+            return self.version
+
     # ---- pushes ----------------------------------------------------------------------------
     def push(self, push: Push) -> PushOutcome:
         """Validate every gradient, then apply (or gather) them by the consistency mode.
@@ -477,3 +489,13 @@ class Shard:
         if group is None:
             raise NotFoundError(f"shard {self.index} holds no variable {name!r}")
         return group
+
+    @staticmethod
+    def _check_grad(group: DenseGroup, name: str, grad: np.ndarray, what: str = "gradient") -> None:
+        slot = group.slots[name]
+        if grad.dtype != np.float32:
+            raise InvalidArgumentError(f"{what} of {name!r} has dtype {grad.dtype}, expected float32")
+        if tuple(grad.shape) != slot.shape:
+            raise InvalidArgumentError(f"{what} of {name!r} has shape {tuple(grad.shape)}, expected {slot.shape}")
+        if not kernels.all_finite(grad):
+            raise InvalidArgumentError(f"{what} of {name!r} holds NaN or infinite values")

@@ -8,7 +8,7 @@ the default joins them into bytes. Errors are raised as typed ParamServerError
 subclasses; the transport turns them into status codes.
 
 Methods: Hello, Register, PushPull, SetMode, Leave, RegisterTable, Lookup, PushSparse, Checkpoint,
-Shutdown (admin: the node drains and stops). Each request's meta is parsed into its message of
+Assign, Shutdown (admin: the node drains and stops). Each request's meta is parsed into its message of
 base/messages.py (a bad field is a MalformedFrameError naming it, before anything changes) and each
 reply is built from one; the fields, their meanings and the tensors each frame carries are
 documented there (and in docs/protocol.md, generated from them). A PushPull without gradients, row
@@ -53,7 +53,7 @@ class ShardService:
         self.methods: dict[str, Callable[[bytes, Sink], Any]] = {
             "Hello": self.hello, "Register": self.register, "PushPull": self.push_pull, "SetMode": self.set_mode,
             "Leave": self.leave, "RegisterTable": self.register_table, "Lookup": self.lookup,
-            "PushSparse": self.push_sparse, "Checkpoint": self.checkpoint,
+            "PushSparse": self.push_sparse, "Checkpoint": self.checkpoint, "Assign": self.assign,
             "Shutdown": self.shutdown}
 
     def call(self, method: str, payload: bytes, sink: Sink = b"".join) -> Any:
@@ -142,6 +142,12 @@ class ShardService:
             raise FailedPreconditionError(f"shard {self.shard.index} was started without a checkpoint_dir")
         entry = self.save_checkpoint(request.name, self.shard, self.tables)
         return sink(codec.encode_parts(msg.CheckpointReply(**entry).to_meta()))
+
+    def assign(self, payload: bytes, sink: Sink) -> Any:
+        frame = codec.decode(payload)
+        msg.AssignRequest.from_meta(frame.meta)
+        version = self.shard.assign(frame.tensors)
+        return sink(codec.encode_parts(msg.AssignReply(version=version).to_meta()))
 
     def shutdown(self, payload: bytes, sink: Sink) -> Any:
         request = msg.ShutdownRequest.from_meta(codec.decode(payload).meta)

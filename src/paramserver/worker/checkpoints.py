@@ -69,6 +69,9 @@ class Checkpointer:
         self.last_error: str | None = None
         self._swept = False  # temporary files a killed earlier run left: removed before the first write
         self.metrics: CheckpointMetrics | None = None  # durations and failures, for the node's Prometheus endpoint
+        # what the chief runs before the shards write, `hook(timeout)`: e.g. writing the dense values
+        # the workers train by all-reduce (worker/dense_sync.py)
+        self.before_save: list[Callable[[float], None]] = []
 
     def due(self, step: int) -> bool:
         """Whether the workers meet after `step`; decided here, once, so that the optimizer can
@@ -190,6 +193,8 @@ class Checkpointer:
         try:
             if self.store.uncommit(name):
                 log.info("%s %s: replaces the complete checkpoint of that name", what, name)
+            for hook in self.before_save:
+                hook(timeout)
             entries = self.client.checkpoint(name, timeout)
             self._check_same_shards()
             manifest = {"step": step, "num_shards": len(entries), "shards": entries,

@@ -205,7 +205,7 @@ def cluster_context(config: NodeConfig) -> Context:
     ops.set_serving()
     return Context(index, workers, client.num_shards, client, options, False,
                    ProgressWriter(options.progress_fd, index), modes, coordinator, host, checkpointer, ops,
-                   summaries, rollback)
+                   summaries, rollback, address=config.address)
 
 
 def _host_coordinator(config: NodeConfig, credentials: Credentials,

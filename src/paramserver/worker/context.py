@@ -51,6 +51,8 @@ class Context:
     optimizers: list = field(default_factory=list, repr=False)  # this worker's PS optimizers, in creation order
     finished: bool = False  # finish_training() ran: this worker's data is done
     data_position: int = 0  # batches resumable() handed out or skipped so far in this process
+    address: str | None = None  # this worker's address in the cluster spec (where peers reach it)
+    dense_group: Any = None  # worker.dense_sync.AllReduceGroup with dense_sync "allreduce"
 
     @property
     def resume_step(self) -> int:
@@ -76,9 +78,17 @@ class Context:
     def finish_training(self) -> None:
         """This worker's data is done: it leaves every sync/ssp quorum (no step waits for it) and
         tells the coordinator and the launcher, before it waits anywhere. Idempotent; `resumable()`,
-        `Trainer.fit` and a clean end of the script call it. A later push brings it back."""
+        `Trainer.fit` and a clean end of the script call it. A later push brings it back. With
+        dense_sync "allreduce" all that waits until the worker steps out, at its next `barrier()` or
+        the end of the script (a loop reading one batch ahead ends its data before its last step)."""
         if self.finished:
             return
+        if self.dense_group is not None:
+            self.dense_group.join_due = self.dense_group.data_ended = True
+            return
+        self._finish()
+
+    def _finish(self) -> None:
         for optimizer in self.optimizers:
             optimizer.synchronize()
         self.client.leave(timeout=self.options.rpc_timeout_s)
@@ -86,6 +96,24 @@ class Context:
         self.progress.done()
         self.finished = True
         log.info("worker %d finished its data after %d steps", self.worker_index, self.progress.steps)
+
+    def _step_out(self, always: bool) -> None:
+        """With dense_sync "allreduce", before this worker waits (out of the shards' quorums already,
+        or its data done): answer the others' dense all-reduces until every worker stepped out too
+        (worker/dense_sync.py). At a barrier always; at the end of the script when it trained or
+        finished its data since it last stepped out."""
+        group = self.dense_group
+        if group is None or not (always or group.join_due):
+            return
+        self._finish_if_data_ended()
+        group.join()
+
+    def _finish_if_data_ended(self) -> None:
+        """dense_sync "allreduce": the finish_training deferred to when the worker steps out."""
+        if self.dense_group is not None and self.dense_group.data_ended:
+            self.dense_group.data_ended = False
+            if not self.finished:
+                self._finish()  # no step of the others waits for it while it answers
 
     @property
     def rejoined(self) -> bool:
@@ -153,9 +181,11 @@ class Context:
         are alive, however slow; fails at once, naming the worker, when one it needs is dead; with
         `timeout`, fails after that many seconds too.
         """
+        self._finish_if_data_ended()
         for optimizer in self.optimizers:
             optimizer.synchronize()
         self.client.leave(self.options.rpc_timeout_s, barrier=name)
+        self._step_out(always=True)
         self.coordinator.barrier(name, timeout)
 
     def cluster_view(self) -> dict:
@@ -218,6 +248,7 @@ class Context:
         try:
             if completed and self.optimizers:
                 self.finish_training()
+                self._step_out(always=False)
                 if self.checkpointer is not None:
                     # named by the optimizer's step count, which goes on from a resumed checkpoint's
                     self.checkpointer.save_final(max(o.steps for o in self.optimizers), self.options.rpc_timeout_s)

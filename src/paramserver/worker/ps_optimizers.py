@@ -14,6 +14,10 @@ Parameters may be float32, bfloat16 or float16: the PS keeps float32 master valu
 state, and a half-precision parameter's gradients and values travel in its own dtype (half the
 bytes); the PS's values are rounded to it as they are pulled (docs/performance.md, "Mixed precision").
 
+With `dense_sync` "allreduce" (worker/dense_sync.py) the dense parameters are registered on the PS
+as above but trained among the workers: `step()` all-reduces their gradients and applies a local
+torch.optim optimizer of the same kind; only the embedding tables' rows ride the PushPull.
+
 Not thread-safe: use an optimizer from one training thread, as with torch.optim.
 """
 
@@ -80,6 +84,11 @@ class PSOptimizer(torch.optim.Optimizer):
             self._write(self._register_group(i, *plan).wait(self.context.options.rpc_timeout_s)[1])
         log.info("%s: %d parameters registered on %d PS in %.2fs", self.name, len(self._vars),
                  self.context.num_ps, time.monotonic() - started)
+        self._dense = None  # worker.dense_sync.DenseSync with dense_sync "allreduce"
+        if self.context.options.dense_sync == "allreduce":
+            from .dense_sync import DenseSync
+
+            self._dense = DenseSync(self, self._vars)
         self.steps = self.context.resume_step  # step counts (checkpoints, schedules) go on from a restore
         if self.steps:
             log.info("%s: resuming at step %d", self.name, self.steps)
@@ -148,18 +157,19 @@ class PSOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        grads = {}
-        for var, param in self._vars:
-            if param.grad is not None:
-                if param.grad.is_sparse:
-                    raise InvalidArgumentError(f"{var}: sparse gradients are not supported for dense variables")
-                grads[var] = wire_array(param.grad)
+        if self._dense is None:
+            grads, pull = self._dense_grads(), [var for var, _ in self._vars]
+        else:  # trained among the workers; the shards still hear of every step (positions, sync steps)
+            self._dense.step()
+            grads, pull = {}, []
         riders, prefetches = self._embedding_riders()
+        if riders is None and self._dense is not None:
+            riders = self.context.tables.riders()
         bases = dict(self.context.client.record.base_versions)  # the values these gradients came from
         self.synchronize()
         # in overlap mode other calls (lookups, the next pushes) go out before this reply is read
-        handle = self.context.client.push_pull(grads, [var for var, _ in self._vars], self._changed_lrs(), bases,
-                                               owned=self.overlap, riders=riders)
+        handle = self.context.client.push_pull(grads, pull, self._changed_lrs() if self._dense is None else {},
+                                               bases, owned=self.overlap, riders=riders)
         if self.overlap:
             handle.wait_sent(self.context.options.rpc_timeout_s)  # the gradients may now be freed
             self._pending = (handle, riders, prefetches)
@@ -174,6 +184,15 @@ class PSOptimizer(torch.optim.Optimizer):
             self.synchronize()  # the workers are about to meet: nothing of this worker may be in flight
         self.context.on_step(self.steps)
         return loss
+
+    def _dense_grads(self) -> dict:
+        grads = {}
+        for var, param in self._vars:
+            if param.grad is not None:
+                if param.grad.is_sparse:
+                    raise InvalidArgumentError(f"{var}: sparse gradients are not supported for dense variables")
+                grads[var] = wire_array(param.grad)
+        return grads
 
     def _embedding_riders(self):
         """(the embedding tables' row gradients and prefetched lookups to send with this step,
@@ -209,8 +228,11 @@ class PSOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def pull(self) -> None:
-        """Load the PS's current values into the local parameters (before evaluating or saving)."""
+        """Load the PS's current values into the local parameters (before evaluating or saving).
+        With dense_sync "allreduce" the workers hold the current dense values: nothing to load."""
         self.synchronize()
+        if self._dense is not None:
+            return
         handle = self.context.client.push_pull({}, [var for var, _ in self._vars])
         self._write(handle.wait(self.context.options.rpc_timeout_s)[1])
 
