@@ -23,7 +23,7 @@ DIGITS = str(BENCH.parent / "examples" / "digits.py")
 
 
 def run(script: str, args: list[str], workers: int, mode: str, backups: int = 0) -> dict:
-    options = Options(torch_threads=default_torch_threads(1, workers), mode=mode, backup_workers=backups)
+    options = Options(torch_threads=default_torch_threads(workers), mode=mode, backup_workers=backups)
     cluster = LocalCluster(1, workers, script, args, options, out=io.StringIO(), progress_every=0,
                            log_level="WARNING")
     if cluster.run() != 0:

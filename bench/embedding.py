@@ -29,7 +29,7 @@ import torch
 
 from paramserver.base.config import Options
 from paramserver.client.table_client import TableClient
-from paramserver.launch.local import LocalCluster
+from paramserver.launch.local import LocalCluster, default_torch_threads
 from paramserver.server.embedding_table import EmbeddingTable
 from paramserver.server.sparse_optimizers import build_sparse_optimizer
 from paramserver.transport.grpc_transport import GrpcChannel
@@ -127,11 +127,12 @@ def write_ctr_data(directory: str, rows: int) -> tuple[str, str]:
 
 
 def run_ctr(num_ps: int, workers: int, flags: list[str], train: str, test: str, script: str = "") -> dict:
-    """examples/ctr.py (or `script`, taking its flags) on a local cluster (one torch thread per worker);
-    its JSON record."""
+    """examples/ctr.py (or `script`, taking its flags) on a local cluster (torch threads as
+    `paramserver run` gives them); its JSON record."""
     cluster = LocalCluster(num_ps, workers, script or str(ROOT / "examples" / "ctr.py"),
                            ["--train", train, "--test", test, *flags],
-                           Options(torch_threads=1), out=io.StringIO(), progress_every=0, log_level="WARNING")
+                           Options(torch_threads=default_torch_threads(workers)), out=io.StringIO(), progress_every=0,
+                           log_level="WARNING")
     if cluster.run() != 0:
         raise SystemExit(cluster._lines.out.getvalue()[-3000:])
     summary = cluster.summary()

@@ -25,7 +25,7 @@ NUM_PS, NUM_WORKERS = 1, 2
 
 def examples_per_s(seconds: float, batch_size: int, certs: Path | None) -> float:
     options = Options(use_stream=True, shared_memory=False,
-                      torch_threads=default_torch_threads(NUM_PS, NUM_WORKERS))
+                      torch_threads=default_torch_threads(NUM_WORKERS))
     cluster = LocalCluster(NUM_PS, NUM_WORKERS, WORKER, ["--seconds", str(seconds), "--batch-size", str(batch_size)],
                            options, out=io.StringIO(), progress_every=0, log_level="WARNING", certs=certs)
     code = cluster.run()

@@ -114,7 +114,7 @@ def _add_cluster_flags(parser: argparse.ArgumentParser, ps: int = 1, workers: in
     parser.add_argument("--ps", type=int, default=ps, help=f"number of PS processes (default {ps})")
     parser.add_argument("--workers", type=int, default=workers, help=f"number of worker processes (default {workers})")
     parser.add_argument("--torch-threads", type=int, default=0,
-                        help="torch intra-op threads per worker (default: cores / (ps + workers), at least 1)")
+                        help="torch intra-op threads per worker (default: cores / workers, at least 1)")
     parser.add_argument("--rpc-timeout", type=float, default=Options.rpc_timeout_s,
                         help=f"deadline in seconds of each call to a PS (default {Options.rpc_timeout_s})")
     parser.add_argument("--progress-every", type=float, default=2.0,
@@ -222,7 +222,7 @@ def mode_options(args: argparse.Namespace) -> dict:
 def _run_local(args: argparse.Namespace, script: str, script_args: list[str]) -> int:
     from .local import LocalCluster, default_torch_threads
 
-    threads = args.torch_threads or default_torch_threads(args.ps, args.workers)
+    threads = args.torch_threads or default_torch_threads(args.workers)
     options = Options(rpc_timeout_s=args.rpc_timeout, torch_threads=threads, **mode_options(args))
     options.validate(args.workers)  # what needs the cluster's size too, before any process starts
     if options.metrics_port > 0:
