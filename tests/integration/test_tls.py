@@ -10,6 +10,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 
 import grpc
 import numpy as np
@@ -147,7 +148,16 @@ def test_the_tensor_stream_refuses_a_client_without_a_certificate_from_its_ca(pk
         pass
     assert reply == b""
     assert_unchanged(good, before)
-    assert tls_refusals(pki) == audited + 1  # written before the PS closed the connection
+    # OpenSSL sends its alert before the PS's handler writes the audit line: wait for that line
+    assert refusals_reach(pki, audited + 1) == audited + 1
+
+
+def refusals_reach(pki, count: int, bound_s: float = 60.0) -> int:
+    """The refused handshakes audited, once they reach `count` (the bound only ends a failing wait)."""
+    deadline = time.monotonic() + bound_s
+    while (seen := tls_refusals(pki)) < count and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return seen
 
 
 def tls_refusals(pki) -> int:
