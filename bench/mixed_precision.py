@@ -20,7 +20,7 @@ import torch.nn as nn
 
 import paramserver as ps
 from paramserver.base.config import ClusterSpec, NodeConfig, Options, Task
-from paramserver.transport import codec
+from paramserver.wire import codec
 from paramserver.worker.wire_dtype import wire_array
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -94,9 +94,9 @@ def both_kernel_paths(request, monkeypatch):
 @pytest.fixture
 def fresh_context():
     """Leaves no paramserver context behind for the next test."""
-    from paramserver.worker import context
+    from paramserver.worker import current
 
     yield
-    if context._current is not None:
-        context._current.shutdown()
-    context._launched = None
+    if current.existing() is not None:
+        current.existing().shutdown()
+    current.set_launched_config(None)

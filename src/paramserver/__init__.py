@@ -19,19 +19,30 @@ from typing import Any
 # first: gRPC reads its fork setting when it loads, and base.errors imports it
 from .base import grpc_fork  # noqa: F401  (isort: skip)
 from .base.config import ClusterSpec, NodeConfig, Options, Task
-from .base.errors import (AlreadyExistsError, ConfigError, DeadlineExceededError, FailedPreconditionError,
-                          InvalidArgumentError, MalformedFrameError, NotFoundError, NotInitializedError,
-                          ParamServerError, ProtocolVersionError, ResourceExhaustedError, UnavailableError)
+from .base.errors import (
+    AlreadyExistsError,
+    ConfigError,
+    DeadlineExceededError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    MalformedFrameError,
+    NotFoundError,
+    NotInitializedError,
+    ParamServerError,
+    ProtocolVersionError,
+    ResourceExhaustedError,
+    UnavailableError,
+)
 
 __version__ = "0.1.0"
 
 _LAZY = {
     "init": ("paramserver.api", "init"),
     "Context": ("paramserver.worker.context", "Context"),
-    "current_context": ("paramserver.worker.context", "current_context"),
-    "set_mode": ("paramserver.worker.context", "set_mode"),
-    "log_scalar": ("paramserver.worker.context", "log_scalar"),
-    "pipeline": ("paramserver.worker.context", "pipeline"),
+    "current_context": ("paramserver.worker.current", "current_context"),
+    "set_mode": ("paramserver.worker.current", "set_mode"),
+    "log_scalar": ("paramserver.worker.current", "log_scalar"),
+    "pipeline": ("paramserver.worker.current", "pipeline"),
     "Trainer": ("paramserver.worker.trainer", "Trainer"),
     "EpochMetrics": ("paramserver.worker.trainer", "EpochMetrics"),
     "evaluate": ("paramserver.worker.evaluator", "evaluate"),
@@ -40,13 +51,36 @@ _LAZY = {
     "nn": ("paramserver.nn", None),
 }
 
-__all__ = ["init", "Context", "current_context", "set_mode", "log_scalar", "pipeline", "Trainer", "EpochMetrics", "evaluate",
-           "Evaluation", "optim", "nn",
-           "ClusterSpec", "NodeConfig", "Options", "Task", "ParamServerError", "InvalidArgumentError",
-           "MalformedFrameError", "NotFoundError", "FailedPreconditionError", "ProtocolVersionError",
-           "UnavailableError",
-           "DeadlineExceededError", "ConfigError", "NotInitializedError", "AlreadyExistsError",
-           "ResourceExhaustedError"]
+__all__ = [
+    "init",
+    "Context",
+    "current_context",
+    "set_mode",
+    "log_scalar",
+    "pipeline",
+    "Trainer",
+    "EpochMetrics",
+    "evaluate",
+    "Evaluation",
+    "optim",
+    "nn",
+    "ClusterSpec",
+    "NodeConfig",
+    "Options",
+    "Task",
+    "ParamServerError",
+    "InvalidArgumentError",
+    "MalformedFrameError",
+    "NotFoundError",
+    "FailedPreconditionError",
+    "ProtocolVersionError",
+    "UnavailableError",
+    "DeadlineExceededError",
+    "ConfigError",
+    "NotInitializedError",
+    "AlreadyExistsError",
+    "ResourceExhaustedError",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -3,31 +3,40 @@
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 from .base.config import NodeConfig
 from .base.errors import ConfigError
-from .worker import context
+from .worker import current
+
+if TYPE_CHECKING:
+    from .worker.context import Context
 
 
-def init(config: NodeConfig | None = None, *, num_ps: int = 1) -> context.Context:
-    """Join the cluster and return this worker's Context (see paramserver.worker.context for
+def init(config: NodeConfig | None = None, *, num_ps: int = 1) -> Context:
+    """Join the cluster and return this worker's Context (see paramserver.worker.join for
     where the cluster's description comes from).
 
     On a PS task this serves the shard until the node is stopped and then exits the process,
     so one script can be started unchanged on every node. `num_ps` sets the number of shards
     of the in-process cluster only. Calling it again returns the same Context.
     """
-    if context.existing() is not None:
-        return context.existing()
-    config = config or context.node_config()
+    if current.existing() is not None:
+        return current.existing()
+    config = config or current.node_config()
     if config is not None and _in_spawned_reimport():
-        raise ConfigError("paramserver.init() ran while a process started with 'spawn' (e.g. a DataLoader "
-                          "worker) imported your script again; it would join the cluster a second time. Put "
-                          "the training under `if __name__ == \"__main__\":`, as torch documents for spawn")
+        raise ConfigError(
+            "paramserver.init() ran while a process started with 'spawn' (e.g. a DataLoader "
+            "worker) imported your script again; it would join the cluster a second time. Put "
+            'the training under `if __name__ == "__main__":`, as torch documents for spawn'
+        )
     if config is not None and config.task.type == "ps":
-        from .launch.ps_node import run_ps_node  # here: a worker never loads the PS node
+        from .launch.ps_process import run_ps_node  # here: a worker never loads the PS node
+
         raise SystemExit(run_ps_node(config.address, config.task.index, config.options))
-    return context.join(config, num_ps)
+    from .worker.join import join  # here: a PS task never loads torch
+
+    return join(config, num_ps)
 
 
 def _in_spawned_reimport() -> bool:

@@ -18,10 +18,10 @@ from paramserver.base.config import ClusterSpec, NodeConfig, Options, Task
 from paramserver.base.errors import PermissionDeniedError, UnauthenticatedError, UnavailableError
 from paramserver.coordinator.coordinator_service import SERVICE as COORDINATOR
 from paramserver.launch.tokens import write_tokens
-from paramserver.transport import codec
+from paramserver.wire import codec
 from paramserver.transport.grpc_transport import GrpcChannel
 from paramserver.transport.stream_client import StreamClient
-from paramserver.worker.cluster import CoordinatorHost
+from paramserver.node.coordinator_host import CoordinatorHost
 from tests.conftest import ROOT
 from tests.reference import batches, max_relative_error, mlp, train, twin
 

@@ -25,9 +25,9 @@ import pytest
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
-from paramserver.base import messages as msg
+from paramserver.wire import messages as msg
 from paramserver.base.errors import ParamServerError
-from paramserver.transport import codec
+from paramserver.wire import codec
 from paramserver.transport import stream as stream_mod
 
 pytestmark = pytest.mark.slow
@@ -150,7 +150,7 @@ def _field_values(hint):
 
 
 def _meta_for(cls):
-    from paramserver.base.message_fields import fields_of
+    from paramserver.wire.message_fields import fields_of
 
     return st.fixed_dictionaries({}, optional={f.name: specs.get(f.name, _field_values(f.hint)) | deep
                                                for f in fields_of(cls)})

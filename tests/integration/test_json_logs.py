@@ -47,7 +47,7 @@ def test_text_lines_stay_the_default(procs):
     err = ps_log(procs, ["node", "--role", "ps", "--bind", "127.0.0.1:0"])
     lines = err.splitlines()
     assert lines and not any(line.startswith("{") for line in lines)
-    assert any(" INFO paramserver.launch.ps_node: ps 0 serving on" in line for line in lines)
+    assert any(" INFO paramserver.node.ps_node: ps 0 serving on" in line for line in lines)
 
 
 def test_a_run_writes_json_lines_from_every_node(procs, tmp_path):

@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 import paramserver as ps
-from paramserver.transport import codec
+from paramserver.wire import codec
 from paramserver.transport import stream_server
 from paramserver.transport.grpc_transport import GrpcChannel
 

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import paramserver as ps
 from paramserver.base.config import ClusterSpec, NodeConfig, Options, Task
 from paramserver.server.embedding_table import initial_rows
-from paramserver.transport import codec
+from paramserver.wire import codec
 from tests.reference import batches, mlp
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from paramserver.transport import codec
+from paramserver.wire import codec
 from paramserver.transport.grpc_transport import GrpcChannel
 from tests.conftest import ROOT
 

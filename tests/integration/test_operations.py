@@ -19,8 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from paramserver.base.config import ClusterSpec, NodeConfig, Options, Task
 from paramserver.base.metrics import NodeMetrics
-from paramserver.launch.ps_node import PSNode
-from paramserver.transport import codec
+from paramserver.node.ps_node import PSNode
+from paramserver.wire import codec
 from paramserver.transport.health import check
 from paramserver.worker.ops import WorkerOps
 from tests.conftest import ROOT, Procs

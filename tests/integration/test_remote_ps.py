@@ -14,7 +14,7 @@ import torch
 import paramserver as ps
 from paramserver.base.config import ClusterSpec, NodeConfig, Options, Task
 from paramserver.client.ps_client import PSClient
-from paramserver.transport import codec
+from paramserver.wire import codec
 from paramserver.transport.grpc_transport import GrpcChannel
 from tests.reference import batches, max_relative_error, mlp, train, twin
 

@@ -9,7 +9,7 @@ import paramserver as ps
 from paramserver.base.config import ClusterSpec, NodeConfig, Options, Task
 from paramserver.base.hashing import shard_of
 from paramserver.client.table_client import TableClient
-from paramserver.transport import codec
+from paramserver.wire import codec
 from paramserver.transport.grpc_transport import GrpcChannel
 from tests.integration.test_node import free_port
 

@@ -7,7 +7,7 @@ import numpy as np
 
 from paramserver.launch import cli
 from paramserver.launch.tokens import write_tokens
-from paramserver.transport import codec
+from paramserver.wire import codec
 from paramserver.transport.grpc_transport import GrpcChannel
 
 NODES = ["ps-0", "worker-0", "admin"]

@@ -18,11 +18,11 @@ import pytest
 
 from paramserver.base.config import Options
 from paramserver.base.errors import UnavailableError
-from paramserver.base.tls import TlsMaterial
+from paramserver.security.tls import TlsMaterial
 from paramserver.launch.certs import node_tls_files, write_certs
 from paramserver.server.shard import Shard
 from paramserver.server.shard_service import ShardService
-from paramserver.transport import codec
+from paramserver.wire import codec
 from paramserver.transport.grpc_transport import GrpcChannel
 from paramserver.transport.stream import MAGIC, METHODS
 from paramserver.transport.stream_client import StreamClient

@@ -8,8 +8,8 @@ import pytest
 
 import paramserver as ps
 from paramserver.base.config import Options
-from paramserver.launch.ps_node import PSNode
-from paramserver.transport import codec
+from paramserver.node.ps_node import PSNode
+from paramserver.wire import codec
 from paramserver.transport.grpc_transport import GrpcChannel
 from paramserver.transport.inprocess import InProcessChannel
 

@@ -1,4 +1,4 @@
-"""base/audit.py: JSON lines, appended, one whole line per record from any thread; "" goes to the logger."""
+"""security/audit.py: JSON lines, appended, one whole line per record from any thread; "" goes to the logger."""
 
 import json
 import logging
@@ -7,7 +7,7 @@ from datetime import datetime
 
 import pytest
 
-from paramserver.base.audit import AuditLog
+from paramserver.security.audit import AuditLog
 from paramserver.base.errors import ConfigError
 
 

@@ -9,7 +9,7 @@ import struct
 import numpy as np
 import pytest
 
-from paramserver.base import messages as msg
+from paramserver.wire import messages as msg
 from paramserver.base.errors import (AlreadyExistsError, FailedPreconditionError, InvalidArgumentError,
                                      MalformedFrameError, NotFoundError, ResourceExhaustedError)
 from paramserver.checkpoint import shard_writer
@@ -19,7 +19,7 @@ from paramserver.server.limits import TableLimits
 from paramserver.server.shard import Shard
 from paramserver.server.shard_service import ShardService
 from paramserver.server.table_store import TableStore
-from paramserver.transport import codec
+from paramserver.wire import codec
 from paramserver.transport import stream as stream_mod
 from paramserver.transport import stream_server
 from paramserver.transport.shared_memory import Segment

@@ -1,4 +1,4 @@
-"""`paramserver certs` (launch/certs.py) and reading TLS material (base/tls.py)."""
+"""`paramserver certs` (launch/certs.py) and reading TLS material (security/tls.py)."""
 
 import ipaddress
 import json
@@ -11,7 +11,7 @@ from cryptography.x509.verification import PolicyBuilder, Store, VerificationErr
 
 from paramserver.base.config import Options
 from paramserver.base.errors import ConfigError
-from paramserver.base.tls import TlsMaterial, tls_from_options
+from paramserver.security.tls import TlsMaterial, tls_from_options
 from paramserver.launch import cli
 from paramserver.launch.certs import node_tls_files, write_certs
 
@@ -127,7 +127,7 @@ def test_bad_tls_files_are_a_config_error_naming_the_option(tmp_path, change, fr
 
 
 def test_the_certs_command_writes_tokens_that_the_store_knows_by_role(tmp_path, capsys):
-    from paramserver.base.auth import TokenStore, read_token
+    from paramserver.security.auth import TokenStore, read_token
 
     directory = tmp_path / "c"
     assert cli.main(["certs", str(directory), "--nodes", "ps-0,worker-0,worker-1,admin", "--tokens"]) == 0

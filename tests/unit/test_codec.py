@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from paramserver.base.errors import MalformedFrameError, ProtocolVersionError
-from paramserver.transport import codec
+from paramserver.wire import codec
 
 
 def test_round_trip_keeps_meta_names_dtypes_shapes_and_values():

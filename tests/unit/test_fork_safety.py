@@ -12,7 +12,7 @@ import pytest
 from paramserver.base.config import ClusterSpec, NodeConfig, Options, Task
 from paramserver.base.errors import ConfigError
 from paramserver.base.grpc_fork import GRPC_FORK_SUPPORT_ENV
-from paramserver.worker import context
+from paramserver.worker import current
 
 
 def imported(code: str, value: str | None) -> str:
@@ -47,4 +47,4 @@ def test_init_in_a_spawned_reimport_of_the_script_is_refused_before_it_joins(tmp
     script.write_text("import paramserver as ps\nps.init(CONFIG)\n")
     with pytest.raises(ConfigError, match=r'Put the training under `if __name__ == "__main__":`'):
         runpy.run_path(str(script), init_globals={"CONFIG": config}, run_name="__mp_main__")
-    assert context._current is None
+    assert current.existing() is None

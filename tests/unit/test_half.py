@@ -1,11 +1,11 @@
-"""base/half.py against torch: float32 -> bfloat16 / float16 bit for bit, and back exactly (with the
+"""wire/half.py against torch: float32 -> bfloat16 / float16 bit for bit, and back exactly (with the
 C kernels and on numpy)."""
 
 import numpy as np
 import pytest
 import torch
 
-from paramserver.base.half import BF16_NAN, bf16_bits_to_float32, float32_to_bf16_bits, from_wire, to_wire
+from paramserver.wire.half import BF16_NAN, bf16_bits_to_float32, float32_to_bf16_bits, from_wire, to_wire
 
 pytestmark = pytest.mark.usefixtures("both_kernel_paths")
 

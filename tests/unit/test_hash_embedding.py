@@ -225,7 +225,7 @@ def train_ctr_like(prefetch: bool) -> torch.Tensor:
         loss.backward()
         opt.step()
     rows = model.embedding.lookup(torch.arange(VOCAB)).detach().clone()
-    ps.worker.context.current_context().shutdown()
+    ps.current_context().shutdown()
     return torch.cat([rows.flatten(), model.head.weight.detach().flatten()])
 
 

@@ -26,10 +26,10 @@ from paramserver.coordinator.coordinator_service import CoordinatorClient, Coord
 from paramserver.coordinator.membership import Coordinator
 from paramserver.data.loader import BatchLoader
 from paramserver.launch.local import LocalCluster
-from paramserver.launch.ps_node import PSNode
+from paramserver.node.ps_node import PSNode
 from paramserver.server.shard import Shard
 from paramserver.server.shard_service import ShardService
-from paramserver.transport import codec
+from paramserver.wire import codec
 from paramserver.transport.grpc_transport import GrpcChannel, GrpcServer
 from paramserver.transport.grpc_transport import health_server as make_health_server
 from paramserver.transport.health import Health, check

@@ -1,4 +1,4 @@
-"""base/logs.py: JSON lines carry node, role and the record's step / event / duration_s; human lines
+"""launch/logs.py: JSON lines carry node, role and the record's step / event / duration_s; human lines
 stay the default; the launcher turns its children's output into JSON lines too."""
 
 import io
@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from paramserver.base import logs
+from paramserver.launch import logs
 from paramserver.launch.processes import LineWriter
 
 

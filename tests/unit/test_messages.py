@@ -1,4 +1,4 @@
-"""The typed messages of base/messages.py: round trips, refused fields, the services using them,
+"""The typed messages of wire/messages.py: round trips, refused fields, the services using them,
 the bytes on the wire, and docs/protocol.md generated from them."""
 
 import json
@@ -8,14 +8,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from paramserver.base import messages as msg
+from paramserver.wire import messages as msg
 from paramserver.base.errors import MalformedFrameError, NotFoundError
-from paramserver.base.message_fields import fields_of, markdown, replaced
+from paramserver.wire.message_fields import fields_of, markdown, replaced
 from paramserver.coordinator.coordinator_service import CoordinatorService
 from paramserver.coordinator.membership import Coordinator
 from paramserver.server.shard import Shard
 from paramserver.server.shard_service import ShardService
-from paramserver.transport import codec
+from paramserver.wire import codec
 from paramserver.transport.stream import METHODS as STREAM_METHODS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -256,7 +256,7 @@ def test_every_method_of_each_service_has_its_messages():
 def test_docs_protocol_md_holds_the_tables_generated_from_the_messages():
     text = (ROOT / "docs" / "protocol.md").read_text(encoding="utf-8")
     assert replaced(text, markdown(msg.SERVICES)) == text, \
-        "docs/protocol.md is out of date: run `python -m paramserver.base.messages --write docs/protocol.md`"
+        "docs/protocol.md is out of date: run `python -m paramserver.wire.messages --write docs/protocol.md`"
 
 
 def test_docs_protocol_md_lists_the_streams_method_ids():

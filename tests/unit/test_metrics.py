@@ -10,7 +10,7 @@ from paramserver.base.metrics import NodeMetrics
 from paramserver.server.shard import Shard
 from paramserver.server.shard_metrics import ShardCollector
 from paramserver.server.shard_service import ShardService
-from paramserver.transport import codec
+from paramserver.wire import codec
 from paramserver.transport.dispatch import answer
 from paramserver.transport.grpc_transport import SERVICE
 from paramserver.transport.health import Health

@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 
 import paramserver as ps
-from paramserver.base.half import float32_to_bf16_bits
+from paramserver.wire.half import float32_to_bf16_bits
 from paramserver.checkpoint import shard_file
 from paramserver.checkpoint.restore import RestoreSource
 from paramserver.checkpoint.store import CheckpointStore, checkpoint_name

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import paramserver as ps
-from paramserver.worker import context as context_module
+from paramserver.worker import current as context_module
 
 from test_hash_embedding import record_calls
 

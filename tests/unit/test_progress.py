@@ -4,7 +4,7 @@ import json
 import os
 import time
 
-from paramserver.base.progress import ProgressBoard, ProgressWriter
+from paramserver.worker.progress import ProgressBoard, ProgressWriter
 
 
 def _lines(fd: int) -> list[dict]:

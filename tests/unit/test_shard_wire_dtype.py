@@ -8,7 +8,7 @@ import torch
 
 from paramserver.base.consistency_spec import ConsistencySpec
 from paramserver.base.errors import FailedPreconditionError, InvalidArgumentError
-from paramserver.base.half import bf16_bits_to_float32, float32_to_bf16_bits
+from paramserver.wire.half import bf16_bits_to_float32, float32_to_bf16_bits
 from paramserver.server.shard import Push, Shard
 from paramserver.server.table_store import TableStore
 

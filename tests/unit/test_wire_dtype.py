@@ -6,7 +6,7 @@ import torch
 
 import paramserver as ps
 from paramserver.base.errors import FailedPreconditionError, InvalidArgumentError
-from paramserver.base.half import float32_to_bf16_bits
+from paramserver.wire.half import float32_to_bf16_bits
 from paramserver.worker.wire_dtype import wire_array, write_wire
 
 

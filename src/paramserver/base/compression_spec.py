@@ -30,11 +30,12 @@ class Codec:
     ratio: float = 0.0
 
     @classmethod
-    def parse(cls, text: str) -> "Codec":
+    def parse(cls, text: str) -> Codec:
         kind, _, arg = text.strip().partition(":")
         if kind not in CODECS:
-            raise InvalidArgumentError(f"unknown compression codec {text.strip()!r} (one of none, fp16, bf16, "
-                                       f"int8, topk:R)")
+            raise InvalidArgumentError(
+                f"unknown compression codec {text.strip()!r} (one of none, fp16, bf16, int8, topk:R)"
+            )
         if kind != "topk":
             if arg:
                 raise InvalidArgumentError(f"compression codec {kind!r} takes no argument, got {text.strip()!r}")
@@ -42,8 +43,9 @@ class Codec:
         try:
             ratio = float(arg)
         except ValueError:
-            raise InvalidArgumentError(f"compression codec topk needs a ratio, e.g. topk:0.01, got "
-                                       f"{text.strip()!r}") from None
+            raise InvalidArgumentError(
+                f"compression codec topk needs a ratio, e.g. topk:0.01, got {text.strip()!r}"
+            ) from None
         if not 0.0 < ratio <= 1.0:
             raise InvalidArgumentError(f"topk ratio must be in (0, 1], got {ratio}")
         return cls(kind, ratio)
@@ -62,7 +64,7 @@ class CompressionSpec:
     rules: tuple[tuple[str, Codec], ...] = ()
 
     @classmethod
-    def parse(cls, text: str) -> "CompressionSpec":
+    def parse(cls, text: str) -> CompressionSpec:
         rules = []
         for part in (p.strip() for p in text.split(",")):
             if not part:
@@ -85,8 +87,10 @@ class CompressionSpec:
         them (the next matching rule decides); one naming the table itself, no wildcard, is refused."""
         for pattern, codec in self.rules:
             if codec.kind == "topk" and pattern == name:
-                raise InvalidArgumentError(f"compression rule {pattern}={codec}: topk compresses dense gradients "
-                                           f"only; table {name!r} takes fp16, bf16 or int8")
+                raise InvalidArgumentError(
+                    f"compression rule {pattern}={codec}: topk compresses dense gradients "
+                    f"only; table {name!r} takes fp16, bf16 or int8"
+                )
             if codec.kind != "topk" and fnmatch.fnmatchcase(name, pattern):
                 return codec
         return NONE

@@ -15,9 +15,10 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from .compression_spec import CompressionSpec
 from .consistency_spec import ConsistencySpec, ModeChange, parse_schedule
@@ -43,7 +44,7 @@ class ClusterSpec:
     evaluator: tuple[str, ...] = ()
 
     @classmethod
-    def from_dict(cls, spec: Mapping[str, Any]) -> "ClusterSpec":
+    def from_dict(cls, spec: Mapping[str, Any]) -> ClusterSpec:
         if not isinstance(spec, Mapping):
             raise ConfigError(f"cluster spec must be an object of role -> address list, got {spec!r}")
         if LEGACY_CHIEF in spec:  # {"master": [...]} is the chief
@@ -192,8 +193,11 @@ class Options:
             need(name, lambda v: v > 0, "positive")
         need("max_message_bytes", lambda v: 1024 <= v <= _GRPC_MAX_MESSAGE, f"between 1024 and {_GRPC_MAX_MESSAGE}")
         if needs("max_payload_bytes", "max_message_bytes"):
-            need("max_payload_bytes", lambda v: v >= self.max_message_bytes,
-                 f"at least max_message_bytes ({self.max_message_bytes})")
+            need(
+                "max_payload_bytes",
+                lambda v: v >= self.max_message_bytes,
+                f"at least max_message_bytes ({self.max_message_bytes})",
+            )
         need("split_bytes", lambda v: v >= 1, "at least 1")
         need("ps_threads", lambda v: v >= 1, "at least 1")
         need("stream_port", lambda v: 0 <= v <= 65535, "a port number from 0 to 65535")
@@ -223,17 +227,23 @@ class Options:
         if needs("tls_ca", "tls_cert") and self.tls_ca and not self.tls_cert:
             found.append("option 'tls_ca' needs 'tls_cert' and 'tls_key' (mutual TLS: every node shows its own)")
         if needs("heartbeat_timeout_s", "heartbeat_s") and self.heartbeat_s > 0:
-            need("heartbeat_timeout_s", lambda v: v > 2 * self.heartbeat_s, f"more than twice heartbeat_s "
-                                                                             f"({self.heartbeat_s})")
+            need(
+                "heartbeat_timeout_s",
+                lambda v: v > 2 * self.heartbeat_s,
+                f"more than twice heartbeat_s ({self.heartbeat_s})",
+            )
         if needs("dense_sync") and self.dense_sync == "allreduce":
             # timed checkpoints pause each worker after whichever step it learns of them, and backup
             # workers leave steps behind: the workers' all-reduces must meet at the same steps
             if needs("checkpoint_every_seconds") and self.checkpoint_every_seconds:
-                found.append("option 'checkpoint_every_seconds' needs dense_sync 'ps' (with 'allreduce' the "
-                             "workers must pause at the same step: use checkpoint_every)")
+                found.append(
+                    "option 'checkpoint_every_seconds' needs dense_sync 'ps' (with 'allreduce' the "
+                    "workers must pause at the same step: use checkpoint_every)"
+                )
             if needs("backup_workers") and self.backup_workers:
-                found.append("option 'backup_workers' needs dense_sync 'ps' (the dense all-reduce waits for "
-                             "every worker)")
+                found.append(
+                    "option 'backup_workers' needs dense_sync 'ps' (the dense all-reduce waits for every worker)"
+                )
         for name in ("checkpoint_every", "checkpoint_every_seconds", "resume"):
             if needs(name, "checkpoint_dir") and getattr(self, name) and not self.checkpoint_dir:
                 found.append(f"option {name!r} needs a checkpoint_dir")
@@ -281,7 +291,7 @@ class Options:
         return parse_schedule(self.mode_schedule)
 
     @classmethod
-    def from_dict(cls, values: Mapping[str, Any]) -> "Options":
+    def from_dict(cls, values: Mapping[str, Any]) -> Options:
         """Options from JSON-like values (PARAMSERVER_OPTIONS, a cluster file's "options").
 
         Boolean options take true / false, and also 1 / 0 (what the files and environments written
@@ -321,8 +331,9 @@ class NodeConfig:
         count = len(getattr(self.cluster, self.task.type))
         unlisted_evaluator = self.task.type == EVALUATOR and count == 0  # it serves nothing: needs no address
         if self.task.index < 0 or not unlisted_evaluator and self.task.index >= count:
-            raise ConfigError(f"task {self.task.type}:{self.task.index} is outside the cluster "
-                              f"({count} {self.task.type} address(es))")
+            raise ConfigError(
+                f"task {self.task.type}:{self.task.index} is outside the cluster ({count} {self.task.type} address(es))"
+            )
         self.options.validate(self.cluster.num_workers)
 
     @property
@@ -372,12 +383,15 @@ def _whole_cluster(sparse: Any, task: Task, cluster: ClusterSpec | None) -> Clus
     if not isinstance(sparse, Mapping):
         raise ConfigError(f"TF_CONFIG's sparse cluster must be an object, got {sparse!r}")
     if cluster is None:
-        raise ConfigError("TF_CONFIG has the sparse cluster form (a TFJob with enableDynamicWorker), which names "
-                          "neither the other workers nor the chief; give the whole cluster too: --cluster FILE or "
-                          f"{CLUSTER_ENV} (paramserver k8s --tfjob writes it)")
+        raise ConfigError(
+            "TF_CONFIG has the sparse cluster form (a TFJob with enableDynamicWorker), which names "
+            "neither the other workers nor the chief; give the whole cluster too: --cluster FILE or "
+            f"{CLUSTER_ENV} (paramserver k8s --tfjob writes it)"
+        )
     workers, ps = sparse.get("worker") or {}, sparse.get("ps") or []
-    if not isinstance(workers, Mapping) or not all(isinstance(i, str) and i.isdigit() and isinstance(a, str)
-                                                   for i, a in workers.items()):
+    if not isinstance(workers, Mapping) or not all(
+        isinstance(i, str) and i.isdigit() and isinstance(a, str) for i, a in workers.items()
+    ):
         raise ConfigError(f"TF_CONFIG's sparse cluster: 'worker' must map indexes to 'host:port', got {workers!r}")
     if not isinstance(ps, list) or not all(isinstance(a, str) for a in ps):
         raise ConfigError(f"TF_CONFIG's sparse cluster: 'ps' must be a list of 'host:port', got {ps!r}")
@@ -389,8 +403,10 @@ def _whole_cluster(sparse: Any, task: Task, cluster: ClusterSpec | None) -> Clus
     for (role, index), address in named.items():
         listed = getattr(cluster, role)
         if index >= len(listed) or listed[index] != address:
-            raise ConfigError(f"TF_CONFIG names {role}:{index} at {address}, but the whole cluster given "
-                              f"has {listed[index] if index < len(listed) else 'no such task'}")
+            raise ConfigError(
+                f"TF_CONFIG names {role}:{index} at {address}, but the whole cluster given "
+                f"has {listed[index] if index < len(listed) else 'no such task'}"
+            )
     return cluster
 
 
@@ -437,8 +453,9 @@ def options_from_environ(environ: Mapping[str, str] = os.environ) -> Options:
     return Options.from_dict(values)
 
 
-def config_from_environ(environ: Mapping[str, str] = os.environ, options: Options | None = None,
-                        cluster: ClusterSpec | None = None) -> NodeConfig | None:
+def config_from_environ(
+    environ: Mapping[str, str] = os.environ, options: Options | None = None, cluster: ClusterSpec | None = None
+) -> NodeConfig | None:
     """The node config given by TF_CONFIG, or None when TF_CONFIG is unset. Its options are `options`
     (e.g. PARAMSERVER_OPTIONS combined with command-line flags), else PARAMSERVER_OPTIONS. A sparse
     TF_CONFIG takes the whole cluster from `cluster`, else from PARAMSERVER_CLUSTER."""

@@ -20,7 +20,7 @@ class ConsistencySpec:
     staleness: int = 0  # K of ssp:K
 
     @classmethod
-    def parse(cls, text: str, workers: int, backups: int = 0) -> "ConsistencySpec":
+    def parse(cls, text: str, workers: int, backups: int = 0) -> ConsistencySpec:
         """From the command line's form: "async", "sync" or "ssp:K"."""
         name, _, arg = str(text).partition(":")
         if name == "ssp":
@@ -34,7 +34,7 @@ class ConsistencySpec:
         return cls.from_dict({"mode": name, "workers": workers, "backups": backups})
 
     @classmethod
-    def from_dict(cls, data: dict) -> "ConsistencySpec":
+    def from_dict(cls, data: dict) -> ConsistencySpec:
         try:
             spec = cls(**data)
         except TypeError as exc:
@@ -52,7 +52,8 @@ class ConsistencySpec:
             raise InvalidArgumentError(f"mode {self.mode} needs the number of workers")
         if self.backups and (self.mode != "sync" or self.backups >= self.workers):
             raise InvalidArgumentError(
-                f"{self.backups} backup workers need sync mode and fewer backups than workers ({self.workers})")
+                f"{self.backups} backup workers need sync mode and fewer backups than workers ({self.workers})"
+            )
 
     @property
     def quorum(self) -> int:
@@ -76,7 +77,7 @@ class ModeChange:
 
 
 def parse_schedule(text: str) -> list[ModeChange]:
-    """"sync@500" or "ssp:2@100,sync@900": switch to MODE when the workers reach STEP. Checks the
+    """ "sync@500" or "ssp:2@100,sync@900": switch to MODE when the workers reach STEP. Checks the
     form and the order of the steps; each MODE is checked by ConsistencySpec.parse."""
     changes = []
     for entry in filter(None, (part.strip() for part in text.split(","))):

@@ -28,13 +28,13 @@ Rules every class keeps:
 
 from __future__ import annotations
 
-RESTART_EXIT_CODE = 75  # a node asks its restart loop (Kubernetes, a supervisor) to start it again: a roll-back
-
 import threading
 from abc import ABC, abstractmethod
 from typing import Any
 
 from .errors import ParamServerError, UnavailableError
+
+RESTART_EXIT_CODE = 75  # a node asks its restart loop (Kubernetes, a supervisor) to start it again: a roll-back
 
 
 class Lifecycle(ABC):

@@ -12,8 +12,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import psutil
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, start_http_server
@@ -40,14 +41,31 @@ class CallMetrics:
     def __init__(self, registry: CollectorRegistry, service: str, methods: Any) -> None:
         self.service = service
         self.methods = frozenset(methods)
-        self.calls = Counter("paramserver_calls", "Calls answered, by service, method and status code",
-                             ("service", "method", "code"), registry=registry)
-        self.latency = Histogram("paramserver_call_duration_seconds", "Time to answer a call, by service and method",
-                                 ("service", "method"), registry=registry, buckets=_CALL_BUCKETS)
-        self.received = Counter("paramserver_request_bytes", "Bytes of requests received, by service and method",
-                                ("service", "method"), registry=registry)
-        self.sent = Counter("paramserver_reply_bytes", "Bytes of replies sent (errors included), by service and "
-                            "method", ("service", "method"), registry=registry)
+        self.calls = Counter(
+            "paramserver_calls",
+            "Calls answered, by service, method and status code",
+            ("service", "method", "code"),
+            registry=registry,
+        )
+        self.latency = Histogram(
+            "paramserver_call_duration_seconds",
+            "Time to answer a call, by service and method",
+            ("service", "method"),
+            registry=registry,
+            buckets=_CALL_BUCKETS,
+        )
+        self.received = Counter(
+            "paramserver_request_bytes",
+            "Bytes of requests received, by service and method",
+            ("service", "method"),
+            registry=registry,
+        )
+        self.sent = Counter(
+            "paramserver_reply_bytes",
+            "Bytes of replies sent (errors included), by service and method",
+            ("service", "method"),
+            registry=registry,
+        )
 
         self._children: dict[tuple[str, str], tuple] = {}  # (method, code) -> its labelled metrics
 
@@ -65,8 +83,11 @@ class CallMetrics:
         found = self._children.get((method, code))
         if found is None:  # a race here labels twice and keeps either: labels() returns the same child
             found = self._children[(method, code)] = (
-                self.calls.labels(self.service, method, code), self.latency.labels(self.service, method),
-                self.received.labels(self.service, method), self.sent.labels(self.service, method))
+                self.calls.labels(self.service, method, code),
+                self.latency.labels(self.service, method),
+                self.received.labels(self.service, method),
+                self.sent.labels(self.service, method),
+            )
         return found
 
 
@@ -74,9 +95,12 @@ class CheckpointMetrics:
     """Checkpoint writes of a node (a PS's shard file, the chief's whole checkpoint): durations and failures."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.duration = Histogram("paramserver_checkpoint_duration_seconds", "Time to write a checkpoint (a PS: "
-                                  "its shard file; the chief: the whole checkpoint, manifest included)",
-                                  registry=registry, buckets=_CHECKPOINT_BUCKETS)
+        self.duration = Histogram(
+            "paramserver_checkpoint_duration_seconds",
+            "Time to write a checkpoint (a PS: its shard file; the chief: the whole checkpoint, manifest included)",
+            registry=registry,
+            buckets=_CHECKPOINT_BUCKETS,
+        )
         self.failures = Counter("paramserver_checkpoint_failures", "Checkpoint writes that failed", registry=registry)
 
     @contextmanager
@@ -92,9 +116,11 @@ class CheckpointMetrics:
 
     def around(self, save):
         """`save` (a ShardService's `save_checkpoint`), timed."""
+
         def timed_save(*args, **kwargs):
             with self.timed():
                 return save(*args, **kwargs)
+
         return timed_save
 
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def save_shard(directory: str, name: str, shard: Any, tables: Any) -> dict[str, Any]:

@@ -59,11 +59,12 @@ class RestoreSource:
         for (group, var), parts in pieces.items():
             parts.sort(key=lambda p: p[0] or 0)  # row ranges in order (a whole variable has one part)
             state = {key: np.concatenate([p[2][key] for p in parts]) for key in parts[0][2]}
-            self.groups[group]["vars"][var] = DenseVariable(np.concatenate([p[1] for p in parts]), state,
-                                                            max(p[3] for p in parts))
+            self.groups[group]["vars"][var] = DenseVariable(
+                np.concatenate([p[1] for p in parts]), state, max(p[3] for p in parts)
+            )
 
     @classmethod
-    def latest(cls, store: CheckpointStore) -> "RestoreSource | None":
+    def latest(cls, store: CheckpointStore) -> RestoreSource | None:
         """The newest checkpoint that reads back whole; a damaged one is skipped (and logged)."""
         for name in reversed(store.complete()):
             try:
@@ -85,12 +86,13 @@ class RestoreSource:
             for part, steps in info["steps"].items():
                 var, lo, _ = part_rows(part)
                 prefix = f"dense/{group}/{part}"
-                state = {key[len(prefix) + 1:]: array for key, array in tensors.items()
-                         if key.startswith(prefix + "/")}
+                state = {
+                    key[len(prefix) + 1 :]: array for key, array in tensors.items() if key.startswith(prefix + "/")
+                }
                 pieces.setdefault((group, var), []).append((lo, tensors[prefix], state, steps))
         for table, info in contents.meta["tables"].items():
             prefix = f"table/{table}/"
-            arrays = {key[len(prefix):]: array for key, array in tensors.items() if key.startswith(prefix)}
+            arrays = {key[len(prefix) :]: array for key, array in tensors.items() if key.startswith(prefix)}
             ids = arrays.pop("ids")
             saved = self.tables.get(table)
             if saved is None:
@@ -107,11 +109,14 @@ class RestoreSource:
         """Values, optimizer state and step count of one part under the new placement."""
         saved = self.groups.get(group)
         if saved is None:
-            raise CheckpointError(f"checkpoint {self.name} has no variable group {group!r} (a checkpoint of "
-                                  f"another model? it holds {sorted(self.groups)})")
+            raise CheckpointError(
+                f"checkpoint {self.name} has no variable group {group!r} (a checkpoint of "
+                f"another model? it holds {sorted(self.groups)})"
+            )
         if saved["spec"] != spec:
-            raise CheckpointError(f"checkpoint {self.name}: group {group!r} was trained with optimizer "
-                                  f"{saved['spec']}, not {spec}")
+            raise CheckpointError(
+                f"checkpoint {self.name}: group {group!r} was trained with optimizer {saved['spec']}, not {spec}"
+            )
         var, lo, hi = part_rows(part)
         found = saved["vars"].get(var)
         if found is None:
@@ -119,8 +124,9 @@ class RestoreSource:
         rows = slice(lo, hi) if lo is not None else slice(None)
         value = found.value[rows]
         if tuple(value.shape) != tuple(shape):
-            raise CheckpointError(f"checkpoint {self.name}: variable {part!r} has shape {tuple(value.shape)} "
-                                  f"there, not {tuple(shape)}")
+            raise CheckpointError(
+                f"checkpoint {self.name}: variable {part!r} has shape {tuple(value.shape)} there, not {tuple(shape)}"
+            )
         return DenseVariable(value, {key: array[rows] for key, array in found.state.items()}, found.steps)
 
     def table_rows(self, table: str, dim: int, spec: dict, shard: int, num_shards: int) -> SavedTable | None:
@@ -129,7 +135,9 @@ class RestoreSource:
         if saved is None:
             return None
         if saved.meta["dim"] != dim or saved.meta["spec"] != spec:
-            raise CheckpointError(f"checkpoint {self.name}: table {table!r} has dim {saved.meta['dim']} and "
-                                  f"optimizer {saved.meta['spec']}, not dim {dim} and {spec}")
+            raise CheckpointError(
+                f"checkpoint {self.name}: table {table!r} has dim {saved.meta['dim']} and "
+                f"optimizer {saved.meta['spec']}, not dim {dim} and {spec}"
+            )
         mine = shard_of(saved.ids, num_shards) == shard
         return SavedTable(saved.meta, saved.ids[mine], {key: array[mine] for key, array in saved.arrays.items()})

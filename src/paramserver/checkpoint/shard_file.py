@@ -32,23 +32,40 @@ class ShardContents:
     tensors: dict[str, np.ndarray]
 
 
-def encode(index: int, version: int, sync_step: int, groups: dict[str, DenseGroup],
-           tables: dict[str, EmbeddingTable], positions: dict[int, int] | None = None) -> bytes:
+def encode(
+    index: int,
+    version: int,
+    sync_step: int,
+    groups: dict[str, DenseGroup],
+    tables: dict[str, EmbeddingTable],
+    positions: dict[int, int] | None = None,
+) -> bytes:
     """The file's bytes; the caller holds the locks that keep groups and tables still."""
     tensors: dict[str, np.ndarray] = {}
-    meta: dict[str, Any] = {"shard": index, "version": version, "sync_step": sync_step, "groups": {}, "tables": {},
-                            "positions": {str(w): p for w, p in (positions or {}).items()}}
+    meta: dict[str, Any] = {
+        "shard": index,
+        "version": version,
+        "sync_step": sync_step,
+        "groups": {},
+        "tables": {},
+        "positions": {str(w): p for w, p in (positions or {}).items()},
+    }
     for name, group in groups.items():
         meta["groups"][name] = {"spec": group.spec, "steps": dict(group.steps)}
         for part, slot in group.slots.items():
             tensors[f"dense/{name}/{part}"] = group.view(part)
             for key, array in group.state.items():
-                tensors[f"dense/{name}/{part}/{key}"] = array[slot.start:slot.stop].reshape(slot.shape)
+                tensors[f"dense/{name}/{part}/{key}"] = array[slot.start : slot.stop].reshape(slot.shape)
     for name, table in tables.items():
         ids, order = table.index.items()
-        meta["tables"][name] = {"dim": table.dim, "spec": table.spec, "init": table.init,
-                                "policy": asdict(table.policy), "counters": dict(table.counters),
-                                "steps": table.steps}
+        meta["tables"][name] = {
+            "dim": table.dim,
+            "spec": table.spec,
+            "init": table.init,
+            "policy": asdict(table.policy),
+            "counters": dict(table.counters),
+            "steps": table.steps,
+        }
         tensors[f"table/{name}/ids"] = ids
         tensors[f"table/{name}/values"] = table.values[order]
         for key, array in table.state.items():
@@ -65,7 +82,7 @@ def decode(data: bytes, where: str) -> ShardContents:
     try:
         tensors = safetensors_numpy.load(data)
         header_size = int.from_bytes(data[:8], "little")
-        header = json.loads(data[8:8 + header_size])
+        header = json.loads(data[8 : 8 + header_size])
         meta = json.loads(header["__metadata__"][_META_KEY])
     except (SafetensorError, ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"{where}: not a paramserver shard file ({exc})") from None
@@ -74,6 +91,9 @@ def decode(data: bytes, where: str) -> ShardContents:
 
 def write(store: CheckpointStore, name: str, shard: Shard, tables: TableStore) -> ShardFile:
     """Write `shard`'s file of checkpoint `name`: a snapshot taken while nothing changes it."""
-    data = shard.snapshot(lambda groups, version, sync_step: tables.snapshot(
-        lambda saved_tables: encode(shard.index, version, sync_step, groups, saved_tables, shard.positions())))
+    data = shard.snapshot(
+        lambda groups, version, sync_step: tables.snapshot(
+            lambda saved_tables: encode(shard.index, version, sync_step, groups, saved_tables, shard.positions())
+        )
+    )
     return store.write_shard(name, shard.index, data)

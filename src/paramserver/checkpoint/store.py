@@ -35,8 +35,9 @@ import posixpath
 import re
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -190,7 +191,7 @@ class CheckpointStore:
         with self._os("abort the unfinished uploads under", self.path(name) if name else self.root, name):
             for upload in self.fs.list_multipart_uploads(bucket):
                 key = upload["Key"]
-                checkpoint = key[len(head):].split("/")[0] if key.startswith(head) else ""
+                checkpoint = key[len(head) :].split("/")[0] if key.startswith(head) else ""
                 if _NAME.match(checkpoint) and name in (None, checkpoint):
                     self.fs.abort_mpu(bucket, key, upload["UploadId"])
                     aborted.append(f"{bucket}/{key}")
@@ -295,8 +296,12 @@ class CheckpointStore:
                     self.fs.rm(entry)
                 removed.append(entry)
         if removed:
-            log.info("checkpoint %s: removed %d temporary file(s) a failed or killed write left: %s", name,
-                     len(removed), ", ".join(posixpath.basename(entry) for entry in removed))
+            log.info(
+                "checkpoint %s: removed %d temporary file(s) a failed or killed write left: %s",
+                name,
+                len(removed),
+                ", ".join(posixpath.basename(entry) for entry in removed),
+            )
         return removed
 
     def _remove_quietly(self, path: str) -> None:
@@ -330,8 +335,9 @@ class CheckpointStore:
         except FileNotFoundError:
             return []
         except OSError as exc:
-            raise CheckpointError(f"checkpoint directory {self.url}: cannot list {self.root}: "
-                                  f"{os_reason(exc)}") from exc
+            raise CheckpointError(
+                f"checkpoint directory {self.url}: cannot list {self.root}: {os_reason(exc)}"
+            ) from exc
         names = [posixpath.basename(entry.rstrip("/")) for entry in entries]
         return sorted(name for name in names if _NAME.match(name))
 
@@ -358,19 +364,24 @@ class CheckpointStore:
         if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
             raise CheckpointError(f"checkpoint {name}: {MANIFEST} is not a {FORMAT} manifest")
         if manifest.get("version") != FORMAT_VERSION:
-            raise CheckpointError(f"checkpoint {name}: format version {manifest.get('version')} is not "
-                                  f"{FORMAT_VERSION}")
+            raise CheckpointError(
+                f"checkpoint {name}: format version {manifest.get('version')} is not {FORMAT_VERSION}"
+            )
         return manifest
 
     def shard_files(self, name: str, manifest: dict[str, Any]) -> list[ShardFile]:
         try:
-            entries = [ShardFile(int(e["index"]), str(e["file"]), int(e["bytes"]), str(e["sha256"]))
-                       for e in manifest["shards"]]
+            entries = [
+                ShardFile(int(e["index"]), str(e["file"]), int(e["bytes"]), str(e["sha256"]))
+                for e in manifest["shards"]
+            ]
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(f"checkpoint {name}: {MANIFEST} has a bad shard list ({exc})") from None
         if not entries or manifest.get("num_shards", len(entries)) != len(entries):
-            raise CheckpointError(f"checkpoint {name}: {MANIFEST} names {len(entries)} shard files for "
-                                  f"{manifest.get('num_shards')} shards")
+            raise CheckpointError(
+                f"checkpoint {name}: {MANIFEST} names {len(entries)} shard files for "
+                f"{manifest.get('num_shards')} shards"
+            )
         return entries
 
     def read_shard(self, name: str, entry: ShardFile) -> bytes:
@@ -400,8 +411,9 @@ class CheckpointStore:
         try:
             handle = self.fs.open(path, "rb")
         except FileNotFoundError:
-            raise CheckpointError(f"checkpoint {name}: shard file {entry.file} named by the manifest is missing") \
-                from None
+            raise CheckpointError(
+                f"checkpoint {name}: shard file {entry.file} named by the manifest is missing"
+            ) from None
         except OSError as exc:
             raise CheckpointError(f"checkpoint {name}: cannot read {path}: {os_reason(exc)}") from exc
         with handle:
@@ -412,8 +424,9 @@ class CheckpointStore:
         try:
             size = self.fs.size(path)
         except FileNotFoundError:
-            raise CheckpointError(f"checkpoint {name}: shard file {entry.file} named by the manifest is missing") \
-                from None
+            raise CheckpointError(
+                f"checkpoint {name}: shard file {entry.file} named by the manifest is missing"
+            ) from None
         except OSError as exc:
             raise CheckpointError(f"checkpoint {name}: cannot read {path}: {os_reason(exc)}") from exc
         self._check(name, entry, size, None)
@@ -421,11 +434,14 @@ class CheckpointStore:
     @staticmethod
     def _check(name: str, entry: ShardFile, size: int, sha256: str | None) -> None:
         if size != entry.bytes:
-            raise CheckpointError(f"checkpoint {name}: shard file {entry.file} has {size} bytes, the manifest "
-                                  f"says {entry.bytes} (truncated?)")
+            raise CheckpointError(
+                f"checkpoint {name}: shard file {entry.file} has {size} bytes, the manifest "
+                f"says {entry.bytes} (truncated?)"
+            )
         if sha256 is not None and sha256 != entry.sha256:
-            raise CheckpointError(f"checkpoint {name}: shard file {entry.file} does not match its SHA-256 "
-                                  "(changed after it was written)")
+            raise CheckpointError(
+                f"checkpoint {name}: shard file {entry.file} does not match its SHA-256 (changed after it was written)"
+            )
 
 
 def _fsync_directory(path: str) -> None:

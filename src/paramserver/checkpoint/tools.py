@@ -35,8 +35,14 @@ def list_checkpoints(url: str) -> list[dict]:
         row: dict = {"name": name}
         try:
             manifest = store.manifest(name)
-            row.update({"step": manifest.get("step"), "shards": manifest.get("num_shards"),
-                        "bytes": sum(int(e["bytes"]) for e in manifest["shards"]), "time": manifest.get("time")})
+            row.update(
+                {
+                    "step": manifest.get("step"),
+                    "shards": manifest.get("num_shards"),
+                    "bytes": sum(int(e["bytes"]) for e in manifest["shards"]),
+                    "time": manifest.get("time"),
+                }
+            )
         except (CheckpointError, KeyError, TypeError, ValueError):
             pass  # verify() says what is wrong with the manifest
         try:
@@ -62,15 +68,35 @@ def _source(url: str, name: str | None) -> RestoreSource:
 def inspect(url: str, name: str | None = None) -> dict:
     """Variables (shape, optimizer state, steps) and tables (rows, dim, optimizer) of one checkpoint."""
     source = _source(url, name)
-    variables = {var: {"group": group, "shape": list(v.value.shape), "steps": v.steps, "state": sorted(v.state),
-                       "bytes": int(v.value.nbytes + sum(a.nbytes for a in v.state.values()))}
-                 for group, info in source.groups.items() for var, v in info["vars"].items()}
-    tables = {table: {"rows": int(saved.ids.shape[0]), "dim": saved.meta["dim"], "optimizer": saved.meta["spec"],
-                      "counters": saved.meta["counters"],
-                      "bytes": int(saved.ids.nbytes + sum(a.nbytes for a in saved.arrays.values()))}
-              for table, saved in source.tables.items()}
-    return {"name": source.name, "step": source.step, "shards": source.manifest.get("num_shards"),
-            "mode": source.manifest.get("mode"), "variables": variables, "tables": tables}
+    variables = {
+        var: {
+            "group": group,
+            "shape": list(v.value.shape),
+            "steps": v.steps,
+            "state": sorted(v.state),
+            "bytes": int(v.value.nbytes + sum(a.nbytes for a in v.state.values())),
+        }
+        for group, info in source.groups.items()
+        for var, v in info["vars"].items()
+    }
+    tables = {
+        table: {
+            "rows": int(saved.ids.shape[0]),
+            "dim": saved.meta["dim"],
+            "optimizer": saved.meta["spec"],
+            "counters": saved.meta["counters"],
+            "bytes": int(saved.ids.nbytes + sum(a.nbytes for a in saved.arrays.values())),
+        }
+        for table, saved in source.tables.items()
+    }
+    return {
+        "name": source.name,
+        "step": source.step,
+        "shards": source.manifest.get("num_shards"),
+        "mode": source.manifest.get("mode"),
+        "variables": variables,
+        "tables": tables,
+    }
 
 
 def _natural(name: str) -> list:
@@ -96,20 +122,30 @@ def positional_note(names: list[str], path: str) -> str | None:
         return None
     shown = ", ".join(positional[:3]) + (f", ... {positional[-1]}" if len(positional) > 3 else "")
     count = f"all {len(names)}" if len(positional) == len(names) else f"{len(positional)} of the {len(names)}"
-    lines = [f"note: {count} parameter names in {path} are positional ({shown}):",
-             "an optimizer was given model.parameters(), which carry no names."]
+    lines = [
+        f"note: {count} parameter names in {path} are positional ({shown}):",
+        "an optimizer was given model.parameters(), which carry no names.",
+    ]
     if any("." in name for name in positional):  # two optimizers' names clash: each keeps its prefix
-        lines.append("In optK.paramN, optK is the optimizer the script created (K+1)-th and paramN the N-th "
-                     "parameter it was given.")
+        lines.append(
+            "In optK.paramN, optK is the optimizer the script created (K+1)-th and paramN the N-th "
+            "parameter it was given."
+        )
     else:
-        lines += ["paramN is the N-th parameter the optimizer was given; to load them into the same model:",
-                  f"    saved = torch.load({path!r})",
-                  "    names = [name for name, _ in model.named_parameters()]",
-                  "    state = {names[int(key.removeprefix('param'))]: value for key, value in "
-                  "saved['state_dict'].items()}",
-                  "    model.load_state_dict({**model.state_dict(), **state})"]
-    return "\n".join([*lines, "To keep the model's names in checkpoints, give the optimizer the named parameters:",
-                      "    ps.optim.Adam(model.named_parameters(), ...)"])
+        lines += [
+            "paramN is the N-th parameter the optimizer was given; to load them into the same model:",
+            f"    saved = torch.load({path!r})",
+            "    names = [name for name, _ in model.named_parameters()]",
+            "    state = {names[int(key.removeprefix('param'))]: value for key, value in saved['state_dict'].items()}",
+            "    model.load_state_dict({**model.state_dict(), **state})",
+        ]
+    return "\n".join(
+        [
+            *lines,
+            "To keep the model's names in checkpoints, give the optimizer the named parameters:",
+            "    ps.optim.Adam(model.named_parameters(), ...)",
+        ]
+    )
 
 
 def export(url: str, name: str | None, out: str | None, note=None) -> str:
@@ -121,12 +157,17 @@ def export(url: str, name: str | None, out: str | None, note=None) -> str:
     values = {var: v.value for info in source.groups.values() for var, v in info["vars"].items()}
     names = export_names(list(values))
     state_dict = {exported: torch.from_numpy(np.array(values[var])) for var, exported in names.items()}
-    embeddings = {table: {"ids": torch.from_numpy(np.array(saved.ids)),
-                          "weight": torch.from_numpy(np.array(saved.arrays["values"]))}
-                  for table, saved in source.tables.items()}
+    embeddings = {
+        table: {
+            "ids": torch.from_numpy(np.array(saved.ids)),
+            "weight": torch.from_numpy(np.array(saved.arrays["values"])),
+        }
+        for table, saved in source.tables.items()
+    }
     path = out or f"{source.name}.pt"
-    torch.save({"state_dict": state_dict, "embeddings": embeddings, "step": source.step,
-                "checkpoint": source.name}, path)
+    torch.save(
+        {"state_dict": state_dict, "embeddings": embeddings, "step": source.step, "checkpoint": source.name}, path
+    )
     text = positional_note(list(state_dict), path)
     if text is not None and note is not None:
         note(text)

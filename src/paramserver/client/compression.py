@@ -5,15 +5,15 @@ array per variable) and adds it to that variable's next gradient before encoding
 as in 1-bit SGD and EF-SGD): over many steps the decoded gradients sum to the true ones, give or
 take one residual. fp16 and bf16 are plain casts, without feedback. Row gradients of a table
 are encoded without feedback (a residual per id would grow with the ids a worker ever saw);
-their int8 scales are one per row. Format: base/gradient_codec.py. Not thread-safe.
+their int8 scales are one per row. Format: wire/gradient_codec.py. Not thread-safe.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ..base import gradient_codec
 from ..base.compression_spec import NONE, Codec
+from ..wire import gradient_codec
 
 FEEDBACK = ("int8", "topk")  # the codecs that lose enough to need a residual
 
@@ -33,8 +33,9 @@ class GradientCompressor:
         if codec.kind in FEEDBACK:
             self.residuals[var] = np.zeros(shape, np.float32)
 
-    def encode(self, var: str, name: str, grad: np.ndarray, rows: slice | None = None
-               ) -> tuple[dict | None, list[tuple[str, np.ndarray]]]:
+    def encode(
+        self, var: str, name: str, grad: np.ndarray, rows: slice | None = None
+    ) -> tuple[dict | None, list[tuple[str, np.ndarray]]]:
         """(header or None, tensors) of `grad`, variable `var`'s gradient (or its `rows`), sent as `name`.
         `grad` itself is never changed."""
         codec = self.codecs.get(var, NONE)
@@ -47,8 +48,9 @@ class GradientCompressor:
             residual = self.residuals[var] if rows is None else self.residuals[var][rows]
             corrected = grad + residual
             encoded = gradient_codec.encode(codec, corrected)
-            np.subtract(corrected, gradient_codec.decode(name, encoded.header, encoded.payload, encoded.aux),
-                        out=residual)
+            np.subtract(
+                corrected, gradient_codec.decode(name, encoded.header, encoded.payload, encoded.aux), out=residual
+            )
         self.gradient_bytes += encoded.nbytes
         return encoded.header, encoded.tensors(name)
 

@@ -11,22 +11,23 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 
-from ..base import messages as msg
 from ..base.compression_spec import Codec
 from ..base.consistency_spec import ConsistencySpec
 from ..base.errors import InvalidArgumentError, ParamServerError
-from ..transport import codec
 from ..transport.channel import CallHandle, ShardChannel
+from ..wire import codec
+from ..wire import messages as msg
 from .compression import GradientCompressor
 from .placement import DEFAULT_SPLIT_BYTES, Part, Placer
 from .table_client import StepRiders
 
 log = logging.getLogger(__name__)
+HELLO_TIMEOUT_S = 5.0  # a peer that does not answer Hello within this counts as down (it is restarting)
 
 
 @dataclass
@@ -103,9 +104,14 @@ class PushRecord:
 class PSClient:
     """Registers variables on the shards, pushes gradients and pulls values, as worker `worker`."""
 
-    def __init__(self, channels: list[ShardChannel], rpc_timeout_s: float,
-                 split_bytes: int = DEFAULT_SPLIT_BYTES, worker: int = 0,
-                 consistency: ConsistencySpec | None = None) -> None:
+    def __init__(
+        self,
+        channels: list[ShardChannel],
+        rpc_timeout_s: float,
+        split_bytes: int = DEFAULT_SPLIT_BYTES,
+        worker: int = 0,
+        consistency: ConsistencySpec | None = None,
+    ) -> None:
         self.channels = channels
         self.worker = worker
         self.consistency = consistency or ConsistencySpec()
@@ -140,11 +146,17 @@ class PSClient:
         """Each shard's process as `connect` found it (None: a channel that does not say, e.g. in-process)."""
         return [(getattr(channel, "hello", None) or {}).get("incarnation") for channel in self.channels]
 
-    def register(self, group: str, optimizer_spec: dict, values: dict[str, np.ndarray],
-                 wire: dict[str, str] | None = None, codecs: dict[str, Codec] | None = None):
+    def register(
+        self,
+        group: str,
+        optimizer_spec: dict,
+        values: dict[str, np.ndarray],
+        wire: dict[str, str] | None = None,
+        codecs: dict[str, Codec] | None = None,
+    ):
         """Place and register a group of variables (float32 values); returns the handle of the shards'
         current values. `wire`: the variables whose gradients and values travel as bfloat16 or float16
-        (base/half.py), by name; their pushed gradients and pulled values are in that dtype.
+        (wire/half.py), by name; their pushed gradients and pulled values are in that dtype.
         `codecs`: how each float32 variable's gradients are compressed (absent: sent as they are)."""
         by_shard: dict[int, list[tuple[str, np.ndarray]]] = {}
         dtypes: dict[int, dict[str, str]] = {}
@@ -164,15 +176,27 @@ class PSClient:
             self._groups_on.setdefault(shard, set()).add(group)
         calls = []
         for shard, tensors in sorted(by_shard.items()):
-            meta = msg.RegisterRequest(group=group, optimizer=optimizer_spec, consistency=self.consistency.to_dict(),
-                                       worker=self.worker, dtypes=dtypes.get(shard, {})).to_meta()
-            calls.append((shard, self.channels[shard].call("Register", codec.encode_parts(meta, tensors),
-                                                           self.rpc_timeout_s)))
+            meta = msg.RegisterRequest(
+                group=group,
+                optimizer=optimizer_spec,
+                consistency=self.consistency.to_dict(),
+                worker=self.worker,
+                dtypes=dtypes.get(shard, {}),
+            ).to_meta()
+            calls.append(
+                (shard, self.channels[shard].call("Register", codec.encode_parts(meta, tensors), self.rpc_timeout_s))
+            )
         return PushPullHandle(calls, self._part_by_name, self.record.note_registered)
 
-    def push_pull(self, grads: dict[str, np.ndarray], pull: list[str], lrs: dict[str, float] | None = None,
-                  base_versions: dict[int, int] | None = None, owned: bool = False,
-                  riders: StepRiders | None = None) -> PushPullHandle:
+    def push_pull(
+        self,
+        grads: dict[str, np.ndarray],
+        pull: list[str],
+        lrs: dict[str, float] | None = None,
+        base_versions: dict[int, int] | None = None,
+        owned: bool = False,
+        riders: StepRiders | None = None,
+    ) -> PushPullHandle:
         """Push `grads` (by variable) and pull the variables in `pull`, one request per shard involved.
 
         `base_versions` are the shard versions the gradients were computed from (default: the
@@ -195,9 +219,10 @@ class PSClient:
             for part in self.parts_of[var]:
                 pulled.setdefault(part.shard, []).append(part.name)
         calls = []
-        row_pushes, lookups, ride_tensors = (riders.row_pushes, riders.lookups, riders.tensors) if riders is not None \
-            else ({}, {}, {})
-        for shard, encodings in (riders.codecs.items() if riders is not None else ()):
+        row_pushes, lookups, ride_tensors = (
+            (riders.row_pushes, riders.lookups, riders.tensors) if riders is not None else ({}, {}, {})
+        )
+        for shard, encodings in riders.codecs.items() if riders is not None else ():
             headers.setdefault(shard, {}).update(encodings)
         # with embedding tables every shard hears of every step (a marker where there is nothing
         # else for it), so that a sync step on a shard holding only rows does not wait for this worker
@@ -209,10 +234,17 @@ class PSClient:
                 resumed = self.resumed_from
                 self._owed_resumed.discard(shard)
             request = msg.PushPullRequest(
-                pull=pulled.get(shard, []), worker=self.worker, step=self.record.step,
-                sparse=row_pushes.get(shard, []), lookup=lookups.get(shard, []), resumed=resumed,
+                pull=pulled.get(shard, []),
+                worker=self.worker,
+                step=self.record.step,
+                sparse=row_pushes.get(shard, []),
+                lookup=lookups.get(shard, []),
+                resumed=resumed,
                 marker=riders is not None and shard not in pushed and shard not in row_pushes,
-                base=bases.get(shard), lr=shard_lrs, codecs=headers.get(shard, {}))
+                base=bases.get(shard),
+                lr=shard_lrs,
+                codecs=headers.get(shard, {}),
+            )
             payload = codec.encode_parts(request.to_meta(), [*pushed.get(shard, ()), *ride_tensors.get(shard, ())])
             if shard in pushed or shard in row_pushes:
                 self.pushed_bytes += codec.parts_size(payload)
@@ -227,8 +259,10 @@ class PSClient:
             for part in self.parts_of[var]:
                 by_shard.setdefault(part.shard, []).append((part.name, _rows(array, part)))
         payload = msg.AssignRequest(worker=self.worker).to_meta()
-        calls = [self.channels[shard].call("Assign", codec.encode_parts(payload, parts), timeout)
-                 for shard, parts in sorted(by_shard.items())]
+        calls = [
+            self.channels[shard].call("Assign", codec.encode_parts(payload, parts), timeout)
+            for shard, parts in sorted(by_shard.items())
+        ]
         for call in calls:
             call.wait(timeout)
 
@@ -289,4 +323,10 @@ class PSClient:
 
 
 def _rows(array: np.ndarray, part: Part) -> np.ndarray:
-    return array if part.whole else array[part.lo:part.hi]
+    return array if part.whole else array[part.lo : part.hi]
+
+
+def hello(channel, timeout: float = HELLO_TIMEOUT_S) -> dict:
+    """A PS's Hello reply (its counters, incarnation and groups)."""
+    payload = codec.encode(msg.HelloRequest().to_meta())
+    return codec.decode(channel.call("Hello", payload, timeout).wait(timeout)).meta

@@ -7,16 +7,16 @@ the same id always meets the same row. Thread-safety as PSClient: one training t
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
-from ..base import messages as msg
 from ..base.compression_spec import NONE, Codec
 from ..base.errors import InvalidArgumentError
 from ..base.hashing import shard_of
-from ..transport import codec
 from ..transport.channel import ShardChannel
+from ..wire import codec
+from ..wire import messages as msg
 from .compression import GradientCompressor
 
 
@@ -27,8 +27,13 @@ class RowsHandle:
         self._calls, self._count, self._deadline = calls, count, deadline
 
     def wait(self) -> np.ndarray:
-        return _joined(self._count, ((where, codec.decode(call.wait(max(0.0, self._deadline - time.monotonic())))
-                                      .tensors["rows"]) for where, call in self._calls))
+        return _joined(
+            self._count,
+            (
+                (where, codec.decode(call.wait(max(0.0, self._deadline - time.monotonic()))).tensors["rows"])
+                for where, call in self._calls
+            ),
+        )
 
 
 def _joined(count: int, pieces) -> np.ndarray:
@@ -53,8 +58,13 @@ class StepRiders:
     the encodings by shard, for the request). Built by TableClient.riders(); not thread-safe.
     """
 
-    def __init__(self, split: Callable[[np.ndarray], list], num_shards: int,
-                 table_codecs: dict[str, Codec] | None = None, compressor: GradientCompressor | None = None) -> None:
+    def __init__(
+        self,
+        split: Callable[[np.ndarray], list],
+        num_shards: int,
+        table_codecs: dict[str, Codec] | None = None,
+        compressor: GradientCompressor | None = None,
+    ) -> None:
         self._split = split
         self._num_shards = num_shards
         self._table_codecs = table_codecs or {}
@@ -73,8 +83,9 @@ class StepRiders:
             where, part = parts.get(shard, (slice(0, 0), ids[:0]))
             name = self._name(shard, "s")
             self.row_pushes.setdefault(shard, []).append(msg.RowPush(table, name + ".ids", name + ".grads"))
-            header, encoded = self._compressor.encode_rows(self._table_codecs.get(table, NONE), name + ".grads",
-                                                           grads[where])
+            header, encoded = self._compressor.encode_rows(
+                self._table_codecs.get(table, NONE), name + ".grads", grads[where]
+            )
             self.tensors.setdefault(shard, []).extend([(name + ".ids", part), *encoded])
             if header is not None:
                 self.codecs.setdefault(shard, {})[name + ".grads"] = header
@@ -92,8 +103,10 @@ class StepRiders:
 
     def rows(self, replies: dict[int, dict[str, np.ndarray]]) -> list[np.ndarray]:
         """The rows of each lookup (copies), from each shard's reply tensors."""
-        return [_joined(count, ((where, replies[shard][name]) for shard, where, name in placed))
-                for count, placed in self._lookups]
+        return [
+            _joined(count, ((where, replies[shard][name]) for shard, where, name in placed))
+            for count, placed in self._lookups
+        ]
 
     def _name(self, shard: int, kind: str) -> str:
         return f"~{kind}{len(self.tensors.get(shard, ()))}"
@@ -102,8 +115,14 @@ class StepRiders:
 class TableClient:
     """Registers tables, looks rows up, pushes row gradients."""
 
-    def __init__(self, channels: list[ShardChannel], rpc_timeout_s: float, consistency: dict | None = None,
-                 worker: int | None = None, compressor: GradientCompressor | None = None) -> None:
+    def __init__(
+        self,
+        channels: list[ShardChannel],
+        rpc_timeout_s: float,
+        consistency: dict | None = None,
+        worker: int | None = None,
+        compressor: GradientCompressor | None = None,
+    ) -> None:
         self.channels = channels
         self.compressor = compressor or GradientCompressor()  # a PSClient's: one count of gradient bytes
         self.codecs: dict[str, Codec] = {}  # by table: how row gradients riding along a step are encoded
@@ -111,18 +130,38 @@ class TableClient:
         self.consistency = consistency  # the mode, told to shards that hold no dense variable
         self.worker = worker  # named when registering: a PS node accepts pushes only from workers that registered
 
-    def register(self, table: str, dim: int, optimizer_spec: dict, init: dict, policy: dict | None = None,
-                 capacity: int = 0, wire: str = "float32", compression: Codec = NONE) -> None:
+    def register(
+        self,
+        table: str,
+        dim: int,
+        optimizer_spec: dict,
+        init: dict,
+        policy: dict | None = None,
+        capacity: int = 0,
+        wire: str = "float32",
+        compression: Codec = NONE,
+    ) -> None:
         """Create the table on every shard; `capacity` (rows, all shards together) is reserved up front.
-        `wire`: how its rows and row gradients travel (float32, bfloat16 or float16; base/half.py).
+        `wire`: how its rows and row gradients travel (float32, bfloat16 or float16; wire/half.py).
         `compression`: how a float32 table's row gradients ride along steps (fp16, bf16 or int8; StepRiders)."""
         if compression.kind == "topk":
-            raise InvalidArgumentError(f"table {table!r}: topk compresses dense gradients only; a table's row "
-                                       f"gradients take fp16, bf16 or int8")
+            raise InvalidArgumentError(
+                f"table {table!r}: topk compresses dense gradients only; a table's row "
+                f"gradients take fp16, bf16 or int8"
+            )
         per_shard = -(-capacity // len(self.channels))  # ids spread evenly over shards by hash
-        request = msg.RegisterTableRequest(table=table, dim=dim, optimizer=optimizer_spec, init=init,
-                                           policy=policy or {}, capacity=per_shard, num_shards=len(self.channels),
-                                           consistency=self.consistency, worker=self.worker, dtype=wire)
+        request = msg.RegisterTableRequest(
+            table=table,
+            dim=dim,
+            optimizer=optimizer_spec,
+            init=init,
+            policy=policy or {},
+            capacity=per_shard,
+            num_shards=len(self.channels),
+            consistency=self.consistency,
+            worker=self.worker,
+            dtype=wire,
+        )
         payload = codec.encode(request.to_meta())
         self.wait_all([channel.call("RegisterTable", payload, self.rpc_timeout_s) for channel in self.channels])
         self.codecs[table] = compression
@@ -131,19 +170,24 @@ class TableClient:
         """Rows (len(ids) x dim) of distinct int64 `ids`, in their order; missing rows are created."""
         return self.start_lookup(table, ids).wait()
 
-    def start_lookup(self, table: str, ids: np.ndarray) -> "RowsHandle":
+    def start_lookup(self, table: str, ids: np.ndarray) -> RowsHandle:
         """Send a lookup and return at once; `wait()` on the handle gives the rows."""
         meta = msg.LookupRequest(table=table).to_meta()
-        calls = [(where, self.channels[shard].call("Lookup", codec.encode_parts(meta, [("ids", part)]),
-                                                   self.rpc_timeout_s)) for shard, where, part in self._split(ids)]
+        calls = [
+            (where, self.channels[shard].call("Lookup", codec.encode_parts(meta, [("ids", part)]), self.rpc_timeout_s))
+            for shard, where, part in self._split(ids)
+        ]
         return RowsHandle(calls, ids.shape[0], time.monotonic() + self.rpc_timeout_s)
 
     def push(self, table: str, ids: np.ndarray, grads: np.ndarray) -> list:
         """Send one row-wise update; returns the calls in flight (wait with `wait_all`)."""
         meta = msg.PushSparseRequest(table=table).to_meta()
-        return [self.channels[shard].call("PushSparse", codec.encode_parts(
-            meta, [("ids", part), ("grads", grads[where])]), self.rpc_timeout_s)
-            for shard, where, part in self._split(ids)]
+        return [
+            self.channels[shard].call(
+                "PushSparse", codec.encode_parts(meta, [("ids", part), ("grads", grads[where])]), self.rpc_timeout_s
+            )
+            for shard, where, part in self._split(ids)
+        ]
 
     def riders(self) -> StepRiders:
         """An empty set of row pushes and lookups to send with a step's PushPull."""
@@ -160,5 +204,9 @@ class TableClient:
         if len(self.channels) == 1:  # every id is there: no hashing, no copies
             return [(0, slice(None), ids)] if ids.size else []
         owners = shard_of(ids, len(self.channels))
-        return [(shard, where, ids[where]) for shard in range(len(self.channels))
-                for where in [np.flatnonzero(owners == shard)] if where.size]
+        return [
+            (shard, where, ids[where])
+            for shard in range(len(self.channels))
+            for where in [np.flatnonzero(owners == shard)]
+            if where.size
+        ]

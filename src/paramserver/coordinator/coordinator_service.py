@@ -3,7 +3,7 @@
 Methods of service ``paramserver.Coordinator`` (frames without tensors): Hello, Join, Heartbeat,
 Finish, Barrier (a long poll: the reply says "open", or the workers still "waiting"), Leave,
 RequestCheckpoint. Requests and the reply (CoordinatorReply) are the messages of
-base/messages.py (COORDINATOR_METHODS), documented there and in docs/protocol.md.
+wire/messages.py (COORDINATOR_METHODS), documented there and in docs/protocol.md.
 """
 
 from __future__ import annotations
@@ -11,13 +11,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from ..base import messages as msg
-from ..base.auth import Claim, Guard
 from ..base.errors import DeadlineExceededError, MalformedFrameError, ParamServerError, UnavailableError
 from ..base.lifecycle import Lifecycle, ReadyFlag
-from ..transport import codec
+from ..security.auth import Claim, Guard
+from ..wire import codec
+from ..wire import messages as msg
 from .membership import Coordinator
 
 log = logging.getLogger(__name__)
@@ -26,7 +27,7 @@ _CONNECT_ATTEMPT_S = 1.0  # the joining thread's longest wait for the coordinato
 
 
 class CoordinatorService:
-    """Parses a request (base/messages.py), calls the Coordinator, encodes its view. Thread-safe."""
+    """Parses a request (wire/messages.py), calls the Coordinator, encodes its view. Thread-safe."""
 
     def __init__(self, coordinator: Coordinator) -> None:
         self.coordinator = coordinator
@@ -35,8 +36,9 @@ class CoordinatorService:
             "Join": lambda request: coordinator.join(request.worker),
             "Heartbeat": lambda request: coordinator.heartbeat(request.worker, request.step),
             "Finish": lambda request: coordinator.finish(request.worker),
-            "Barrier": lambda request: coordinator.barrier(request.name, request.worker, request.wait,
-                                                           request.training_only),
+            "Barrier": lambda request: coordinator.barrier(
+                request.name, request.worker, request.wait, request.training_only
+            ),
             "Leave": lambda request: coordinator.leave(request.worker),
             "RequestCheckpoint": lambda request: coordinator.request_checkpoint(request.worker),
         }
@@ -68,8 +70,14 @@ class CoordinatorClient(Lifecycle):
     is read by the heartbeat thread; the training thread sets it.
     """
 
-    def __init__(self, channel, worker: int, rpc_timeout_s: float, heartbeat_s: float = 1.0,
-                 on_restart: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        channel,
+        worker: int,
+        rpc_timeout_s: float,
+        heartbeat_s: float = 1.0,
+        on_restart: Callable[[str], None] | None = None,
+    ) -> None:
         """`on_restart(reason)`: called (from the thread whose call saw it) when a reply comes from a
         coordinator other than the one this worker joined: the chief restarted."""
         self.channel = channel
@@ -97,8 +105,9 @@ class CoordinatorClient(Lifecycle):
         if method == "Join" and self.incarnation is None:
             self.incarnation = incarnation
         elif incarnation != self.incarnation and self.on_restart is not None:
-            self.on_restart(f"the coordinator restarted (the chief; incarnation {self.incarnation} "
-                            f"is now {incarnation})")
+            self.on_restart(
+                f"the coordinator restarted (the chief; incarnation {self.incarnation} is now {incarnation})"
+            )
         return self.view
 
     def restarted(self) -> str | None:
@@ -165,13 +174,13 @@ class CoordinatorClient(Lifecycle):
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             wait = self.poll_s if deadline is None else max(0.0, min(self.poll_s, deadline - time.monotonic()))
-            view = self._call("Barrier", wait + self.rpc_timeout_s, name=name, wait=wait,
-                              training_only=training_only)
+            view = self._call("Barrier", wait + self.rpc_timeout_s, name=name, wait=wait, training_only=training_only)
             if view.get("open"):
                 return view
             if deadline is not None and time.monotonic() >= deadline:
                 raise DeadlineExceededError(
-                    f"barrier {name!r}: workers {view.get('waiting')} did not arrive in {timeout:.0f}s")
+                    f"barrier {name!r}: workers {view.get('waiting')} did not arrive in {timeout:.0f}s"
+                )
 
     def finish(self) -> dict:
         """Tell the coordinator this worker's data is done."""

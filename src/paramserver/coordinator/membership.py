@@ -91,8 +91,9 @@ class Coordinator:
                 member.joined = True
             if self._state(member) == "dead":  # it was only stalled: if it dies later, report it again
                 member.reported_gone = False
-                log.warning("coordinator: worker %d is heard from again after %.0fs", worker,
-                            self._clock() - member.last_seen)
+                log.warning(
+                    "coordinator: worker %d is heard from again after %.0fs", worker, self._clock() - member.last_seen
+                )
             member.step, member.last_seen = max(member.step, step), self._clock()
             self._cond.notify_all()
             return self._view()
@@ -145,8 +146,10 @@ class Coordinator:
         workers meet once for both), so a burst cannot make workers wait at different barriers."""
         self._check(worker)
         with self._cond:
-            pending = self._checkpoints_requested and \
-                timed_checkpoint_barrier(self._checkpoints_requested) not in self._opened
+            pending = (
+                self._checkpoints_requested
+                and timed_checkpoint_barrier(self._checkpoints_requested) not in self._opened
+            )
             if not pending:
                 self._checkpoints_requested += 1
             self._cond.notify_all()
@@ -208,8 +211,7 @@ class Coordinator:
     def _missing(self, name: str, training_only: bool) -> list[int]:
         arrived = self._barriers.get(name, set())
         skipped = ("exited", "finished") if training_only else ("exited",)
-        return [m.worker for m in self._members.values()
-                if m.worker not in arrived and self._state(m) not in skipped]
+        return [m.worker for m in self._members.values() if m.worker not in arrived and self._state(m) not in skipped]
 
     def _barrier_open(self, name: str, training_only: bool) -> bool:
         missing = self._missing(name, training_only)
@@ -225,9 +227,14 @@ class Coordinator:
         match = _STEP_PAUSE.match(name)
         if match is None:
             return False
-        later = {worker for barrier, arrived in self._barriers.items() if barrier not in self._opened
-                 and (other := _STEP_PAUSE.match(barrier)) and int(other.group(1)) > int(match.group(1))
-                 for worker in arrived}
+        later = {
+            worker
+            for barrier, arrived in self._barriers.items()
+            if barrier not in self._opened
+            and (other := _STEP_PAUSE.match(barrier))
+            and int(other.group(1)) > int(match.group(1))
+            for worker in arrived
+        }
         return all(worker in later for worker in missing)
 
     def _fail_if_dead(self, name: str, training_only: bool) -> None:
@@ -240,12 +247,16 @@ class Coordinator:
         return [m.worker for m in self._members.values() if self._state(m) in ("training", "finished")]
 
     def _view(self) -> dict:
-        return {"global_step": sum(m.step for m in self._members.values()),
-                "live": self._live(), "workers": self.num_workers,
-                "states": {str(m.worker): self._state(m) for m in self._members.values()},
-                "steps": {str(m.worker): m.step for m in self._members.values()},
-                "checkpoints_requested": self._checkpoints_requested, "incarnation": self.incarnation,
-                **({"published": dict(self._published)} if self._published else {})}
+        return {
+            "global_step": sum(m.step for m in self._members.values()),
+            "live": self._live(),
+            "workers": self.num_workers,
+            "states": {str(m.worker): self._state(m) for m in self._members.values()},
+            "steps": {str(m.worker): m.step for m in self._members.values()},
+            "checkpoints_requested": self._checkpoints_requested,
+            "incarnation": self.incarnation,
+            **({"published": dict(self._published)} if self._published else {}),
+        }
 
     def _check(self, worker: int) -> None:
         if not isinstance(worker, int) or isinstance(worker, bool) or not 0 <= worker < self.num_workers:

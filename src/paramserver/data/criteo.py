@@ -36,8 +36,8 @@ from __future__ import annotations
 
 import itertools
 import re
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 
@@ -50,12 +50,12 @@ NUM_DENSE, NUM_SPARSE = 13, 26
 NUM_FIELDS = 1 + NUM_DENSE + NUM_SPARSE
 FIELD_NAMES = ("label", *(f"I{k}" for k in range(1, NUM_DENSE + 1)), *(f"C{k}" for k in range(1, NUM_SPARSE + 1)))
 _LOW56 = np.uint64((1 << 56) - 1)
-_FEATURE = (np.arange(NUM_SPARSE, dtype=np.uint64) << np.uint64(56))
+_FEATURE = np.arange(NUM_SPARSE, dtype=np.uint64) << np.uint64(56)
 _BLOCK_BYTES = 1 << 20  # a file is read this much at a time: per-block Python work is then noise
 _INTEGER = re.compile(rb"-?[0-9]+")
 _INT64_DIGITS = 19  # more significant digits than this never fit (and int() of thousands is refused)
 
-Segments = list[tuple[Optional[str], Sequence[int]]]  # (file, line numbers) of consecutive runs of a batch
+Segments = list[tuple[str | None, Sequence[int]]]  # (file, line numbers) of consecutive runs of a batch
 
 
 class CriteoFormatError(ValueError):
@@ -63,8 +63,9 @@ class CriteoFormatError(ValueError):
     `line` its number there (from 1), `field` the bad field's name (FIELD_NAMES; None when the
     line as a whole is bad, e.g. its field count)."""
 
-    def __init__(self, message: str, path: str | None = None, line: int | None = None,
-                 field: str | None = None) -> None:
+    def __init__(
+        self, message: str, path: str | None = None, line: int | None = None, field: str | None = None
+    ) -> None:
         super().__init__(message)
         self.path, self.line, self.field = path, line, field
 
@@ -80,8 +81,9 @@ class _BadLine(Exception):
         self.index, self.field, self.problem = index, field, problem
 
 
-def parse_lines(lines: Sequence[str | bytes], numbers: int | Sequence[int] = 1,
-                path: str | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def parse_lines(
+    lines: Sequence[str | bytes], numbers: int | Sequence[int] = 1, path: str | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(dense, sparse, labels) arrays of a list of lines (str, or bytes of UTF-8); a bad line raises
     CriteoFormatError naming `path` and its number (`numbers`: each line's, or the first's)."""
     numbers = range(numbers, numbers + len(lines)) if isinstance(numbers, int) else numbers
@@ -138,8 +140,9 @@ def _joined(lines: Sequence[str | bytes]) -> bytes:
 def _parse_c(data: bytes, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     labels, dense = np.empty(n, np.float32), np.empty((n, NUM_DENSE), np.float32)
     sparse = np.empty((n, NUM_SPARSE), np.int64)
-    done = kernels.KERNELS.ps_parse_criteo(data, len(data), n, kernels.ptr(labels), kernels.ptr(dense),
-                                           kernels.ptr(sparse))
+    done = kernels.KERNELS.ps_parse_criteo(
+        data, len(data), n, kernels.ptr(labels), kernels.ptr(dense), kernels.ptr(sparse)
+    )
     return (dense, sparse, labels) if done == n else None
 
 
@@ -148,11 +151,11 @@ def _parse_numpy(lines: list[bytes]) -> tuple[np.ndarray, np.ndarray, np.ndarray
     _check_lines(bodies)
     table = np.array(b"\t".join(bodies).split(b"\t"), dtype=object).reshape(len(lines), NUM_FIELDS)
     labels, bad_labels = _labels(table[:, 0])
-    dense, bad_counts = _counts(table[:, 1:1 + NUM_DENSE])
+    dense, bad_counts = _counts(table[:, 1 : 1 + NUM_DENSE])
     bad = bad_labels | bad_counts
     if bad.any():
         _refuse_first(bodies, int(np.argmax(bad)))
-    return dense, _hashes(table[:, 1 + NUM_DENSE:]), labels
+    return dense, _hashes(table[:, 1 + NUM_DENSE :]), labels
 
 
 def _body(line: bytes) -> bytes:
@@ -165,8 +168,12 @@ def _check_lines(bodies: list[bytes]) -> None:
     """Refuses the first bad line unless all are UTF-8 without NUL bytes or line breaks, with 40 fields."""
     text = b"\n".join(bodies)  # the "\n"s keep a UTF-8 sequence from running on into the next line
     tabs = list(map(bytes.count, bodies, itertools.repeat(b"\t")))
-    if (tabs.count(NUM_FIELDS - 1) != len(bodies) or text.count(b"\n") != len(bodies) - 1 or b"\0" in text
-            or not _utf8(text)):
+    if (
+        tabs.count(NUM_FIELDS - 1) != len(bodies)
+        or text.count(b"\n") != len(bodies) - 1
+        or b"\0" in text
+        or not _utf8(text)
+    ):
         _refuse_first(bodies, 0)
 
 
@@ -204,7 +211,7 @@ def _problem(body: bytes) -> tuple[int | None, str | None]:
         return None, f"{len(values)} fields, expected {NUM_FIELDS}"
     if values[0] not in (b"0", b"1"):
         return 0, f"label {_shown(values[0])} is not 0 or 1"
-    for field, value in enumerate(values[1:1 + NUM_DENSE], 1):
+    for field, value in enumerate(values[1 : 1 + NUM_DENSE], 1):
         if value and not _INTEGER.fullmatch(value):
             return field, f"{_shown(value)} is not an integer"
         if value and not _fits_int64(value):
@@ -333,8 +340,9 @@ def _file_blocks(path: str) -> Iterator[tuple[str, int, list[bytes]]]:
             number += len(lines)
 
 
-def _kept(blocks: Iterable[tuple[str | None, int, list[bytes]]], skip: int,
-          every: int) -> Iterator[tuple[str | None, Sequence[int], list[bytes]]]:
+def _kept(
+    blocks: Iterable[tuple[str | None, int, list[bytes]]], skip: int, every: int
+) -> Iterator[tuple[str | None, Sequence[int], list[bytes]]]:
     """(file, line numbers, lines) of every `every`-th line from `skip` on, counted across all blocks,
     without blank lines."""
     index = 0  # of the block's first line among all lines
@@ -353,8 +361,9 @@ def _without_blanks(lines: list[bytes], numbers: Sequence[int]) -> tuple[list[by
     return [line for _, line in pairs], [number for number, _ in pairs]
 
 
-def _batched(kept: Iterable[tuple[str | None, Sequence[int], list[bytes]]],
-             batch_size: int) -> Iterator[tuple[list[bytes], Segments]]:
+def _batched(
+    kept: Iterable[tuple[str | None, Sequence[int], list[bytes]]], batch_size: int
+) -> Iterator[tuple[list[bytes], Segments]]:
     """Batches of batch_size lines (the last may be shorter), each with its segments (file, line numbers)."""
     lines: list[bytes] = []
     segments: Segments = []
@@ -362,8 +371,8 @@ def _batched(kept: Iterable[tuple[str | None, Sequence[int], list[bytes]]],
         at = 0
         while at < len(block):
             take = min(batch_size - len(lines), len(block) - at)
-            lines += block[at:at + take]
-            segments.append((path, numbers[at:at + take]))
+            lines += block[at : at + take]
+            segments.append((path, numbers[at : at + take]))
             at += take
             if len(lines) == batch_size:
                 yield lines, segments

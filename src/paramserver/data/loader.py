@@ -29,7 +29,8 @@ import struct
 import subprocess
 import sys
 import threading
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from ..base.errors import InvalidArgumentError, ParamServerError
 from ..base.lifecycle import Lifecycle, ReadyFlag
@@ -52,8 +53,9 @@ class BatchLoader(Lifecycle):
     `timeout_s` bounds the wait for one batch.
     """
 
-    def __init__(self, fn: Callable[..., Iterator[Any]], *args: Any, depth: int = 8, timeout_s: float = 300.0,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, fn: Callable[..., Iterator[Any]], *args: Any, depth: int = 8, timeout_s: float = 300.0, **kwargs: Any
+    ) -> None:
         if depth < 1:
             raise InvalidArgumentError(f"loader depth must be at least 1, got {depth}")
         if getattr(fn, "__module__", "__main__") == "__main__" or "<locals>" in fn.__qualname__:
@@ -67,7 +69,7 @@ class BatchLoader(Lifecycle):
         self._lock = threading.Lock()
         self.ready = ReadyFlag(f"loader for {fn.__module__}.{fn.__qualname__}", LoaderError)
 
-    def start(self) -> "BatchLoader":
+    def start(self) -> BatchLoader:
         """Start the loader process; returns self (`BatchLoader(...).start()`)."""
         with self._lock:
             if self._stopping.is_set():
@@ -79,8 +81,9 @@ class BatchLoader(Lifecycle):
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         # no preexec_fn: forking a threaded process (gRPC's) and running Python there can deadlock
         entry = f"from paramserver.data.loader import serve; serve({os.getpid()})"
-        self._proc = subprocess.Popen([sys.executable, "-c", entry], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                      env=env)
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", entry], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
+        )
         _widen_pipe(self._proc.stdout.fileno())
         self._proc.stdin.write(pickle.dumps(self._job))
         self._proc.stdin.close()
@@ -147,8 +150,12 @@ class BatchLoader(Lifecycle):
                 return
             self._put(("error", LoaderError(f"loader {self._proc.pid}: unreadable batch stream ({exc})")))
             return
-        self._put(("error", LoaderError(f"loader {self._proc.pid} exited with code {self._proc.wait()} "
-                                        "before its last batch")))
+        self._put(
+            (
+                "error",
+                LoaderError(f"loader {self._proc.pid} exited with code {self._proc.wait()} before its last batch"),
+            )
+        )
 
     def _put(self, message: tuple) -> None:
         while not self._stopping.is_set():
@@ -185,7 +192,7 @@ def _send(fd: int, message: tuple) -> None:
     body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
     view = memoryview(_LENGTH.pack(len(body)) + body)
     while view:  # writes to a pipe may come back short
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]
 
 
 def serve(parent_pid: int) -> None:

@@ -112,7 +112,7 @@ def _existing_ca(directory: Path):
 
 
 def _validity(days: int) -> tuple[datetime.datetime, datetime.datetime]:
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     return now - _CLOCK_SKEW, now + datetime.timedelta(days=days)
 
 
@@ -120,14 +120,32 @@ def _new_ca(label: str, days: int):
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"paramserver CA {label}")])
     start, end = _validity(days)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(start).not_valid_after(end)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-            .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False,
-                                         data_encipherment=False, key_agreement=False, key_cert_sign=True,
-                                         crl_sign=True, encipher_only=False, decipher_only=False), critical=True)
-            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-            .sign(key, hashes.SHA256()))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(start)
+        .not_valid_after(end)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=False,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .sign(key, hashes.SHA256())
+    )
     return key, cert
 
 
@@ -136,26 +154,43 @@ def _node_cert(node: str, key, sans: list[x509.GeneralName], ca_cert: x509.Certi
     names = [sans[0], x509.DNSName(node), *sans[1:]]
     names = [n for i, n in enumerate(names) if n not in names[:i]]  # a --hosts entry may repeat one
     ca_ski = ca_cert.extensions.get_extension_for_class(x509.SubjectKeyIdentifier).value
-    return (x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, node)]))
-            .issuer_name(ca_cert.subject).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(start)
-            .not_valid_after(min(end, ca_cert.not_valid_after_utc))
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.KeyUsage(digital_signature=True, content_commitment=False, key_encipherment=False,
-                                         data_encipherment=False, key_agreement=False, key_cert_sign=False,
-                                         crl_sign=False, encipher_only=False, decipher_only=False), critical=True)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-                           critical=False)
-            .add_extension(x509.SubjectAlternativeName(names), critical=False)
-            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_ski), critical=False)
-            .sign(ca_key, hashes.SHA256()))
+    return (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, node)]))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(start)
+        .not_valid_after(min(end, ca_cert.not_valid_after_utc))
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=False,
+                crl_sign=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(
+            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False
+        )
+        .add_extension(x509.SubjectAlternativeName(names), critical=False)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_ski), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
 
 
 def _write_pair(directory: Path, stem: str, cert: x509.Certificate, key) -> list[Path]:
-    key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                serialization.NoEncryption())
+    key_pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
     paths = [directory / f"{stem}.key", directory / f"{stem}.crt"]
     _write_atomic(paths[0], key_pem, 0o600)
     _write_atomic(paths[1], cert.public_bytes(serialization.Encoding.PEM), 0o644)
@@ -177,17 +212,21 @@ def _write_atomic(path: Path, data: bytes, mode: int) -> None:
 def node_tls_files(directory: Path, node: str) -> dict[str, str]:
     """The tls_* options of `node` from a directory `write_certs` made."""
     directory = Path(directory).resolve()
-    return {"tls_cert": str(directory / f"{node}.crt"), "tls_key": str(directory / f"{node}.key"),
-            "tls_ca": str(directory / CA_CERT)}
+    return {
+        "tls_cert": str(directory / f"{node}.crt"),
+        "tls_key": str(directory / f"{node}.key"),
+        "tls_ca": str(directory / CA_CERT),
+    }
 
 
 def check_cert_dir(directory: Path, nodes: list[str]) -> None:
     """A ConfigError naming every file `nodes` need that `directory` lacks."""
-    missing = [path for node in nodes for path in node_tls_files(directory, node).values()
-               if not Path(path).is_file()]
+    missing = [path for node in nodes for path in node_tls_files(directory, node).values() if not Path(path).is_file()]
     if missing:
-        raise ConfigError(f"--certs {directory}: missing {sorted(set(missing))}; make them with "
-                          f"`paramserver certs {directory} --nodes {','.join(nodes)}`")
+        raise ConfigError(
+            f"--certs {directory}: missing {sorted(set(missing))}; make them with "
+            f"`paramserver certs {directory} --nodes {','.join(nodes)}`"
+        )
 
 
 def with_node_tls(options: Options, directory: Path | None, node: str) -> Options:
@@ -210,9 +249,11 @@ def check_cert_hosts(directory: Path, hosts: dict[str, str]) -> None:
             wrong.append(f"{node} ({host})")
     if wrong:
         needed = ",".join(sorted(set(hosts.values())))
-        raise ConfigError(f"certificates in {directory} do not name the hosts their nodes are dialled at: "
-                          f"{', '.join(wrong)}; issue them with `paramserver certs {directory} --nodes "
-                          f"{','.join(hosts)} --hosts {needed}`")
+        raise ConfigError(
+            f"certificates in {directory} do not name the hosts their nodes are dialled at: "
+            f"{', '.join(wrong)}; issue them with `paramserver certs {directory} --nodes "
+            f"{','.join(hosts)} --hosts {needed}`"
+        )
 
 
 def _covers(name: str, host: str) -> bool:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..base.config import ClusterSpec, Options, config_from_environ, load_cluster_file, options_from_environ
 from ..base.errors import ConfigError, ParamServerError
-from ..base.logs import configure_logging
+from .logs import configure_logging
 
 log = logging.getLogger(__name__)
 
@@ -24,16 +24,22 @@ def _parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="start a whole cluster on this machine and run SCRIPT on every worker")
     _add_cluster_flags(run)
-    run.add_argument("--evaluator", action="store_true",
-                     help="also run SCRIPT as an evaluator task that evaluates each new checkpoint (needs "
-                          "--checkpoint-dir; docs/evaluator.md)")
+    run.add_argument(
+        "--evaluator",
+        action="store_true",
+        help="also run SCRIPT as an evaluator task that evaluates each new checkpoint (needs "
+        "--checkpoint-dir; docs/evaluator.md)",
+    )
     run.add_argument("script", help="training script, run on every worker")
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
 
     node = sub.add_parser("node", help="run one node from TF_CONFIG or --cluster/--role/--index")
     node.add_argument("--cluster", help="JSON file with the cluster spec ({'ps': [...], 'worker': [...]})")
-    node.add_argument("--role", choices=["ps", "worker", "chief", "evaluator"],
-                      help="this node's role (with --cluster or PARAMSERVER_CLUSTER; else TF_CONFIG's task)")
+    node.add_argument(
+        "--role",
+        choices=["ps", "worker", "chief", "evaluator"],
+        help="this node's role (with --cluster or PARAMSERVER_CLUSTER; else TF_CONFIG's task)",
+    )
     node.add_argument("--index", type=int, help="this node's index within its role (default 0)")
     node.add_argument("--bind", help="PS only: listen address HOST:PORT (default: from the cluster spec)")
     _add_node_flags(node)
@@ -49,18 +55,26 @@ def _parser() -> argparse.ArgumentParser:
     certs = sub.add_parser("certs", help="make a CA and a TLS certificate per node in DIR (docs/security.md)")
     certs.add_argument("dir", help="directory to write ca.crt, ca.key, <node>.crt, <node>.key to")
     certs.add_argument("--nodes", required=True, help="comma-separated node names, e.g. ps-0,ps-1,chief-0,worker-0")
-    certs.add_argument("--hosts", default="", help="comma-separated host names / IPs every node certificate names "
-                                                   "(besides localhost, 127.0.0.1 and the node's name)")
+    certs.add_argument(
+        "--hosts",
+        default="",
+        help="comma-separated host names / IPs every node certificate names "
+        "(besides localhost, 127.0.0.1 and the node's name)",
+    )
     certs.add_argument("--days", type=int, default=365, help="validity in days (default 365)")
-    certs.add_argument("--tokens", action="store_true",
-                       help="also write a token per node (<node>.token) and the servers' store (tokens.json), "
-                            "replacing any there (docs/security.md)")
+    certs.add_argument(
+        "--tokens",
+        action="store_true",
+        help="also write a token per node (<node>.token) and the servers' store (tokens.json), "
+        "replacing any there (docs/security.md)",
+    )
 
     status = sub.add_parser("status", help="print every node of a running cluster: health, step, pushes/s, memory")
     status.add_argument("cluster", nargs="?", help="cluster JSON file, as `node --cluster` takes (default: TF_CONFIG)")
     status.add_argument("--json", action="store_true", help="print one JSON list instead of a table")
-    status.add_argument("--interval", type=float, default=1.0,
-                        help="seconds between the two samples of pushes/s (default 1)")
+    status.add_argument(
+        "--interval", type=float, default=1.0, help="seconds between the two samples of pushes/s (default 1)"
+    )
     status.add_argument("--timeout", type=float, default=2.0, help="deadline of each call to a node (default 2)")
     _add_security_flags(status)
 
@@ -95,8 +109,9 @@ def _add_k8s_parser(sub) -> None:
     k8s.add_argument("--evaluator", action="store_true", help="an evaluator task running SCRIPT too")
     k8s.add_argument("--name", default="paramserver", help="prefix of every object's name (default paramserver)")
     k8s.add_argument("--namespace", default="default", help="namespace of every object (default default)")
-    k8s.add_argument("--port", type=int, default=2222, help="every node's gRPC port; a PS's stream takes the next "
-                                                            "(default 2222)")
+    k8s.add_argument(
+        "--port", type=int, default=2222, help="every node's gRPC port; a PS's stream takes the next (default 2222)"
+    )
     k8s.add_argument("--storage-size", default="10Gi", help="size of the checkpoint volume (default 10Gi)")
     k8s.add_argument("--certs", help="a directory made by `paramserver certs`: a Secret, mutual TLS everywhere")
     k8s.add_argument("--tokens", help="a directory of node tokens and tokens.json: a Secret, tokens everywhere")
@@ -113,20 +128,38 @@ def _add_k8s_parser(sub) -> None:
 def _add_cluster_flags(parser: argparse.ArgumentParser, ps: int = 1, workers: int = 1) -> None:
     parser.add_argument("--ps", type=int, default=ps, help=f"number of PS processes (default {ps})")
     parser.add_argument("--workers", type=int, default=workers, help=f"number of worker processes (default {workers})")
-    parser.add_argument("--torch-threads", type=int, default=0,
-                        help="torch intra-op threads per worker (default: cores / workers, at least 1)")
-    parser.add_argument("--rpc-timeout", type=float, default=Options.rpc_timeout_s,
-                        help=f"deadline in seconds of each call to a PS (default {Options.rpc_timeout_s})")
-    parser.add_argument("--progress-every", type=float, default=2.0,
-                        help="seconds between progress lines; 0 turns them off (default 2)")
-    parser.add_argument("--tokens", metavar="DIR",
-                        help="run with tokens and roles: each node presents its own token from DIR, the PS and the "
-                             "coordinator check them (written there first when DIR has no tokens.json)")
-    parser.add_argument("--max-restarts", type=int, default=3,
-                        help="with --checkpoint-dir: roll back and restart after a node is killed, at most "
-                             "this many times (default 3)")
-    parser.add_argument("--certs", help="mutual TLS: node ps-<i> / worker-<i> uses DIR/<node>.crt and .key, "
-                                        "DIR/ca.crt (a directory made by `paramserver certs`)")
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=0,
+        help="torch intra-op threads per worker (default: cores / workers, at least 1)",
+    )
+    parser.add_argument(
+        "--rpc-timeout",
+        type=float,
+        default=Options.rpc_timeout_s,
+        help=f"deadline in seconds of each call to a PS (default {Options.rpc_timeout_s})",
+    )
+    parser.add_argument(
+        "--progress-every", type=float, default=2.0, help="seconds between progress lines; 0 turns them off (default 2)"
+    )
+    parser.add_argument(
+        "--tokens",
+        metavar="DIR",
+        help="run with tokens and roles: each node presents its own token from DIR, the PS and the "
+        "coordinator check them (written there first when DIR has no tokens.json)",
+    )
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=3,
+        help="with --checkpoint-dir: roll back and restart after a node is killed, at most this many times (default 3)",
+    )
+    parser.add_argument(
+        "--certs",
+        help="mutual TLS: node ps-<i> / worker-<i> uses DIR/<node>.crt and .key, "
+        "DIR/ca.crt (a directory made by `paramserver certs`)",
+    )
     _add_node_flags(parser)
 
 
@@ -140,23 +173,44 @@ def _add_node_flags(parser: argparse.ArgumentParser) -> None:
 
 def _add_limit_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("limits (docs/security.md)")
-    group.add_argument("--max-table-rows", type=int, help=f"most rows of one table on one PS "
-                                                          f"(default {Options.max_table_rows})")
-    group.add_argument("--max-table-memory", type=int, help=f"most bytes of all tables on one PS "
-                                                            f"(default {Options.max_table_memory_bytes})")
-    group.add_argument("--max-message-bytes", type=int, help=f"largest message sent or received "
-                                                             f"(default {Options.max_message_bytes}); a longer "
-                                                             f"request or reply travels in several")
-    group.add_argument("--max-payload-bytes", type=int, help=f"largest request or reply put back together from "
-                                                             f"its messages (default {Options.max_payload_bytes})")
-    group.add_argument("--compression", help="gradient compression: a codec for all (fp16, bf16, int8, topk:R) "
-                                             "or PATTERN=CODEC rules, comma-separated (docs/performance.md)")
-    group.add_argument("--dense-sync", choices=["ps", "allreduce"],
-                       help="dense variables: pushed to the PS (default) or all-reduced among the workers")
-    group.add_argument("--idle-timeout", type=float, help=f"seconds after which an idle tensor-stream connection "
-                                                          f"is closed (default {Options.idle_timeout_s:.0f})")
-    group.add_argument("--max-connections", type=int, help=f"tensor-stream connections per PS "
-                                                           f"(default {Options.max_connections})")
+    group.add_argument(
+        "--max-table-rows", type=int, help=f"most rows of one table on one PS (default {Options.max_table_rows})"
+    )
+    group.add_argument(
+        "--max-table-memory",
+        type=int,
+        help=f"most bytes of all tables on one PS (default {Options.max_table_memory_bytes})",
+    )
+    group.add_argument(
+        "--max-message-bytes",
+        type=int,
+        help=f"largest message sent or received "
+        f"(default {Options.max_message_bytes}); a longer "
+        f"request or reply travels in several",
+    )
+    group.add_argument(
+        "--max-payload-bytes",
+        type=int,
+        help=f"largest request or reply put back together from its messages (default {Options.max_payload_bytes})",
+    )
+    group.add_argument(
+        "--compression",
+        help="gradient compression: a codec for all (fp16, bf16, int8, topk:R) "
+        "or PATTERN=CODEC rules, comma-separated (docs/performance.md)",
+    )
+    group.add_argument(
+        "--dense-sync",
+        choices=["ps", "allreduce"],
+        help="dense variables: pushed to the PS (default) or all-reduced among the workers",
+    )
+    group.add_argument(
+        "--idle-timeout",
+        type=float,
+        help=f"seconds after which an idle tensor-stream connection is closed (default {Options.idle_timeout_s:.0f})",
+    )
+    group.add_argument(
+        "--max-connections", type=int, help=f"tensor-stream connections per PS (default {Options.max_connections})"
+    )
 
 
 def _add_ops_flags(parser: argparse.ArgumentParser) -> None:
@@ -164,11 +218,15 @@ def _add_ops_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (0: a free one)")
     group.add_argument("--log-format", choices=["text", "json"], help="log lines: text (default) or json")
     group.add_argument("--logdir", help="the chief writes TensorBoard summaries here")
-    group.add_argument("--summary-every", type=int, help=f"steps between TensorBoard summaries "
-                                                         f"(default {Options.summary_every})")
+    group.add_argument(
+        "--summary-every", type=int, help=f"steps between TensorBoard summaries (default {Options.summary_every})"
+    )
     group.add_argument("--audit-log", help="append the audit trail (JSON lines) to this file (PS, coordinator)")
-    group.add_argument("--drain-grace", type=float, help=f"SIGTERM: seconds for calls in flight to finish "
-                                                         f"(default {Options.drain_grace_s:.0f})")
+    group.add_argument(
+        "--drain-grace",
+        type=float,
+        help=f"SIGTERM: seconds for calls in flight to finish (default {Options.drain_grace_s:.0f})",
+    )
 
 
 def _add_security_flags(parser: argparse.ArgumentParser) -> None:
@@ -186,28 +244,52 @@ def _add_mode_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode-schedule", help="switch modes at the chief's steps, e.g. 'sync@500'")
     parser.add_argument("--checkpoint-dir", help="write checkpoints here (a path or fsspec URL, e.g. s3://b/run)")
     parser.add_argument("--checkpoint-every", type=int, help="steps between checkpoints (each worker's count)")
-    parser.add_argument("--checkpoint-every-seconds", type=float,
-                        help="seconds between checkpoints, by the chief's clock")
+    parser.add_argument(
+        "--checkpoint-every-seconds", type=float, help="seconds between checkpoints, by the chief's clock"
+    )
     parser.add_argument("--keep", type=int, help=f"complete checkpoints kept (default {Options.checkpoint_keep})")
-    parser.add_argument("--resume", action="store_true", default=None,
-                        help="start from the latest complete checkpoint in --checkpoint-dir (fresh if none)")
-    parser.add_argument("--heartbeat-timeout", type=float,
-                        help=f"seconds of silence after which a worker counts as dead (default "
-                             f"{Options.heartbeat_timeout_s:.0f}); a restart must rejoin within it")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        default=None,
+        help="start from the latest complete checkpoint in --checkpoint-dir (fresh if none)",
+    )
+    parser.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        help=f"seconds of silence after which a worker counts as dead (default "
+        f"{Options.heartbeat_timeout_s:.0f}); a restart must rejoin within it",
+    )
 
 
 # flag (argparse dest) -> option, for the flags that set an option as they are
 _FLAG_OPTIONS = {
-    "mode": "mode", "backup_workers": "backup_workers", "mode_schedule": "mode_schedule",
-    "checkpoint_dir": "checkpoint_dir", "checkpoint_every": "checkpoint_every",
-    "checkpoint_every_seconds": "checkpoint_every_seconds", "keep": "checkpoint_keep",
+    "mode": "mode",
+    "backup_workers": "backup_workers",
+    "mode_schedule": "mode_schedule",
+    "checkpoint_dir": "checkpoint_dir",
+    "checkpoint_every": "checkpoint_every",
+    "checkpoint_every_seconds": "checkpoint_every_seconds",
+    "keep": "checkpoint_keep",
     "heartbeat_timeout": "heartbeat_timeout_s",
-    "max_table_rows": "max_table_rows", "max_table_memory": "max_table_memory_bytes",
-    "max_message_bytes": "max_message_bytes", "max_payload_bytes": "max_payload_bytes", "idle_timeout": "idle_timeout_s", "max_connections": "max_connections",
-    "compression": "compression", "dense_sync": "dense_sync",
-    "metrics_port": "metrics_port", "log_format": "log_format", "logdir": "logdir", "summary_every": "summary_every",
-    "audit_log": "audit_log", "drain_grace": "drain_grace_s",
-    "tls_cert": "tls_cert", "tls_key": "tls_key", "tls_ca": "tls_ca", "auth_tokens": "auth_tokens",
+    "max_table_rows": "max_table_rows",
+    "max_table_memory": "max_table_memory_bytes",
+    "max_message_bytes": "max_message_bytes",
+    "max_payload_bytes": "max_payload_bytes",
+    "idle_timeout": "idle_timeout_s",
+    "max_connections": "max_connections",
+    "compression": "compression",
+    "dense_sync": "dense_sync",
+    "metrics_port": "metrics_port",
+    "log_format": "log_format",
+    "logdir": "logdir",
+    "summary_every": "summary_every",
+    "audit_log": "audit_log",
+    "drain_grace": "drain_grace_s",
+    "tls_cert": "tls_cert",
+    "tls_key": "tls_key",
+    "tls_ca": "tls_ca",
+    "auth_tokens": "auth_tokens",
     "token_file": "token_file",
 }
 
@@ -233,11 +315,22 @@ def _run_local(args: argparse.Namespace, script: str, script_args: list[str]) ->
     certs = _cert_dir(args, options)
     if args.tokens:
         from .tokens import STORE_FILE, local_nodes, write_tokens
+
         if not (Path(args.tokens) / STORE_FILE).exists():
             write_tokens(Path(args.tokens), local_nodes(args.ps, args.workers))
-    cluster = LocalCluster(args.ps, args.workers, script, script_args, options,
-                           progress_every=args.progress_every, log_level=args.log_level,
-                           max_restarts=args.max_restarts, certs=certs, tokens=args.tokens, evaluator=evaluator)
+    cluster = LocalCluster(
+        args.ps,
+        args.workers,
+        script,
+        script_args,
+        options,
+        progress_every=args.progress_every,
+        log_level=args.log_level,
+        max_restarts=args.max_restarts,
+        certs=certs,
+        tokens=args.tokens,
+        evaluator=evaluator,
+    )
     code = cluster.run()
     print(json.dumps(cluster.summary()), flush=True)
     return code
@@ -260,11 +353,25 @@ def _k8s(args: argparse.Namespace) -> int:
     from .k8s import Deployment, render
 
     deployment = Deployment(
-        name=args.name, image=args.image, script=args.script, args=tuple(_strip_dashes(args.args)), ps=args.ps,
-        workers=args.workers, chief=args.chief, evaluator=args.evaluator, namespace=args.namespace, port=args.port,
-        tfjob=args.tfjob, dynamic_workers=args.dynamic_workers, storage_size=args.storage_size,
-        certs=Path(args.certs) if args.certs else None, tokens=Path(args.tokens) if args.tokens else None,
-        cpu=args.cpu, memory=args.memory, options=mode_options(args))
+        name=args.name,
+        image=args.image,
+        script=args.script,
+        args=tuple(_strip_dashes(args.args)),
+        ps=args.ps,
+        workers=args.workers,
+        chief=args.chief,
+        evaluator=args.evaluator,
+        namespace=args.namespace,
+        port=args.port,
+        tfjob=args.tfjob,
+        dynamic_workers=args.dynamic_workers,
+        storage_size=args.storage_size,
+        certs=Path(args.certs) if args.certs else None,
+        tokens=Path(args.tokens) if args.tokens else None,
+        cpu=args.cpu,
+        memory=args.memory,
+        options=mode_options(args),
+    )
     text = render(deployment)
     if args.output:
         Path(args.output).write_text(text)
@@ -276,7 +383,7 @@ def _k8s(args: argparse.Namespace) -> int:
 def _health(args: argparse.Namespace) -> int:
     """One node's health. Without --tls-* flags, TLS as PARAMSERVER_OPTIONS says: in a node's container
     (a Kubernetes exec probe) the node's own certificate."""
-    from ..base.tls import tls_from_options
+    from ..security.tls import tls_from_options
     from ..transport.health import check
 
     access = _status_access(args)
@@ -306,10 +413,16 @@ def _names(text: str) -> list[str]:
 
 def _status_access(args: argparse.Namespace):
     """How `status` and `shutdown` reach the nodes: the TLS material and token given as flags."""
-    from ..base.auth import Credentials
+    from ..security.auth import Credentials
 
-    return Credentials.from_options(Options(tls_cert=args.tls_cert or "", tls_key=args.tls_key or "",
-                                            tls_ca=args.tls_ca or "", token_file=args.token_file or ""))
+    return Credentials.from_options(
+        Options(
+            tls_cert=args.tls_cert or "",
+            tls_key=args.tls_key or "",
+            tls_ca=args.tls_ca or "",
+            token_file=args.token_file or "",
+        )
+    )
 
 
 def _cluster_spec(path: str | None) -> ClusterSpec:
@@ -347,18 +460,20 @@ def main(argv: list[str] | None = None) -> int:
             return _health(args)
         if args.command == "checkpoint":
             from ..checkpoint.tools import run_tool
+
             return run_tool(args.action, args.dir, args.name, args.out)
         if args.command == "status":
             from .status import run_status
-            return run_status(_cluster_spec(args.cluster), args.json, args.interval, args.timeout,
-                              _status_access(args))
+
+            return run_status(_cluster_spec(args.cluster), args.json, args.interval, args.timeout, _status_access(args))
         if args.command == "shutdown":
             from .status import shutdown_cluster
+
             return shutdown_cluster(_cluster_spec(args.cluster), args.timeout, _status_access(args), args.reason)
         from .node import run_node
+
         script_args = _strip_dashes(args.args)
-        return run_node(args.cluster, args.role, args.index, args.bind, args.script, script_args,
-                        mode_options(args))
+        return run_node(args.cluster, args.role, args.index, args.bind, args.script, script_args, mode_options(args))
     except ParamServerError as exc:
         print(f"paramserver: error: {exc}", file=sys.stderr)
         return 2

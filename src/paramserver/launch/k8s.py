@@ -64,8 +64,10 @@ class Deployment:
         if self.dynamic_workers and not self.tfjob:
             problems.append("--dynamic-workers is a TFJob's enableDynamicWorker: give --tfjob too")
         if self.checkpoint_volume and not self.checkpoint_volume.startswith("/"):
-            problems.append(f"--checkpoint-dir {self.checkpoint_volume!r} must be an absolute path (the volume's "
-                            f"mount point) or a URL such as s3://bucket/run")
+            problems.append(
+                f"--checkpoint-dir {self.checkpoint_volume!r} must be an absolute path (the volume's "
+                f"mount point) or a URL such as s3://bucket/run"
+            )
         if problems:
             raise ConfigError("; ".join(problems))
         security = pods.node_options("ps", self.certs is not None, self.tokens is not None)
@@ -86,14 +88,17 @@ class Deployment:
 
     @property
     def cluster(self) -> dict[str, list[str]]:
-        return {role: [f"{self.host(role, i)}:{self.port}" for i in range(count)]
-                for role, count in self.roles.items()}
+        return {role: [f"{self.host(role, i)}:{self.port}" for i in range(count)] for role, count in self.roles.items()}
 
     @property
     def node_hosts(self) -> dict[str, str]:
         """Node name (as `paramserver certs` and tokens name nodes) -> host, for the serving roles."""
-        return {f"{role}-{i}": self.host(role, i) for role, count in self.roles.items()
-                if role in pods.SERVING_ROLES for i in range(count)}
+        return {
+            f"{role}-{i}": self.host(role, i)
+            for role, count in self.roles.items()
+            if role in pods.SERVING_ROLES
+            for i in range(count)
+        }
 
     @property
     def checkpoint_volume(self) -> str:
@@ -118,9 +123,16 @@ def manifests(d: Deployment) -> list[dict]:
     objects = _secrets(d) + _checkpoint_claim(d)
     if d.tfjob:
         return objects + [_tfjob(d)]
-    objects.append({"apiVersion": "v1", "kind": "ConfigMap", "metadata": d.metadata(f"{d.name}-cluster"),
-                    "data": {"cluster.json": json.dumps({"cluster": d.cluster, "options": d.all_options},
-                                                        indent=1, sort_keys=True)}})
+    objects.append(
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": d.metadata(f"{d.name}-cluster"),
+            "data": {
+                "cluster.json": json.dumps({"cluster": d.cluster, "options": d.all_options}, indent=1, sort_keys=True)
+            },
+        }
+    )
     for role, count in d.roles.items():
         objects.append(_headless_service(d, role))
         objects.append(_stateful_set(d, count) if role == "ps" else _indexed_job(d, role, count))
@@ -134,8 +146,10 @@ class _Dumper(yaml.SafeDumper):
         return True
 
 
-_Dumper.add_representer(str, lambda dumper, text: dumper.represent_scalar(
-    "tag:yaml.org,2002:str", text, style="|" if "\n" in text else None))
+_Dumper.add_representer(
+    str,
+    lambda dumper, text: dumper.represent_scalar("tag:yaml.org,2002:str", text, style="|" if "\n" in text else None),
+)
 
 
 def render(d: Deployment) -> str:
@@ -147,8 +161,9 @@ def _secrets(d: Deployment) -> list[dict]:
     if d.certs is not None:
         found.append(pods.secret(f"{d.name}-tls", d.namespace, d.labels(), pods.cert_files(d.certs, d.node_hosts)))
     if d.tokens is not None:
-        found.append(pods.secret(f"{d.name}-tokens", d.namespace, d.labels(),
-                                 pods.token_files(d.tokens, list(d.node_hosts))))
+        found.append(
+            pods.secret(f"{d.name}-tokens", d.namespace, d.labels(), pods.token_files(d.tokens, list(d.node_hosts)))
+        )
     return found
 
 
@@ -156,25 +171,49 @@ def _checkpoint_claim(d: Deployment) -> list[dict]:
     """A ReadWriteMany claim every node mounts: each PS writes its shard file, the chief the manifest."""
     if not d.checkpoint_volume:
         return []
-    return [{"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": d.metadata(f"{d.name}-checkpoints"),
-             "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": d.storage_size}}}}]
+    return [
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolumeClaim",
+            "metadata": d.metadata(f"{d.name}-checkpoints"),
+            "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": d.storage_size}}},
+        }
+    ]
 
 
 def _headless_service(d: Deployment, role: str) -> dict:
     """DNS for each pod of `role`, published before the pod is ready: a worker must reach every PS and
     the coordinator's host to become ready itself."""
-    return {"apiVersion": "v1", "kind": "Service", "metadata": d.metadata(f"{d.name}-{role}", role),
-            "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": d.labels(role),
-                     "ports": [{"name": p["name"], "port": p["containerPort"], "targetPort": p["containerPort"]}
-                               for p in _ports(d, role)]}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": d.metadata(f"{d.name}-{role}", role),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": d.labels(role),
+            "ports": [
+                {"name": p["name"], "port": p["containerPort"], "targetPort": p["containerPort"]}
+                for p in _ports(d, role)
+            ],
+        },
+    }
 
 
 def _stateful_set(d: Deployment, count: int) -> dict:
     """The PS: restarted in place (restartPolicy Always, as a StatefulSet requires), all at once."""
-    return {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": d.metadata(f"{d.name}-ps", "ps"),
-            "spec": {"serviceName": f"{d.name}-ps", "replicas": count, "podManagementPolicy": "Parallel",
-                     "selector": {"matchLabels": d.labels("ps")},
-                     "template": _pod_template(d, "ps", pods.PS_INDEX_FIELD, "Always")}}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": d.metadata(f"{d.name}-ps", "ps"),
+        "spec": {
+            "serviceName": f"{d.name}-ps",
+            "replicas": count,
+            "podManagementPolicy": "Parallel",
+            "selector": {"matchLabels": d.labels("ps")},
+            "template": _pod_template(d, "ps", pods.PS_INDEX_FIELD, "Always"),
+        },
+    }
 
 
 def _indexed_job(d: Deployment, role: str, count: int) -> dict:
@@ -182,9 +221,18 @@ def _indexed_job(d: Deployment, role: str, count: int) -> dict:
     subdomain, resolves as `<job>-<i>.<job>.<ns>.svc`. OnFailure restarts a failed node in its pod."""
     template = _pod_template(d, role, pods.JOB_INDEX_FIELD, "OnFailure")
     template["spec"]["subdomain"] = f"{d.name}-{role}"
-    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": d.metadata(f"{d.name}-{role}", role),
-            "spec": {"completionMode": "Indexed", "completions": count, "parallelism": count,
-                     "backoffLimit": 6 * count, "template": template}}
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": d.metadata(f"{d.name}-{role}", role),
+        "spec": {
+            "completionMode": "Indexed",
+            "completions": count,
+            "parallelism": count,
+            "backoffLimit": 6 * count,
+            "template": template,
+        },
+    }
 
 
 def _tfjob(d: Deployment) -> dict:
@@ -201,8 +249,9 @@ def _tfjob(d: Deployment) -> dict:
     return {"apiVersion": "kubeflow.org/v1", "kind": "TFJob", "metadata": d.metadata(d.name), "spec": spec}
 
 
-def _pod_template(d: Deployment, role: str, index_field: str, restart: str | None,
-                  extra_env: dict[str, str] | None = None) -> dict:
+def _pod_template(
+    d: Deployment, role: str, index_field: str, restart: str | None, extra_env: dict[str, str] | None = None
+) -> dict:
     certs, tokens = d.certs is not None, d.tokens is not None
     options = pods.node_options(role, certs, tokens)
     if d.tfjob:  # no ConfigMap: the shared options travel with each node's own
@@ -210,8 +259,16 @@ def _pod_template(d: Deployment, role: str, index_field: str, restart: str | Non
     env = pods.node_env(role, index_field, options, extra_env)
     mounts, volumes = _volumes(d, role)
     name = _TFJOB_CONTAINER if d.tfjob else "paramserver"
-    node = pods.container(name, d.image, _args(d, role), env, _ports(d, role), mounts,
-                          pods.resources(d.cpu, d.memory), pods.probes(role, d.port, certs))
+    node = pods.container(
+        name,
+        d.image,
+        _args(d, role),
+        env,
+        _ports(d, role),
+        mounts,
+        pods.resources(d.cpu, d.memory),
+        pods.probes(role, d.port, certs),
+    )
     spec: dict = {"containers": [node], "terminationGracePeriodSeconds": _grace(d)}
     if restart:
         spec["restartPolicy"] = restart
@@ -244,8 +301,10 @@ def _volumes(d: Deployment, role: str) -> tuple[list[dict], list[dict]]:
         mounts.append({"name": "cluster", "mountPath": pods.CONFIG_DIR, "readOnly": True})
         volumes.append({"name": "cluster", "configMap": {"name": f"{d.name}-cluster"}})
     if role in pods.SERVING_ROLES:
-        for wanted, volume, secret, path in ((d.certs, "tls", "tls", pods.TLS_DIR),
-                                             (d.tokens, "tokens", "tokens", pods.TOKENS_DIR)):
+        for wanted, volume, secret, path in (
+            (d.certs, "tls", "tls", pods.TLS_DIR),
+            (d.tokens, "tokens", "tokens", pods.TOKENS_DIR),
+        ):
             if wanted is not None:
                 mounts.append({"name": volume, "mountPath": path, "readOnly": True})
                 volumes.append(pods.secret_volume(volume, f"{d.name}-{secret}"))

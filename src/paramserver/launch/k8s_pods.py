@@ -32,9 +32,11 @@ SERVING_ROLES = ("ps", "chief", "worker")  # the roles that serve health on thei
 def node_env(role: str, index_field: str, options: dict, extra: dict[str, str] | None = None) -> list[dict]:
     """The env of a node's container: its index (downward API), its node name and its options
     (PARAMSERVER_OPTIONS, where `$(PARAMSERVER_NODE)` names its own files), then `extra`."""
-    env = [{"name": INDEX_ENV, "valueFrom": {"fieldRef": {"fieldPath": index_field}}},
-           {"name": NODE_ENV, "value": f"{role}-$({INDEX_ENV})"},
-           {"name": "PYTHONUNBUFFERED", "value": "1"}]
+    env = [
+        {"name": INDEX_ENV, "valueFrom": {"fieldRef": {"fieldPath": index_field}}},
+        {"name": NODE_ENV, "value": f"{role}-$({INDEX_ENV})"},
+        {"name": "PYTHONUNBUFFERED", "value": "1"},
+    ]
     if options:
         env.append({"name": "PARAMSERVER_OPTIONS", "value": json.dumps(options, sort_keys=True)})
     return env + [{"name": name, "value": value} for name, value in (extra or {}).items()]
@@ -47,8 +49,11 @@ def node_options(role: str, certs: bool, tokens: bool) -> dict:
         return {}
     options = {}
     if certs:
-        options.update(tls_cert=f"{TLS_DIR}/$({NODE_ENV}).crt", tls_key=f"{TLS_DIR}/$({NODE_ENV}).key",
-                       tls_ca=f"{TLS_DIR}/{CA_CERT}")
+        options.update(
+            tls_cert=f"{TLS_DIR}/$({NODE_ENV}).crt",
+            tls_key=f"{TLS_DIR}/$({NODE_ENV}).key",
+            tls_ca=f"{TLS_DIR}/{CA_CERT}",
+        )
     if tokens:
         options.update(token_file=f"{TOKENS_DIR}/$({NODE_ENV}).token", auth_tokens=f"{TOKENS_DIR}/{STORE_FILE}")
     return options
@@ -72,8 +77,11 @@ def probes(role: str, port: int, tls: bool) -> dict:
     worker is the coordinator's heartbeat timeout's to find). An evaluator serves nothing."""
     if role not in SERVING_ROLES:
         return {}
-    check = ({"exec": {"command": ["paramserver", "health", f"localhost:{port}"]}, "timeoutSeconds": 10} if tls
-             else {"grpc": {"port": port}, "timeoutSeconds": 5})
+    check = (
+        {"exec": {"command": ["paramserver", "health", f"localhost:{port}"]}, "timeoutSeconds": 10}
+        if tls
+        else {"grpc": {"port": port}, "timeoutSeconds": 5}
+    )
     found = {"readinessProbe": {**check, "periodSeconds": 10 if tls else 5}}
     if role == "ps":
         found["startupProbe"] = {**check, "periodSeconds": 10, "failureThreshold": 60}
@@ -81,11 +89,27 @@ def probes(role: str, port: int, tls: bool) -> dict:
     return found
 
 
-def container(name: str, image: str, args: list[str], env: list[dict], ports: list[dict], mounts: list[dict],
-              resources: dict, probe_spec: dict) -> dict:
+def container(
+    name: str,
+    image: str,
+    args: list[str],
+    env: list[dict],
+    ports: list[dict],
+    mounts: list[dict],
+    resources: dict,
+    probe_spec: dict,
+) -> dict:
     """One node's container: `paramserver` ARGS."""
-    found = {"name": name, "image": image, "command": ["paramserver"], "args": args, "env": env, "ports": ports,
-             "resources": resources, **probe_spec}
+    found = {
+        "name": name,
+        "image": image,
+        "command": ["paramserver"],
+        "args": args,
+        "env": env,
+        "ports": ports,
+        "resources": resources,
+        **probe_spec,
+    }
     if mounts:
         found["volumeMounts"] = mounts
     return found
@@ -97,9 +121,13 @@ def resources(cpu: str, memory: str) -> dict:
 
 
 def secret(name: str, namespace: str, labels: dict, files: dict[str, bytes]) -> dict:
-    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
-            "metadata": {"name": name, "namespace": namespace, "labels": labels},
-            "data": {key: base64.b64encode(data).decode() for key, data in sorted(files.items())}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": {"name": name, "namespace": namespace, "labels": labels},
+        "data": {key: base64.b64encode(data).decode() for key, data in sorted(files.items())},
+    }
 
 
 def cert_files(directory: Path, hosts: dict[str, str]) -> dict[str, bytes]:
@@ -116,8 +144,10 @@ def token_files(directory: Path, nodes: list[str]) -> dict[str, bytes]:
     names = [STORE_FILE] + [f"{node}.token" for node in nodes]
     missing = [name for name in names if not (directory / name).is_file()]
     if missing:
-        raise ConfigError(f"--tokens {directory}: missing {missing}; make them with `paramserver certs DIR --nodes "
-                          f"{','.join(nodes)},admin --tokens` (or write_tokens, docs/security.md)")
+        raise ConfigError(
+            f"--tokens {directory}: missing {missing}; make them with `paramserver certs DIR --nodes "
+            f"{','.join(nodes)},admin --tokens` (or write_tokens, docs/security.md)"
+        )
     return {name: (directory / name).read_bytes() for name in names}
 
 

@@ -46,10 +46,10 @@ import psutil
 from ..base.config import OPTIONS_ENV, TF_CONFIG_ENV, Options
 from ..base.errors import UnavailableError
 from ..base.lifecycle import RESTART_EXIT_CODE, Lifecycle, ReadyFlag
-from ..base.progress import ProgressBoard
+from ..worker.progress import ProgressBoard
 from .certs import ps_node_name, with_node_tls, worker_node_name
 from .processes import Child, LineWriter, stop_all, wait_any
-from .ps_node import READY_PREFIX
+from .ps_process import READY_PREFIX
 from .tokens import with_node_token
 
 log = logging.getLogger(__name__)
@@ -85,10 +85,21 @@ class LocalCluster(Lifecycle):
     "progress-worker<i>", "log-<node>") are joined (bounded). `run()` is start + wait + stop.
     """
 
-    def __init__(self, num_ps: int, num_workers: int, script: str, args: list[str] | None = None,
-                 options: Options | None = None, out: TextIO | None = None, progress_every: float = 2.0,
-                 log_level: str = "INFO", max_restarts: int = 3, certs: Path | None = None,
-                 tokens: str | None = None, evaluator: bool = False) -> None:
+    def __init__(
+        self,
+        num_ps: int,
+        num_workers: int,
+        script: str,
+        args: list[str] | None = None,
+        options: Options | None = None,
+        out: TextIO | None = None,
+        progress_every: float = 2.0,
+        log_level: str = "INFO",
+        max_restarts: int = 3,
+        certs: Path | None = None,
+        tokens: str | None = None,
+        evaluator: bool = False,
+    ) -> None:
         """`certs`: a `paramserver certs` directory (mutual TLS, each node its own certificate);
         `tokens`: a directory of launch/tokens.py's files (each node presents its own token, checked
         by the PS and the coordinator); `evaluator`: one evaluator task runs the script too, following
@@ -147,8 +158,12 @@ class LocalCluster(Lifecycle):
         for i in range(self.num_workers):
             self.workers.append(self._start_worker(i))
         if self.with_evaluator and self.evaluator is None:
-            config = json.dumps({"cluster": {"ps": self.ps_addresses, "worker": self.worker_addresses},
-                                 "task": {"type": "evaluator", "index": 0}})
+            config = json.dumps(
+                {
+                    "cluster": {"ps": self.ps_addresses, "worker": self.worker_addresses},
+                    "task": {"type": "evaluator", "index": 0},
+                }
+            )
             env = self._env(replace(self.options, progress_fd=-1), config)
             self.evaluator = self._spawn("evaluator0", self._node_argv(self.script, *self.args), env)
 
@@ -169,15 +184,15 @@ class LocalCluster(Lifecycle):
         options = self._node_options(worker_node_name(index))
         env = self._env(replace(options, progress_fd=write_fd), self._tf_config(index))
         try:
-            child = self._spawn(f"worker{index}", self._node_argv(self.script, *self.args), env,
-                                pass_fds=(write_fd,))
+            child = self._spawn(f"worker{index}", self._node_argv(self.script, *self.args), env, pass_fds=(write_fd,))
         except BaseException:
             os.close(read_fd)
             raise
         finally:
             os.close(write_fd)
-        reader = threading.Thread(target=self._read_progress, args=(read_fd,), name=f"progress-worker{index}",
-                                  daemon=True)
+        reader = threading.Thread(
+            target=self._read_progress, args=(read_fd,), name=f"progress-worker{index}", daemon=True
+        )
         reader.start()
         self._progress_readers[index] = reader
         return child
@@ -248,14 +263,18 @@ class LocalCluster(Lifecycle):
     def _restartable_alone(self, child: Child) -> bool:
         # in every mode: a restarted worker joins the sync step under way (docs/consistency.md); one that
         # asked for a roll-back saw a PS or the chief restart: the whole cluster goes back
-        return self._killed_with_restarts_left(child) and child in self.workers[1:] \
-            and child.poll() != RESTART_EXIT_CODE
+        return (
+            self._killed_with_restarts_left(child) and child in self.workers[1:] and child.poll() != RESTART_EXIT_CODE
+        )
 
     def _restart_worker(self, child: Child) -> Child:
         self.restarts += 1
         index = self.workers.index(child)
-        self._lines.write("run", f"{child.label} was killed (signal {-child.poll()}); restarting it alone "
-                                 f"(restart {self.restarts} of {self.max_restarts}); the others go on")
+        self._lines.write(
+            "run",
+            f"{child.label} was killed (signal {-child.poll()}); restarting it alone "
+            f"(restart {self.restarts} of {self.max_restarts}); the others go on",
+        )
         child.stop(1.0)
         self._drain_progress(index)  # its last lines count toward the totals it banks, not the new one's
         self.board.restart(index)
@@ -270,9 +289,13 @@ class LocalCluster(Lifecycle):
         self.restarts += 1
         started = time.monotonic()
         why = "asked for a roll-back" if child.poll() == RESTART_EXIT_CODE else f"was killed (signal {-child.poll()})"
-        self._lines.write("run", f"{child.label} {why}; rolling the whole cluster back "
-                                 f"to the latest checkpoint in {self.options.checkpoint_dir} "
-                                 f"(restart {self.restarts} of {self.max_restarts})", event="rollback_started")
+        self._lines.write(
+            "run",
+            f"{child.label} {why}; rolling the whole cluster back "
+            f"to the latest checkpoint in {self.options.checkpoint_dir} "
+            f"(restart {self.restarts} of {self.max_restarts})",
+            event="rollback_started",
+        )
         stop_all(self.workers + self.ps, 2.0)
         for index in range(len(self.workers)):
             self._drain_progress(index)
@@ -317,8 +340,9 @@ class LocalCluster(Lifecycle):
                 self._let_evaluator_finish()
         except KeyboardInterrupt:
             totals = self.interrupt()
-            self._lines.write("run", f"interrupted at steps={totals['steps']:,} examples={totals['examples']:,}; "
-                                     "stopping every node")
+            self._lines.write(
+                "run", f"interrupted at steps={totals['steps']:,} examples={totals['examples']:,}; stopping every node"
+            )
             return 130
         finally:
             self.stop()
@@ -342,10 +366,13 @@ class LocalCluster(Lifecycle):
         chief = self.board.results.get(0, {})
         if chief.get("checkpoints_written", 1) > 0:  # no count: its script never trained, nothing to save
             return code
-        self._lines.write("run", f"no checkpoint was written to {self.options.checkpoint_dir}: "
-                                 f"{chief.get('checkpoints_failed', 0)} failed, the last with: "
-                                 f"{chief.get('checkpoint_error', 'see the errors above')}; "
-                                 f"exiting with code {NO_CHECKPOINT}")
+        self._lines.write(
+            "run",
+            f"no checkpoint was written to {self.options.checkpoint_dir}: "
+            f"{chief.get('checkpoints_failed', 0)} failed, the last with: "
+            f"{chief.get('checkpoint_error', 'see the errors above')}; "
+            f"exiting with code {NO_CHECKPOINT}",
+        )
         return NO_CHECKPOINT
 
     # ---- results ---------------------------------------------------------------------------
@@ -353,12 +380,18 @@ class LocalCluster(Lifecycle):
         """One JSON-able record of the run: totals, peak memory per role, and the workers' results
         (worker 0's win; the chief's checkpoint counts among them)."""
         totals = self.board.totals()
-        summary = {"ps": self.num_ps, "workers": self.num_workers, "steps": totals["steps"],
-                   "examples": totals["examples"], "examples_per_s": round(totals["examples_per_s"], 1),
-                   "staleness_mean": round(totals["staleness_mean"], 3), "pushed_bytes": totals["pushed_bytes"],
-                   "pushed_bytes_per_step": round(totals["pushed_bytes"] / totals["steps"]) if totals["steps"] else 0,
-                   "wall_s": round(self.wall_s, 2),
-                   "peak_rss_mb": {role: round(rss / 2**20, 1) for role, rss in self.peak_rss.items()}}
+        summary = {
+            "ps": self.num_ps,
+            "workers": self.num_workers,
+            "steps": totals["steps"],
+            "examples": totals["examples"],
+            "examples_per_s": round(totals["examples_per_s"], 1),
+            "staleness_mean": round(totals["staleness_mean"], 3),
+            "pushed_bytes": totals["pushed_bytes"],
+            "pushed_bytes_per_step": round(totals["pushed_bytes"] / totals["steps"]) if totals["steps"] else 0,
+            "wall_s": round(self.wall_s, 2),
+            "peak_rss_mb": {role: round(rss / 2**20, 1) for role, rss in self.peak_rss.items()},
+        }
         for worker in sorted(self.board.results, reverse=True):
             summary.update(self.board.results[worker])
         return summary
@@ -438,9 +471,12 @@ class LocalCluster(Lifecycle):
         t = self.board.totals()
         if t["steps"]:
             loss = f"{t['loss']:.4f}" if t["loss"] is not None else "-"
-            self._lines.write("run", f"steps={t['steps']:,} steps/s={t['recent_steps_per_s']:,.1f} "
-                                     f"examples/s={t['recent_examples_per_s']:,.0f} loss={loss} "
-                                     f"staleness={t['staleness_mean']:.2f}")
+            self._lines.write(
+                "run",
+                f"steps={t['steps']:,} steps/s={t['recent_steps_per_s']:,.1f} "
+                f"examples/s={t['recent_examples_per_s']:,.0f} loss={loss} "
+                f"staleness={t['staleness_mean']:.2f}",
+            )
 
 
 def _rss(process: psutil.Process) -> int:

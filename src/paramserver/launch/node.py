@@ -27,7 +27,7 @@ from ..base import config as config_mod
 from ..base.config import NodeConfig, Options, bind_address
 from ..base.errors import ConfigError
 from ..base.lifecycle import RESTART_EXIT_CODE
-from ..base.logs import name_node, node_name
+from .logs import name_node, node_name
 
 log = logging.getLogger(__name__)
 # RESTART_EXIT_CODE (75, EX_TEMPFAIL; base/lifecycle.py): a node asks its restart loop to start it again (a
@@ -51,13 +51,21 @@ def resolve(cluster_file: str | None, role: str | None, index: int | None, optio
         whole = config_mod.cluster_from_text(os.environ[config_mod.CLUSTER_ENV], config_mod.CLUSTER_ENV)
         return NodeConfig(whole, config_mod.Task(role, index or 0), options)
     if config is not None and role is not None and (role, index or 0) != (config.task.type, config.task.index):
-        raise ConfigError(f"--role {role} --index {index or 0} contradicts TF_CONFIG's task "
-                          f"{config.task.type}:{config.task.index}")
+        raise ConfigError(
+            f"--role {role} --index {index or 0} contradicts TF_CONFIG's task {config.task.type}:{config.task.index}"
+        )
     return config
 
 
-def run_node(cluster_file: str | None, role: str | None, index: int | None, bind: str | None,
-             script: str | None, args: list[str], overrides: dict | None = None) -> int:
+def run_node(
+    cluster_file: str | None,
+    role: str | None,
+    index: int | None,
+    bind: str | None,
+    script: str | None,
+    args: list[str],
+    overrides: dict | None = None,
+) -> int:
     """Run this node to completion; returns the process exit code. `overrides` are options given as flags."""
     options = config_mod.options_from_environ(os.environ)
     if overrides:
@@ -66,15 +74,15 @@ def run_node(cluster_file: str | None, role: str | None, index: int | None, bind
     role = config.task.type if config else role
     name_node(node_name(role or "node", config.task.index if config else index or 0), role or "")
     if role == "ps":
-        from .ps_node import run_ps_node
+        from .ps_process import run_ps_node
+
         if bind is None and config is None:
             raise ConfigError("a PS node needs TF_CONFIG, --cluster, or --bind HOST:PORT")
         if config is not None:  # with the cluster file's own options
             options = config.options
         if config is not None and options.checkpoint_dir:  # a restarted PS of a cluster resumes by itself
             options = dataclasses.replace(options, resume=True)
-        return run_ps_node(bind or bind_address(config.address), config.task.index if config else index or 0,
-                           options)
+        return run_ps_node(bind or bind_address(config.address), config.task.index if config else index or 0, options)
     if config is None:
         raise ConfigError("a worker node needs TF_CONFIG or --cluster FILE --role worker --index I")
     if role == config_mod.EVALUATOR:
@@ -94,23 +102,26 @@ def run_evaluator(config: NodeConfig, script: str | None, args: list[str]) -> in
     except KeyboardInterrupt:  # SIGTERM too (cli.main): the job is ending
         log.info("evaluator %d: stopped", config.task.index)
         return 0
-    except BaseException:  # noqa: BLE001  (SystemExit of the script is handled by run_script)
+    except BaseException:
         log.exception("evaluator %d failed; exiting with 0 (an evaluator never fails the job)", config.task.index)
         return 0
     if code != 0:
-        log.error("evaluator %d: the script exited with %s; exiting with 0 (an evaluator never fails the job)",
-                  config.task.index, code)
+        log.error(
+            "evaluator %d: the script exited with %s; exiting with 0 (an evaluator never fails the job)",
+            config.task.index,
+            code,
+        )
     return 0
 
 
 def run_script(config: NodeConfig, script: str, args: list[str]) -> int:
     """Run the user's script as __main__ in this process, with `init()` bound to `config`."""
-    from ..worker import context
+    from ..worker import current  # here: a PS node never loads the worker side (torch)
 
     path = Path(script)
     if not path.is_file():
         raise ConfigError(f"training script {script} does not exist")
-    context.set_launched_config(config)
+    current.set_launched_config(config)
     sys.argv = [str(path), *args]
     sys.path.insert(0, str(path.resolve().parent))
     log.info("%s %d: running %s", config.task.type, config.task.index, path)
@@ -123,14 +134,21 @@ def run_script(config: NodeConfig, script: str, args: list[str]) -> int:
         completed = code == 0
         return code
     except Exception as exc:
-        why = context._current.rollback_reason() if context._current is not None else None
+        why = current.existing().rollback_reason() if current.existing() is not None else None
         if why is None:
             raise
-        log.warning("%s %d: the cluster rolls back (%s); exiting with %d to be restarted (the script stopped "
-                    "with %s: %s)", config.task.type, config.task.index, why, RESTART_EXIT_CODE,
-                    type(exc).__name__, exc, extra={"event": "rollback_exit"})
+        log.warning(
+            "%s %d: the cluster rolls back (%s); exiting with %d to be restarted (the script stopped with %s: %s)",
+            config.task.type,
+            config.task.index,
+            why,
+            RESTART_EXIT_CODE,
+            type(exc).__name__,
+            exc,
+            extra={"event": "rollback_exit"},
+        )
         return RESTART_EXIT_CODE
     finally:
-        if context._current is not None:
-            context._current.shutdown(completed)
+        if current.existing() is not None:
+            current.existing().shutdown(completed)
     return 0

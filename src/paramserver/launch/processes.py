@@ -8,10 +8,11 @@ import signal
 import subprocess
 import threading
 import time
-from typing import Callable, TextIO
+from collections.abc import Callable
+from typing import TextIO
 
-from ..base.logs import as_json_line, node_name
 from ..base.parent_death import die_with_parent
+from .logs import as_json_line, node_name
 
 
 class Child:
@@ -21,12 +22,27 @@ class Child:
     `stop` is idempotent.
     """
 
-    def __init__(self, label: str, argv: list[str], env: dict[str, str], on_line: Callable[[str, str], None],
-                 pass_fds: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self,
+        label: str,
+        argv: list[str],
+        env: dict[str, str],
+        on_line: Callable[[str, str], None],
+        pass_fds: tuple[int, ...] = (),
+    ) -> None:
         self.label = label
-        self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, text=True, bufsize=1, pass_fds=pass_fds,
-                                     start_new_session=True, preexec_fn=die_with_parent)
+        self.proc = subprocess.Popen(
+            argv,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            bufsize=1,
+            pass_fds=pass_fds,
+            start_new_session=True,
+            preexec_fn=die_with_parent,
+        )
         self._reader = threading.Thread(target=self._read, args=(on_line,), name=f"log-{label}", daemon=True)
         self._reader.start()
 
@@ -97,7 +113,7 @@ def stop_all(children: list[Child], grace: float) -> list[int]:
 class LineWriter:
     """Writes prefixed lines from many threads without interleaving them. Thread-safe.
 
-    With `json_lines`, every line is a JSON object instead (base/logs.py): a node's JSON log line
+    With `json_lines`, every line is a JSON object instead (launch/logs.py): a node's JSON log line
     passes as it is, any other line is wrapped, naming the node of its prefix ("ps0" -> "ps-0";
     the launcher's own, "run", -> "launcher"). `extra` adds fields to a wrapped line (event, duration_s).
     """

@@ -18,15 +18,23 @@ from typing import Any
 import grpc
 
 from ..base.config import ClusterSpec
-from ..base.auth import Credentials
-from ..base.tls import open_channel
 from ..coordinator.coordinator_service import SERVICE as COORDINATOR
-from ..transport import codec
+from ..security.auth import NO_CREDENTIALS, Credentials
+from ..security.tls import open_channel
 from ..transport.grpc_transport import SERVICE as SHARD
 from ..transport.health import UNREACHABLE, check
+from ..wire import codec
 
-_COLUMNS = (("role", "ROLE"), ("index", "INDEX"), ("address", "ADDRESS"), ("health", "HEALTH"),
-            ("step", "STEP/VERSION"), ("pushes_per_s", "PUSHES/S"), ("rows", "ROWS"), ("memory", "MEMORY"))
+_COLUMNS = (
+    ("role", "ROLE"),
+    ("index", "INDEX"),
+    ("address", "ADDRESS"),
+    ("health", "HEALTH"),
+    ("step", "STEP/VERSION"),
+    ("pushes_per_s", "PUSHES/S"),
+    ("rows", "ROWS"),
+    ("memory", "MEMORY"),
+)
 
 
 @dataclass
@@ -44,21 +52,22 @@ class NodeStatus:
     rss_bytes: int | None = None
 
 
-def hello(address: str, service: str, timeout: float,
-          access: Credentials = Credentials()) -> dict[str, Any] | None:
+def hello(address: str, service: str, timeout: float, access: Credentials = NO_CREDENTIALS) -> dict[str, Any] | None:
     """The meta of `service`'s Hello reply at `address` (with the process's memory), or None if it did
     not answer within `timeout`."""
     with open_channel(address, access.tls) as channel:
         try:
-            reply = channel.unary_unary(f"/{service}/Hello")(codec.encode({"process": True}), timeout=timeout,
-                                                            metadata=access.metadata)
+            reply = channel.unary_unary(f"/{service}/Hello")(
+                codec.encode({"process": True}), timeout=timeout, metadata=access.metadata
+            )
         except grpc.RpcError:
             return None
     return codec.decode(reply).meta
 
 
-def cluster_status(cluster: ClusterSpec, interval: float = 1.0, timeout: float = 2.0,
-                   access: Credentials = Credentials()) -> list[NodeStatus]:
+def cluster_status(
+    cluster: ClusterSpec, interval: float = 1.0, timeout: float = 2.0, access: Credentials = NO_CREDENTIALS
+) -> list[NodeStatus]:
     """Every node of `cluster`: PS first, then the chief and the workers."""
     nodes = [NodeStatus("ps", i, a) for i, a in enumerate(cluster.ps)]
     nodes += [NodeStatus("chief", i, a) for i, a in enumerate(cluster.chief)]
@@ -72,13 +81,12 @@ def cluster_status(cluster: ClusterSpec, interval: float = 1.0, timeout: float =
         second = _sample(pool, cluster.ps, timeout, access)
         for node, health in zip(nodes, healths):
             node.health = health.result()
-        _fill_ps(nodes[:len(cluster.ps)], first, second)
+        _fill_ps(nodes[: len(cluster.ps)], first, second)
         _fill_workers(workers, view.result())
     return nodes
 
 
-def _sample(pool: futures.ThreadPoolExecutor, addresses: tuple[str, ...], timeout: float,
-            access: Credentials) -> list:
+def _sample(pool: futures.ThreadPoolExecutor, addresses: tuple[str, ...], timeout: float, access: Credentials) -> list:
     calls = [pool.submit(hello, address, SHARD, timeout, access) for address in addresses]
     return [(call.result(), time.monotonic()) for call in calls]
 
@@ -119,16 +127,18 @@ def _cell(node: NodeStatus, key: str) -> str:
     return "-" if value is None else str(value)
 
 
-def run_status(cluster: ClusterSpec, as_json: bool, interval: float, timeout: float,
-               access: Credentials = Credentials()) -> int:
+def run_status(
+    cluster: ClusterSpec, as_json: bool, interval: float, timeout: float, access: Credentials = NO_CREDENTIALS
+) -> int:
     """Print the cluster's status; exit code 0 when every node is SERVING, else 1."""
     nodes = cluster_status(cluster, interval, timeout, access)
     print(json.dumps([asdict(n) for n in nodes]) if as_json else table(nodes), flush=True)
     return 0 if all(n.health == "SERVING" for n in nodes) else 1
 
 
-def shutdown_cluster(cluster: ClusterSpec, timeout: float, access: Credentials = Credentials(),
-                     reason: str = "") -> int:
+def shutdown_cluster(
+    cluster: ClusterSpec, timeout: float, access: Credentials = NO_CREDENTIALS, reason: str = ""
+) -> int:
     """Ask every PS of `cluster` to drain and stop (an admin call when the PS check tokens); prints one
     JSON line per PS with its answer. Exit code 0 when every PS accepted, else 1."""
     request = codec.encode({"reason": reason} if reason else {})
@@ -136,12 +146,17 @@ def shutdown_cluster(cluster: ClusterSpec, timeout: float, access: Credentials =
     for index, address in enumerate(cluster.ps):
         with open_channel(address, access.tls) as channel:
             try:
-                reply = codec.decode(channel.unary_unary(f"/{SHARD}/Shutdown")(request, timeout=timeout,
-                                                                             metadata=access.metadata))
+                reply = codec.decode(
+                    channel.unary_unary(f"/{SHARD}/Shutdown")(request, timeout=timeout, metadata=access.metadata)
+                )
                 outcome = {"ps": index, "address": address, "draining": True, "version": reply.meta.get("version")}
                 accepted += 1
             except grpc.RpcError as exc:
-                outcome = {"ps": index, "address": address, "draining": False,
-                           "error": f"{exc.code().name}: {exc.details()}"}
+                outcome = {
+                    "ps": index,
+                    "address": address,
+                    "draining": False,
+                    "error": f"{exc.code().name}: {exc.details()}",
+                }
         print(json.dumps(outcome), flush=True)
     return 0 if accepted == len(cluster.ps) else 1

@@ -1,5 +1,5 @@
 """Tokens for a cluster's nodes: one secret token file per node and the store servers check them
-against (base/auth.py, docs/security.md).
+against (security/auth.py, docs/security.md).
 
 Node names are those of the cluster spec's tasks: ps-<i>, chief-0, worker-<i>, and admin (or
 admin-<name>) for an operator. A chief-0 is worker 0 (its workers then count from 1); without
@@ -15,9 +15,9 @@ import secrets
 from dataclasses import replace
 from pathlib import Path
 
-from ..base.auth import STORE_FORMAT, STORE_VERSION, token_hash
 from ..base.config import Options
 from ..base.errors import ConfigError
+from ..security.auth import STORE_FORMAT, STORE_VERSION, token_hash
 
 STORE_FILE = "tokens.json"
 _NAME = re.compile(r"(ps|chief|worker)-(\d+)|admin(-[A-Za-z0-9_.-]+)?")
@@ -49,8 +49,9 @@ def with_node_token(options: Options, directory: str | Path | None, node: str) -
     own token file, and the store (a PS and the coordinator's host check calls against it)."""
     if not directory:
         return options
-    return replace(options, token_file=str(Path(directory) / f"{node}.token"),
-                   auth_tokens=str(Path(directory) / STORE_FILE))
+    return replace(
+        options, token_file=str(Path(directory) / f"{node}.token"), auth_tokens=str(Path(directory) / STORE_FILE)
+    )
 
 
 def _entries(nodes: list[str]) -> list[tuple[str, str, int | None]]:

@@ -6,7 +6,7 @@ pass over the whole group. A push that carries only some variables (torch skips
 parameters whose .grad is None) is applied per variable with that variable's own step
 count, exactly as torch.optim counts steps per parameter.
 
-A variable's values are float32 masters whatever its model's dtype; its **wire dtype** (base/half.py)
+A variable's values are float32 masters whatever its model's dtype; its **wire dtype** (wire/half.py)
 is how its gradients arrive and its values leave: a bfloat16 or float16 model pushes and pulls
 half the bytes, the optimizer and its state stay float32.
 
@@ -22,7 +22,7 @@ import numpy as np
 
 from ..base import kernels
 from ..base.errors import InvalidArgumentError
-from ..base.half import WIRE_DTYPES, from_wire, to_wire
+from ..wire.half import WIRE_DTYPES, from_wire, to_wire
 from .optimizers import Optimizer
 
 
@@ -34,14 +34,20 @@ class Slot:
     shape: tuple[int, ...]
     start: int
     stop: int
-    wire: str = "float32"  # how its gradients and values travel (base/half.py)
+    wire: str = "float32"  # how its gradients and values travel (wire/half.py)
 
 
 class DenseGroup:
     """Variables registered together, with one optimizer and its hyperparameters."""
 
-    def __init__(self, name: str, optimizer: Optimizer, spec: dict, initial: dict[str, np.ndarray],
-                 wire: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        optimizer: Optimizer,
+        spec: dict,
+        initial: dict[str, np.ndarray],
+        wire: dict[str, str] | None = None,
+    ) -> None:
         """`wire`: the wire dtype of variables that do not travel as float32, by name."""
         self.name = name
         self.optimizer = optimizer
@@ -51,8 +57,9 @@ class DenseGroup:
         start = 0
         for var_name, value in initial.items():
             size = math.prod(value.shape)
-            self.slots[var_name] = Slot(var_name, tuple(value.shape), start, start + size,
-                                        (wire or {}).get(var_name, "float32"))
+            self.slots[var_name] = Slot(
+                var_name, tuple(value.shape), start, start + size, (wire or {}).get(var_name, "float32")
+            )
             start += size
         self.values = np.empty(start, np.float32)
         for var_name, value in initial.items():
@@ -67,13 +74,13 @@ class DenseGroup:
         self.view(var_name)[...] = value
         for key, array in self.state.items():
             if key in state:
-                array[slot.start:slot.stop] = state[key].reshape(-1)
+                array[slot.start : slot.stop] = state[key].reshape(-1)
         self.steps[var_name] = steps
 
     def view(self, var_name: str) -> np.ndarray:
         """The variable's live values, shaped like the variable (a view, not a copy)."""
         slot = self.slots[var_name]
-        return self.values[slot.start:slot.stop].reshape(slot.shape)
+        return self.values[slot.start : slot.stop].reshape(slot.shape)
 
     def wire_view(self, var_name: str) -> np.ndarray:
         """The variable's values as they travel: the live view for float32, else a cast into a buffer
@@ -93,11 +100,12 @@ class DenseGroup:
         expected = WIRE_DTYPES[slot.wire]
         if grad.dtype != expected:
             travels = f"{slot.wire} (as uint16 bits)" if slot.wire == "bfloat16" else slot.wire
-            raise InvalidArgumentError(f"gradient of {var_name!r} has dtype {grad.dtype}, but the variable was "
-                                       f"registered to travel as {travels}")
+            raise InvalidArgumentError(
+                f"gradient of {var_name!r} has dtype {grad.dtype}, but the variable was "
+                f"registered to travel as {travels}"
+            )
         if tuple(grad.shape) != slot.shape:
-            raise InvalidArgumentError(f"gradient of {var_name!r} has shape {tuple(grad.shape)}, "
-                                       f"expected {slot.shape}")
+            raise InvalidArgumentError(f"gradient of {var_name!r} has shape {tuple(grad.shape)}, expected {slot.shape}")
         grad = from_wire(grad, slot.wire)
         if not kernels.all_finite(grad):  # a float16 gradient that overflowed is infinite: refused too
             raise InvalidArgumentError(f"gradient of {var_name!r} holds NaN or infinite values")
@@ -110,7 +118,7 @@ class DenseGroup:
         if 1 < len(grads) == len(self.slots) and len(steps) == 1:
             for name, grad in grads.items():
                 slot = self.slots[name]
-                self._grad[slot.start:slot.stop] = grad.reshape(-1)
+                self._grad[slot.start : slot.stop] = grad.reshape(-1)
             self.optimizer.update(self.values, self._grad, self.state, steps.pop() + 1)
         else:
             for name, grad in grads.items():

@@ -76,15 +76,20 @@ class RowPolicy:
     evict_every: int = 0
 
     @classmethod
-    def from_dict(cls, data: dict | None) -> "RowPolicy":
+    def from_dict(cls, data: dict | None) -> RowPolicy:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data or {}) - known)
         if unknown:
             raise InvalidArgumentError(f"unknown row policy keys {unknown}; known: {sorted(known)}")
         policy = cls(**(data or {}))
         numbers = (policy.admit_after, policy.ttl_steps, policy.min_count, policy.max_rows, policy.evict_every)
-        if not all(type(n) is int for n in numbers) or type(policy.admit_probability) not in (int, float) or \
-                policy.admit_after < 1 or not 0 < policy.admit_probability <= 1 or min(numbers[1:]) < 0:
+        if (
+            not all(type(n) is int for n in numbers)
+            or type(policy.admit_probability) not in (int, float)
+            or policy.admit_after < 1
+            or not 0 < policy.admit_probability <= 1
+            or min(numbers[1:]) < 0
+        ):
             raise InvalidArgumentError(f"invalid row policy {str(data)[:200]}")
         return policy
 
@@ -92,8 +97,16 @@ class RowPolicy:
 class EmbeddingTable:
     """Rows of `dim` float32 values keyed by int64 ids, with a row-wise optimizer."""
 
-    def __init__(self, name: str, dim: int, optimizer: SparseOptimizer, init: dict, spec: dict,
-                 capacity: int = 1024, policy: RowPolicy | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        dim: int,
+        optimizer: SparseOptimizer,
+        init: dict,
+        spec: dict,
+        capacity: int = 1024,
+        policy: RowPolicy | None = None,
+    ) -> None:
         if not isinstance(dim, int) or dim < 1:
             raise InvalidArgumentError(f"table {name!r}: dim must be a positive integer, got {dim!r}")
         initial_rows(np.zeros(1, np.int64), dim, init)  # refuse a bad initializer now
@@ -211,7 +224,7 @@ class EmbeddingTable:
         if policy.max_rows and keep.sum() > policy.max_rows:
             order = np.argsort(-self.last_seen[:n] * keep, kind="stable")  # most recently seen first
             keep[:] = False
-            keep[order[:policy.max_rows]] = True
+            keep[order[: policy.max_rows]] = True
         evicted = int(n - keep.sum())
         if evicted:
             self._compact(keep)
@@ -228,14 +241,22 @@ class EmbeddingTable:
             array[: kept_rows.shape[0]] = array[kept_rows]
         fill = self.optimizer.state_init()
         for key, array in self.state.items():
-            array[kept_rows.shape[0]:] = fill.get(key, 0)
+            array[kept_rows.shape[0] :] = fill.get(key, 0)
         self.index = HashIndex(max(16, 2 * kept_rows.shape[0]))
         self.index.insert(ids[keep[rows]])
 
     def describe(self) -> dict:
-        return {"rows": self.size, "dim": self.dim, "updates": self.steps, **self.counters,
-                "bytes": self.values.nbytes + sum(a.nbytes for a in self.state.values()) + self.index.nbytes
-                + self.last_seen.nbytes + self.seen.nbytes}
+        return {
+            "rows": self.size,
+            "dim": self.dim,
+            "updates": self.steps,
+            **self.counters,
+            "bytes": self.values.nbytes
+            + sum(a.nbytes for a in self.state.values())
+            + self.index.nbytes
+            + self.last_seen.nbytes
+            + self.seen.nbytes,
+        }
 
     def _reserve(self, needed: int) -> None:
         capacity = self.values.shape[0]
@@ -257,8 +278,9 @@ def gather_rows(values: np.ndarray, rows: np.ndarray) -> np.ndarray:
         return values[rows]
     rows = np.ascontiguousarray(rows, np.int64)
     out = np.empty((rows.shape[0], values.shape[1]), values.dtype)
-    kernels.KERNELS.ps_gather_rows(kernels.ptr(values), kernels.ptr(rows), rows.shape[0], values.shape[1],
-                                   kernels.ptr(out))
+    kernels.KERNELS.ps_gather_rows(
+        kernels.ptr(values), kernels.ptr(rows), rows.shape[0], values.shape[1], kernels.ptr(out)
+    )
     return out
 
 

@@ -39,8 +39,9 @@ class HashIndex:
         ids = np.ascontiguousarray(ids, np.int64)
         if kernels.KERNELS is not None:
             found = np.empty(ids.shape[0], np.int64)
-            kernels.KERNELS.ps_index_find(kernels.ptr(self._slots), self.capacity, kernels.ptr(ids), ids.shape[0],
-                                          kernels.ptr(found))
+            kernels.KERNELS.ps_index_find(
+                kernels.ptr(self._slots), self.capacity, kernels.ptr(ids), ids.shape[0], kernels.ptr(found)
+            )
             return found
         mask = np.uint64(self.capacity - 1)
         pos = (mix64(ids) & mask).astype(np.int64)
@@ -68,8 +69,9 @@ class HashIndex:
     def _place(self, ids: np.ndarray, rows: np.ndarray) -> None:
         if kernels.KERNELS is not None:
             ids, rows = np.ascontiguousarray(ids, np.int64), np.ascontiguousarray(rows, np.int64)
-            kernels.KERNELS.ps_index_place(kernels.ptr(self._slots), self.capacity, kernels.ptr(ids),
-                                           kernels.ptr(rows), ids.shape[0])
+            kernels.KERNELS.ps_index_place(
+                kernels.ptr(self._slots), self.capacity, kernels.ptr(ids), kernels.ptr(rows), ids.shape[0]
+            )
             return
         mask = self.capacity - 1
         pos = (mix64(ids) & np.uint64(mask)).astype(np.int64)

@@ -46,12 +46,15 @@ def table_bytes(table: EmbeddingTable) -> int:
 def check_new_table(limits: TableLimits, name: str, capacity: int, one_row: int, used: int) -> None:
     """Raise unless a table of `capacity` rows (`one_row` bytes each) fits next to `used` bytes."""
     if capacity > limits.max_rows:
-        raise ResourceExhaustedError(f"table {name!r}: capacity {capacity} exceeds the PS's max_table_rows "
-                                     f"{limits.max_rows}")
+        raise ResourceExhaustedError(
+            f"table {name!r}: capacity {capacity} exceeds the PS's max_table_rows {limits.max_rows}"
+        )
     if used + capacity * one_row > limits.max_bytes:
-        raise ResourceExhaustedError(f"table {name!r}: {capacity} rows of {one_row} bytes would bring the PS's "
-                                     f"tables to {used + capacity * one_row} bytes, over max_table_memory_bytes "
-                                     f"{limits.max_bytes}")
+        raise ResourceExhaustedError(
+            f"table {name!r}: {capacity} rows of {one_row} bytes would bring the PS's "
+            f"tables to {used + capacity * one_row} bytes, over max_table_memory_bytes "
+            f"{limits.max_bytes}"
+        )
 
 
 def check_new_rows(limits: TableLimits, table: EmbeddingTable, ids: np.ndarray, used: int) -> None:
@@ -62,13 +65,17 @@ def check_new_rows(limits: TableLimits, table: EmbeddingTable, ids: np.ndarray, 
         return
     rows = table.size + missing
     if rows > limits.max_rows:
-        raise ResourceExhaustedError(f"table {table.name!r}: {missing} new rows would bring it to {rows} rows, "
-                                     f"over the PS's max_table_rows {limits.max_rows}")
+        raise ResourceExhaustedError(
+            f"table {table.name!r}: {missing} new rows would bring it to {rows} rows, "
+            f"over the PS's max_table_rows {limits.max_rows}"
+        )
     capacity = table.values.shape[0]
     if rows <= capacity:
         return
     grown = max(rows, int(capacity * _GROWTH)) - capacity
     extra = grown * table_row_bytes(table)
     if used + extra > limits.max_bytes:
-        raise ResourceExhaustedError(f"table {table.name!r}: {missing} new rows would grow the PS's tables to "
-                                     f"{used + extra} bytes, over max_table_memory_bytes {limits.max_bytes}")
+        raise ResourceExhaustedError(
+            f"table {table.name!r}: {missing} new rows would grow the PS's tables to "
+            f"{used + extra} bytes, over max_table_memory_bytes {limits.max_bytes}"
+        )

@@ -70,8 +70,14 @@ class Optimizer:
 
 class SGD(Optimizer):
     name = "sgd"
-    defaults = {"lr": 1e-3, "momentum": 0.0, "dampening": 0.0, "weight_decay": 0.0,
-                "nesterov": False, "maximize": False}
+    defaults = {
+        "lr": 1e-3,
+        "momentum": 0.0,
+        "dampening": 0.0,
+        "weight_decay": 0.0,
+        "nesterov": False,
+        "maximize": False,
+    }
     state_names = ("momentum_buffer",)
 
     def init_state(self, size: int) -> dict[str, np.ndarray]:
@@ -100,8 +106,14 @@ class SGD(Optimizer):
 
 class Adagrad(Optimizer):
     name = "adagrad"
-    defaults = {"lr": 1e-2, "lr_decay": 0.0, "weight_decay": 0.0, "initial_accumulator_value": 0.0,
-                "eps": 1e-10, "maximize": False}
+    defaults = {
+        "lr": 1e-2,
+        "lr_decay": 0.0,
+        "weight_decay": 0.0,
+        "initial_accumulator_value": 0.0,
+        "eps": 1e-10,
+        "maximize": False,
+    }
     state_names = ("sum",)
 
     def init_state(self, size: int) -> dict[str, np.ndarray]:
@@ -112,8 +124,16 @@ class Adagrad(Optimizer):
             return super().update(param, grad, state, step)
         h = self.hyper
         clr = h["lr"] / (1 + (step - 1) * h["lr_decay"])
-        kernels.KERNELS.ps_adagrad(_ptr(param), _ptr(grad), _ptr(state["sum"]), param.shape[0], clr, h["eps"],
-                                   h["weight_decay"], int(h["maximize"]))
+        kernels.KERNELS.ps_adagrad(
+            _ptr(param),
+            _ptr(grad),
+            _ptr(state["sum"]),
+            param.shape[0],
+            clr,
+            h["eps"],
+            h["weight_decay"],
+            int(h["maximize"]),
+        )
 
     def _update_chunk(self, p, g, state, step, tmp) -> None:
         h = self.hyper
@@ -131,8 +151,15 @@ class Adagrad(Optimizer):
 
 class Adam(Optimizer):
     name = "adam"
-    defaults = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0,
-                "amsgrad": False, "maximize": False, "decoupled_weight_decay": False}
+    defaults = {
+        "lr": 1e-3,
+        "betas": (0.9, 0.999),
+        "eps": 1e-8,
+        "weight_decay": 0.0,
+        "amsgrad": False,
+        "maximize": False,
+        "decoupled_weight_decay": False,
+    }
 
     @property
     def state_names(self) -> tuple[str, ...]:  # type: ignore[override]
@@ -143,11 +170,25 @@ class Adam(Optimizer):
             return super().update(param, grad, state, step)
         h = self.hyper
         beta1, beta2 = h["betas"]
-        kernels.KERNELS.ps_adam(_ptr(param), _ptr(grad), _ptr(state["exp_avg"]), _ptr(state["exp_avg_sq"]),
-                                 _ptr(state.get("max_exp_avg_sq")), param.shape[0], 1 - beta1, beta2, 1 - beta2,
-                                 h["lr"] / (1 - beta1 ** step), math.sqrt(1 - beta2 ** step), h["eps"],
-                                 h["weight_decay"], 1 - h["lr"] * h["weight_decay"], int(h["decoupled_weight_decay"]),
-                                 int(h["amsgrad"]), int(h["maximize"]))
+        kernels.KERNELS.ps_adam(
+            _ptr(param),
+            _ptr(grad),
+            _ptr(state["exp_avg"]),
+            _ptr(state["exp_avg_sq"]),
+            _ptr(state.get("max_exp_avg_sq")),
+            param.shape[0],
+            1 - beta1,
+            beta2,
+            1 - beta2,
+            h["lr"] / (1 - beta1**step),
+            math.sqrt(1 - beta2**step),
+            h["eps"],
+            h["weight_decay"],
+            1 - h["lr"] * h["weight_decay"],
+            int(h["decoupled_weight_decay"]),
+            int(h["amsgrad"]),
+            int(h["maximize"]),
+        )
 
     def _decayed_grad(self, p, g, out):
         if self.hyper["decoupled_weight_decay"]:  # AdamW decays the parameter, not the gradient
@@ -173,9 +214,9 @@ class Adam(Optimizer):
         if h["amsgrad"]:
             np.maximum(state["max_exp_avg_sq"], v, out=state["max_exp_avg_sq"])
             v = state["max_exp_avg_sq"]
-        step_size = h["lr"] / (1 - beta1 ** step)
+        step_size = h["lr"] / (1 - beta1**step)
         np.sqrt(v, out=t)
-        t /= _f32(math.sqrt(1 - beta2 ** step))
+        t /= _f32(math.sqrt(1 - beta2**step))
         t += _f32(h["eps"])
         np.divide(m, t, out=t)
         t *= _f32(-step_size)
@@ -211,12 +252,14 @@ def build_optimizer(spec: dict[str, Any]) -> Optimizer:
     """Build an optimizer from {"name": ..., "hyper": {...}}, validating like torch.optim does."""
     if not isinstance(spec, dict) or spec.get("name") not in OPTIMIZERS:
         raise InvalidArgumentError(
-            f"unknown optimizer {spec.get('name') if isinstance(spec, dict) else spec!r}; "
-            f"known: {sorted(OPTIMIZERS)}")
+            f"unknown optimizer {spec.get('name') if isinstance(spec, dict) else spec!r}; known: {sorted(OPTIMIZERS)}"
+        )
     cls = OPTIMIZERS[spec["name"]]
     hyper = dict(spec.get("hyper", {}))
     check_implementation(cls.name, hyper)
-    hyper = {k: v for k, v in hyper.items() if k not in _IGNORED_IMPLEMENTATION_ARGS | set(_REFUSED_IMPLEMENTATION_ARGS)}
+    hyper = {
+        k: v for k, v in hyper.items() if k not in _IGNORED_IMPLEMENTATION_ARGS | set(_REFUSED_IMPLEMENTATION_ARGS)
+    }
     unknown = sorted(set(hyper) - set(cls.defaults))
     if unknown:
         raise InvalidArgumentError(f"{cls.name}: unknown arguments {unknown}; known: {sorted(cls.defaults)}")

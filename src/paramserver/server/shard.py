@@ -10,16 +10,23 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
-from typing import Callable, Iterable, TypeVar
+from typing import TypeVar
 
 import numpy as np
 
-from ..base.consistency_spec import ConsistencySpec
 from ..base import kernels
-from ..base.errors import (DeadlineExceededError, FailedPreconditionError, InvalidArgumentError, NotFoundError,
-                           RollbackError, UnavailableError)
-from ..base.half import WIRE_DTYPES
+from ..base.consistency_spec import ConsistencySpec
+from ..base.errors import (
+    DeadlineExceededError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    RollbackError,
+    UnavailableError,
+)
+from ..wire.half import WIRE_DTYPES
 from .consistency import SyncRound
 from .dense import DenseGroup
 from .optimizers import build_optimizer, check_lr
@@ -86,9 +93,15 @@ class Shard:
         self.row_applier: Callable[[list[list]], None] | None = None
 
     # ---- variables -------------------------------------------------------------------------
-    def register(self, group: str, optimizer_spec: dict, initial: dict[str, np.ndarray],
-                 consistency: ConsistencySpec | None = None, worker: int | None = None,
-                 wire: dict[str, str] | None = None) -> int:
+    def register(
+        self,
+        group: str,
+        optimizer_spec: dict,
+        initial: dict[str, np.ndarray],
+        consistency: ConsistencySpec | None = None,
+        worker: int | None = None,
+        wire: dict[str, str] | None = None,
+    ) -> int:
         """Create a group of variables from initial values, or check an existing one matches.
 
         The first registration wins, for the values and for the consistency mode: later callers
@@ -96,7 +109,7 @@ class Shard:
         consistency mode raises FailedPreconditionError and changes nothing. A registering `worker`
         (a fresh start or a restart) joins the sync step under way with its first push. Initial
         values are float32; `wire` names the variables whose gradients and values travel as
-        bfloat16 or float16 (base/half.py).
+        bfloat16 or float16 (wire/half.py).
         """
         wire = wire or {}
         self._check_initial(group, initial, wire)
@@ -116,8 +129,14 @@ class Shard:
                         created.load(part, saved.value, saved.state, saved.steps)
                 self._groups[group] = created
                 self._group_of.update(dict.fromkeys(initial, created))
-                log.info("shard %d: registered group %s (%d variables, %d values, %s)", self.index, group,
-                         len(initial), created.values.size, optimizer.name)
+                log.info(
+                    "shard %d: registered group %s (%d variables, %d values, %s)",
+                    self.index,
+                    group,
+                    len(initial),
+                    created.values.size,
+                    optimizer.name,
+                )
             else:
                 self._check_same(existing, optimizer_spec, initial, wire)
             self._adopt(consistency)
@@ -133,13 +152,16 @@ class Shard:
             if name not in initial:
                 raise InvalidArgumentError(f"group {group!r}: a wire dtype for {name!r}, which it does not register")
             if dtype not in WIRE_DTYPES:
-                raise InvalidArgumentError(f"variable {name!r}: wire dtype {dtype!r} is not one of "
-                                           f"{sorted(WIRE_DTYPES)}")
+                raise InvalidArgumentError(
+                    f"variable {name!r}: wire dtype {dtype!r} is not one of {sorted(WIRE_DTYPES)}"
+                )
         for name, value in initial.items():
             if value.dtype != np.float32:
-                raise InvalidArgumentError(f"variable {name!r}: initial values of dtype {value.dtype} not supported "
-                                           f"(float32 only; a bfloat16 or float16 variable registers its values "
-                                           f"as float32 and names its wire dtype)")
+                raise InvalidArgumentError(
+                    f"variable {name!r}: initial values of dtype {value.dtype} not supported "
+                    f"(float32 only; a bfloat16 or float16 variable registers its values "
+                    f"as float32 and names its wire dtype)"
+                )
             if not kernels.all_finite(value):
                 raise InvalidArgumentError(f"variable {name!r}: initial values hold NaN or infinite values")
 
@@ -152,7 +174,8 @@ class Shard:
         raise FailedPreconditionError(
             f"{who} joined with mode {consistency} for {consistency.workers} workers, but shard {self.index} "
             f"runs {self.spec} for {self.spec.workers} workers: start every node with the same --mode, "
-            f"--backup-workers and worker count")
+            f"--backup-workers and worker count"
+        )
 
     def _adopt(self, consistency: ConsistencySpec | None) -> None:
         if self.spec is None and consistency is not None:
@@ -160,20 +183,25 @@ class Shard:
             log.info("shard %d: consistency %s, %d workers", self.index, consistency, consistency.workers)
 
     @staticmethod
-    def _check_same(group: DenseGroup, optimizer_spec: dict, initial: dict[str, np.ndarray],
-                    wire: dict[str, str]) -> None:
+    def _check_same(
+        group: DenseGroup, optimizer_spec: dict, initial: dict[str, np.ndarray], wire: dict[str, str]
+    ) -> None:
         if optimizer_spec != group.spec:
             raise FailedPreconditionError(
-                f"group {group.name!r} was registered with optimizer {group.spec}, not {optimizer_spec}")
+                f"group {group.name!r} was registered with optimizer {group.spec}, not {optimizer_spec}"
+            )
         if set(initial) != set(group.slots):
             raise FailedPreconditionError(f"group {group.name!r} holds {sorted(group.slots)}, not {sorted(initial)}")
         for name, value in initial.items():
             if tuple(value.shape) != group.slots[name].shape:
                 raise FailedPreconditionError(
-                    f"variable {name!r} was registered with shape {group.slots[name].shape}, not {tuple(value.shape)}")
+                    f"variable {name!r} was registered with shape {group.slots[name].shape}, not {tuple(value.shape)}"
+                )
             if wire.get(name, "float32") != group.slots[name].wire:
-                raise FailedPreconditionError(f"variable {name!r} was registered to travel as "
-                                              f"{group.slots[name].wire}, not {wire.get(name, 'float32')}")
+                raise FailedPreconditionError(
+                    f"variable {name!r} was registered to travel as "
+                    f"{group.slots[name].wire}, not {wire.get(name, 'float32')}"
+                )
 
     def position(self, worker: int | None) -> int:
         """Batches `worker` has trained as this shard saw them: its position in the checkpoint the
@@ -253,8 +281,10 @@ class Shard:
             if spec.mode == "ssp":
                 self._clocks[push.worker] = self._clocks.get(push.worker, 0) + 1
                 self._cond.notify_all()
-                self._wait(lambda: self._ssp_may_go(push.worker),
-                           lambda: f"worker {push.worker} ahead of the slowest of workers {self._awaited()}")
+                self._wait(
+                    lambda: self._ssp_may_go(push.worker),
+                    lambda: f"worker {push.worker} ahead of the slowest of workers {self._awaited()}",
+                )
             return PushOutcome(True, staleness)
 
     def leave(self, worker: int, barrier: str | None = None) -> None:
@@ -265,8 +295,7 @@ class Shard:
         with self._cond:
             self._check_worker(self.spec or ConsistencySpec(), worker)
             self._quorum.leave(worker, barrier)
-            if self._round is not None and self._round.contributors and \
-                    len(self._round.contributors) >= self._needed():
+            if self._round is not None and self._round.contributors and len(self._round.contributors) >= self._needed():
                 self._apply_round()
             self._cond.notify_all()
         log.info("shard %d: worker %d %s", self.index, worker, f"waits at {barrier!r}" if barrier else "left")
@@ -292,27 +321,36 @@ class Shard:
             if self.spec is not None and self.spec.workers and spec.workers != self.spec.workers:
                 raise FailedPreconditionError(
                     f"shard {self.index}: a mode for {spec.workers} workers contradicts the cluster's "
-                    f"{self.spec.workers} workers")
+                    f"{self.spec.workers} workers"
+                )
             if self._round is not None and self._round.contributors:
                 self._apply_round()
             self._round = None
             self.spec = spec
             self._switched = True
             self._cond.notify_all()
-        log.info("shard %d: consistency is now %s (at version %d, sync step %d)", self.index, spec,
-                 self.version, self.sync_step)
+        log.info(
+            "shard %d: consistency is now %s (at version %d, sync step %d)",
+            self.index,
+            spec,
+            self.version,
+            self.sync_step,
+        )
 
     def _check_step(self, spec: ConsistencySpec, push: Push) -> None:
         """With backups, shards apply a step at different moments: a worker may push the step after
         this shard's current one (it adopted another shard's), never further ahead."""
         if spec.mode == "sync" and push.step is not None and push.step > self.sync_step + 1:
-            raise FailedPreconditionError(f"worker {push.worker} pushed step {push.step}, but shard {self.index} "
-                                          f"is at step {self.sync_step}")
+            raise FailedPreconditionError(
+                f"worker {push.worker} pushed step {push.step}, but shard {self.index} is at step {self.sync_step}"
+            )
 
     def _push_sync(self, push: Push, step: int, staleness: int) -> PushOutcome:
         if step > self.sync_step:  # another shard applied the step under way here already: in order
-            self._wait(lambda: self.sync_step >= step or not self._is_sync(),
-                       lambda: f"step {step} waiting for step {self.sync_step}, for workers {self._awaited()}")
+            self._wait(
+                lambda: self.sync_step >= step or not self._is_sync(),
+                lambda: f"step {step} waiting for step {self.sync_step}, for workers {self._awaited()}",
+            )
             if not self._is_sync():
                 return self._apply_now(push, staleness)
         if step < self.sync_step:
@@ -328,8 +366,10 @@ class Shard:
             self._apply_round()
             self._cond.notify_all()
         else:
-            self._wait(lambda: self.sync_step > step or not self._is_sync(),
-                       lambda: f"step {step} waiting for workers {self._awaited()}")
+            self._wait(
+                lambda: self.sync_step > step or not self._is_sync(),
+                lambda: f"step {step} waiting for workers {self._awaited()}",
+            )
         return PushOutcome(True, staleness)
 
     def _target_step(self, push: Push, returning: bool) -> int:
@@ -338,8 +378,9 @@ class Shard:
         shard that is ahead (so no worker ever waits for itself). A returning worker whose earlier
         life pushed the open step pushes the next one; a claimed step already applied is late."""
         step = push.step if push.step is not None else self.sync_step
-        contributed = self._round is not None and self._round.step == self.sync_step and \
-            push.worker in self._round.contributors
+        contributed = (
+            self._round is not None and self._round.step == self.sync_step and push.worker in self._round.contributors
+        )
         if not contributed:
             return self.sync_step if returning or step > self.sync_step else step
         if returning:
@@ -383,17 +424,26 @@ class Shard:
         """Refuse a push from a worker that has not registered with this PS process: it registered with an
         earlier one, which restarted (or was rolled back) since; its gradients belong to that state."""
         if self.sessions is not None and worker is not None and worker not in self.sessions:
-            raise RollbackError(f"shard {self.index}: worker {worker} has not registered with this PS since it "
-                                f"started (it restarted, or the cluster rolls back): the worker must restart")
+            raise RollbackError(
+                f"shard {self.index}: worker {worker} has not registered with this PS since it "
+                f"started (it restarted, or the cluster rolls back): the worker must restart"
+            )
 
     def describe(self) -> dict:
         """Counters and mode, for Hello replies and monitoring."""
         with self._cond:
             stats = self.stats
-            return {"version": self.version, "sync_step": self.sync_step, "groups": len(self._groups),
-                    "mode": str(self.spec or ConsistencySpec()), "pushes": stats.pushes,
-                    "dropped_late": stats.dropped_late, "waiting": self.waiting, "staleness_max": stats.staleness_max,
-                    "staleness_mean": stats.staleness_sum / stats.pushes if stats.pushes else 0.0}
+            return {
+                "version": self.version,
+                "sync_step": self.sync_step,
+                "groups": len(self._groups),
+                "mode": str(self.spec or ConsistencySpec()),
+                "pushes": stats.pushes,
+                "dropped_late": stats.dropped_late,
+                "waiting": self.waiting,
+                "staleness_max": stats.staleness_max,
+                "staleness_mean": stats.staleness_sum / stats.pushes if stats.pushes else 0.0,
+            }
 
     def _apply_round(self) -> None:
         self._apply(self._by_group(self._round.averages(self._sums)))
@@ -447,8 +497,9 @@ class Shard:
             raise DeadlineExceededError(f"shard {self.index}: {what()} for over {self.wait_timeout_s:.0f}s")
         gone = self._needed_gone()
         if gone and not ready():
-            raise UnavailableError(f"shard {self.index}: {what()}, but worker {gone[0]} is gone "
-                                   f"({self._quorum.gone[gone[0]]})")
+            raise UnavailableError(
+                f"shard {self.index}: {what()}, but worker {gone[0]} is gone ({self._quorum.gone[gone[0]]})"
+            )
 
     def _needed_gone(self) -> list[int]:
         """Gone workers whose pushes a wait here still needs."""

@@ -3,7 +3,7 @@ scraped (nothing is counted twice, nothing is added to the push path). Names: do
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -15,8 +15,10 @@ from .table_store import TableStore
 _TABLE_COUNTERS = {
     "updates": ("paramserver_table_updates", "Row-wise optimizer steps of a table"),
     "admitted": ("paramserver_table_admissions", "Ids admitted as rows of a table"),
-    "not_admitted_lookups": ("paramserver_table_not_admitted_lookups", "Lookups of ids the admission policy "
-                             "did not admit (yet)"),
+    "not_admitted_lookups": (
+        "paramserver_table_not_admitted_lookups",
+        "Lookups of ids the admission policy did not admit (yet)",
+    ),
     "dropped_gradients": ("paramserver_table_dropped_gradients", "Row gradients dropped (their id holds no row)"),
     "evicted": ("paramserver_table_evictions", "Rows evicted from a table"),
 }
@@ -32,20 +34,23 @@ class ShardCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         shard, label = self.shard.describe(), [str(self.shard.index)]
         for name, help_text, value in (
-                ("paramserver_pushes", "Pushes received", shard["pushes"]),
-                ("paramserver_updates_applied", "Updates applied to the shard's variables (its version)",
-                 shard["version"]),
-                ("paramserver_pushes_dropped_late", "Late sync pushes dropped (their step was applied without them)",
-                 shard["dropped_late"]),
-                ("paramserver_sync_steps", "Sync steps applied", shard["sync_step"])):
+            ("paramserver_pushes", "Pushes received", shard["pushes"]),
+            ("paramserver_updates_applied", "Updates applied to the shard's variables (its version)", shard["version"]),
+            (
+                "paramserver_pushes_dropped_late",
+                "Late sync pushes dropped (their step was applied without them)",
+                shard["dropped_late"],
+            ),
+            ("paramserver_sync_steps", "Sync steps applied", shard["sync_step"]),
+        ):
             family = CounterMetricFamily(name, help_text, labels=["shard"])
             family.add_metric(label, value)
             yield family
         for name, help_text, value in (
-                ("paramserver_staleness_max", "Largest staleness of a push (updates behind)", shard["staleness_max"]),
-                ("paramserver_staleness_mean", "Mean staleness of the pushes (updates behind)",
-                 shard["staleness_mean"]),
-                ("paramserver_pushes_waiting", "Pushes blocked in a sync step or an ssp bound now", shard["waiting"])):
+            ("paramserver_staleness_max", "Largest staleness of a push (updates behind)", shard["staleness_max"]),
+            ("paramserver_staleness_mean", "Mean staleness of the pushes (updates behind)", shard["staleness_mean"]),
+            ("paramserver_pushes_waiting", "Pushes blocked in a sync step or an ssp bound now", shard["waiting"]),
+        ):
             family = GaugeMetricFamily(name, help_text, labels=["shard"])
             family.add_metric(label, value)
             yield family
@@ -53,12 +58,18 @@ class ShardCollector(Collector):
 
     def _tables(self, shard: str) -> Iterator[Metric]:
         tables = self.tables.describe()
-        rows = GaugeMetricFamily("paramserver_table_rows", "Rows a table holds on this shard",
-                                 labels=["shard", "table"])
-        size = GaugeMetricFamily("paramserver_table_bytes", "Bytes of a table on this shard (values, optimizer "
-                                 "state, index)", labels=["shard", "table"])
-        counters = {key: CounterMetricFamily(name, help_text, labels=["shard", "table"])
-                    for key, (name, help_text) in _TABLE_COUNTERS.items()}
+        rows = GaugeMetricFamily(
+            "paramserver_table_rows", "Rows a table holds on this shard", labels=["shard", "table"]
+        )
+        size = GaugeMetricFamily(
+            "paramserver_table_bytes",
+            "Bytes of a table on this shard (values, optimizer state, index)",
+            labels=["shard", "table"],
+        )
+        counters = {
+            key: CounterMetricFamily(name, help_text, labels=["shard", "table"])
+            for key, (name, help_text) in _TABLE_COUNTERS.items()
+        }
         for table, described in tables.items():
             rows.add_metric([shard, table], described["rows"])
             size.add_metric([shard, table], described["bytes"])

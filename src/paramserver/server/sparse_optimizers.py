@@ -26,8 +26,13 @@ from ..base.kernels import ptr
 
 def _fits(values: np.ndarray, rows: np.ndarray, grads: np.ndarray) -> bool:
     """Whether the C kernels can take these arrays as they are (C-contiguous, the expected dtypes)."""
-    return (values.flags.c_contiguous and grads.flags.c_contiguous and rows.flags.c_contiguous
-            and rows.dtype == np.int64 and grads.dtype == np.float32)
+    return (
+        values.flags.c_contiguous
+        and grads.flags.c_contiguous
+        and rows.flags.c_contiguous
+        and rows.dtype == np.int64
+        and grads.dtype == np.float32
+    )
 
 
 class SparseOptimizer:
@@ -38,9 +43,13 @@ class SparseOptimizer:
     def __init__(self, **hyper: Any) -> None:
         unknown = sorted(set(hyper) - set(self.defaults))
         if unknown:
-            raise InvalidArgumentError(f"sparse {self.name}: unknown arguments {unknown}; known: {sorted(self.defaults)}")
+            raise InvalidArgumentError(
+                f"sparse {self.name}: unknown arguments {unknown}; known: {sorted(self.defaults)}"
+            )
         self.hyper = {**self.defaults, **hyper}
-        if not (isinstance(self.hyper["lr"], (int, float)) and math.isfinite(self.hyper["lr"]) and self.hyper["lr"] >= 0):
+        if not (
+            isinstance(self.hyper["lr"], (int, float)) and math.isfinite(self.hyper["lr"]) and self.hyper["lr"] >= 0
+        ):
             raise InvalidArgumentError(f"sparse {self.name}: invalid lr {self.hyper['lr']!r}")
 
     def state_init(self) -> dict[str, float]:
@@ -51,8 +60,9 @@ class SparseOptimizer:
         """The gradients to descend: negated when maximizing, as torch negates them first."""
         return np.negative(grads) if self.hyper.get("maximize") else grads
 
-    def update(self, values: np.ndarray, rows: np.ndarray, grads: np.ndarray,
-               state: dict[str, np.ndarray], step: int) -> None:
+    def update(
+        self, values: np.ndarray, rows: np.ndarray, grads: np.ndarray, state: dict[str, np.ndarray], step: int
+    ) -> None:
         """Update `values[rows]` (distinct rows) from `grads` (len(rows) x dim)."""
         raise NotImplementedError
 
@@ -77,8 +87,9 @@ class SparseAdagrad(SparseOptimizer):
         h, grads = self.hyper, self.directed(grads)
         clr = h["lr"] / (1 + (step - 1) * h["lr_decay"])
         if kernels.KERNELS is not None and _fits(values, rows, grads):
-            kernels.KERNELS.ps_sparse_adagrad(ptr(values), ptr(state["sum"]), ptr(rows), ptr(grads), rows.shape[0],
-                                              values.shape[1], clr, h["eps"])
+            kernels.KERNELS.ps_sparse_adagrad(
+                ptr(values), ptr(state["sum"]), ptr(rows), ptr(grads), rows.shape[0], values.shape[1], clr, h["eps"]
+            )
             return
         acc = state["sum"][rows] + grads * grads
         state["sum"][rows] = acc
@@ -101,16 +112,28 @@ class SparseAdam(SparseOptimizer):
             steps = step
             if kernels.KERNELS is not None and _fits(values, rows, grads):
                 kernels.KERNELS.ps_sparse_adam(
-                    ptr(values), ptr(state["exp_avg"]), ptr(state["exp_avg_sq"]), ptr(rows), ptr(grads), rows.shape[0],
-                    values.shape[1], 1 - beta1, 1 - beta2, h["lr"] * math.sqrt(1 - beta2 ** step) / (1 - beta1 ** step),
-                    h["eps"])
+                    ptr(values),
+                    ptr(state["exp_avg"]),
+                    ptr(state["exp_avg_sq"]),
+                    ptr(rows),
+                    ptr(grads),
+                    rows.shape[0],
+                    values.shape[1],
+                    1 - beta1,
+                    1 - beta2,
+                    h["lr"] * math.sqrt(1 - beta2**step) / (1 - beta1**step),
+                    h["eps"],
+                )
                 return
         m_old, v_old = state["exp_avg"][rows], state["exp_avg_sq"][rows]
         m = (grads - m_old) * np.float32(1 - beta1) + m_old
         v = (grads * grads - v_old) * np.float32(1 - beta2) + v_old
         state["exp_avg"][rows], state["exp_avg_sq"][rows] = m, v
-        step_size = (h["lr"] * np.sqrt(1 - beta2 ** steps) / (1 - beta1 ** steps)).astype(np.float32) \
-            if h["per_row_step"] else np.float32(h["lr"] * math.sqrt(1 - beta2 ** steps) / (1 - beta1 ** steps))
+        step_size = (
+            (h["lr"] * np.sqrt(1 - beta2**steps) / (1 - beta1**steps)).astype(np.float32)
+            if h["per_row_step"]
+            else np.float32(h["lr"] * math.sqrt(1 - beta2**steps) / (1 - beta1**steps))
+        )
         values[rows] += -step_size * (m / (np.sqrt(v) + np.float32(h["eps"])))
 
 
@@ -135,7 +158,8 @@ class SparseFtrl(SparseOptimizer):
 
 
 SPARSE_OPTIMIZERS: dict[str, type[SparseOptimizer]] = {
-    cls.name: cls for cls in (SparseSGD, SparseAdagrad, SparseAdam, SparseFtrl)}
+    cls.name: cls for cls in (SparseSGD, SparseAdagrad, SparseAdam, SparseFtrl)
+}
 
 
 def build_sparse_optimizer(spec: dict) -> SparseOptimizer:

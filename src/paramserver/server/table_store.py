@@ -1,6 +1,6 @@
 """The embedding tables of a shard, and the checks every lookup and sparse push passes.
 
-Rows are float32; a table's wire dtype (base/half.py) is how its rows leave and its row gradients
+Rows are float32; a table's wire dtype (wire/half.py) is how its rows leave and its row gradients
 arrive (bfloat16 or float16: half the bytes). Thread-safe: one lock serializes all calls. Row
 pushes are applied when their shard's step applies them (`apply_rows`): on arrival in async and
 ssp modes, averaged with the other workers' of the same step in sync mode.
@@ -16,7 +16,7 @@ import numpy as np
 
 from ..base import kernels
 from ..base.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
-from ..base.half import WIRE_DTYPES, from_wire, to_wire
+from ..wire.half import WIRE_DTYPES, from_wire, to_wire
 from .embedding_table import EmbeddingTable, RowPolicy
 from .limits import TableLimits, check_new_rows, check_new_table, row_bytes, table_bytes
 from .sparse_optimizers import build_sparse_optimizer
@@ -29,8 +29,9 @@ MAX_CAPACITY = 1 << 30  # rows one shard's table may reserve up front
 class TableStore:
     """Embedding tables by name."""
 
-    def __init__(self, shard_index: int, max_ids: int = DEFAULT_MAX_IDS, restore=None,
-                 limits: TableLimits | None = None) -> None:
+    def __init__(
+        self, shard_index: int, max_ids: int = DEFAULT_MAX_IDS, restore=None, limits: TableLimits | None = None
+    ) -> None:
         self.shard_index = shard_index
         self.restore = restore  # a checkpoint.restore.RestoreSource new tables start from, or None
         self.max_ids = max_ids
@@ -39,8 +40,17 @@ class TableStore:
         self._wire: dict[str, str] = {}  # wire dtype by table
         self._lock = threading.Lock()
 
-    def register(self, name: str, dim: int, optimizer_spec: dict, init: dict, policy: dict | None = None,
-                 capacity: int = 0, num_shards: int = 1, wire: str = "float32") -> None:
+    def register(
+        self,
+        name: str,
+        dim: int,
+        optimizer_spec: dict,
+        init: dict,
+        policy: dict | None = None,
+        capacity: int = 0,
+        num_shards: int = 1,
+        wire: str = "float32",
+    ) -> None:
         """Create table `name`, or check that the existing one has the same dim, optimizer and wire dtype.
 
         capacity: rows to reserve room for up front (0: start small and grow). num_shards: how
@@ -56,10 +66,14 @@ class TableStore:
                 optimizer = build_sparse_optimizer(optimizer_spec)
                 row_policy = RowPolicy.from_dict(policy)
                 self._check_new_table(name, dim, optimizer, row_policy, capacity)
-                saved = self.restore.table_rows(name, dim, optimizer_spec, self.shard_index, num_shards) \
-                    if self.restore is not None else None
-                table = EmbeddingTable(name, dim, optimizer, init, optimizer_spec,
-                                       capacity=max(1024, capacity), policy=row_policy)
+                saved = (
+                    self.restore.table_rows(name, dim, optimizer_spec, self.shard_index, num_shards)
+                    if self.restore is not None
+                    else None
+                )
+                table = EmbeddingTable(
+                    name, dim, optimizer, init, optimizer_spec, capacity=max(1024, capacity), policy=row_policy
+                )
                 if saved is not None:
                     table.load(saved.ids, saved.arrays, saved.meta["counters"], saved.meta["steps"])
                     log.info("shard %d: table %s restored with %d rows", self.shard_index, name, table.size)
@@ -67,10 +81,12 @@ class TableStore:
                 log.info("shard %d: table %s (dim %d, %s)", self.shard_index, name, dim, optimizer.name)
             elif (existing.dim, existing.spec, existing.init) != (dim, optimizer_spec, init):
                 raise FailedPreconditionError(
-                    f"table {name!r} exists with dim {existing.dim}, optimizer {existing.spec}, init {existing.init}")
+                    f"table {name!r} exists with dim {existing.dim}, optimizer {existing.spec}, init {existing.init}"
+                )
             elif self._wire[name] != wire:
-                raise FailedPreconditionError(f"table {name!r} was registered to travel as {self._wire[name]}, "
-                                              f"not {wire}")
+                raise FailedPreconditionError(
+                    f"table {name!r} was registered to travel as {self._wire[name]}, not {wire}"
+                )
 
     def lookup(self, name: str, ids: np.ndarray) -> np.ndarray:
         """Rows of `ids`, created on first touch (a copy, in the table's wire dtype)."""
@@ -80,7 +96,7 @@ class TableStore:
         """One row-wise optimizer step; every check passes before any row changes."""
         self.push_checked([self.check_push(name, ids, grads)])
 
-    def check_lookup(self, name: str, ids: np.ndarray) -> "CheckedLookup":
+    def check_lookup(self, name: str, ids: np.ndarray) -> CheckedLookup:
         """Validate a lookup without running it (raises InvalidArgumentError / NotFoundError)."""
         table = self._table(name)
         self._check_ids(name, ids, distinct=False)
@@ -88,7 +104,7 @@ class TableStore:
             check_new_rows(self.limits, table, ids, self._bytes())
         return CheckedLookup(table, ids)
 
-    def check_push(self, name: str, ids: np.ndarray, grads: np.ndarray) -> "CheckedPush":
+    def check_push(self, name: str, ids: np.ndarray, grads: np.ndarray) -> CheckedPush:
         """Validate a row push without applying it, so that a request carrying several changes
         can check them all before any is made. Gradients in the table's wire dtype are upcast to
         float32 first (one that overflowed float16 is infinite: refused)."""
@@ -96,15 +112,17 @@ class TableStore:
         self._check_ids(name, ids)
         wire = self._wire[name]
         if grads.dtype != WIRE_DTYPES[wire] or grads.shape != (ids.shape[0], table.dim):
-            raise InvalidArgumentError(f"table {name!r}: gradient of shape {grads.shape} and dtype {grads.dtype} "
-                                       f"does not match {ids.shape[0]} ids x dim {table.dim} {wire}"
-                                       f"{' (as uint16 bits)' if wire == 'bfloat16' else ''}")
+            raise InvalidArgumentError(
+                f"table {name!r}: gradient of shape {grads.shape} and dtype {grads.dtype} "
+                f"does not match {ids.shape[0]} ids x dim {table.dim} {wire}"
+                f"{' (as uint16 bits)' if wire == 'bfloat16' else ''}"
+            )
         grads = from_wire(grads, wire)
         if not kernels.all_finite(grads):
             raise InvalidArgumentError(f"table {name!r}: gradient holds NaN or infinite values")
         return CheckedPush(table, ids, grads)
 
-    def lookup_checked(self, lookups: list["CheckedLookup"]) -> list[np.ndarray]:
+    def lookup_checked(self, lookups: list[CheckedLookup]) -> list[np.ndarray]:
         """Read (and create) the rows; the limits are checked again here, under the lock, before
         any row is created (the check in `check_lookup` ran before the request changed anything)."""
         with self._lock:
@@ -112,12 +130,12 @@ class TableStore:
                 check_new_rows(self.limits, lookup.table, lookup.ids, self._bytes())
             return [to_wire(lookup.table.read(lookup.ids), self._wire[lookup.table.name]) for lookup in lookups]
 
-    def push_checked(self, pushes: list["CheckedPush"]) -> None:
+    def push_checked(self, pushes: list[CheckedPush]) -> None:
         with self._lock:
             for push in pushes:
                 push.table.apply(push.ids, push.grads)
 
-    def apply_rows(self, by_worker: list[list["CheckedPush"]]) -> None:
+    def apply_rows(self, by_worker: list[list[CheckedPush]]) -> None:
         """Apply the row pushes of one step of several workers as one update per table: each row's
         gradient is the sum of the workers' divided by their number (every worker counts, also
         those without a gradient for the row), as a sync step averages dense gradients."""

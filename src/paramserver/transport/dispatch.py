@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import grpc
 
-from ..base.auth import ANONYMOUS, Claim, Guard
 from ..base.errors import ParamServerError, UnauthenticatedError, error_for_status
+from ..security.auth import ANONYMOUS, Claim, Guard
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +42,9 @@ class Answer:
         return error_for_status(self.code, f"{describe}: {self.reply}")
 
 
-def answer(service, method: str, payload, peer: str, sink: Callable[[list], Any] = b"".join,
-           token: str | None = None) -> Answer:
+def answer(
+    service, method: str, payload, peer: str, sink: Callable[[list], Any] = b"".join, token: str | None = None
+) -> Answer:
     """Call `service` and turn what happens into an Answer. Thread-safe as the service is.
     `token`: the caller's bearer token, if it sent one.
 
@@ -82,7 +84,7 @@ def _answer(service, method: str, payload, peer: str, sink: Callable[[list], Any
     except ParamServerError as exc:
         log.warning("%s refused from %s: %s", method, peer, exc)
         result, error = Answer(exc.code, str(exc)), exc
-    except Exception:  # noqa: BLE001 - a bug: report it to the caller and keep serving
+    except Exception:
         log.exception("%s from %s failed", method, peer)
         result = Answer(grpc.StatusCode.INTERNAL, f"{method} failed on the server; see its log")
         error = ParamServerError(result.reply)

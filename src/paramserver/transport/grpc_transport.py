@@ -20,14 +20,14 @@ from concurrent.futures import Future
 
 import grpc
 
-from ..base.auth import bearer_metadata, bearer_token
 from ..base.config import Options
 from ..base.errors import ResourceExhaustedError, UnavailableError, error_for_status
 from ..base.lifecycle import Lifecycle, ReadyFlag
-from ..base.tls import TlsMaterial
-from . import codec
+from ..security.auth import bearer_metadata, bearer_token
+from ..security.tls import TlsMaterial
+from ..wire import codec
+from ..wire.codec import split_parts
 from .channel import CallHandle, FutureCall
-from .codec import split_parts
 from .dispatch import answer
 from .health import Health
 from .stream import METHODS as STREAM_METHODS
@@ -45,10 +45,12 @@ _PEER_KINDS = {"paramserver.Coordinator": "coordinator", HEALTH_ONLY: "health"}
 def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
     # Large HTTP/2 frames and write buffers: a push or pull is megabytes, and gRPC's defaults
     # (16 KiB frames) cost more CPU per byte than the optimizer itself (docs/performance.md).
-    return [("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.http2.max_frame_size", 16 * 1024 * 1024 - 1),
-            ("grpc.http2.write_buffer_size", 64 * 1024 * 1024)]
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.http2.max_frame_size", 16 * 1024 * 1024 - 1),
+        ("grpc.http2.write_buffer_size", 64 * 1024 * 1024),
+    ]
 
 
 class GrpcServer(Lifecycle):
@@ -58,12 +60,20 @@ class GrpcServer(Lifecycle):
     `stop(grace)`: in-flight calls get `grace` seconds, then gRPC cancels them; the request threads
     ("ps-rpc_N", "coordinator-rpc_N") are joined, all within about `grace` + 1 s. gRPC's own
     polling thread is not ours to name; it ends with the server.
-    With `tls`, the port serves TLS only (mutual when the material has a CA; base/tls.py).
+    With `tls`, the port serves TLS only (mutual when the material has a CA; security/tls.py).
     """
 
-    def __init__(self, service, bind: str, max_message_bytes: int, threads: int = 8,
-                 service_name: str = SERVICE, tls: TlsMaterial | None = None, health: Health | None = None,
-                 max_payload_bytes: int = Options.max_payload_bytes) -> None:
+    def __init__(
+        self,
+        service,
+        bind: str,
+        max_message_bytes: int,
+        threads: int = 8,
+        service_name: str = SERVICE,
+        tls: TlsMaterial | None = None,
+        health: Health | None = None,
+        max_payload_bytes: int = Options.max_payload_bytes,
+    ) -> None:
         """`tls`: serve TLS (mutual with a CA); `health`: served next to the service (grpc.health.v1);
         `max_payload_bytes`: the most a chunked request may hold in all."""
         self.service = service
@@ -76,11 +86,14 @@ class GrpcServer(Lifecycle):
         self._threads: list[threading.Thread] = []  # the request threads, recorded as each one starts
         self._stopped = threading.Event()
         self._executor = futures.ThreadPoolExecutor(
-            max_workers=threads, thread_name_prefix=f"{_PEER_KINDS.get(service_name, 'ps')}-rpc",
-            initializer=lambda: self._threads.append(threading.current_thread()))
+            max_workers=threads,
+            thread_name_prefix=f"{_PEER_KINDS.get(service_name, 'ps')}-rpc",
+            initializer=lambda: self._threads.append(threading.current_thread()),
+        )
         # no SO_REUSEPORT: a second server on a port in use fails at start instead of sharing it
-        self._server = grpc.server(self._executor,
-                                   options=[*channel_options(max_message_bytes), ("grpc.so_reuseport", 0)])
+        self._server = grpc.server(
+            self._executor, options=[*channel_options(max_message_bytes), ("grpc.so_reuseport", 0)]
+        )
         handlers = {}
         for name in service.methods:
             handlers[name] = grpc.unary_unary_rpc_method_handler(self._handler(name))
@@ -93,16 +106,19 @@ class GrpcServer(Lifecycle):
 
     def _handler(self, method: str):
         def handle(request: bytes, context: grpc.ServicerContext) -> bytes:
-            result = answer(self.service, method, request, context.peer(),
-                            token=bearer_token(context.invocation_metadata()))
+            result = answer(
+                self.service, method, request, context.peer(), token=bearer_token(context.invocation_metadata())
+            )
             if not result.ok:
                 context.abort(result.code, result.reply)
             return result.reply
+
         return handle
 
     def _reply_handler(self, method: str):
         def handle(request: bytes, context: grpc.ServicerContext):
             return self._reply_chunks(method, request, context)
+
         return handle
 
     def _chunked_handler(self, method: str):
@@ -111,20 +127,30 @@ class GrpcServer(Lifecycle):
             for piece in requests:
                 total += len(piece)
                 if total > self.max_payload_bytes:  # checked before the piece is kept
-                    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method}: request of more than {total} "
-                                  f"bytes (chunked) exceeds max_payload_bytes {self.max_payload_bytes}")
+                    context.abort(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"{method}: request of more than {total} "
+                        f"bytes (chunked) exceeds max_payload_bytes {self.max_payload_bytes}",
+                    )
                 pieces.append(piece)
             if not pieces:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: a chunked request with no chunk")
             return self._reply_chunks(method, pieces[0] if len(pieces) == 1 else b"".join(pieces), context)
+
         return handle
 
     def _reply_chunks(self, method: str, request: bytes, context: grpc.ServicerContext):
         """The reply as messages of at most max_message_bytes (copied out under the call: reply buffers are reused)."""
         limit = self.max_message_bytes
         token = bearer_token(context.invocation_metadata())
-        result = answer(self.service, method, request, context.peer(), token=token,
-                        sink=lambda parts: [b"".join(piece) for piece in split_parts(parts, limit)] or [b""])
+        result = answer(
+            self.service,
+            method,
+            request,
+            context.peer(),
+            token=token,
+            sink=lambda parts: [b"".join(piece) for piece in split_parts(parts, limit)] or [b""],
+        )
         if not result.ok:
             context.abort(result.code, result.reply)
         return iter(result.reply)
@@ -189,9 +215,17 @@ class GrpcChannel:
     Thread-safe.
     """
 
-    def __init__(self, address: str, max_message_bytes: int, use_stream: bool = True,
-                 use_shared_memory: bool = True, service_name: str = SERVICE, tls: TlsMaterial | None = None,
-                 token: str | None = None, max_payload_bytes: int = Options.max_payload_bytes) -> None:
+    def __init__(
+        self,
+        address: str,
+        max_message_bytes: int,
+        use_stream: bool = True,
+        use_shared_memory: bool = True,
+        service_name: str = SERVICE,
+        tls: TlsMaterial | None = None,
+        token: str | None = None,
+        max_payload_bytes: int = Options.max_payload_bytes,
+    ) -> None:
         self.address = address
         self.service_name = service_name
         self.use_shared_memory = use_shared_memory
@@ -201,8 +235,11 @@ class GrpcChannel:
         self.use_stream = use_stream
         self.tls = tls
         options = channel_options(max_message_bytes)
-        self._channel = (grpc.insecure_channel(address, options=options) if tls is None else
-                         grpc.secure_channel(address, tls.channel_credentials(), options=options))
+        self._channel = (
+            grpc.insecure_channel(address, options=options)
+            if tls is None
+            else grpc.secure_channel(address, tls.channel_credentials(), options=options)
+        )
         self._methods: dict[str, grpc.UnaryUnaryMultiCallable] = {}
         self._stream: StreamClient | None = None
         self._token = token
@@ -218,8 +255,9 @@ class GrpcChannel:
         if stub is None:
             stub = self._methods[method] = self._channel.unary_unary(f"/{self.service_name}/{method}")
         result: Future = Future()
-        call = stub.future(payload if isinstance(payload, bytes) else b"".join(payload), timeout=timeout,
-                           metadata=self._metadata)
+        call = stub.future(
+            payload if isinstance(payload, bytes) else b"".join(payload), timeout=timeout, metadata=self._metadata
+        )
         call.add_done_callback(lambda done: self._settle(done, result, method))
         return FutureCall(result, f"{self.address} {method}")
 
@@ -230,21 +268,24 @@ class GrpcChannel:
         describe = f"{self.address} {method}"
         if size > self.max_payload_bytes:
             result: Future = Future()
-            result.set_exception(ResourceExhaustedError(f"{describe}: request of {size} bytes exceeds "
-                                                        f"max_payload_bytes {self.max_payload_bytes}"))
+            result.set_exception(
+                ResourceExhaustedError(
+                    f"{describe}: request of {size} bytes exceeds max_payload_bytes {self.max_payload_bytes}"
+                )
+            )
             return FutureCall(result, describe)
         whole = size <= self.max_message_bytes
         name = f"/{self.service_name}/{method}{CHUNKED_REPLY if whole else CHUNKED}"
         stub = self._methods.get(name)
         if stub is None:
-            stub = self._methods[name] = (self._channel.unary_stream(name) if whole else
-                                          self._channel.stream_stream(name))
+            stub = self._methods[name] = (
+                self._channel.unary_stream(name) if whole else self._channel.stream_stream(name)
+            )
         if whole:
             request = payload if isinstance(payload, bytes) else b"".join(parts)
         else:  # copied now: the caller may reuse its buffers once `call` returns
             request = iter([b"".join(piece) for piece in split_parts(parts, self.max_message_bytes)])
-        return ChunkedCall(stub(request, timeout=timeout, metadata=self._metadata), describe,
-                           self.max_payload_bytes)
+        return ChunkedCall(stub(request, timeout=timeout, metadata=self._metadata), describe, self.max_payload_bytes)
 
     def _settle(self, call: grpc.Future, result: Future, method: str) -> None:
         try:
@@ -257,20 +298,32 @@ class GrpcChannel:
         try:
             grpc.channel_ready_future(self._channel).result(timeout=timeout)
         except grpc.FutureTimeoutError:
-            hint = ("" if self.tls is None else
-                    " (TLS: does it serve TLS, with a certificate for this host from our CA?)")
-            raise UnavailableError(f"{self.peer_kind} {self.address} not reachable within "
-                                   f"{timeout:.1f}s{hint}") from None
-        reply = codec.decode(self.call("Hello", codec.encode({}), max(0.1, deadline - time.monotonic()))
-                             .wait(max(0.1, deadline - time.monotonic())))
+            hint = (
+                "" if self.tls is None else " (TLS: does it serve TLS, with a certificate for this host from our CA?)"
+            )
+            raise UnavailableError(
+                f"{self.peer_kind} {self.address} not reachable within {timeout:.1f}s{hint}"
+            ) from None
+        reply = codec.decode(
+            self.call("Hello", codec.encode({}), max(0.1, deadline - time.monotonic())).wait(
+                max(0.1, deadline - time.monotonic())
+            )
+        )
         self.hello = reply.meta  # the PS's latest Hello: its incarnation, what it holds
         port = reply.meta.get("stream_port")
         if self.use_stream and port and self._stream is None:
             host = self.address.rsplit(":", 1)[0]
             same_host = self.use_shared_memory and reply.meta.get("host_id") == host_id()
-            self._stream = StreamClient(host, int(port), self.max_message_bytes, self.address, same_host,
-                                        tls=None if self.tls is None else self.tls.client_context,
-                                        token=self._token, max_payload_bytes=self.max_payload_bytes)
+            self._stream = StreamClient(
+                host,
+                int(port),
+                self.max_message_bytes,
+                self.address,
+                same_host,
+                tls=None if self.tls is None else self.tls.client_context,
+                token=self._token,
+                max_payload_bytes=self.max_payload_bytes,
+            )
 
     def close(self) -> None:
         if self._stream is not None:
@@ -311,8 +364,9 @@ class ChunkedCall(CallHandle):
                 total += len(piece)
                 if total > self._max:
                     self._responses.cancel()
-                    self._error = ResourceExhaustedError(f"{self._describe}: reply of more than {total} bytes "
-                                                         f"exceeds max_payload_bytes {self._max}")
+                    self._error = ResourceExhaustedError(
+                        f"{self._describe}: reply of more than {total} bytes exceeds max_payload_bytes {self._max}"
+                    )
                     return
                 pieces.append(piece)
         except grpc.RpcError as exc:

@@ -17,7 +17,7 @@ import threading
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from ..base.tls import TlsMaterial, open_channel
+from ..security.tls import TlsMaterial, open_channel
 
 log = logging.getLogger(__name__)
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -57,7 +57,7 @@ class Health:
             self.servicer.enter_graceful_shutdown()
 
     def status(self, service: str = "") -> str:
-        """"SERVING" or "NOT_SERVING", as a Check of `service` answers ("SERVICE_UNKNOWN": not ours)."""
+        """ "SERVING" or "NOT_SERVING", as a Check of `service` answers ("SERVICE_UNKNOWN": not ours)."""
         if service not in self.services:
             return SERVICE_UNKNOWN
         with self._lock:
@@ -70,8 +70,9 @@ def check(address: str, timeout: float, service: str = "", tls: TlsMaterial | No
     a node that serves TLS."""
     with open_channel(address, tls) as channel:
         try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
-                                                              timeout=timeout)
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout
+            )
         except grpc.RpcError as exc:
             log.debug("health of %s: %s", address, exc)
             return SERVICE_UNKNOWN if exc.code() == grpc.StatusCode.NOT_FOUND else UNREACHABLE

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 
-from . import codec
+from ..wire import codec
 from .channel import CallHandle, FutureCall
 from .dispatch import answer
 

@@ -38,7 +38,7 @@ class Segment:
         self.replies = self.view[capacity:]
 
     @classmethod
-    def create(cls, capacity: int) -> tuple["Segment", dict]:
+    def create(cls, capacity: int) -> tuple[Segment, dict]:
         """A new sealed segment and the spec a PS attaches it by ({"pid", "fd", "capacity"}). The
         descriptor stays open until `close` so that the PS can open it."""
         fd = os.memfd_create("paramserver-segment", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
@@ -53,7 +53,7 @@ class Segment:
         return segment, {"pid": os.getpid(), "fd": fd, "capacity": capacity}
 
     @classmethod
-    def attach(cls, spec: dict) -> "Segment":
+    def attach(cls, spec: dict) -> Segment:
         """The segment a peer offers; raises SegmentError naming what is wrong."""
         pid, fd_number, capacity = spec.get("pid"), spec.get("fd"), spec.get("capacity")
         if not all(type(v) is int and v >= 0 for v in (pid, fd_number, capacity)) or not 0 < capacity <= _MAX_CAPACITY:
@@ -93,7 +93,7 @@ def write_parts(target: memoryview, parts: list) -> None:
     offset = 0
     for part in parts:
         part = memoryview(part).cast("B")
-        target[offset:offset + len(part)] = part
+        target[offset : offset + len(part)] = part
         offset += len(part)
 
 

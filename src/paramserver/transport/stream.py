@@ -30,7 +30,7 @@ is accepted, every request is refused UNAUTHENTICATED, nothing over 64 KiB is re
 is attached; a refused token closes the connection), 6 acknowledgement of a part in shared memory
 (no payload). A failed reply's payload is the UTF-8 error message.
 
-With TLS (an `ssl.SSLContext` on both ends, base/tls.py), every connection starts with a TLS
+With TLS (an `ssl.SSLContext` on both ends, security/tls.py), every connection starts with a TLS
 handshake and carries the same messages inside it; a peer that fails the handshake (no
 certificate, one from another CA, plaintext) is logged, counted (`StreamServer.refused`) and
 closed before any message is read. Shared memory stays available: its attach message travels
@@ -48,7 +48,7 @@ from pathlib import Path
 import grpc
 
 from ..base.errors import MalformedFrameError, ResourceExhaustedError, error_for_status
-from .codec import split_parts
+from ..wire.codec import split_parts
 from .shared_memory import write_parts
 
 MAGIC = b"PSTS"
@@ -116,7 +116,7 @@ class Inbox:
         while got < end:
             if got == len(self._buffer):
                 self._grow(got, min(end, max(2 * got, _FIRST_CHUNK)))
-            n = sock.recv_into(memoryview(self._buffer)[got:min(end, len(self._buffer))])
+            n = sock.recv_into(memoryview(self._buffer)[got : min(end, len(self._buffer))])
             if n == 0:
                 raise ConnectionError("peer closed the tensor stream")
             got += n
@@ -209,8 +209,17 @@ def peer_closed(sock: socket.socket) -> bool:
         return True
 
 
-def send_parts(sock: socket.socket, kinds: tuple[int, int], status: int, method: int, parts: list, size: int,
-               chunk_bytes: int, shm: memoryview | None = None, await_ack=None) -> None:
+def send_parts(
+    sock: socket.socket,
+    kinds: tuple[int, int],
+    status: int,
+    method: int,
+    parts: list,
+    size: int,
+    chunk_bytes: int,
+    shm: memoryview | None = None,
+    await_ack=None,
+) -> None:
     """A message longer than max_message_bytes, as consecutive parts of at most `chunk_bytes`, each
     but the last flagged MORE. `kinds`: (inline kind, shared-memory kind). With `shm` (a segment's
     half, at least `chunk_bytes` long) each part is written there, and `await_ack()` waits until the
@@ -229,8 +238,15 @@ def send_parts(sock: socket.socket, kinds: tuple[int, int], status: int, method:
             await_ack()
 
 
-def receive_parts(sock: socket.socket, first: tuple[int, int, int, int], inbox: Inbox, kinds: tuple[int, int],
-                  shm: memoryview | None, max_bytes: int, max_total: int) -> memoryview:
+def receive_parts(
+    sock: socket.socket,
+    first: tuple[int, int, int, int],
+    inbox: Inbox,
+    kinds: tuple[int, int],
+    shm: memoryview | None,
+    max_bytes: int,
+    max_total: int,
+) -> memoryview:
     """A message sent by `send_parts`, put together in `inbox`; `first`: its first prefix (read already).
 
     Each part must be one of `kinds` (inline, or in `shm` and no longer than it) with the status and
@@ -242,13 +258,16 @@ def receive_parts(sock: socket.socket, first: tuple[int, int, int, int], inbox: 
     while True:
         base, more = kind & ~MORE, kind & MORE
         if base not in kinds or (base == kinds[1] and (shm is None or size > len(shm))):
-            raise MalformedFrameError(f"tensor stream part of kind {kind} and {size} bytes does not belong to a "
-                                      f"message of kind {first[0] & ~MORE}")
+            raise MalformedFrameError(
+                f"tensor stream part of kind {kind} and {size} bytes does not belong to a "
+                f"message of kind {first[0] & ~MORE}"
+            )
         if more and not size:
             raise MalformedFrameError("tensor stream message has an empty part")
         if got + size > max_total:
-            raise ResourceExhaustedError(f"message of more than {got + size} bytes (in parts) exceeds "
-                                         f"max_payload_bytes {max_total}")
+            raise ResourceExhaustedError(
+                f"message of more than {got + size} bytes (in parts) exceeds max_payload_bytes {max_total}"
+            )
         if base == kinds[1]:
             view = inbox.copy(shm[:size], at=got)
             if more:  # copied out: the peer may write the next part
@@ -260,8 +279,10 @@ def receive_parts(sock: socket.socket, first: tuple[int, int, int, int], inbox: 
             return view
         kind, part_status, part_method, size = read_prefix(sock, max_bytes)
         if (part_status, part_method) != (status, method):
-            raise MalformedFrameError(f"tensor stream part of method {part_method} (status {part_status}) inside a "
-                                      f"message of method {method} (status {status})")
+            raise MalformedFrameError(
+                f"tensor stream part of method {part_method} (status {part_status}) inside a "
+                f"message of method {method} (status {status})"
+            )
 
 
 def await_ack(sock: socket.socket, inbox: Inbox, max_bytes: int) -> None:

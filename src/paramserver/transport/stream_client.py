@@ -13,13 +13,36 @@ import time
 import grpc
 
 from ..base.config import Options
-from ..base.errors import (DeadlineExceededError, MalformedFrameError, ParamServerError, ResourceExhaustedError,
-                           UnavailableError, error_for_status)
-from . import codec
+from ..base.errors import (
+    DeadlineExceededError,
+    MalformedFrameError,
+    ParamServerError,
+    ResourceExhaustedError,
+    UnavailableError,
+    error_for_status,
+)
+from ..wire import codec
 from .channel import CallHandle
 from .shared_memory import Segment, write_parts
-from .stream import (ATTACH, AUTH, CODES, METHODS, MORE, REPLY, REPLY_SHM, REQUEST, REQUEST_SHM, Inbox, await_ack,
-                     peer_closed, read_prefix, receive_parts, send, send_parts, tune)
+from .stream import (
+    ATTACH,
+    AUTH,
+    CODES,
+    METHODS,
+    MORE,
+    REPLY,
+    REPLY_SHM,
+    REQUEST,
+    REQUEST_SHM,
+    Inbox,
+    await_ack,
+    peer_closed,
+    read_prefix,
+    receive_parts,
+    send,
+    send_parts,
+    tune,
+)
 
 log = logging.getLogger(__name__)
 _SHM_MIN_BYTES = 64 * 1024  # smaller messages go inline: not worth a segment
@@ -30,7 +53,7 @@ class StreamCall(CallHandle):
     """A call sent on a tensor stream. Its reply is read by `wait` in the caller's thread (or by
     the next call on the stream, which then keeps an owned copy for this one)."""
 
-    def __init__(self, client: "StreamClient", describe: str, deadline: float, owned: bool) -> None:
+    def __init__(self, client: StreamClient, describe: str, deadline: float, owned: bool) -> None:
         self._client, self.describe, self.deadline, self.owned = client, describe, deadline, owned
         self.reply: memoryview | bytes | None = None
         self.error: ParamServerError | None = None
@@ -60,9 +83,18 @@ class StreamClient:
     on the next call; a call never waits past its deadline.
     """
 
-    def __init__(self, host: str, port: int, max_message_bytes: int, label: str, shared_memory: bool, *,
-                 tls: ssl.SSLContext | None = None, token: str | None = None,
-                 max_payload_bytes: int = Options.max_payload_bytes) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        max_message_bytes: int,
+        label: str,
+        shared_memory: bool,
+        *,
+        tls: ssl.SSLContext | None = None,
+        token: str | None = None,
+        max_payload_bytes: int = Options.max_payload_bytes,
+    ) -> None:
         self.address = f"{host}:{port}"
         self._host, self._port = host, port
         self.tls = tls  # a client SSLContext: the server must show a certificate for `host`
@@ -100,8 +132,10 @@ class StreamClient:
     def _send_request(self, method_id: int, parts: list, deadline: float) -> None:
         size = codec.parts_size(parts)
         if size > self.max_payload_bytes:  # refused here: the PS would refuse it part-way
-            raise ResourceExhaustedError(f"{self.address} {METHODS[method_id]}: request of {size} bytes exceeds "
-                                         f"max_payload_bytes {self.max_payload_bytes}")
+            raise ResourceExhaustedError(
+                f"{self.address} {METHODS[method_id]}: request of {size} bytes exceeds "
+                f"max_payload_bytes {self.max_payload_bytes}"
+            )
         try:
             sock = self._connect(deadline)
             segment = self._segment_for(sock, size) if self.shared_memory and size >= _SHM_MIN_BYTES else None
@@ -117,12 +151,19 @@ class StreamClient:
             self._drop()
             raise
 
-    def _send_parts(self, sock: socket.socket, method_id: int, parts: list, size: int,
-                    segment: Segment | None) -> None:
+    def _send_parts(self, sock: socket.socket, method_id: int, parts: list, size: int, segment: Segment | None) -> None:
         chunk = self.max_message_bytes if segment is None else min(self.max_message_bytes, segment.capacity)
-        send_parts(sock, (REQUEST, REQUEST_SHM), 0, method_id, parts, size, chunk,
-                   None if segment is None else segment.requests,
-                   lambda: await_ack(sock, self._inbox, self.max_message_bytes))
+        send_parts(
+            sock,
+            (REQUEST, REQUEST_SHM),
+            0,
+            method_id,
+            parts,
+            size,
+            chunk,
+            None if segment is None else segment.requests,
+            lambda: await_ack(sock, self._inbox, self.max_message_bytes),
+        )
 
     def _receive(self, call: StreamCall, deadline: float) -> None:
         """Read the in-flight reply into `call`: owned bytes if small or `call.owned`, else a view
@@ -135,8 +176,15 @@ class StreamClient:
                 reply = self._segment.replies[:reply_size]
             elif kind & MORE:
                 shm = None if self._segment is None else self._segment.replies
-                reply = receive_parts(self._sock, (kind, status, method_id, reply_size), self._inbox,
-                                      (REPLY, REPLY_SHM), shm, self.max_message_bytes, self.max_payload_bytes)
+                reply = receive_parts(
+                    self._sock,
+                    (kind, status, method_id, reply_size),
+                    self._inbox,
+                    (REPLY, REPLY_SHM),
+                    shm,
+                    self.max_message_bytes,
+                    self.max_payload_bytes,
+                )
                 reply_size = len(reply)
             else:
                 reply = self._inbox.receive(self._sock, reply_size)
@@ -150,10 +198,12 @@ class StreamClient:
             call.error = ResourceExhaustedError(f"{call.describe}: {exc}")
             return
         if status:
-            call.error = error_for_status(CODES.get(status, grpc.StatusCode.UNKNOWN),
-                                          f"{call.describe}: {bytes(reply).decode(errors='replace')}")
+            call.error = error_for_status(
+                CODES.get(status, grpc.StatusCode.UNKNOWN), f"{call.describe}: {bytes(reply).decode(errors='replace')}"
+            )
         else:
             call.reply = reply
+
     def _broken(self, what: str, exc: Exception) -> ParamServerError:
         self._drop()
         if isinstance(exc, socket.timeout):

@@ -24,8 +24,25 @@ from ..base.errors import MalformedFrameError, ParamServerError, Unauthenticated
 from ..base.lifecycle import Lifecycle, ReadyFlag
 from .dispatch import answer, introduce, needs_token, turned_away
 from .shared_memory import Segment, SegmentError
-from .stream import (ATTACH, AUTH, METHODS, MORE, REPLY, REPLY_SHM, REQUEST, REQUEST_SHM, Inbox, await_ack,
-                     read_prefix, receive_parts, send, send_error, send_parts, shut, tune)
+from .stream import (
+    ATTACH,
+    AUTH,
+    METHODS,
+    MORE,
+    REPLY,
+    REPLY_SHM,
+    REQUEST,
+    REQUEST_SHM,
+    Inbox,
+    await_ack,
+    read_prefix,
+    receive_parts,
+    send,
+    send_error,
+    send_parts,
+    shut,
+    tune,
+)
 
 log = logging.getLogger(__name__)
 _ANONYMOUS_BYTES = 64 * 1024  # the most a PS that checks tokens reads from a connection before its token
@@ -53,9 +70,17 @@ class StreamServer(Lifecycle):
     `refused` counts the peers that failed it.
     """
 
-    def __init__(self, service, host: str, port: int, max_message_bytes: int, idle_timeout_s: float = 300.0,
-                 max_connections: int = 256, tls: ssl.SSLContext | None = None,
-                 max_payload_bytes: int = Options.max_payload_bytes) -> None:
+    def __init__(
+        self,
+        service,
+        host: str,
+        port: int,
+        max_message_bytes: int,
+        idle_timeout_s: float = 300.0,
+        max_connections: int = 256,
+        tls: ssl.SSLContext | None = None,
+        max_payload_bytes: int = Options.max_payload_bytes,
+    ) -> None:
         self.service = service
         self.max_message_bytes = max_message_bytes
         # a request or reply longer than max_message_bytes travels in parts; put together, at most this
@@ -109,8 +134,7 @@ class StreamServer(Lifecycle):
             except OSError:
                 return
             tune(conn)
-            thread = threading.Thread(target=self._serve, args=(conn, peer), name=f"ps-stream-{peer[1]}",
-                                      daemon=True)
+            thread = threading.Thread(target=self._serve, args=(conn, peer), name=f"ps-stream-{peer[1]}", daemon=True)
             with self._lock:
                 if self._stopping.is_set():
                     conn.close()
@@ -127,8 +151,12 @@ class StreamServer(Lifecycle):
         log.warning("tensor stream from %s refused: %d connections served already", peer, self.max_connections)
         try:
             conn.settimeout(_REFUSE_TIMEOUT_S)
-            send_error(conn, grpc.StatusCode.RESOURCE_EXHAUSTED, 0,
-                        f"the PS serves {self.max_connections} tensor stream connections already (max_connections)")
+            send_error(
+                conn,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                0,
+                f"the PS serves {self.max_connections} tensor stream connections already (max_connections)",
+            )
             conn.shutdown(socket.SHUT_WR)
         except OSError:
             pass
@@ -146,12 +174,12 @@ class StreamServer(Lifecycle):
         try:
             while self._serve_one(conn, peer, inbox, state):
                 pass
-        except socket.timeout:
+        except TimeoutError:
             log.info("tensor stream from %s closed: idle for %.0fs (idle_timeout_s)", peer, self.idle_timeout_s)
         except (OSError, ConnectionError, MalformedFrameError) as exc:
             if not self._stopping.is_set():
                 log.info("tensor stream from %s closed: %s", peer, exc)
-        except Exception:  # noqa: BLE001 - a bug: this connection ends, the PS serves on
+        except Exception:
             log.exception("tensor stream from %s failed", peer)
         finally:
             with self._lock:
@@ -160,20 +188,25 @@ class StreamServer(Lifecycle):
             if state.segment is not None:
                 state.segment.close()
 
-    def _serve_one(self, conn: socket.socket, peer, inbox: Inbox, state: "_Connection") -> bool:
+    def _serve_one(self, conn: socket.socket, peer, inbox: Inbox, state: _Connection) -> bool:
         """Read and answer one message; False when the connection must close."""
         kind, _, method_id, size = read_prefix(conn)
         if size > self.max_message_bytes:  # refused before a byte of it is read or allocated
-            send_error(conn, grpc.StatusCode.RESOURCE_EXHAUSTED, method_id,
-                        f"message of {size} bytes exceeds max_message_bytes {self.max_message_bytes}")
+            send_error(
+                conn,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                method_id,
+                f"message of {size} bytes exceeds max_message_bytes {self.max_message_bytes}",
+            )
             return False
         if kind == AUTH:
             state.token = self._authenticate(conn, size, inbox, peer)
             return True
         if state.token is None and needs_token(self.service):
             if size > _ANONYMOUS_BYTES:  # not read: a caller without a token gets no memory
-                send_error(conn, grpc.StatusCode.UNAUTHENTICATED, method_id,
-                            "the tensor stream needs an accepted token first")
+                send_error(
+                    conn, grpc.StatusCode.UNAUTHENTICATED, method_id, "the tensor stream needs an accepted token first"
+                )
                 return False
             if kind == ATTACH:
                 inbox.receive(conn, size)
@@ -192,8 +225,12 @@ class StreamServer(Lifecycle):
             if payload is None:
                 return False
         else:
-            send_error(conn, grpc.StatusCode.INVALID_ARGUMENT, method_id,
-                        f"unexpected tensor stream message kind {kind} of {size} bytes")
+            send_error(
+                conn,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                method_id,
+                f"unexpected tensor stream message kind {kind} of {size} bytes",
+            )
             return False
         status, reply = self._answer(method_id, payload, peer, segment, state.token, state.outbox)
         if isinstance(reply, int):  # already written into the segment
@@ -204,26 +241,42 @@ class StreamServer(Lifecycle):
             send(conn, REPLY, status, method_id, [reply], len(reply), True)
         return True
 
-    def _receive_parts(self, conn: socket.socket, first: tuple, inbox: Inbox, state: "_Connection"):
+    def _receive_parts(self, conn: socket.socket, first: tuple, inbox: Inbox, state: _Connection):
         """A request sent in parts, put together; None (refused, the connection to close) when the parts
         do not make one request or exceed max_payload_bytes (before a token: 64 KiB in all)."""
         anonymous = state.token is None and needs_token(self.service)
         shm = state.segment.requests if state.segment is not None else None
         try:
-            return receive_parts(conn, first, inbox, (REQUEST, REQUEST_SHM), shm, self.max_message_bytes,
-                                 _ANONYMOUS_BYTES if anonymous else self.max_payload_bytes)
+            return receive_parts(
+                conn,
+                first,
+                inbox,
+                (REQUEST, REQUEST_SHM),
+                shm,
+                self.max_message_bytes,
+                _ANONYMOUS_BYTES if anonymous else self.max_payload_bytes,
+            )
         except ParamServerError as exc:  # MalformedFrameError, ResourceExhaustedError: nothing was dispatched
             log.warning("tensor stream request refused: %s", exc)
             send_error(conn, exc.code, first[2], str(exc))
             return None
 
-    def _send_parts(self, conn: socket.socket, status: int, method_id: int, reply: memoryview, inbox: Inbox,
-                    segment: Segment | None) -> None:
+    def _send_parts(
+        self, conn: socket.socket, status: int, method_id: int, reply: memoryview, inbox: Inbox, segment: Segment | None
+    ) -> None:
         """A reply longer than max_message_bytes, in parts: through the segment when one is attached."""
         chunk = self.max_message_bytes if segment is None else min(self.max_message_bytes, segment.capacity)
-        send_parts(conn, (REPLY, REPLY_SHM), status, method_id, [reply], len(reply), chunk,
-                   None if segment is None else segment.replies,
-                   lambda: await_ack(conn, inbox, self.max_message_bytes))
+        send_parts(
+            conn,
+            (REPLY, REPLY_SHM),
+            status,
+            method_id,
+            [reply],
+            len(reply),
+            chunk,
+            None if segment is None else segment.replies,
+            lambda: await_ack(conn, inbox, self.max_message_bytes),
+        )
 
     def _handshake(self, conn: socket.socket, peer) -> ssl.SSLSocket | None:
         """The connection over TLS; None (logged, counted, closed) when the peer fails the handshake."""
@@ -239,8 +292,9 @@ class StreamServer(Lifecycle):
                 if not self._stopping.is_set():
                     self.refused += 1
                     log.warning("tensor stream from %s refused: TLS handshake failed: %s", peer, exc)
-                    turned_away(self.service, "StreamTLS", str(peer),
-                                UnauthenticatedError(f"TLS handshake failed: {exc}"))
+                    turned_away(
+                        self.service, "StreamTLS", str(peer), UnauthenticatedError(f"TLS handshake failed: {exc}")
+                    )
             (conn if secure is None else secure).close()
             return None
         secure.settimeout(previous)
@@ -279,9 +333,11 @@ class StreamServer(Lifecycle):
         send(conn, REPLY, 0, 0, [], 0, True)
         return token
 
-    def _answer(self, method_id: int, payload, peer, segment: Segment | None,
-                token: str | None, outbox: Inbox) -> tuple[int, bytes | memoryview | int]:
+    def _answer(
+        self, method_id: int, payload, peer, segment: Segment | None, token: str | None, outbox: Inbox
+    ) -> tuple[int, bytes | memoryview | int]:
         """(status, reply bytes) or, when the reply went into the segment, (0, its size)."""
+
         def sink(parts: list) -> memoryview | int:
             size = segment.write(parts) if segment is not None else None
             return outbox.gather(parts) if size is None else size

@@ -69,12 +69,16 @@ def dense_state(model: torch.nn.Module, source: RestoreSource) -> dict[str, torc
             unknown.append(exported)
             continue
         if tuple(own[name].shape) != tuple(values[var].shape):
-            raise CheckpointError(f"checkpoint {source.name}: variable {exported!r} has shape "
-                                  f"{tuple(values[var].shape)}, the model's {name!r} {tuple(own[name].shape)}")
+            raise CheckpointError(
+                f"checkpoint {source.name}: variable {exported!r} has shape "
+                f"{tuple(values[var].shape)}, the model's {name!r} {tuple(own[name].shape)}"
+            )
         state[name] = torch.from_numpy(np.array(values[var]))
     if unknown:
-        raise CheckpointError(f"checkpoint {source.name}: the model has no parameter {', '.join(unknown[:5])}"
-                              f"{' ...' if len(unknown) > 5 else ''} (a checkpoint of another model?)")
+        raise CheckpointError(
+            f"checkpoint {source.name}: the model has no parameter {', '.join(unknown[:5])}"
+            f"{' ...' if len(unknown) > 5 else ''} (a checkpoint of another model?)"
+        )
     return state
 
 
@@ -95,11 +99,15 @@ def attach_tables(model: torch.nn.Module, tables: dict[str, SavedTable], checkpo
     for path, module in modules:
         table = _table_of(module, path, positions.get(id(module.placeholder)), tables)
         if table is None:
-            raise CheckpointError(f"checkpoint {checkpoint} has no table for the model's HashEmbedding {path!r} "
-                                  f"(it holds {sorted(tables)})")
+            raise CheckpointError(
+                f"checkpoint {checkpoint} has no table for the model's HashEmbedding {path!r} "
+                f"(it holds {sorted(tables)})"
+            )
         if tables[table].meta["dim"] != module.dim:
-            raise CheckpointError(f"checkpoint {checkpoint}: table {table!r} has dim {tables[table].meta['dim']}, "
-                                  f"the model's {path!r} {module.dim}")
+            raise CheckpointError(
+                f"checkpoint {checkpoint}: table {table!r} has dim {tables[table].meta['dim']}, "
+                f"the model's {path!r} {module.dim}"
+            )
         matched[path] = (module, table)
     unused = sorted(set(tables) - {table for _, table in matched.values()})
     if unused:

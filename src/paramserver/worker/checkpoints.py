@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ..base.errors import ParamServerError, RollbackError
 from ..base.metrics import CheckpointMetrics
 from ..checkpoint.store import CheckpointError, CheckpointStore, checkpoint_name, os_reason
 from ..coordinator.membership import timed_checkpoint_barrier
+from . import current
 from .rollback import restarted_shard
 
 log = logging.getLogger(__name__)
@@ -42,10 +44,19 @@ FINAL = "checkpoint:final"
 
 
 class Checkpointer:
-    def __init__(self, client, store: CheckpointStore | None, every: int, keep: int, worker_index: int,
-                 barrier: Callable[[str, float | None], object], every_seconds: float = 0.0, coordinator=None,
-                 clock: Callable[[], float] = time.monotonic,
-                 report: Callable[[dict[str, Any]], None] | None = None) -> None:
+    def __init__(
+        self,
+        client,
+        store: CheckpointStore | None,
+        every: int,
+        keep: int,
+        worker_index: int,
+        barrier: Callable[[str, float | None], object],
+        every_seconds: float = 0.0,
+        coordinator=None,
+        clock: Callable[[], float] = time.monotonic,
+        report: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
         """`report(values)`: where the chief hands its counts (default: this process's Context's
         `report_result`, which puts them in `paramserver run`'s closing JSON line)."""
         self.client = client
@@ -78,8 +89,12 @@ class Checkpointer:
         make sure nothing of this worker is in flight before `on_step(step)` meets them."""
         if step in self._barrier_after:
             return True
-        if self.every_seconds and self.worker_index == 0 and self._requested() <= self._timed_done \
-                and self._clock() - self._last >= self.every_seconds:
+        if (
+            self.every_seconds
+            and self.worker_index == 0
+            and self._requested() <= self._timed_done
+            and self._clock() - self._last >= self.every_seconds
+        ):
             self.coordinator.request_checkpoint()
         if self._requested() > self._timed_done:
             self._timed_done = self._requested()
@@ -152,8 +167,12 @@ class Checkpointer:
             log.info("final checkpoint: %s (step %d) holds the final state already", name, step)
             return self._mark_final(name)
         if complete and complete[-1] > name:
-            log.warning("final checkpoint %s: %s holds a later checkpoint, %s; resuming and exporting "
-                        "take the latest", name, self.store.url, complete[-1])
+            log.warning(
+                "final checkpoint %s: %s holds a later checkpoint, %s; resuming and exporting take the latest",
+                name,
+                self.store.url,
+                complete[-1],
+            )
         try:
             return self.save(step, timeout, counters, final=True)
         except CheckpointError:
@@ -175,8 +194,10 @@ class Checkpointer:
         except ParamServerError as exc:
             log.warning("checkpoint: cannot read the shards' counters: %s", exc)
             return None
-        return [{key: shard.get(key) for key in ("shard", "version", "sync_step", "pushes", "mode", "tables")}
-                for shard in stats]
+        return [
+            {key: shard.get(key) for key in ("shard", "version", "sync_step", "pushes", "mode", "tables")}
+            for shard in stats
+        ]
 
     def save(self, step: int, timeout: float, counters: list | None = None, final: bool = False) -> str:
         """Write checkpoint `step` now (chief only; no push may be in flight). Returns its name;
@@ -197,15 +218,24 @@ class Checkpointer:
                 hook(timeout)
             entries = self.client.checkpoint(name, timeout)
             self._check_same_shards()
-            manifest = {"step": step, "num_shards": len(entries), "shards": entries,
-                        "mode": self.client.consistency.to_dict()}
+            manifest = {
+                "step": step,
+                "num_shards": len(entries),
+                "shards": entries,
+                "mode": self.client.consistency.to_dict(),
+            }
             self.store.commit(name, {**manifest, "final": True} if final else manifest)
         except (ParamServerError, OSError) as exc:  # a shard's error, a deadline, the store's CheckpointError
             reason = str(exc) if isinstance(exc, ParamServerError) else f"{type(exc).__name__}: {os_reason(exc)}"
             took = time.monotonic() - started
-            log.error("%s %s failed after %.2fs; the previous one stays, the next checkpoint tries again: %s",
-                      what, name, took, reason,
-                      extra={"event": "checkpoint_failed", "step": step, "duration_s": round(took, 3)})
+            log.error(
+                "%s %s failed after %.2fs; the previous one stays, the next checkpoint tries again: %s",
+                what,
+                name,
+                took,
+                reason,
+                extra={"event": "checkpoint_failed", "step": step, "duration_s": round(took, 3)},
+            )
             self._discard(name)
             if self.metrics is not None:
                 self.metrics.failures.inc()
@@ -224,9 +254,15 @@ class Checkpointer:
             removed = []
             log.warning("%s %s: committed, but older checkpoints could not be deleted: %s", what, name, exc)
         took = time.monotonic() - started
-        log.info("%s %s: committed (%d bytes) in %.2fs%s", what, name, sum(e["bytes"] for e in entries),
-                 took, f"; removed {', '.join(removed)}" if removed else "",
-                 extra={"event": "checkpoint_saved", "step": step, "duration_s": round(took, 3)})
+        log.info(
+            "%s %s: committed (%d bytes) in %.2fs%s",
+            what,
+            name,
+            sum(e["bytes"] for e in entries),
+            took,
+            f"; removed {', '.join(removed)}" if removed else "",
+            extra={"event": "checkpoint_saved", "step": step, "duration_s": round(took, 3)},
+        )
         return name
 
     def _check_same_shards(self) -> None:
@@ -272,10 +308,8 @@ class Checkpointer:
             return
         report = self.report
         if report is None:
-            from .context import existing  # the Context this Checkpointer belongs to (made after it)
-
-            context = existing()
+            context = current.existing()  # the Context this Checkpointer belongs to (made after it)
             if context is None:
                 return
-            report = lambda values: context.report_result(**values)  # noqa: E731
+            report = lambda values: context.report_result(**values)
         report(self.counts())

@@ -1,33 +1,26 @@
-"""`paramserver.init()`: join the cluster this process belongs to, and the Context it returns.
-
-Where the configuration comes from, in order: the argument; the config of the
-`paramserver node` command running this script; TF_CONFIG in the environment; and, when
-there is none, an in-process cluster (shards in this process, no network) so that a plain
-`python script.py` runs and can be stepped through in a debugger.
-"""
+"""Context: a worker's view of the cluster, made by worker/join.py (`paramserver.init()`)."""
 
 from __future__ import annotations
 
 import functools
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from ..base import config as config_mod
-from ..base.config import NodeConfig, Options
+from ..base.config import Options
 from ..base.consistency_spec import ConsistencySpec
-from ..base.errors import NotInitializedError
-from ..base.progress import ProgressWriter
 from ..client.ps_client import PSClient
 from ..client.table_client import TableClient
 from ..coordinator.coordinator_service import CoordinatorClient
+from . import current
 from .modes import ModeSwitcher
+from .pipeline import for_context
+from .progress import ProgressWriter
+from .resumable import ResumableBatches
+from .rollback import restarted_shard
 
 log = logging.getLogger(__name__)
-_current: "Context | None" = None
-_launched: NodeConfig | None = None  # set by `paramserver node` before it runs the script
 
 
 @dataclass
@@ -66,13 +59,11 @@ class Context:
         """`source`'s batches for `epochs` passes, starting at this worker's data position, and
         `finish_training()` once the last one is consumed; with `prefetch_rows`, each step brings
         back the next batch's embedding rows. See worker/resumable.py and worker/pipeline.py."""
-        from .resumable import ResumableBatches
         return ResumableBatches(source, epochs, steps_per_epoch, self, prefetch_rows)
 
     def pipeline(self, batches):
         """`batches`, each step bringing back the embedding rows of the batch after it (no resumption,
         no finish_training: see `resumable` for both). Iterate after the optimizers are created."""
-        from .pipeline import for_context
         return for_context(batches, self)
 
     def finish_training(self) -> None:
@@ -128,8 +119,13 @@ class Context:
     @functools.cached_property
     def tables(self) -> TableClient:
         """The embedding tables of the cluster (used by HashEmbedding through the optimizer)."""
-        return TableClient(self.client.channels, self.options.rpc_timeout_s, self.client.consistency.to_dict(),
-                           self.client.worker, self.client.compressor)
+        return TableClient(
+            self.client.channels,
+            self.options.rpc_timeout_s,
+            self.client.consistency.to_dict(),
+            self.client.worker,
+            self.client.compressor,
+        )
 
     is_evaluator: ClassVar[bool] = False  # a training task; an evaluator's is worker.evaluator.EvaluatorContext
 
@@ -166,8 +162,12 @@ class Context:
     def staleness(self) -> dict[str, float]:
         """This worker's pushes so far: latest and mean staleness (in versions), pushes, late drops."""
         record = self.client.record
-        return {"last": record.staleness, "mean": record.staleness_sum / record.pushes if record.pushes else 0.0,
-                "pushes": record.pushes, "dropped": record.dropped}
+        return {
+            "last": record.staleness,
+            "mean": record.staleness_sum / record.pushes if record.pushes else 0.0,
+            "pushes": record.pushes,
+            "dropped": record.dropped,
+        }
 
     def shard_stats(self) -> list[dict]:
         """Each shard's counters: version, sync step, mode, pushes, late drops, staleness."""
@@ -198,8 +198,6 @@ class Context:
         if self.rollback is None:
             return None
         if self.rollback.reason is None:
-            from .rollback import restarted_shard
-
             reason = restarted_shard(self.client.channels, self.client.incarnations) or self.coordinator.restarted()
             if reason is not None:
                 self.rollback.flag(reason)
@@ -244,7 +242,6 @@ class Context:
         hosting the coordinator keeps it up while any worker may still need it: until every worker
         exited or died, and those that never joined were given `connect_timeout_s`.
         """
-        global _current
         try:
             if completed and self.optimizers:
                 self.finish_training()
@@ -254,8 +251,7 @@ class Context:
                     self.checkpointer.save_final(max(o.steps for o in self.optimizers), self.options.rpc_timeout_s)
         finally:
             self._close(completed)
-        if _current is self:
-            _current = None
+        current.forget(self)
 
     def _close(self, completed: bool) -> None:
         if self.ops is not None:
@@ -277,58 +273,3 @@ class Context:
             self.coordinator_host.stop(1.0)
         if self.ops is not None:
             self.ops.stop()
-
-
-def set_launched_config(config: NodeConfig) -> None:
-    """Called by `paramserver node` so that `init()` in the script uses the node's config."""
-    global _launched
-    _launched = config
-
-
-def existing() -> Context | None:
-    """This process's Context, or None before `paramserver.init()`."""
-    return _current
-
-
-def current_context() -> Context:
-    if _current is None:
-        raise NotInitializedError("call paramserver.init() before creating a paramserver optimizer")
-    return _current
-
-
-def set_mode(mode: str, backup_workers: int | None = None) -> ConsistencySpec:
-    """Switch the cluster's consistency mode while training runs; see Context.set_mode (chief only)."""
-    return current_context().set_mode(mode, backup_workers)
-
-
-def pipeline(batches):
-    """`batches`, each step bringing back the embedding rows of the batch after it; see Context.pipeline."""
-    return current_context().pipeline(batches)
-
-
-def log_scalar(name: str, value: float, step: int | None = None) -> None:
-    """Write a scalar to TensorBoard (chief only, with a logdir); see Context.log_scalar."""
-    current_context().log_scalar(name, value, step)
-
-
-def join(config: NodeConfig | None, num_ps: int = 1) -> Context:
-    """This worker's Context: the one already made, else a new one joining the cluster of
-    `config` (a worker task), or an in-process cluster of `num_ps` shards without one.
-    Called by `paramserver.init()`, which sends PS tasks to their node instead."""
-    global _current
-    if _current is not None:
-        return _current
-    if config is not None and config.task.type == config_mod.EVALUATOR:  # follows checkpoints, joins nothing
-        from .evaluator import EvaluatorContext
-
-        _current = EvaluatorContext(config, config.options)
-        return _current
-    from .cluster import cluster_context, in_process_context
-
-    _current = in_process_context(num_ps) if config is None else cluster_context(config)
-    return _current
-
-
-def node_config() -> NodeConfig | None:
-    """The config this process runs under: given by `paramserver node`, else TF_CONFIG, else None."""
-    return _launched or config_mod.config_from_environ(os.environ)

@@ -50,13 +50,26 @@ def _without_dynamo(cls: type) -> type:
     """torch.optim's `cls` without the wrappers whose first call imports torch._dynamo (3-4 s and about
     70 MB; nothing here is compiled), as PSOptimizer does; its `step` must run under torch.no_grad."""
     base = torch.optim.Optimizer
-    return type(cls.__name__, (cls,), {"add_param_group": base.add_param_group.__wrapped__,
-                                       "zero_grad": base.zero_grad.__wrapped__, "step": cls.step.__wrapped__})
+    return type(
+        cls.__name__,
+        (cls,),
+        {
+            "add_param_group": base.add_param_group.__wrapped__,
+            "zero_grad": base.zero_grad.__wrapped__,
+            "step": cls.step.__wrapped__,
+        },
+    )
 
 
-LOCAL_OPTIMIZERS = {kind: _without_dynamo(cls) for kind, cls in (
-    ("sgd", torch.optim.SGD), ("adagrad", torch.optim.Adagrad), ("adam", torch.optim.Adam),
-    ("adamw", torch.optim.AdamW))}
+LOCAL_OPTIMIZERS = {
+    kind: _without_dynamo(cls)
+    for kind, cls in (
+        ("sgd", torch.optim.SGD),
+        ("adagrad", torch.optim.Adagrad),
+        ("adam", torch.optim.Adam),
+        ("adamw", torch.optim.AdamW),
+    )
+}
 
 
 class AllReduceGroup:
@@ -93,8 +106,11 @@ class AllReduceGroup:
             gloo = ProcessGroupGloo._Options()
             gloo._timeout = self.timeout
             own_host = (self.context.address or "").rsplit(":", 1)[0]
-            gloo._devices = [ProcessGroupGloo.create_device(hostname=own_host) if own_host not in ("", "0.0.0.0")
-                             else ProcessGroupGloo.create_default_device()]
+            gloo._devices = [
+                ProcessGroupGloo.create_device(hostname=own_host)
+                if own_host not in ("", "0.0.0.0")
+                else ProcessGroupGloo.create_default_device()
+            ]
             # keys under the coordinator's incarnation: a cluster rolled back meets afresh
             store = PrefixStore(f"paramserver/{coordinator.incarnation}", self._store)
             self._pg = ProcessGroupGloo(store, self.rank, self.world, gloo)
@@ -111,8 +127,11 @@ class AllReduceGroup:
             for work in works:
                 work.wait(self.timeout)
         except RuntimeError as exc:
-            fail(self.context, f"dense all-reduce failed: a worker died, or did not answer within "
-                               f"{self.timeout.total_seconds():.0f}s: {exc}")
+            fail(
+                self.context,
+                f"dense all-reduce failed: a worker died, or did not answer within "
+                f"{self.timeout.total_seconds():.0f}s: {exc}",
+            )
 
     def broadcast(self, flat: torch.Tensor) -> None:
         """Worker 0's `flat` on every worker, in place."""
@@ -159,8 +178,11 @@ class DenseSync:
         self.ps_optimizer = optimizer
         self.params = params
         if context.rejoined:  # the others' group has no place for a worker restarted alone
-            fail(context, f"dense all-reduce: worker {context.worker_index} restarted alone, and the workers' "
-                          "gloo group cannot take it back: the cluster rolls back")
+            fail(
+                context,
+                f"dense all-reduce: worker {context.worker_index} restarted alone, and the workers' "
+                "gloo group cannot take it back: the cluster rolls back",
+            )
         self.group = group_of(context)
         self.local = self._local_optimizer(optimizer)
         sizes = [param.numel() for _, param in params]
@@ -180,13 +202,14 @@ class DenseSync:
         for group in optimizer.param_groups:
             params = [p for p in group["params"] if id(p) in dense]
             if params:
-                groups.append({**{k: v for k, v in group.items() if k not in ("params", "param_names")},
-                               "params": params})
+                groups.append(
+                    {**{k: v for k, v in group.items() if k not in ("params", "param_names")}, "params": params}
+                )
         return LOCAL_OPTIMIZERS[optimizer.kind](groups) if groups else None
 
     @torch.no_grad()
     def _broadcast_values(self) -> None:
-        values = self.buffer[self._header:]
+        values = self.buffer[self._header :]
         for (_, param), lo, hi in zip(self.params, self._offsets, self._offsets[1:]):
             self.buffer[lo:hi].copy_(param.detach().reshape(-1))
         self.group.broadcast(values)

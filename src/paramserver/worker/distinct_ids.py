@@ -27,8 +27,9 @@ def distinct(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     capacity = 1 << max(4, int(2 * ids.shape[0] - 1).bit_length())
     unique, inverse = np.empty(ids.shape[0], np.int64), np.empty(ids.shape[0], np.int64)
     slots = empty_slots(capacity)  # held here: the kernel writes into it
-    count = kernels.KERNELS.ps_unique(kernels.ptr(ids), ids.shape[0], kernels.ptr(slots), capacity,
-                                      kernels.ptr(unique), kernels.ptr(inverse))
+    count = kernels.KERNELS.ps_unique(
+        kernels.ptr(ids), ids.shape[0], kernels.ptr(slots), capacity, kernels.ptr(unique), kernels.ptr(inverse)
+    )
     return unique[:count], inverse
 
 
@@ -38,8 +39,9 @@ def sum_rows(grads: torch.Tensor, inverse: torch.Tensor, count: int) -> torch.Te
     grads, inverse = grads.contiguous(), inverse.contiguous()  # held here while the kernel reads them
     if kernels.KERNELS is None or grads.dtype != torch.float32 or inverse.dtype != torch.int64:
         return out.index_add_(0, inverse, grads.to(out.dtype))
-    kernels.KERNELS.ps_scatter_add_rows(grads.data_ptr(), inverse.data_ptr(), grads.shape[0], grads.shape[1],
-                                        out.data_ptr())
+    kernels.KERNELS.ps_scatter_add_rows(
+        grads.data_ptr(), inverse.data_ptr(), grads.shape[0], grads.shape[1], out.data_ptr()
+    )
     return out
 
 

@@ -19,8 +19,9 @@ import inspect
 import logging
 import threading
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -28,7 +29,7 @@ from ..base.config import EVALUATOR, NodeConfig, Options
 from ..base.errors import ConfigError, FailedPreconditionError
 from ..checkpoint.restore import RestoreSource
 from ..checkpoint.store import CheckpointError, CheckpointStore
-from . import context
+from . import current
 from .checkpoint_model import load_into
 from .summaries import event_writer
 
@@ -52,8 +53,16 @@ class Evaluation:
 class Evaluator:
     """The follow loop over one checkpoint store. `run()` in the caller's thread; `stop()` from any."""
 
-    def __init__(self, model: torch.nn.Module, fn: EvalFn, store: CheckpointStore, writer: Any = None,
-                 timeout_s: float = 0.0, poll_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        fn: EvalFn,
+        store: CheckpointStore,
+        writer: Any = None,
+        timeout_s: float = 0.0,
+        poll_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.model, self.fn, self.store, self.writer = model, fn, store, writer
         self.timeout_s, self.poll_s, self._clock = timeout_s, poll_s, clock
         self._takes_step = _takes_step(fn)
@@ -73,8 +82,12 @@ class Evaluator:
             newest = self._newest()
             if newest is None:
                 if self.timeout_s and self._clock() - idle_since >= self.timeout_s:
-                    log.warning("evaluator: no new checkpoint in %s for %.0fs (eval_timeout_s); ending without the "
-                                "final checkpoint", self.store.url, self.timeout_s)
+                    log.warning(
+                        "evaluator: no new checkpoint in %s for %.0fs (eval_timeout_s); ending without the "
+                        "final checkpoint",
+                        self.store.url,
+                        self.timeout_s,
+                    )
                     break
                 self._stopped.wait(self.poll_s)
                 continue
@@ -119,15 +132,23 @@ class Evaluator:
             self._tried = (name, source.manifest.get("time"))  # (a same-name rewrite read meanwhile)
             load_into(self.model, source)
         except Exception as exc:  # damaged, pruned meanwhile, another model: the next one may do
-            log.error("evaluator: cannot load %s: %s; waiting for the next checkpoint", name, exc,
-                      extra={"event": "evaluation_failed", "step": step})
+            log.error(
+                "evaluator: cannot load %s: %s; waiting for the next checkpoint",
+                name,
+                exc,
+                extra={"event": "evaluation_failed", "step": step},
+            )
             return Evaluation(name, step, None, f"{type(exc).__name__}: {exc}", manifest.get("final") is True)
         final = source.manifest.get("final") is True
         try:
             metrics = self._call(step)
         except Exception as exc:  # the user's function: logged with its traceback
-            log.exception("evaluator: the evaluation function failed on %s (step %d); waiting for the next "
-                          "checkpoint", name, step, extra={"event": "evaluation_failed", "step": step})
+            log.exception(
+                "evaluator: the evaluation function failed on %s (step %d); waiting for the next checkpoint",
+                name,
+                step,
+                extra={"event": "evaluation_failed", "step": step},
+            )
             return Evaluation(name, step, None, f"{type(exc).__name__}: {exc}", final)
         self._report(name, step, metrics, time.monotonic() - started)
         return Evaluation(name, step, metrics, None, final)
@@ -138,14 +159,26 @@ class Evaluator:
             result = self.fn(self.model, step) if self._takes_step else self.fn(self.model)
         if not isinstance(result, Mapping):
             raise TypeError(f"the evaluation function must return a dict of metric -> number, got {result!r}")
-        return {str(key): float(value.detach() if isinstance(value, torch.Tensor) else value)
-                for key, value in result.items()}
+        return {
+            str(key): float(value.detach() if isinstance(value, torch.Tensor) else value)
+            for key, value in result.items()
+        }
 
     def _report(self, name: str, step: int, metrics: dict[str, float], took: float) -> None:
         shown = " ".join(f"{key}={value:.6g}" for key, value in metrics.items())
-        log.info("evaluation of %s (step %d): %s", name, step, shown or "no metrics",
-                 extra={"event": "evaluation", "step": step, "checkpoint": name, "metrics": metrics,
-                        "duration_s": round(took, 3)})
+        log.info(
+            "evaluation of %s (step %d): %s",
+            name,
+            step,
+            shown or "no metrics",
+            extra={
+                "event": "evaluation",
+                "step": step,
+                "checkpoint": name,
+                "metrics": metrics,
+                "duration_s": round(took, 3),
+            },
+        )
         if self.writer is not None:
             for key, value in metrics.items():
                 self.writer.add_scalar(f"eval/{key}", value, step)
@@ -161,14 +194,23 @@ def _takes_step(fn: EvalFn) -> bool:
     return True
 
 
-def follow(model: torch.nn.Module, fn: EvalFn, options: Options, checkpoint_dir: str | None = None,
-           logdir: str | None = None, timeout_s: float | None = None, poll_s: float = 1.0) -> list[Evaluation]:
+def follow(
+    model: torch.nn.Module,
+    fn: EvalFn,
+    options: Options,
+    checkpoint_dir: str | None = None,
+    logdir: str | None = None,
+    timeout_s: float | None = None,
+    poll_s: float = 1.0,
+) -> list[Evaluation]:
     """Evaluate the run's checkpoints until its final one; the arguments override `options`
     (`checkpoint_dir`, `logdir`, `eval_timeout_s`). Returns what was evaluated, in order."""
     directory = checkpoint_dir or options.checkpoint_dir
     if not directory:
-        raise ConfigError("the evaluator needs the run's checkpoint directory: --checkpoint-dir (the same as the "
-                          "training nodes'), or evaluate(..., checkpoint_dir=...)")
+        raise ConfigError(
+            "the evaluator needs the run's checkpoint directory: --checkpoint-dir (the same as the "
+            "training nodes'), or evaluate(..., checkpoint_dir=...)"
+        )
     timeout = options.eval_timeout_s if timeout_s is None else timeout_s
     if timeout < 0 or poll_s <= 0:
         raise ConfigError(f"evaluate(): timeout_s must be 0 or more and poll_s positive, got {timeout} and {poll_s}")
@@ -201,9 +243,11 @@ class EvaluatorContext:
 
     def add_optimizer(self, optimizer: Any) -> str:
         """A PS optimizer created here: refused, as an evaluator has no PS."""
-        raise FailedPreconditionError("this is an evaluator task: it does not train and reaches no PS. Create the "
-                                      "optimizer only when not ctx.is_evaluator, and call ctx.evaluate(model, fn) "
-                                      "there instead (docs/evaluator.md)")
+        raise FailedPreconditionError(
+            "this is an evaluator task: it does not train and reaches no PS. Create the "
+            "optimizer only when not ctx.is_evaluator, and call ctx.evaluate(model, fn) "
+            "there instead (docs/evaluator.md)"
+        )
 
     def next_optimizer_name(self) -> str:
         """Refused as `add_optimizer` (a PS optimizer asks this first)."""
@@ -215,22 +259,23 @@ class EvaluatorContext:
 
     def shutdown(self, completed: bool = False) -> None:
         """Nothing to leave: an evaluator joined nothing."""
-        if context.existing() is self:
-            context._current = None
+        current.forget(self)
 
 
 def evaluate(model: torch.nn.Module, fn: EvalFn, **kwargs: Any) -> list[Evaluation]:
     """`paramserver.evaluate`: on an evaluator task, follow the run's checkpoints (as
     `ctx.evaluate`); with no cluster configured, the checkpoints of `checkpoint_dir=`. Refused on a
     training task, whose own final checkpoint would never come while it waits here."""
-    ctx = context.existing()
+    ctx = current.existing()
     if ctx is None:
-        config = context.node_config()
+        config = current.node_config()
         if config is None:
             return follow(model, fn, Options(), **kwargs)
         if config.task.type == EVALUATOR:
-            ctx = context.join(config)
+            ctx = current.adopt(EvaluatorContext(config, config.options))
     if not getattr(ctx, "is_evaluator", False):
-        raise FailedPreconditionError("paramserver.evaluate() runs on an evaluator task (TF_CONFIG task type "
-                                      "'evaluator'); a training task trains: test ctx.is_evaluator first")
+        raise FailedPreconditionError(
+            "paramserver.evaluate() runs on an evaluator task (TF_CONFIG task type "
+            "'evaluator'); a training task trains: test ctx.is_evaluator first"
+        )
     return ctx.evaluate(model, fn, **kwargs)

@@ -61,9 +61,19 @@ class HashEmbedding(nn.Module):
     half dtypes); the PS keeps float32 rows and optimizer state.
     """
 
-    def __init__(self, dim: int, *, init: str = "normal", std: float = 0.01, scale: float = 0.05,
-                 optimizer: dict | None = None, name: str | None = None, policy: dict | None = None,
-                 capacity: int = 0, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        dim: int,
+        *,
+        init: str = "normal",
+        std: float = 0.01,
+        scale: float = 0.05,
+        optimizer: dict | None = None,
+        name: str | None = None,
+        policy: dict | None = None,
+        capacity: int = 0,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         super().__init__()
         if dtype not in WIRE_OF:
             raise InvalidArgumentError(f"embedding dtype must be torch.float32, bfloat16 or float16, got {dtype}")
@@ -113,7 +123,7 @@ class HashEmbedding(nn.Module):
         riding = [p for p in self._prefetches if p.sent][-1:]
         self._prefetches = riding + [_Prefetch(ids, shape, unique, inverse)]
 
-    def ride_lookup(self) -> "_Prefetch | None":
+    def ride_lookup(self) -> _Prefetch | None:
         """The prefetch waiting to ride along a step, marked as sent; None if there is none.
         Called by the optimizer, which hands it its rows (`deliver`) when it reads the step's reply."""
         waiting = self._prefetches[-1] if self._prefetches else None
@@ -148,8 +158,9 @@ class HashEmbedding(nn.Module):
 
     def _check_attached(self) -> None:
         if self._tables is None:
-            raise NotInitializedError("create the paramserver optimizer over this module's parameters "
-                                      "before its first forward")
+            raise NotInitializedError(
+                "create the paramserver optimizer over this module's parameters before its first forward"
+            )
 
     @staticmethod
     def _distinct(ids) -> tuple[torch.Size, np.ndarray, torch.Tensor]:
@@ -204,7 +215,9 @@ class HashEmbeddingBag(HashEmbedding):
     def forward(self, ids, mask: torch.Tensor | None = None) -> torch.Tensor:
         embedded = self.lookup(ids)
         if embedded.dim() != 3:
-            raise InvalidArgumentError(f"HashEmbeddingBag takes ids of shape (batch, bag), got {tuple(embedded.shape[:-1])}")
+            raise InvalidArgumentError(
+                f"HashEmbeddingBag takes ids of shape (batch, bag), got {tuple(embedded.shape[:-1])}"
+            )
         if mask is not None:
             embedded = embedded * mask.unsqueeze(-1).to(embedded.dtype)
         total = embedded.sum(dim=1)
@@ -216,15 +229,23 @@ class HashEmbeddingBag(HashEmbedding):
 
 # Options of a dense optimizer that its row-wise counterpart cannot apply, with torch's reason.
 _NOT_ROW_WISE = {
-    "sgd": {"momentum": "momentum on a sparse gradient moves every row of the table at every step",
-            "weight_decay": "weight decay on a sparse gradient decays every row of the table at every step"},
+    "sgd": {
+        "momentum": "momentum on a sparse gradient moves every row of the table at every step",
+        "weight_decay": "weight decay on a sparse gradient decays every row of the table at every step",
+    },
     "adagrad": {"weight_decay": "weight_decay option is not compatible with sparse gradients (as torch.optim.Adagrad)"},
-    "adam": {"weight_decay": "torch.optim.SparseAdam, the row-wise Adam, has no weight decay",
-             "amsgrad": "torch.optim.SparseAdam, the row-wise Adam, has no amsgrad"},
+    "adam": {
+        "weight_decay": "torch.optim.SparseAdam, the row-wise Adam, has no weight decay",
+        "amsgrad": "torch.optim.SparseAdam, the row-wise Adam, has no amsgrad",
+    },
 }
 _NOT_ROW_WISE["adamw"] = _NOT_ROW_WISE["adam"]
-_ROW_WISE_HYPER = {"sgd": ("lr",), "adagrad": ("lr", "lr_decay", "initial_accumulator_value", "eps"),
-                   "adam": ("lr", "betas", "eps"), "adamw": ("lr", "betas", "eps")}
+_ROW_WISE_HYPER = {
+    "sgd": ("lr",),
+    "adagrad": ("lr", "lr_decay", "initial_accumulator_value", "eps"),
+    "adam": ("lr", "betas", "eps"),
+    "adamw": ("lr", "betas", "eps"),
+}
 
 
 def sparse_counterpart(kind: str, hyper: dict, table: str = "table") -> dict:
@@ -236,7 +257,8 @@ def sparse_counterpart(kind: str, hyper: dict, table: str = "table") -> dict:
             raise InvalidArgumentError(
                 f"embedding table {table!r}: {kind} with {option}={hyper[option]!r} cannot update a table row by "
                 f"row: {why}. Put the embedding modules in a param group with {option}=0 (or False), or give the "
-                f"HashEmbedding its own optimizer spec")
+                f"HashEmbedding its own optimizer spec"
+            )
     name = "adam" if kind == "adamw" else kind
     spec_hyper = {k: list(hyper[k]) if k == "betas" else hyper[k] for k in _ROW_WISE_HYPER[kind]}
     if hyper.get("maximize"):  # only when set: a spec equal to older ones restores their checkpoints

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from ..base.consistency_spec import ConsistencySpec, ModeChange
 from ..base.errors import ParamServerError
@@ -11,8 +11,15 @@ from ..base.errors import ParamServerError
 class ModeSwitcher:
     """Switches the cluster's mode through a PSClient; only the chief may. Not thread-safe."""
 
-    def __init__(self, client, worker_index: int, num_workers: int, schedule: Sequence[ModeChange] = (),
-                 backup_workers: int = 0, barrier=None) -> None:
+    def __init__(
+        self,
+        client,
+        worker_index: int,
+        num_workers: int,
+        schedule: Sequence[ModeChange] = (),
+        backup_workers: int = 0,
+        barrier=None,
+    ) -> None:
         """`schedule`: Options.mode_changes (Options checked every mode in it when it was built)."""
         self.client = client
         self.barrier = barrier  # barrier(name, timeout): every worker meets there around a scheduled switch

@@ -15,22 +15,20 @@ checkpoint durations and failures, and on the coordinator's host its calls and m
 from __future__ import annotations
 
 import logging
-from typing import Iterator
+from collections.abc import Iterator
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from ..base.config import NodeConfig, bind_address
 from ..base.errors import UnavailableError
 from ..base.lifecycle import Lifecycle, ReadyFlag
 from ..base.metrics import MetricsEndpoint, NodeMetrics
-from ..base.tls import TlsMaterial
-from ..coordinator.membership import Coordinator
+from ..security.tls import TlsMaterial
 from ..transport.grpc_transport import health_server
 from ..transport.health import Health
 
 log = logging.getLogger(__name__)
-_STATES = ("joining", "training", "finished", "exited", "dead")
 
 
 class WorkerOps(Lifecycle):
@@ -42,8 +40,9 @@ class WorkerOps(Lifecycle):
     threads ("health-rpc_0", "metrics-http").
     """
 
-    def __init__(self, config: NodeConfig, metrics: NodeMetrics, health: Health | None = None,
-                 tls: TlsMaterial | None = None) -> None:
+    def __init__(
+        self, config: NodeConfig, metrics: NodeMetrics, health: Health | None = None, tls: TlsMaterial | None = None
+    ) -> None:
         """`health`: the one the coordinator's server serves (the host), or None to serve our own
         (over TLS with `tls`, as the node's other channels)."""
         self.name = f"worker {config.worker_index}"
@@ -52,8 +51,11 @@ class WorkerOps(Lifecycle):
         bind = bind_address(config.address)
         self.health_server = health_server(self.health, bind, tls) if health is None else None
         port = config.options.metrics_port
-        self.endpoint = (MetricsEndpoint(metrics.registry, port, bind.rsplit(":", 1)[0].strip("[]"), self.name)
-                         if port >= 0 else None)
+        self.endpoint = (
+            MetricsEndpoint(metrics.registry, port, bind.rsplit(":", 1)[0].strip("[]"), self.name)
+            if port >= 0
+            else None
+        )
         self.ready = ReadyFlag(f"{self.name}'s health and metrics")
 
     def start(self) -> None:
@@ -99,25 +101,3 @@ class WorkerCollector(Collector):
         family = GaugeMetricFamily("paramserver_worker_step", "This worker's optimizer steps", labels=["worker"])
         family.add_metric([self.worker], self.step_of())
         yield family
-
-
-class CoordinatorCollector(Collector):
-    """The membership as the coordinator sees it: members by state, global step, checkpoint requests."""
-
-    def __init__(self, coordinator: Coordinator) -> None:
-        self.coordinator = coordinator
-
-    def collect(self) -> Iterator[Metric]:
-        view = self.coordinator.view()
-        members = GaugeMetricFamily("paramserver_workers", "Workers by state, as the coordinator sees them",
-                                    labels=["state"])
-        states = list(view["states"].values())
-        for state in _STATES:
-            members.add_metric([state], states.count(state))
-        yield members
-        step = GaugeMetricFamily("paramserver_global_step", "Sum of the workers' reported steps")
-        step.add_metric([], view["global_step"])
-        yield step
-        requested = CounterMetricFamily("paramserver_checkpoints_requested", "Timed checkpoints the chief asked for")
-        requested.add_metric([], view["checkpoints_requested"])
-        yield requested

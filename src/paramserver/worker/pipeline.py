@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 
@@ -117,7 +118,7 @@ class RowPipeline:
         if self.failed is None:
             try:
                 self._fill(source, depth)
-            except Exception as exc:  # noqa: BLE001 (re-raised by the loop's next _fill)
+            except Exception as exc:
                 self.failed = exc
 
     def _after_forward(self, module, args: tuple, output) -> None:
@@ -128,8 +129,11 @@ class RowPipeline:
         if path is _UNKNOWN:
             path = self.paths[module] = _find(self.window[0], args[0])
             if path is _NOT_IN_BATCH:
-                log.info("table %s: its ids are not an element of the batch; its rows are looked up at the "
-                         "forward (no prefetch)", module.table_name)
+                log.info(
+                    "table %s: its ids are not an element of the batch; its rows are looked up at the "
+                    "forward (no prefetch)",
+                    module.table_name,
+                )
         if path is _NOT_IN_BATCH or _at(self.window[0], path) is not args[0]:
             return  # another forward (evaluation inside the loop, a second use of the table)
         ahead = self.ahead[module]
@@ -142,6 +146,9 @@ class RowPipeline:
 
 def for_context(batches: Iterable, context) -> RowPipeline:
     """`batches` pipelined for the tables and optimizers of `context`."""
-    modules = [(module, 2 if optimizer.overlap else 1)
-               for optimizer in context.optimizers for module in getattr(optimizer, "_embeddings", ())]
+    modules = [
+        (module, 2 if optimizer.overlap else 1)
+        for optimizer in context.optimizers
+        for module in getattr(optimizer, "_embeddings", ())
+    ]
     return RowPipeline(batches, modules, context.optimizers)

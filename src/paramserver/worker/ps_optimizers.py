@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, ClassVar, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any, ClassVar
 
 import torch
 
@@ -33,7 +34,8 @@ from ..base.compression_spec import NONE, Codec
 from ..base.errors import InvalidArgumentError
 from ..client.ps_client import PushPullHandle
 from ..server.optimizers import OPTIMIZERS, build_optimizer, check_implementation
-from .context import Context, current_context
+from .context import Context
+from .current import current_context
 from .hash_embedding import sparse_counterpart
 from .wire_dtype import WIRE_OF, wire_array, write_wire
 
@@ -49,6 +51,7 @@ def plain_hyper(key: str, value: Any) -> Any:
         return type(value)(plain_hyper(key, v) for v in value)
     return value
 
+
 log = logging.getLogger(__name__)
 
 
@@ -62,8 +65,9 @@ class PSOptimizer(torch.optim.Optimizer):
     add_param_group = torch.optim.Optimizer.add_param_group.__wrapped__
     zero_grad = torch.optim.Optimizer.zero_grad.__wrapped__
 
-    def __init__(self, params: Iterable, defaults: dict[str, Any], overlap: bool = False,
-                 context: Context | None = None) -> None:
+    def __init__(
+        self, params: Iterable, defaults: dict[str, Any], overlap: bool = False, context: Context | None = None
+    ) -> None:
         super().__init__(params, defaults)
         self.overlap = overlap
         self.steps = 0
@@ -82,8 +86,13 @@ class PSOptimizer(torch.optim.Optimizer):
         started = time.monotonic()
         for i, plan in enumerate(plans):  # one at a time: a reply may view the stream's buffer
             self._write(self._register_group(i, *plan).wait(self.context.options.rpc_timeout_s)[1])
-        log.info("%s: %d parameters registered on %d PS in %.2fs", self.name, len(self._vars),
-                 self.context.num_ps, time.monotonic() - started)
+        log.info(
+            "%s: %d parameters registered on %d PS in %.2fs",
+            self.name,
+            len(self._vars),
+            self.context.num_ps,
+            time.monotonic() - started,
+        )
         self._dense = None  # worker.dense_sync.DenseSync with dense_sync "allreduce"
         if self.context.options.dense_sync == "allreduce":
             from .dense_sync import DenseSync
@@ -113,8 +122,9 @@ class PSOptimizer(torch.optim.Optimizer):
             if module is not None:
                 tables.append((name, module, module.optimizer_spec or sparse_counterpart(self.kind, hyper, name)))
             elif param.dtype not in WIRE_OF:
-                raise InvalidArgumentError(f"parameter {name!r} is {param.dtype}; PS variables are float32, "
-                                           f"bfloat16 or float16")
+                raise InvalidArgumentError(
+                    f"parameter {name!r} is {param.dtype}; PS variables are float32, bfloat16 or float16"
+                )
             else:
                 dense.append((name, param))
         return spec, dense, tables
@@ -136,8 +146,16 @@ class PSOptimizer(torch.optim.Optimizer):
     def _register_group(self, index: int, spec: dict, dense: list, tables: list):
         for param_name, module, table_spec in tables:
             name = _table_name(self.name, param_name, module)
-            self.context.tables.register(name, module.dim, table_spec, module.init, module.policy, module.capacity,
-                                         WIRE_OF[module.dtype], self._codecs[name])
+            self.context.tables.register(
+                name,
+                module.dim,
+                table_spec,
+                module.init,
+                module.policy,
+                module.capacity,
+                WIRE_OF[module.dtype],
+                self._codecs[name],
+            )
             module.attach(self.context.tables, name)
             self._embeddings.append(module)
         values, wire, codecs = {}, {}, {}
@@ -168,8 +186,9 @@ class PSOptimizer(torch.optim.Optimizer):
         bases = dict(self.context.client.record.base_versions)  # the values these gradients came from
         self.synchronize()
         # in overlap mode other calls (lookups, the next pushes) go out before this reply is read
-        handle = self.context.client.push_pull(grads, pull, self._changed_lrs() if self._dense is None else {},
-                                               bases, owned=self.overlap, riders=riders)
+        handle = self.context.client.push_pull(
+            grads, pull, self._changed_lrs() if self._dense is None else {}, bases, owned=self.overlap, riders=riders
+        )
         if self.overlap:
             handle.wait_sent(self.context.options.rpc_timeout_s)  # the gradients may now be freed
             self._pending = (handle, riders, prefetches)
@@ -250,7 +269,7 @@ class PSOptimizer(torch.optim.Optimizer):
         params = dict(self._vars)
         for part, array in values:
             param = params[part.var]
-            write_wire(part.name, param.data if part.whole else param.data[part.lo:part.hi], array)
+            write_wire(part.name, param.data if part.whole else param.data[part.lo : part.hi], array)
 
 
 def _table_name(optimizer: str, param_name: str, module) -> str:
@@ -269,14 +288,36 @@ class SGD(PSOptimizer):
 
     kind = "sgd"
 
-    def __init__(self, params, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
-                 weight_decay: float = 0.0, nesterov: bool = False, *, maximize: bool = False,
-                 foreach: bool | None = None, differentiable: bool = False, fused: bool | None = None,
-                 overlap: bool = False, context: Context | None = None) -> None:
-        super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-                                      nesterov=nesterov, maximize=maximize,
-                                      **_implementation(foreach, fused, differentiable=differentiable)),
-                         overlap, context)
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        *,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        differentiable: bool = False,
+        fused: bool | None = None,
+        overlap: bool = False,
+        context: Context | None = None,
+    ) -> None:
+        super().__init__(
+            params,
+            dict(
+                lr=lr,
+                momentum=momentum,
+                dampening=dampening,
+                weight_decay=weight_decay,
+                nesterov=nesterov,
+                maximize=maximize,
+                **_implementation(foreach, fused, differentiable=differentiable),
+            ),
+            overlap,
+            context,
+        )
 
 
 class Adagrad(PSOptimizer):
@@ -284,14 +325,36 @@ class Adagrad(PSOptimizer):
 
     kind = "adagrad"
 
-    def __init__(self, params, lr: float = 1e-2, lr_decay: float = 0.0, weight_decay: float = 0.0,
-                 initial_accumulator_value: float = 0.0, eps: float = 1e-10, foreach: bool | None = None, *,
-                 maximize: bool = False, differentiable: bool = False, fused: bool | None = None,
-                 overlap: bool = False, context: Context | None = None) -> None:
-        super().__init__(params, dict(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay, eps=eps,
-                                      initial_accumulator_value=initial_accumulator_value, maximize=maximize,
-                                      **_implementation(foreach, fused, differentiable=differentiable)),
-                         overlap, context)
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-2,
+        lr_decay: float = 0.0,
+        weight_decay: float = 0.0,
+        initial_accumulator_value: float = 0.0,
+        eps: float = 1e-10,
+        foreach: bool | None = None,
+        *,
+        maximize: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
+        overlap: bool = False,
+        context: Context | None = None,
+    ) -> None:
+        super().__init__(
+            params,
+            dict(
+                lr=lr,
+                lr_decay=lr_decay,
+                weight_decay=weight_decay,
+                eps=eps,
+                initial_accumulator_value=initial_accumulator_value,
+                maximize=maximize,
+                **_implementation(foreach, fused, differentiable=differentiable),
+            ),
+            overlap,
+            context,
+        )
 
 
 class Adam(PSOptimizer):
@@ -299,15 +362,39 @@ class Adam(PSOptimizer):
 
     kind = "adam"
 
-    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, amsgrad: bool = False, *, foreach: bool | None = None,
-                 maximize: bool = False, capturable: bool = False, differentiable: bool = False,
-                 fused: bool | None = None, decoupled_weight_decay: bool = False,
-                 overlap: bool = False, context: Context | None = None) -> None:
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                                      amsgrad=amsgrad, maximize=maximize, decoupled_weight_decay=decoupled_weight_decay,
-                                      **_implementation(foreach, fused, capturable, differentiable)),
-                         overlap, context)
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        *,
+        foreach: bool | None = None,
+        maximize: bool = False,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
+        decoupled_weight_decay: bool = False,
+        overlap: bool = False,
+        context: Context | None = None,
+    ) -> None:
+        super().__init__(
+            params,
+            dict(
+                lr=lr,
+                betas=tuple(betas),
+                eps=eps,
+                weight_decay=weight_decay,
+                amsgrad=amsgrad,
+                maximize=maximize,
+                decoupled_weight_decay=decoupled_weight_decay,
+                **_implementation(foreach, fused, capturable, differentiable),
+            ),
+            overlap,
+            context,
+        )
 
 
 class AdamW(PSOptimizer):
@@ -315,11 +402,34 @@ class AdamW(PSOptimizer):
 
     kind = "adamw"
 
-    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
-                 foreach: bool | None = None, capturable: bool = False, differentiable: bool = False,
-                 fused: bool | None = None, overlap: bool = False, context: Context | None = None) -> None:
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                                      amsgrad=amsgrad, maximize=maximize,
-                                      **_implementation(foreach, fused, capturable, differentiable)),
-                         overlap, context)
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        *,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
+        overlap: bool = False,
+        context: Context | None = None,
+    ) -> None:
+        super().__init__(
+            params,
+            dict(
+                lr=lr,
+                betas=tuple(betas),
+                eps=eps,
+                weight_decay=weight_decay,
+                amsgrad=amsgrad,
+                maximize=maximize,
+                **_implementation(foreach, fused, capturable, differentiable),
+            ),
+            overlap,
+            context,
+        )

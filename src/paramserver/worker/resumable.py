@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import itertools
 import logging
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 from ..base.errors import InvalidArgumentError, NotInitializedError
-from . import pipeline
+from . import current, pipeline
 
 log = logging.getLogger(__name__)
 
@@ -38,15 +39,23 @@ log = logging.getLogger(__name__)
 class ResumableBatches:
     """`source`'s batches for `epochs` epochs, from this worker's data position on."""
 
-    def __init__(self, source: Iterable | Callable[[int], Iterable], epochs: int = 1,
-                 steps_per_epoch: int | None = None, context: Any = None, prefetch_rows: bool = True) -> None:
+    def __init__(
+        self,
+        source: Iterable | Callable[[int], Iterable],
+        epochs: int = 1,
+        steps_per_epoch: int | None = None,
+        context: Any = None,
+        prefetch_rows: bool = True,
+    ) -> None:
         if not isinstance(epochs, int) or epochs < 1:
             raise InvalidArgumentError(f"epochs must be a positive integer, got {epochs!r}")
         if steps_per_epoch is not None and (not isinstance(steps_per_epoch, int) or steps_per_epoch < 1):
             raise InvalidArgumentError(f"steps_per_epoch must be a positive integer, got {steps_per_epoch!r}")
         if not callable(source) and epochs > 1 and isinstance(source, Iterator):
-            raise InvalidArgumentError("a one-pass iterator (e.g. a generator) cannot give several epochs: pass "
-                                       "a callable `lambda epoch: make_batches()` or a re-iterable loader")
+            raise InvalidArgumentError(
+                "a one-pass iterator (e.g. a generator) cannot give several epochs: pass "
+                "a callable `lambda epoch: make_batches()` or a re-iterable loader"
+            )
         self.source = source
         self.epochs = epochs
         self.steps_per_epoch = steps_per_epoch
@@ -98,14 +107,16 @@ class ResumableBatches:
                 empty = False
                 yield batch
             if empty:
-                raise InvalidArgumentError("the loader yielded no batch; steps_per_epoch needs a loader "
-                                           "that can be iterated again")
+                raise InvalidArgumentError(
+                    "the loader yielded no batch; steps_per_epoch needs a loader that can be iterated again"
+                )
 
     def _context(self):
         if self.context is None:
-            from .context import current_context
-            self.context = current_context()
+            self.context = current.current_context()
         if not self.context.optimizers:
-            raise NotInitializedError("create the paramserver optimizer before iterating resumable data: "
-                                      "its registration brings this worker's data position")
+            raise NotInitializedError(
+                "create the paramserver optimizer before iterating resumable data: "
+                "its registration brings this worker's data position"
+            )
         return self.context

@@ -22,15 +22,15 @@ import logging
 import os
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
-from ..base import messages as msg
 from ..base.errors import ParamServerError, RollbackError, UnavailableError
 from ..base.lifecycle import RESTART_EXIT_CODE
-from ..transport import codec
+from ..client.ps_client import HELLO_TIMEOUT_S, hello
+from ..wire import codec
+from ..wire import messages as msg
 
 log = logging.getLogger(__name__)
-HELLO_TIMEOUT_S = 5.0  # a peer that does not answer Hello within this counts as down (it is restarting)
 
 
 class RollbackFlag:
@@ -68,12 +68,6 @@ class RollbackFlag:
         self._exit_process(RESTART_EXIT_CODE)
 
 
-def hello(channel, timeout: float = HELLO_TIMEOUT_S) -> dict:
-    """A PS's Hello reply (its counters, incarnation and groups)."""
-    payload = codec.encode(msg.HelloRequest().to_meta())
-    return codec.decode(channel.call("Hello", payload, timeout).wait(timeout)).meta
-
-
 def restarted_shard(channels: list, expected: list[str | None]) -> str | None:
     """Why a shard is no longer the process this worker registered with, or None. A shard that
     does not answer is down: it will come back restarted."""
@@ -98,8 +92,12 @@ def roll_back_shards(channels: list, timeout: float) -> list[int]:
     if not holding:
         return []
     started = time.monotonic()
-    log.warning("the chief starts while ps %s hold state: the cluster rolls back; asking them to restart from the "
-                "latest checkpoint", holding, extra={"event": "rollback_started"})
+    log.warning(
+        "the chief starts while ps %s hold state: the cluster rolls back; asking them to restart from the "
+        "latest checkpoint",
+        holding,
+        extra={"event": "rollback_started"},
+    )
     before = {index: hello(channels[index]).get("incarnation") for index in holding}
     request = codec.encode(msg.ShutdownRequest(reason="roll-back by the chief", restart=True).to_meta())
     for index in holding:
@@ -107,8 +105,12 @@ def roll_back_shards(channels: list, timeout: float) -> list[int]:
     for index in holding:
         _wait_restarted(channels[index], index, before[index], started + timeout)
     took = time.monotonic() - started
-    log.warning("ps %s restarted from the latest checkpoint in %.2fs", holding, took,
-                extra={"event": "rollback_done", "duration_s": round(took, 3)})
+    log.warning(
+        "ps %s restarted from the latest checkpoint in %.2fs",
+        holding,
+        took,
+        extra={"event": "rollback_done", "duration_s": round(took, 3)},
+    )
     return holding
 
 
@@ -126,6 +128,8 @@ def _wait_restarted(channel, index: int, before: str | None, deadline: float) ->
         except ParamServerError:
             pass  # down while it restarts
         if time.monotonic() >= deadline:
-            raise UnavailableError(f"ps {index} did not come back after the roll-back asked it to restart: is it "
-                                   f"run under a restart loop (Kubernetes restartPolicy, docs/deploy.md)?")
+            raise UnavailableError(
+                f"ps {index} did not come back after the roll-back asked it to restart: is it "
+                f"run under a restart loop (Kubernetes restartPolicy, docs/deploy.md)?"
+            )
         time.sleep(0.2)  # polling a restarting process; the deadline above is the verdict

@@ -5,12 +5,14 @@ from __future__ import annotations
 import logging
 import time
 import warnings
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 
-from .context import Context, current_context
+from .context import Context
+from .current import current_context
 from .ps_optimizers import PSOptimizer
 
 log = logging.getLogger(__name__)
@@ -37,9 +39,14 @@ class Trainer:
     A bfloat16 or float16 model gets its floating-point inputs in its own dtype (a loader's float32
     batches are cast), so that the same loop trains a model of any precision."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: PSOptimizer,
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                 context: Context | None = None, verbose: bool = True) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: PSOptimizer,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        context: Context | None = None,
+        verbose: bool = True,
+    ) -> None:
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn
@@ -49,8 +56,9 @@ class Trainer:
         floating = [p.dtype for p in model.parameters() if p.dtype.is_floating_point]
         self.input_dtype = floating[0] if floating and floating[0] in (torch.bfloat16, torch.float16) else None
 
-    def fit(self, loader: Iterable, epochs: int = 1, steps_per_epoch: int | None = None,
-            scheduler: Any = None) -> list[EpochMetrics]:
+    def fit(
+        self, loader: Iterable, epochs: int = 1, steps_per_epoch: int | None = None, scheduler: Any = None
+    ) -> list[EpochMetrics]:
         """Train for `epochs`; with `steps_per_epoch`, each epoch takes that many batches, cycling `loader`.
 
         Training starts at this worker's data position (a restarted worker skips what it trained,
@@ -69,8 +77,11 @@ class Trainer:
                     scheduler.step()
             if self.verbose:
                 m = history[-1]
-                print(f"epoch {epoch + 1}/{epochs}: loss={m.loss:.4f} steps={m.steps} "
-                      f"examples/s={m.examples_per_s:,.0f} wall_s={m.wall_s:.2f}", flush=True)
+                print(
+                    f"epoch {epoch + 1}/{epochs}: loss={m.loss:.4f} steps={m.steps} "
+                    f"examples/s={m.examples_per_s:,.0f} wall_s={m.wall_s:.2f}",
+                    flush=True,
+                )
         return history
 
     def _epoch(self, epoch: int, batches: Iterable) -> EpochMetrics:

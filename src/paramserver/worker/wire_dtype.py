@@ -1,4 +1,4 @@
-"""Torch tensors in their wire dtype (base/half.py): float32, float16 as is, bfloat16 as uint16 bits.
+"""Torch tensors in their wire dtype (wire/half.py): float32, float16 as is, bfloat16 as uint16 bits.
 
 A bfloat16 or float16 parameter pushes its gradients and receives its values in its own dtype; the
 PS keeps float32 masters. Thread-safe (no state).
@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from ..base.errors import FailedPreconditionError
-from ..base.half import WIRE_DTYPES
+from ..wire.half import WIRE_DTYPES
 
 WIRE_OF = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -27,8 +27,10 @@ def write_wire(name: str, target: torch.Tensor, array: np.ndarray) -> None:
     """Copy values that travelled in `target`'s wire dtype into `target` (on its own device)."""
     wire = WIRE_OF[target.dtype]
     if array.dtype != WIRE_DTYPES[wire]:
-        raise FailedPreconditionError(f"values of {name!r} came back as {array.dtype}, not as {wire} travels "
-                                      f"({WIRE_DTYPES[wire]}): a PS of a version without mixed precision?")
+        raise FailedPreconditionError(
+            f"values of {name!r} came back as {array.dtype}, not as {wire} travels "
+            f"({WIRE_DTYPES[wire]}): a PS of a version without mixed precision?"
+        )
     if target.dtype == torch.bfloat16:
         target, array = target.view(torch.int16), array.view(np.int16)
     if target.device.type == "cpu":

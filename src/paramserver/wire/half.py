@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import kernels
+from ..base import kernels
 
 BF16_NAN = np.uint16(0x7FC0)
 # how each wire dtype's arrays travel in a frame
-WIRE_DTYPES: dict[str, np.dtype] = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(np.uint16),
-                                    "float16": np.dtype(np.float16)}
+WIRE_DTYPES: dict[str, np.dtype] = {
+    "float32": np.dtype(np.float32),
+    "bfloat16": np.dtype(np.uint16),
+    "float16": np.dtype(np.float16),
+}
 
 
 def float32_to_bf16_bits(values: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:

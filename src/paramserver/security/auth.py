@@ -21,13 +21,14 @@ import hmac
 import json
 import logging
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
+from ..base.errors import ConfigError, ParamServerError, PermissionDeniedError, UnauthenticatedError
 from .audit import AuditLog
 from .tls import TlsMaterial, tls_from_options
-from .errors import ConfigError, ParamServerError, PermissionDeniedError, UnauthenticatedError
 
 log = logging.getLogger(__name__)
 STORE_FORMAT = "paramserver-tokens"
@@ -75,14 +76,29 @@ _WORKER, _CHIEF = Action("worker"), Action("chief", audited=True)
 # The chief runs the mode schedule the operator gave it and tells the shards of dead workers, with its
 # own token: mode switches and Forget are chief actions (an admin may do them too). docs/security.md.
 SHARD_ACTIONS: dict[str, Action] = {
-    "Hello": Action("ps"), "Register": _WORKER, "PushPull": _WORKER, "RegisterTable": _WORKER, "Lookup": _WORKER,
-    "PushSparse": _WORKER, "Leave": _WORKER, "Forget": Action("chief", audited=True, any_worker=True),
-    "SetMode": _CHIEF, "Checkpoint": _CHIEF, "Assign": _CHIEF, "Shutdown": Action("admin", audited=True),
-    "Restart": Action("chief", audited=True)}  # a Shutdown with `restart`: the chief's roll-back
+    "Hello": Action("ps"),
+    "Register": _WORKER,
+    "PushPull": _WORKER,
+    "RegisterTable": _WORKER,
+    "Lookup": _WORKER,
+    "PushSparse": _WORKER,
+    "Leave": _WORKER,
+    "Forget": Action("chief", audited=True, any_worker=True),
+    "SetMode": _CHIEF,
+    "Checkpoint": _CHIEF,
+    "Assign": _CHIEF,
+    "Shutdown": Action("admin", audited=True),
+    "Restart": Action("chief", audited=True),
+}  # a Shutdown with `restart`: the chief's roll-back
 COORDINATOR_ACTIONS: dict[str, Action] = {
-    "Hello": Action("ps"), "Join": Action("worker", audited=True), "Heartbeat": _WORKER,
-    "Finish": Action("worker", audited=True), "Barrier": _WORKER, "Leave": Action("worker", audited=True),
-    "RequestCheckpoint": _CHIEF}
+    "Hello": Action("ps"),
+    "Join": Action("worker", audited=True),
+    "Heartbeat": _WORKER,
+    "Finish": Action("worker", audited=True),
+    "Barrier": _WORKER,
+    "Leave": Action("worker", audited=True),
+    "RequestCheckpoint": _CHIEF,
+}
 
 
 @dataclass(frozen=True)
@@ -93,7 +109,7 @@ class Credentials:
     token: str | None = None
 
     @classmethod
-    def from_options(cls, options) -> "Credentials":
+    def from_options(cls, options) -> Credentials:
         """From Options.tls_* and Options.token_file (files read now, once)."""
         return cls(tls_from_options(options), read_token(options.token_file) if options.token_file else None)
 
@@ -101,6 +117,9 @@ class Credentials:
     def metadata(self) -> tuple | None:
         """The gRPC call metadata carrying the token, or None without one."""
         return bearer_metadata(self.token)
+
+
+NO_CREDENTIALS = Credentials()  # plaintext, no token (frozen: safe to share)
 
 
 def bearer_metadata(token: str | None) -> tuple | None:
@@ -112,7 +131,7 @@ def bearer_token(metadata) -> str | None:
     """The token of an ("authorization", "Bearer <token>") entry of gRPC call metadata, if any."""
     for key, value in metadata or ():
         if key == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
-            return value[len("Bearer "):]
+            return value[len("Bearer ") :]
     return None
 
 
@@ -138,7 +157,7 @@ class TokenStore:
         self._entries = entries  # (sha256 hex, principal)
 
     @classmethod
-    def load(cls, path: str | Path) -> "TokenStore":
+    def load(cls, path: str | Path) -> TokenStore:
         """Read and check a store file (Options.auth_tokens); one ConfigError names every problem."""
         try:
             data = json.loads(Path(path).read_text())
@@ -147,10 +166,12 @@ class TokenStore:
         return cls.from_dict(data, str(path))
 
     @classmethod
-    def from_dict(cls, data: Any, source: str = "token store") -> "TokenStore":
+    def from_dict(cls, data: Any, source: str = "token store") -> TokenStore:
         if not isinstance(data, dict) or data.get("format") != STORE_FORMAT or data.get("version") != STORE_VERSION:
-            raise ConfigError(f"{source}: not a token store (want an object with \"format\": {STORE_FORMAT!r}, "
-                              f"\"version\": {STORE_VERSION} and \"tokens\")")
+            raise ConfigError(
+                f'{source}: not a token store (want an object with "format": {STORE_FORMAT!r}, '
+                f'"version": {STORE_VERSION} and "tokens")'
+            )
         tokens = data.get("tokens")
         if not isinstance(tokens, list) or not tokens:
             raise ConfigError(f"{source}: 'tokens' must be a non-empty list")
@@ -215,12 +236,14 @@ class Authorizer:
         if rule is None:
             raise PermissionDeniedError(f"{action!r} is not a method of this node's role table")
         if not principal.has(rule.role):
-            raise PermissionDeniedError(f"{principal.name} (role {principal.role}) may not call {action}: "
-                                        f"it needs role {rule.role}")
+            raise PermissionDeniedError(
+                f"{principal.name} (role {principal.role}) may not call {action}: it needs role {rule.role}"
+            )
         acts_as_other = claimed_worker is not None and claimed_worker != principal.worker
         if acts_as_other and not (rule.any_worker or principal.has("admin")):
-            raise PermissionDeniedError(f"{principal.name} may act only as worker {principal.worker}, "
-                                        f"not as worker {claimed_worker}")
+            raise PermissionDeniedError(
+                f"{principal.name} may act only as worker {principal.worker}, not as worker {claimed_worker}"
+            )
 
     def authorize(self, method: str, token: str | None, claimed_worker: int | None = None) -> Principal:
         """The caller's Principal, if `token` may call `method` acting as `claimed_worker`."""
@@ -233,14 +256,15 @@ class Guard:
     """What a node checks and records around every call it serves (transport/dispatch.py): the
     authorizer (None: no checks) and the audit log (None: nothing recorded)."""
 
-    def __init__(self, actions: Mapping[str, Action], authorizer: Authorizer | None = None,
-                 audit: AuditLog | None = None) -> None:
+    def __init__(
+        self, actions: Mapping[str, Action], authorizer: Authorizer | None = None, audit: AuditLog | None = None
+    ) -> None:
         self.actions = actions
         self.authorizer = authorizer
         self.audit = audit
 
     @classmethod
-    def from_options(cls, options, node: str, actions: Mapping[str, Action]) -> "Guard":
+    def from_options(cls, options, node: str, actions: Mapping[str, Action]) -> Guard:
         """A node's guard from Options.auth_tokens and Options.audit_log (files read or opened now)."""
         store = TokenStore.load(options.auth_tokens) if options.auth_tokens else None
         authorizer = Authorizer(store, actions) if store is not None else None
@@ -266,8 +290,9 @@ class Guard:
         if self.authorizer is not None:
             self.authorizer.permit(principal, claim.action, claim.worker)
 
-    def record(self, method: str, claim: Claim | None, principal: Principal, peer: str,
-               error: ParamServerError | None) -> None:
+    def record(
+        self, method: str, claim: Claim | None, principal: Principal, peer: str, error: ParamServerError | None
+    ) -> None:
         """Audit a refused call, or an accepted one whose action is audited or outside the worker role."""
         if self.audit is None:
             return
@@ -285,4 +310,3 @@ class Guard:
     def close(self) -> None:
         if self.audit is not None:
             self.audit.close()
-

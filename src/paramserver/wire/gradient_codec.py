@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from .compression_spec import Codec
-from .errors import InvalidArgumentError
+from ..base.compression_spec import Codec
+from ..base.errors import InvalidArgumentError
 from .half import bf16_bits_to_float32, float32_to_bf16_bits
 
 CHUNK = 1024  # values per int8 scale of a dense gradient (a table's rows: one scale per row)
@@ -73,8 +73,11 @@ def encode(codec: Codec, grad: np.ndarray, chunk: int = CHUNK) -> Encoded:
 def _encode_int8(grad: np.ndarray, chunk: int) -> Encoded:
     flat = grad.reshape(-1)
     starts = np.arange(0, flat.size, chunk)
-    scales = (np.maximum.reduceat(np.abs(flat), starts) / _INT8_MAX).astype(np.float32) if flat.size \
+    scales = (
+        (np.maximum.reduceat(np.abs(flat), starts) / _INT8_MAX).astype(np.float32)
+        if flat.size
         else np.zeros(0, np.float32)
+    )
     inverse = np.divide(1.0, scales, out=np.zeros_like(scales), where=scales > 0)
     quantized = np.rint(_by_chunk(flat, inverse, chunk), out=...)
     payload = np.clip(quantized, -_INT8_MAX, _INT8_MAX, out=quantized).astype(np.int8).reshape(grad.shape)
@@ -84,8 +87,11 @@ def _encode_int8(grad: np.ndarray, chunk: int) -> Encoded:
 def _encode_topk(grad: np.ndarray, ratio: float) -> Encoded:
     flat = grad.reshape(-1)
     keep = min(flat.size, max(1, math.ceil(ratio * flat.size)))
-    index = np.sort(np.argpartition(np.abs(flat), flat.size - keep)[flat.size - keep:]) if keep < flat.size \
+    index = (
+        np.sort(np.argpartition(np.abs(flat), flat.size - keep)[flat.size - keep :])
+        if keep < flat.size
         else np.arange(flat.size)
+    )
     index = index.astype(np.int32 if flat.size <= np.iinfo(np.int32).max else np.int64)
     return Encoded({"codec": "topk", "shape": list(grad.shape)}, flat[index].astype(np.float32), {"index": index})
 
@@ -94,7 +100,7 @@ def _by_chunk(flat: np.ndarray, per_chunk: np.ndarray, chunk: int) -> np.ndarray
     """float32 `flat` times the value of each one's chunk (the last chunk may be short)."""
     out = np.empty(flat.size, np.float32)
     full = flat.size // chunk * chunk
-    np.multiply(flat[:full].reshape(-1, chunk), per_chunk[:full // chunk, None], out=out[:full].reshape(-1, chunk))
+    np.multiply(flat[:full].reshape(-1, chunk), per_chunk[: full // chunk, None], out=out[:full].reshape(-1, chunk))
     if full < flat.size:
         np.multiply(flat[full:], per_chunk[-1], out=out[full:])
     return out
@@ -105,11 +111,13 @@ def decode(name: str, header: Any, payload: np.ndarray, aux: dict[str, np.ndarra
     """Gradient `name` as float32, from its header, main tensor and auxiliary tensors."""
     kind = header.get("codec") if isinstance(header, dict) else None
     if kind not in _PAYLOAD_DTYPES:
-        raise InvalidArgumentError(f"gradient {name!r}: unknown encoding {str(header)[:100]} "
-                                   f"(codec one of {', '.join(_PAYLOAD_DTYPES)})")
+        raise InvalidArgumentError(
+            f"gradient {name!r}: unknown encoding {str(header)[:100]} (codec one of {', '.join(_PAYLOAD_DTYPES)})"
+        )
     if payload.dtype != _PAYLOAD_DTYPES[kind]:
-        raise InvalidArgumentError(f"gradient {name!r}: {kind} carries {np.dtype(_PAYLOAD_DTYPES[kind]).name}, "
-                                   f"got {payload.dtype}")
+        raise InvalidArgumentError(
+            f"gradient {name!r}: {kind} carries {np.dtype(_PAYLOAD_DTYPES[kind]).name}, got {payload.dtype}"
+        )
     if kind == "fp16":
         return payload.astype(np.float32)
     if kind == "bf16":
@@ -125,8 +133,10 @@ def _decode_int8(name: str, header: dict, payload: np.ndarray, scales: np.ndarra
         raise InvalidArgumentError(f"gradient {name!r}: int8 chunk must be a positive integer, got {chunk!r}")
     expected = -(-payload.size // chunk)
     if scales.dtype != np.float32 or scales.shape != (expected,):
-        raise InvalidArgumentError(f"gradient {name!r}: int8 needs {expected} float32 scales (one per {chunk} "
-                                   f"values), got {scales.dtype} {tuple(scales.shape)}")
+        raise InvalidArgumentError(
+            f"gradient {name!r}: int8 needs {expected} float32 scales (one per {chunk} "
+            f"values), got {scales.dtype} {tuple(scales.shape)}"
+        )
     if not np.isfinite(scales).all():
         raise InvalidArgumentError(f"gradient {name!r}: int8 scales hold NaN or infinite values")
     return _by_chunk(payload.reshape(-1), scales, chunk).reshape(payload.shape)
@@ -134,16 +144,16 @@ def _decode_int8(name: str, header: dict, payload: np.ndarray, scales: np.ndarra
 
 def _decode_topk(name: str, header: dict, values: np.ndarray, index: np.ndarray) -> np.ndarray:
     shape = header.get("shape")
-    if not isinstance(shape, list) or not all(type(d) is int and 0 <= d < 1 << 40 for d in shape) \
-            or len(shape) > 32:
+    if not isinstance(shape, list) or not all(type(d) is int and 0 <= d < 1 << 40 for d in shape) or len(shape) > 32:
         raise InvalidArgumentError(f"gradient {name!r}: topk shape must be a list of sizes, got {str(shape)[:100]}")
     size = math.prod(shape)
     if index.dtype not in (np.int32, np.int64) or index.ndim != 1 or values.shape != index.shape:
-        raise InvalidArgumentError(f"gradient {name!r}: topk needs 1-d int32/int64 positions, one per value; got "
-                                   f"{index.dtype} {tuple(index.shape)} for values {tuple(values.shape)}")
+        raise InvalidArgumentError(
+            f"gradient {name!r}: topk needs 1-d int32/int64 positions, one per value; got "
+            f"{index.dtype} {tuple(index.shape)} for values {tuple(values.shape)}"
+        )
     if index.size and (index[0] < 0 or index[-1] >= size or not (index[1:] > index[:-1]).all()):
-        raise InvalidArgumentError(f"gradient {name!r}: topk positions must be strictly increasing within "
-                                   f"[0, {size})")
+        raise InvalidArgumentError(f"gradient {name!r}: topk positions must be strictly increasing within [0, {size})")
     dense = np.zeros(size, np.float32)
     dense[index] = values
     return dense.reshape(shape)

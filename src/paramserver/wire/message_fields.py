@@ -1,4 +1,4 @@
-"""The machinery behind base/messages.py: a frozen dataclass that is a frame's meta.
+"""The machinery behind wire/messages.py: a frozen dataclass that is a frame's meta.
 
 A message class declares its fields with type hints and `doc_field` (a short doc, a default);
 `Message` gives it `to_meta()` and `from_meta()`, both driven by the hints, so no class has a
@@ -17,9 +17,10 @@ import math
 import sys
 import types
 import typing
-from typing import Any, Callable, ClassVar, NamedTuple, Self
+from collections.abc import Callable
+from typing import Any, ClassVar, NamedTuple, Self
 
-from .errors import MalformedFrameError
+from ..base.errors import MalformedFrameError
 
 _UNIONS = (typing.Union, types.UnionType)
 
@@ -36,9 +37,11 @@ def doc_field(doc: str, default: Any = dataclasses.MISSING, check: Callable[[Any
 def message(title: str, tensors: str = "") -> Callable[[type], type]:
     """Class decorator: a frozen dataclass named `title` in errors and docs ("PushPull request"),
     whose frame carries `tensors` (words, for the docs: tensors never travel in the meta)."""
+
     def wrap(cls: type) -> type:
         cls.TITLE, cls.TENSORS, cls.DOC = title, tensors, cls.__dict__.get("__doc__") or ""
         return dataclasses.dataclass(frozen=True)(cls)
+
     return wrap
 
 
@@ -88,8 +91,9 @@ class Message:
             try:
                 values[spec.name] = parsed = spec.parse(value)
             except _Wrong as wrong:
-                raise MalformedFrameError(f"{cls.TITLE}: {spec.name!r}{wrong.where} must be {wrong.expected}, "
-                                          f"got {_show(wrong.value)}") from None
+                raise MalformedFrameError(
+                    f"{cls.TITLE}: {spec.name!r}{wrong.where} must be {wrong.expected}, got {_show(wrong.value)}"
+                ) from None
             why = spec.check(parsed) if spec.check is not None else None
             if why:
                 raise MalformedFrameError(f"{cls.TITLE}: {spec.name!r} {why}, got {_show(value)}")
@@ -103,8 +107,17 @@ def fields_of(cls: type) -> tuple[Field, ...]:
     for f in dataclasses.fields(cls):
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         default = None if required else f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        found.append(Field(f.name, hints[f.name], f.metadata.get("doc", ""), required, default,
-                           f.metadata.get("check"), _parser(hints[f.name])))
+        found.append(
+            Field(
+                f.name,
+                hints[f.name],
+                f.metadata.get("doc", ""),
+                required,
+                default,
+                f.metadata.get("check"),
+                _parser(hints[f.name]),
+            )
+        )
     return tuple(found)
 
 
@@ -138,6 +151,7 @@ def _parser(hint: Any) -> Callable[[Any], Any]:
                 if wrong.where or wrong.expected in _RANGES.values():  # say what exactly is wrong
                     raise
                 raise _Wrong(expected, value) from None
+
         return optional
     if hint in _SCALARS:
         kinds, convert = _SCALARS[hint]
@@ -152,6 +166,7 @@ def _parser(hint: Any) -> Callable[[Any], Any]:
                     raise _Wrong(_RANGES[hint], value)
                 return converted
             raise _Wrong(expected, value)
+
         return scalar
     if _is_named_tuple(hint):
         items = [_parser(kind) for kind in typing.get_type_hints(hint).values()]
@@ -160,6 +175,7 @@ def _parser(hint: Any) -> Callable[[Any], Any]:
             if not isinstance(value, list) or len(value) != len(items):
                 raise _Wrong(expected, value)
             return hint(*(_inner(parse, item, i) for i, (parse, item) in enumerate(zip(items, value))))
+
         return fixed
     if origin is list:
         item_parse, names = _parser(args[0]), args[0] is str
@@ -170,6 +186,7 @@ def _parser(hint: Any) -> Callable[[Any], Any]:
             if names and all(type(item) is str for item in value):  # the common case, checked at once
                 return list(value)
             return [_inner(item_parse, item, i) for i, item in enumerate(value)]
+
         return listed
     if origin is dict:
         item_parse = _parser(args[1])
@@ -178,6 +195,7 @@ def _parser(hint: Any) -> Callable[[Any], Any]:
             if not isinstance(value, dict):
                 raise _Wrong(expected, value)
             return {key: _inner(item_parse, item, key) for key, item in value.items()}
+
         return mapped
     raise TypeError(f"message field type {hint!r} is not supported")
 
@@ -222,8 +240,14 @@ def describe(hint: Any) -> str:
 
 def _plural(hint: Any) -> str:
     words = describe(hint)
-    plain = {"an integer": "integers", "a number": "numbers", "a string": "strings", "true or false": "booleans",
-             "an object": "objects", "any value": "values"}
+    plain = {
+        "an integer": "integers",
+        "a number": "numbers",
+        "a string": "strings",
+        "true or false": "booleans",
+        "an object": "objects",
+        "any value": "values",
+    }
     return plain.get(words, words)
 
 
@@ -247,7 +271,7 @@ def _show(value: Any) -> str:
 
 
 # ---- docs/protocol.md's message tables -------------------------------------------------------
-BEGIN = "<!-- BEGIN messages: generated by `python -m paramserver.base.messages --write docs/protocol.md` -->"
+BEGIN = "<!-- BEGIN messages: generated by `python -m paramserver.wire.messages --write docs/protocol.md` -->"
 END = "<!-- END messages -->"
 
 
@@ -272,11 +296,20 @@ def _table(kind: str, cls: type[Message], again: bool) -> list[str]:
         meta = "as above" if again and specs else "`{}`"
         return [f"{kind} `{cls.__name__}`: meta {meta}{tensors}.", ""]
     about = f" {cls.DOC}" if kind == "Reply" and cls.DOC else ""
-    lines = [f"{kind} `{cls.__name__}`{tensors}.{about}", "",
-             "| field | type | presence | meaning |", "| --- | --- | --- | --- |"]
+    lines = [
+        f"{kind} `{cls.__name__}`{tensors}.{about}",
+        "",
+        "| field | type | presence | meaning |",
+        "| --- | --- | --- | --- |",
+    ]
     for spec in specs:
-        presence = "required" if spec.required else "optional" if spec.default is None else \
-            f"default `{json.dumps(_plain(spec.default))}`"
+        presence = (
+            "required"
+            if spec.required
+            else "optional"
+            if spec.default is None
+            else f"default `{json.dumps(_plain(spec.default))}`"
+        )
         lines.append(f"| `{spec.name}` | {describe(spec.hint)} | {presence} | {spec.doc} |")
     return lines + [""]
 
@@ -286,7 +319,7 @@ def replaced(text: str, section: str) -> str:
     start, end = text.find(BEGIN), text.find(END)
     if start < 0 or end < start:
         raise ValueError("the document has no BEGIN/END markers of the message tables")
-    return text[:start] + section + text[end + len(END):]
+    return text[:start] + section + text[end + len(END) :]
 
 
 def main(services: dict) -> None:
@@ -300,7 +333,7 @@ def main(services: dict) -> None:
             text = file.read()
         new = replaced(text, section)
         if args.check and new != text:
-            sys.exit(f"{path}: the message tables differ from paramserver.base.messages; run with --write")
+            sys.exit(f"{path}: the message tables differ from paramserver.wire.messages; run with --write")
         if args.write and new != text:
             with open(path, "w", encoding="utf-8") as file:
                 file.write(new)

@@ -12,10 +12,10 @@ import json
 import logging
 import os
 import threading
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
-from .errors import ConfigError
+from ..base.errors import ConfigError
 
 log = logging.getLogger("paramserver.audit")
 
@@ -30,7 +30,7 @@ class AuditLog:
         self._lock = threading.Lock()
 
     @classmethod
-    def open(cls, path: str, node: str) -> "AuditLog":
+    def open(cls, path: str, node: str) -> AuditLog:
         """The audit log of `node` in file `path` (created 0600 if missing), or on the logger if "" ."""
         if not path:
             return cls(node)
@@ -40,12 +40,28 @@ class AuditLog:
             raise ConfigError(f"cannot open audit log {path}: {exc}") from None
         return cls(node, fd, path)
 
-    def record(self, what: str, outcome: str = "ok", who: str = "anonymous", peer: str = "",
-               detail: dict[str, Any] | None = None) -> None:
+    def record(
+        self,
+        what: str,
+        outcome: str = "ok",
+        who: str = "anonymous",
+        peer: str = "",
+        detail: dict[str, Any] | None = None,
+    ) -> None:
         """Append one line. A failed write is logged, never raised: a call's answer does not depend on it."""
-        line = json.dumps({"time": datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
-                           "node": self.node, "who": who, "peer": peer, "what": what, "outcome": outcome,
-                           "detail": detail or {}}, default=str, separators=(",", ":"))
+        line = json.dumps(
+            {
+                "time": datetime.now(UTC).isoformat(timespec="milliseconds"),
+                "node": self.node,
+                "who": who,
+                "peer": peer,
+                "what": what,
+                "outcome": outcome,
+                "detail": detail or {},
+            },
+            default=str,
+            separators=(",", ":"),
+        )
         with self._lock:
             if self._fd is None:
                 log.info("%s", line)

@@ -20,8 +20,9 @@ from __future__ import annotations
 import json
 import math
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 
@@ -34,8 +35,8 @@ _PREFIX = struct.Struct("<4sHHI")
 _ALIGN = 8
 _MAX_DIMS = 32  # numpy's limit is 64; no variable of this project has more than a few
 _INT64 = 1 << 63
-# The dtypes a frame may carry, by their numpy names; bfloat16 travels as uint16 bits (base/half.py),
-# int8 carries quantized gradients (base/gradient_codec.py).
+# The dtypes a frame may carry, by their numpy names; bfloat16 travels as uint16 bits (wire/half.py),
+# int8 carries quantized gradients (wire/gradient_codec.py).
 DTYPES = frozenset({"float32", "float64", "float16", "int64", "int32", "uint16", "uint8", "int8", "bool"})
 
 
@@ -51,8 +52,9 @@ def _pad(n: int) -> int:
     return (-n) % _ALIGN
 
 
-def encode_parts(meta: dict[str, Any], tensors: Iterable[tuple[str, np.ndarray]] = (),
-                 major: int = PROTOCOL_MAJOR) -> list:
+def encode_parts(
+    meta: dict[str, Any], tensors: Iterable[tuple[str, np.ndarray]] = (), major: int = PROTOCOL_MAJOR
+) -> list:
     """The frame as a list of buffers (prefix+header, then each tensor's bytes), copying nothing.
 
     A transport joins them or writes them straight into shared memory. The arrays must stay
@@ -74,8 +76,7 @@ def encode_parts(meta: dict[str, Any], tensors: Iterable[tuple[str, np.ndarray]]
     return [prefix + header + head_pad, *buffers]
 
 
-def encode(meta: dict[str, Any], tensors: Iterable[tuple[str, np.ndarray]] = (),
-           major: int = PROTOCOL_MAJOR) -> bytes:
+def encode(meta: dict[str, Any], tensors: Iterable[tuple[str, np.ndarray]] = (), major: int = PROTOCOL_MAJOR) -> bytes:
     """Encode metadata and (name, array) pairs into one frame. Arrays are copied once."""
     return b"".join(encode_parts(meta, tensors, major))
 
@@ -93,7 +94,7 @@ def split_parts(parts: list, chunk_bytes: int):
         while len(view):
             take = view[:room]
             piece.append(take)
-            view, room = view[len(take):], room - len(take)
+            view, room = view[len(take) :], room - len(take)
             if not room:
                 yield piece
                 piece, room = [], chunk_bytes
@@ -104,7 +105,7 @@ def split_parts(parts: list, chunk_bytes: int):
 def decode(payload: bytes) -> Frame:
     """Decode a frame, validating every length and dtype. Raises MalformedFrameError."""
     meta, entries, header_end = _header(payload)
-    data = memoryview(payload)[header_end + _pad(header_end):]
+    data = memoryview(payload)[header_end + _pad(header_end) :]
     tensors: dict[str, np.ndarray] = {}
     for entry in map(_check_entry, entries):
         if entry[0] in tensors:  # the second would silently replace the first
@@ -128,13 +129,14 @@ def _header(payload) -> tuple[dict, list, int]:
         raise MalformedFrameError(f"frame does not start with {MAGIC!r} (got {magic!r})")
     if major != PROTOCOL_MAJOR:
         raise ProtocolVersionError(
-            f"peer speaks protocol {major}.x, this node speaks {PROTOCOL_MAJOR}.{PROTOCOL_MINOR}")
+            f"peer speaks protocol {major}.x, this node speaks {PROTOCOL_MAJOR}.{PROTOCOL_MINOR}"
+        )
     header_end = _PREFIX.size + header_len
     if header_end > len(payload):
         raise MalformedFrameError(f"header length {header_len} runs past the frame's {len(payload)} bytes")
     try:
         # NaN and Infinity are not JSON: refused like any other bad header
-        header = json.loads(bytes(payload[_PREFIX.size:header_end]), parse_constant=_no_constant)
+        header = json.loads(bytes(payload[_PREFIX.size : header_end]), parse_constant=_no_constant)
         meta, entries = header["meta"], header["tensors"]
     except (ValueError, KeyError, TypeError, RecursionError) as exc:
         why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)[:200]
@@ -149,11 +151,17 @@ def _no_constant(name: str) -> Any:
 
 
 def _check_entry(entry: Any) -> list:
-    ok = (isinstance(entry, list) and len(entry) == 5 and isinstance(entry[0], str)
-          and isinstance(entry[1], str) and entry[1] in DTYPES and isinstance(entry[2], list)
-          and len(entry[2]) <= _MAX_DIMS
-          and all(type(d) is int and 0 <= d < _INT64 for d in entry[2])
-          and all(type(v) is int and 0 <= v < _INT64 for v in entry[3:5]))
+    ok = (
+        isinstance(entry, list)
+        and len(entry) == 5
+        and isinstance(entry[0], str)
+        and isinstance(entry[1], str)
+        and entry[1] in DTYPES
+        and isinstance(entry[2], list)
+        and len(entry[2]) <= _MAX_DIMS
+        and all(type(d) is int and 0 <= d < _INT64 for d in entry[2])
+        and all(type(v) is int and 0 <= v < _INT64 for v in entry[3:5])
+    )
     if not ok:
         raise MalformedFrameError(f"bad tensor entry in frame header: {str(entry)[:200]}")
     return entry
@@ -164,8 +172,9 @@ def _tensor(entry: list, data: memoryview) -> np.ndarray:
     dtype = np.dtype(dtype_name)
     count = math.prod(shape)
     if count * dtype.itemsize != nbytes:
-        raise MalformedFrameError(f"tensor {name[:100]!r}: shape {str(shape)[:100]} of {dtype_name} is not "
-                                  f"{nbytes} bytes")
+        raise MalformedFrameError(
+            f"tensor {name[:100]!r}: shape {str(shape)[:100]} of {dtype_name} is not {nbytes} bytes"
+        )
     if offset + nbytes > len(data):
         raise MalformedFrameError(f"tensor {name[:100]!r}: bytes {offset}..{offset + nbytes} run past the frame")
     if offset % _ALIGN:

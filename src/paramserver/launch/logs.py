@@ -2,7 +2,7 @@
 
 JSON lines (`log_format` "json", python-json-logger) are ready for Loki or ELK; each is one object:
 
-    {"time": "2026-12-04T09:30:00.123456+00:00", "level": "INFO", "logger": "paramserver.launch.ps_node",
+    {"time": "2026-12-04T09:30:00.123456+00:00", "level": "INFO", "logger": "paramserver.node.ps_node",
      "message": "ps 0 serving on 127.0.0.1:41235 ...", "node": "ps-0", "role": "ps",
      "event": "ps_started"}
 
@@ -16,7 +16,7 @@ import json
 import logging
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any, TextIO
 
 from pythonjsonlogger.json import JsonFormatter
@@ -49,8 +49,14 @@ def json_formatter() -> logging.Formatter:
     return JsonFormatter(_JSON_FIELDS, rename_fields=_RENAMED, timestamp="time")
 
 
-def configure_logging(level: str = "INFO", log_format: str = "text", node: str = "", role: str = "",
-                      stream: TextIO | None = None, force: bool = False) -> None:
+def configure_logging(
+    level: str = "INFO",
+    log_format: str = "text",
+    node: str = "",
+    role: str = "",
+    stream: TextIO | None = None,
+    force: bool = False,
+) -> None:
     """Send this process's log records to `stream` (default stderr) as `log_format` lines at `level`.
 
     Replaces the handler an earlier call installed (and only that one). As logging.basicConfig
@@ -97,6 +103,13 @@ def as_json_line(line: str, node: str, role: str, **extra: Any) -> str:
                 return line
         except ValueError:
             pass
-    record = {"time": datetime.fromtimestamp(time.time(), timezone.utc).isoformat(), "level": "INFO",
-              "logger": "output", "message": line, "node": node, "role": role, **extra}
+    record = {
+        "time": datetime.fromtimestamp(time.time(), UTC).isoformat(),
+        "level": "INFO",
+        "logger": "output",
+        "message": line,
+        "node": node,
+        "role": role,
+        **extra,
+    }
     return json.dumps(record)

@@ -1,8 +1,4 @@
-"""A PS node: one shard served over gRPC, from start until SIGTERM / SIGINT.
-
-Once ready (`PSNode.wait_ready`), `run_ps_node` prints one line ``PARAMSERVER_READY ps <index>
-<host:port>`` to stdout: the launcher (or whoever started the process) reads it to learn that the
-PS serves and on which port (it binds port 0).
+"""A PS node: one shard served over gRPC and the tensor stream (launch/ps_process.py runs it as a process).
 
 Operations (docs/operations.md): the gRPC port also serves grpc.health.v1 (NOT_SERVING until
 `wait_ready` passed, SERVING, NOT_SERVING once draining); with `metrics_port` >= 0 a Prometheus
@@ -21,17 +17,15 @@ from __future__ import annotations
 
 import logging
 import secrets
-import signal
-import sys
 import threading
 import time
 
-from ..base.auth import SHARD_ACTIONS, Guard
 from ..base.config import Options
-from ..base.lifecycle import RESTART_EXIT_CODE, Lifecycle
+from ..base.lifecycle import Lifecycle
 from ..base.metrics import MetricsEndpoint, NodeMetrics
-from ..base.tls import tls_from_options
 from ..checkpoint import shard_writer
+from ..security.auth import SHARD_ACTIONS, Guard
+from ..security.tls import tls_from_options
 from ..server.limits import TableLimits
 from ..server.shard import Shard
 from ..server.shard_metrics import ShardCollector
@@ -43,7 +37,6 @@ from ..transport.stream import host_id
 from ..transport.stream_server import StreamServer
 
 log = logging.getLogger(__name__)
-READY_PREFIX = "PARAMSERVER_READY"
 
 
 class PSNode(Lifecycle):
@@ -68,8 +61,7 @@ class PSNode(Lifecycle):
         tables = TableStore(index, options.max_table_ids, restore=restore, limits=limits)
         self.metrics = NodeMetrics()
         save = shard_writer(options.checkpoint_dir)  # None without a checkpoint_dir: Checkpoint is refused
-        self.service = ShardService(self.shard, tables,
-                                    save_checkpoint=save and self.metrics.checkpoints.around(save))
+        self.service = ShardService(self.shard, tables, save_checkpoint=save and self.metrics.checkpoints.around(save))
         self.service.guard = self.guard
         if options.resume:  # a PS that may restart into a running cluster: pushes only from its own registrants
             self.shard.sessions = set()
@@ -78,14 +70,31 @@ class PSNode(Lifecycle):
         self.metrics.registry.register(ShardCollector(self.shard, self.service.tables))
         self.health = Health((SERVICE,))
         tls = tls_from_options(options)  # gRPC and the stream: TLS on both or on neither
-        self.server = GrpcServer(self.service, bind, options.max_message_bytes, options.ps_threads, tls=tls,
-                                 health=self.health, max_payload_bytes=options.max_payload_bytes)
+        self.server = GrpcServer(
+            self.service,
+            bind,
+            options.max_message_bytes,
+            options.ps_threads,
+            tls=tls,
+            health=self.health,
+            max_payload_bytes=options.max_payload_bytes,
+        )
         host = bind.rsplit(":", 1)[0].strip("[]")
-        self.stream = StreamServer(self.service, host, options.stream_port, options.max_message_bytes,
-                                   options.idle_timeout_s, options.max_connections,
-                                   None if tls is None else tls.server_context, options.max_payload_bytes)
-        self.endpoint = (MetricsEndpoint(self.metrics.registry, options.metrics_port, host or "0.0.0.0", f"ps {index}")
-                         if options.metrics_port >= 0 else None)
+        self.stream = StreamServer(
+            self.service,
+            host,
+            options.stream_port,
+            options.max_message_bytes,
+            options.idle_timeout_s,
+            options.max_connections,
+            None if tls is None else tls.server_context,
+            options.max_payload_bytes,
+        )
+        self.endpoint = (
+            MetricsEndpoint(self.metrics.registry, options.metrics_port, host or "0.0.0.0", f"ps {index}")
+            if options.metrics_port >= 0
+            else None
+        )
         self.address: str | None = None
         self._stop_lock = threading.Lock()
         self._stopped = False
@@ -97,9 +106,14 @@ class PSNode(Lifecycle):
             self.endpoint.start()
         host = self.server.bind.rsplit(":", 1)[0]
         self.address = f"{'127.0.0.1' if host in ('', '[::]', '0.0.0.0') else host}:{port}"
-        log.info("ps %d serving on %s (tensor stream on port %d%s)", self.index, self.address, self.stream.port,
-                 "" if self.server.tls is None else ", mutual TLS" if self.server.tls.mutual else ", TLS",
-                 extra={"event": "ps_started"})
+        log.info(
+            "ps %d serving on %s (tensor stream on port %d%s)",
+            self.index,
+            self.address,
+            self.stream.port,
+            "" if self.server.tls is None else ", mutual TLS" if self.server.tls.mutual else ", TLS",
+            extra={"event": "ps_started"},
+        )
         return self.address
 
     def wait_ready(self, timeout: float) -> None:
@@ -131,9 +145,15 @@ class PSNode(Lifecycle):
         self.guard.close()
         stats = self.shard.describe()
         took = time.monotonic() - started
-        log.info("ps %d stopped after %d updates from %d pushes, %d late pushes dropped (%.2fs)", self.index,
-                 stats["version"], stats["pushes"], stats["dropped_late"], took,
-                 extra={"event": "ps_stopped", "duration_s": round(took, 3)})
+        log.info(
+            "ps %d stopped after %d updates from %d pushes, %d late pushes dropped (%.2fs)",
+            self.index,
+            stats["version"],
+            stats["pushes"],
+            stats["dropped_late"],
+            took,
+            extra={"event": "ps_stopped", "duration_s": round(took, 3)},
+        )
 
 
 def _restore_source(options: Options, guard: Guard):
@@ -150,38 +170,18 @@ def _restore_source(options: Options, guard: Guard):
         log.info("no complete checkpoint in %s: starting fresh", options.checkpoint_dir)
     else:
         took = time.monotonic() - started
-        log.info("resuming from %s (step %d) in %.2fs", source.name, source.step, took,
-                 extra={"event": "checkpoint_restored", "step": source.step, "duration_s": round(took, 3)})
+        log.info(
+            "resuming from %s (step %d) in %.2fs",
+            source.name,
+            source.step,
+            took,
+            extra={"event": "checkpoint_restored", "step": source.step, "duration_s": round(took, 3)},
+        )
     if guard.audit is not None:
-        detail = {"dir": options.checkpoint_dir, "checkpoint": source.name if source else None,
-                  "step": source.step if source else None}
+        detail = {
+            "dir": options.checkpoint_dir,
+            "checkpoint": source.name if source else None,
+            "step": source.step if source else None,
+        }
         guard.audit.record("Restore", "ok", "node", "", detail)
     return source
-
-
-def run_ps_node(bind: str, index: int, options: Options, ready_timeout: float = 60.0) -> int:
-    """Serve until SIGTERM, SIGINT or an admin's Shutdown call, then drain within `drain_grace_s`;
-    returns the process exit code.
-    Call from the main thread.
-
-    Once `wait_ready` passed, prints the ready line (module docstring): the one readiness signal a
-    PS process gives the process that started it."""
-    stopping, restart = threading.Event(), []
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stopping.set())
-
-    def shutdown(restart_asked: bool) -> None:  # an admin's Shutdown (or the chief's restart) drains like SIGTERM
-        restart.append(restart_asked)
-        stopping.set()
-    with PSNode(bind, index, options) as node:
-        node.service.on_shutdown = shutdown
-        node.wait_ready(ready_timeout)
-        print(f"{READY_PREFIX} ps {index} {node.address}", flush=True)
-        while not stopping.wait(1.0):
-            pass
-        node.drain(options.drain_grace_s)
-    sys.stdout.flush()
-    if any(restart):
-        log.info("ps %d: exiting with %d for its restart loop (a roll-back)", index, RESTART_EXIT_CODE)
-        return RESTART_EXIT_CODE
-    return 0

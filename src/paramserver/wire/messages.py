@@ -1,6 +1,6 @@
 """Every request and reply meta of the wire, as typed messages (frozen dataclasses).
 
-A frame (transport/codec.py) is a JSON meta plus named tensors; the classes here are the metas,
+A frame (wire/codec.py) is a JSON meta plus named tensors; the classes here are the metas,
 one per request and per reply of each method of the shard service (``paramserver.Shard``) and
 of the coordinator (``paramserver.Coordinator``). Tensors stay in the frame's tensor part; a
 class names the ones its frame carries. Clients build requests with these classes
@@ -11,7 +11,7 @@ and build their replies with them.
 field's type and raises MalformedFrameError naming the message and the field; keys it does not
 know are accepted and ignored, so that a peer of a newer minor version may add optional keys.
 
-docs/protocol.md's message tables are generated from here: ``python -m paramserver.base.messages``
+docs/protocol.md's message tables are generated from here: ``python -m paramserver.wire.messages``
 prints them, ``--write docs/protocol.md`` replaces them in place (tests check the two agree).
 """
 
@@ -19,11 +19,12 @@ from typing import Any, NamedTuple
 
 from .message_fields import Message, doc_field, message
 
-_NON_EMPTY = lambda value: None if value else "must not be empty"  # noqa: E731
+_NON_EMPTY = lambda value: None if value else "must not be empty"
 
 
 class RowPush(NamedTuple):
     """A row push riding along a PushPull: the table and the names of its two tensors."""
+
     table: str
     ids: str
     grads: str
@@ -31,6 +32,7 @@ class RowPush(NamedTuple):
 
 class RowLookup(NamedTuple):
     """A lookup riding along a PushPull: the table, its ids tensor, the name its rows come back under."""
+
     table: str
     ids: str
     rows: str
@@ -40,6 +42,7 @@ class RowLookup(NamedTuple):
 @message("Hello request")
 class HelloRequest(Message):
     """Discovery: the shard's index, protocol version, stream port and counters."""
+
     process: bool = doc_field("also say the serving process's resident memory (`paramserver status`)", False)
 
 
@@ -66,14 +69,18 @@ class HelloReply(Message):
 @message("Register request", tensors="the group's initial values (float32), by part name")
 class RegisterRequest(Message):
     """Register a group of variables; the first registration wins, later ones adopt its values."""
+
     group: str = doc_field("the optimizer param group's name")
     optimizer: dict[str, Any] = doc_field('{"name", "hyper"}: the optimizer and its hyper-parameters')
     consistency: dict[str, Any] | None = doc_field(
-        '{"mode", "workers", "backups", "staleness"}: a mode other than the shard\'s is refused', None)
+        '{"mode", "workers", "backups", "staleness"}: a mode other than the shard\'s is refused', None
+    )
     worker: int | None = doc_field("the registering worker's index", None)
     dtypes: dict[str, str] = doc_field(
         "wire dtype by part name, for parts whose gradients and values travel as `bfloat16` (uint16 bits) or "
-        "`float16`; absent: float32. The PS keeps float32 values either way", {})
+        "`float16`; absent: float32. The PS keeps float32 values either way",
+        {},
+    )
 
 
 @message("Register reply", tensors="the stored values of the registered parts, in their wire dtypes")
@@ -83,10 +90,13 @@ class RegisterReply(Message):
     restored: int = doc_field("this worker's step in the checkpoint the shard started from (0: none)")
 
 
-@message("PushPull request", tensors="gradients by part name (in their wire dtypes), plus the rider tensors "
-                                     "(names start with `~`)")
+@message(
+    "PushPull request",
+    tensors="gradients by part name (in their wire dtypes), plus the rider tensors (names start with `~`)",
+)
 class PushPullRequest(Message):
     """Push gradients and pull values in one round trip; embedding work may ride along."""
+
     pull: list[str] | None = doc_field("part names to pull (absent: the pushed names)", None)
     worker: int | None = doc_field("the pusher's index", None)
     step: int | None = doc_field("the sync step it pushes for", None)
@@ -98,11 +108,15 @@ class PushPullRequest(Message):
     lr: dict[str, float] = doc_field("learning rate by group, when it changed", {})
     codecs: dict[str, dict[str, Any]] = doc_field(
         "by gradient tensor name (a part or a row push's grads): its compressed encoding, decoded to float32 "
-        "before any check (see \"Compressed gradients\")", {})
+        'before any check (see "Compressed gradients")',
+        {},
+    )
 
 
-@message("PushPull reply", tensors="values of the pulled names (in their wire dtypes), plus the looked-up rows "
-                                   "(under their `rows` names)")
+@message(
+    "PushPull reply",
+    tensors="values of the pulled names (in their wire dtypes), plus the looked-up rows (under their `rows` names)",
+)
 class PushPullReply(Message):
     version: int = doc_field("the shard's version after the push")
     step: int = doc_field("the shard's sync step")
@@ -113,6 +127,7 @@ class PushPullReply(Message):
 @message("SetMode request")
 class SetModeRequest(Message):
     """Switch the shard's consistency mode now."""
+
     consistency: dict[str, Any] = doc_field('{"mode", "workers", "backups", "staleness"}')
 
 
@@ -125,6 +140,7 @@ class SetModeReply(Message):
 @message("Leave request")
 class LeaveRequest(Message):
     """Take a worker out of every sync/ssp quorum until its next push."""
+
     worker: int = doc_field("the worker's index")
     barrier: str | None = doc_field("the barrier it waits at", None)
     gone: str | None = doc_field("why it is gone for good (from the coordinator's host): waits fail at once", None)
@@ -138,6 +154,7 @@ class LeaveReply(SetModeReply):
 @message("RegisterTable request")
 class RegisterTableRequest(Message):
     """Create an embedding table's part on this shard."""
+
     table: str = doc_field("the table's name")
     dim: int = doc_field("values per row")
     optimizer: dict[str, Any] = doc_field('{"name", "hyper"}: the row-wise optimizer')
@@ -147,8 +164,11 @@ class RegisterTableRequest(Message):
     num_shards: int = doc_field("the shards the table spreads over", 1)
     consistency: dict[str, Any] | None = doc_field("the mode, for a shard that holds no dense variable", None)
     worker: int | None = doc_field("the registering worker's index", None)
-    dtype: str = doc_field("wire dtype of the rows and row gradients: `float32`, `bfloat16` (uint16 bits) or "
-                           "`float16`; the PS keeps float32 rows either way", "float32")
+    dtype: str = doc_field(
+        "wire dtype of the rows and row gradients: `float32`, `bfloat16` (uint16 bits) or "
+        "`float16`; the PS keeps float32 rows either way",
+        "float32",
+    )
 
 
 @message("RegisterTable reply")
@@ -159,6 +179,7 @@ class RegisterTableReply(Message):
 @message("Lookup request", tensors="`ids` (int64, 1-D, distinct)")
 class LookupRequest(Message):
     """Read rows; missing ones are created."""
+
     table: str = doc_field("the table's name")
 
 
@@ -170,6 +191,7 @@ class LookupReply(Message):
 @message("PushSparse request", tensors="`ids` (int64, distinct), `grads` (len(ids) x dim, in the table's wire dtype)")
 class PushSparseRequest(Message):
     """A row-wise update, applied at once in every mode."""
+
     table: str = doc_field("the table's name")
 
 
@@ -182,12 +204,14 @@ class PushSparseReply(Message):
 class CheckpointRequest(Message):
     """Write this shard's file of a checkpoint, under the PS's own checkpoint directory (`--checkpoint-dir`):
     no path comes from the wire. A name that holds a committed checkpoint is refused (ALREADY_EXISTS)."""
+
     name: str = doc_field("the checkpoint's name (ckpt-<9 digits>)")
 
 
 @message("Checkpoint reply")
 class CheckpointReply(Message):
     """The shard file's manifest entry."""
+
     index: int = doc_field("the shard's index")
     file: str = doc_field("the file's name in the checkpoint")
     bytes: int = doc_field("its size")
@@ -200,6 +224,7 @@ class AssignRequest(Message):
     trained by all-reduce among the workers: `dense_sync` "allreduce"). Every part is checked (known,
     same shape, float32, finite) before any is written; optimizer state, step counts and the version
     stay as they are."""
+
     worker: int | None = doc_field("the writing worker's index", None)
 
 
@@ -212,30 +237,42 @@ class AssignReply(Message):
 class ShutdownRequest(Message):
     """Drain and stop this PS (admin only): health goes NOT_SERVING, calls in flight finish within
     `drain_grace_s`, and the process exits 0, as on SIGTERM."""
+
     reason: str = doc_field("why, for the log and the audit trail", default="")
-    restart: bool = doc_field("exit with code 75 instead of 0, for the node's restart loop to start it again from "
-                              "the latest checkpoint (a roll-back; the chief may ask this)", False)
+    restart: bool = doc_field(
+        "exit with code 75 instead of 0, for the node's restart loop to start it again from "
+        "the latest checkpoint (a roll-back; the chief may ask this)",
+        False,
+    )
 
 
 @message("Shutdown reply")
 class ShutdownReply(Message):
     """Sent before the drain starts."""
+
     version: int = doc_field("the shard's version when the drain was asked for")
 
 
 SHARD_METHODS: dict[str, tuple[type[Message], type[Message]]] = {
-    "Hello": (HelloRequest, HelloReply), "Register": (RegisterRequest, RegisterReply),
-    "PushPull": (PushPullRequest, PushPullReply), "SetMode": (SetModeRequest, SetModeReply),
-    "Leave": (LeaveRequest, LeaveReply), "RegisterTable": (RegisterTableRequest, RegisterTableReply),
-    "Lookup": (LookupRequest, LookupReply), "PushSparse": (PushSparseRequest, PushSparseReply),
-    "Checkpoint": (CheckpointRequest, CheckpointReply), "Assign": (AssignRequest, AssignReply),
-    "Shutdown": (ShutdownRequest, ShutdownReply)}
+    "Hello": (HelloRequest, HelloReply),
+    "Register": (RegisterRequest, RegisterReply),
+    "PushPull": (PushPullRequest, PushPullReply),
+    "SetMode": (SetModeRequest, SetModeReply),
+    "Leave": (LeaveRequest, LeaveReply),
+    "RegisterTable": (RegisterTableRequest, RegisterTableReply),
+    "Lookup": (LookupRequest, LookupReply),
+    "PushSparse": (PushSparseRequest, PushSparseReply),
+    "Checkpoint": (CheckpointRequest, CheckpointReply),
+    "Assign": (AssignRequest, AssignReply),
+    "Shutdown": (ShutdownRequest, ShutdownReply),
+}
 
 
 # ---- coordinator (paramserver.Coordinator) ---------------------------------------------------
 @message("coordinator reply")
 class CoordinatorReply(Message):
     """The membership as the coordinator sees it (every method's reply)."""
+
     global_step: int = doc_field("sum of the members' reported steps")
     live: list[int] = doc_field("workers training or finished")
     workers: int = doc_field("workers in the cluster")
@@ -245,8 +282,11 @@ class CoordinatorReply(Message):
     open: bool | None = doc_field("Barrier only: whether it opened", None)
     waiting: list[int] | None = doc_field("Barrier only, not open: the workers it waits for", None)
     incarnation: str | None = doc_field("random id of this coordinator: a new one when the chief restarted", None)
-    published: dict[str, str] | None = doc_field("what the hosting worker published for the others, by key "
-                                                 "(e.g. `dense_sync`: the all-reduce rendezvous address)", None)
+    published: dict[str, str] | None = doc_field(
+        "what the hosting worker published for the others, by key "
+        "(e.g. `dense_sync`: the all-reduce rendezvous address)",
+        None,
+    )
 
 
 @message("coordinator Hello request")
@@ -257,12 +297,14 @@ class CoordinatorHelloRequest(Message):
 @message("coordinator Join request")
 class JoinRequest(Message):
     """A worker starts (or starts again, or trains again after Finish)."""
+
     worker: int = doc_field("the worker's index")
 
 
 @message("coordinator Heartbeat request")
 class HeartbeatRequest(JoinRequest):
     """A worker is alive."""
+
     step: int = doc_field("the worker's own step count")
 
 
@@ -274,6 +316,7 @@ class FinishRequest(JoinRequest):
 @message("coordinator Barrier request")
 class BarrierRequest(JoinRequest):
     """A long poll: UNAVAILABLE, naming a dead worker it needs."""
+
     name: str = doc_field("the barrier's name", check=_NON_EMPTY)
     wait: float = doc_field("seconds to wait at most (0 to 60)")
     training_only: bool = doc_field("skip finished workers (checkpoint and mode-switch pauses)", False)
@@ -290,14 +333,19 @@ class RequestCheckpointRequest(JoinRequest):
 
 
 COORDINATOR_METHODS: dict[str, tuple[type[Message], type[Message]]] = {
-    "Hello": (CoordinatorHelloRequest, CoordinatorReply), "Join": (JoinRequest, CoordinatorReply),
-    "Heartbeat": (HeartbeatRequest, CoordinatorReply), "Finish": (FinishRequest, CoordinatorReply),
-    "Barrier": (BarrierRequest, CoordinatorReply), "Leave": (CoordinatorLeaveRequest, CoordinatorReply),
-    "RequestCheckpoint": (RequestCheckpointRequest, CoordinatorReply)}
+    "Hello": (CoordinatorHelloRequest, CoordinatorReply),
+    "Join": (JoinRequest, CoordinatorReply),
+    "Heartbeat": (HeartbeatRequest, CoordinatorReply),
+    "Finish": (FinishRequest, CoordinatorReply),
+    "Barrier": (BarrierRequest, CoordinatorReply),
+    "Leave": (CoordinatorLeaveRequest, CoordinatorReply),
+    "RequestCheckpoint": (RequestCheckpointRequest, CoordinatorReply),
+}
 
 SERVICES = {"paramserver.Shard": SHARD_METHODS, "paramserver.Coordinator": COORDINATOR_METHODS}
 
 
 if __name__ == "__main__":
     from .message_fields import main
+
     main(SERVICES)

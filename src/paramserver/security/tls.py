@@ -19,8 +19,8 @@ from pathlib import Path
 
 import grpc
 
-from .config import Options
-from .errors import ConfigError
+from ..base.config import Options
+from ..base.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class TlsMaterial:
         return self.ca is not None
 
     @classmethod
-    def load(cls, cert_path: str, key_path: str, ca_path: str = "") -> "TlsMaterial":
+    def load(cls, cert_path: str, key_path: str, ca_path: str = "") -> TlsMaterial:
         """Read and check the PEM files; a ConfigError names the file that is missing or wrong."""
         cert, key = _read(cert_path, "tls_cert"), _read(key_path, "tls_key")
         ca = _read(ca_path, "tls_ca") if ca_path else None
@@ -49,13 +49,15 @@ class TlsMaterial:
         return cls(cert, key, ca, server, client)
 
     def server_credentials(self) -> grpc.ServerCredentials:
-        return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.ca,
-                                           require_client_auth=self.mutual)
+        return grpc.ssl_server_credentials(
+            [(self.key, self.cert)], root_certificates=self.ca, require_client_auth=self.mutual
+        )
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
         # the client's certificate is offered always; a server without a CA simply does not ask for it
-        return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,
-                                            certificate_chain=self.cert)
+        return grpc.ssl_channel_credentials(
+            root_certificates=self.ca, private_key=self.key, certificate_chain=self.cert
+        )
 
 
 def open_channel(address: str, tls: TlsMaterial | None, options: list | tuple = ()) -> grpc.Channel:
@@ -89,8 +91,10 @@ def _context(protocol: int, cert_path: str, key_path: str, ca: bytes | None) -> 
     try:
         context.load_cert_chain(cert_path, key_path)
     except (ssl.SSLError, OSError) as exc:
-        raise ConfigError(f"options 'tls_cert' / 'tls_key': {cert_path} and {key_path} are not a certificate "
-                          f"and its private key: {exc}") from None
+        raise ConfigError(
+            f"options 'tls_cert' / 'tls_key': {cert_path} and {key_path} are not a certificate "
+            f"and its private key: {exc}"
+        ) from None
     if ca is not None:
         try:
             context.load_verify_locations(cadata=ca.decode("ascii", errors="replace"))

@@ -50,9 +50,16 @@ class ProgressWriter:
             self.flush()
 
     def flush(self) -> None:
-        self._write({"steps": self.steps, "examples": self.examples, "loss": self.loss,
-                     "staleness_sum": self.staleness_sum, "pushed_bytes": self.pushed_bytes,
-                     "t": self._step_t if self._step_t is not None else time.time()})
+        self._write(
+            {
+                "steps": self.steps,
+                "examples": self.examples,
+                "loss": self.loss,
+                "staleness_sum": self.staleness_sum,
+                "pushed_bytes": self.pushed_bytes,
+                "t": self._step_t if self._step_t is not None else time.time(),
+            }
+        )
         self._last_write = time.monotonic()
 
     def result(self, values: dict[str, Any]) -> None:
@@ -98,7 +105,12 @@ class ProgressBoard:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._latest: dict[int, dict[str, Any]] = {}
-        self._banked = {"steps": 0, "examples": 0, "staleness_sum": 0, "pushed_bytes": 0}  # totals of workers since restarted
+        self._banked = {
+            "steps": 0,
+            "examples": 0,
+            "staleness_sum": 0,
+            "pushed_bytes": 0,
+        }  # totals of workers since restarted
         self._first_t: float | None = None
         self._first_examples = 0  # counted by the first line, so done before _first_t
         self.results: dict[int, dict[str, Any]] = {}
@@ -167,10 +179,15 @@ class ProgressBoard:
         self._window = (now, examples, steps)
         last_t = max((r["t"] for r in latest), default=now)
         elapsed = max(now - since, 1e-9)
-        return {"steps": steps, "examples": examples,
-                "loss": sum(losses) / len(losses) if losses else None,
-                "staleness_mean": staleness / steps if steps else 0.0, "pushed_bytes": pushed_bytes,
-                "recent_steps_per_s": (steps - steps_before) / elapsed,
-                "recent_examples_per_s": (examples - examples_before) / elapsed,
-                "examples_per_s": ((examples - first_examples) / (last_t - first_t)
-                                   if first_t and last_t > first_t else 0.0)}
+        return {
+            "steps": steps,
+            "examples": examples,
+            "loss": sum(losses) / len(losses) if losses else None,
+            "staleness_mean": staleness / steps if steps else 0.0,
+            "pushed_bytes": pushed_bytes,
+            "recent_steps_per_s": (steps - steps_before) / elapsed,
+            "recent_examples_per_s": (examples - examples_before) / elapsed,
+            "examples_per_s": (
+                (examples - first_examples) / (last_t - first_t) if first_t and last_t > first_t else 0.0
+            ),
+        }
