@@ -30,8 +30,8 @@ SYNC2 = {"mode": "sync", "workers": 2}
 
 
 def make_service(checkpoint_dir="", limits=None):
-    shard = Shard(0)
-    service = ShardService(shard, TableStore(0, limits=limits), save_checkpoint=shard_writer(checkpoint_dir))
+    shard = Shard(0, tables=TableStore(0, limits=limits))
+    service = ShardService(shard, save_checkpoint=shard_writer(checkpoint_dir))
     service.call("Register", codec.encode({"group": "g", "optimizer": SGD, "worker": 0, "consistency": SYNC2},
                                           [("w", np.arange(4, dtype=np.float32))]))
     service.call("RegisterTable", codec.encode({"table": "t", "dim": 4, "optimizer": ROWS, "init": {"kind": "zeros"}}))
@@ -99,8 +99,8 @@ def test_a_push_whose_pull_names_an_unknown_variable_applies_nothing():
 def test_a_push_whose_lookup_would_pass_the_row_limit_applies_nothing():
     service = make_service(limits=TableLimits(max_rows=2000))
     ids = np.arange(3000, dtype=np.int64)
-    refused(service, "PushPull", {"worker": 0, "lookup": [["t", "~ids", "~rows"]]},
-            [("w", np.ones(4, np.float32)), ("~ids", ids)], ResourceExhaustedError, "max_table_rows")
+    refused(service, "PushPull", {"worker": 0, "lookups": [["t", "ids", "rows"]]},
+            [("w", np.ones(4, np.float32)), ("ids", ids)], ResourceExhaustedError, "max_table_rows")
 
 
 @pytest.mark.parametrize("meta, tensors, match", [
@@ -199,7 +199,7 @@ def test_fields_out_of_the_int64_or_finite_range_are_refused(meta, match):
 
 # ---- table limits --------------------------------------------------------------------------------------
 def test_a_refused_table_registration_does_not_set_the_mode():
-    service = ShardService(Shard(0), TableStore(0, limits=TableLimits(max_rows=10_000)))
+    service = ShardService(Shard(0, tables=TableStore(0, limits=TableLimits(max_rows=10_000))))
     with pytest.raises(ResourceExhaustedError):
         service.call("RegisterTable", codec.encode({"table": "t", "dim": 4, "optimizer": ROWS, "init": {"kind": "zeros"},
                                                     "capacity": 1 << 20, "consistency": SYNC2}))
@@ -270,9 +270,12 @@ class Recorder:
     def __init__(self, segment):
         self.segment, self.in_segment = segment, []
 
-    def call(self, method, payload, sink):
+    def decode(self, method, payload):
         base = np.frombuffer(self.segment.view, np.uint8)
         self.in_segment.append(np.shares_memory(np.frombuffer(payload, np.uint8), base))
+        return method
+
+    def serve(self, request, sink):
         return sink(codec.encode_parts({}))
 
 

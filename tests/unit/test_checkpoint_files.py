@@ -50,7 +50,7 @@ def train(shards, tables, parts, steps=3):
         for i, store in enumerate(tables):
             mine = IDS[owner == i]
             store.lookup("t", mine)
-            store.push("t", mine, np.full((mine.shape[0], 2), 0.25, np.float32))
+            store.apply_rows([[store.check_push("t", mine, np.full((mine.shape[0], 2), 0.25, np.float32))]])
 
 
 def save(tmp_path, shards, tables, step=10, store=None):

@@ -111,8 +111,8 @@ def test_casts_keep_no_residual_and_the_bytes_are_counted_as_encoded():
 def test_table_rows_take_one_int8_scale_per_row():
     compressor = GradientCompressor()
     rows = gradient((50, 16))
-    header, tensors = compressor.encode_rows(INT8, "~s0.grads", rows)
-    assert header == {"codec": "int8", "chunk": 16} and dict(tensors)[gc.aux_name("~s0.grads", "scale")].shape == (50,)
+    header, tensors = compressor.encode_rows(INT8, "s0.grads", rows)
+    assert header == {"codec": "int8", "chunk": 16} and dict(tensors)[gc.aux_name("s0.grads", "scale")].shape == (50,)
 
 
 # ---- which codec: rules ------------------------------------------------------------------------
@@ -149,15 +149,15 @@ def state(service):
 
 
 def push(service, codecs, tensors):
-    meta = {"codecs": codecs, "sparse": [["t", "~s0.ids", "~s0.grads"]]}
-    return codec.decode(service.call("PushPull", codec.encode(meta, [("~s0.ids", np.arange(3)), *tensors])))
+    meta = {"codecs": codecs, "rows": [["t", "s0.ids", "s0.grads"]]}
+    return codec.decode(service.call("PushPull", codec.encode(meta, [("s0.ids", np.arange(3)), *tensors])))
 
 
 def test_the_shard_applies_the_decoded_gradients_dense_and_rows(service):
     w, rows = gradient((4, 300)), gradient((3, 4), seed=1)
     dense, row_codec = gc.encode(INT8, w), gc.encode(BF16, rows)
-    reply = push(service, {"w": dense.header, "~s0.grads": row_codec.header},
-                 [*dense.tensors("w"), *row_codec.tensors("~s0.grads")])
+    reply = push(service, {"w": dense.header, "s0.grads": row_codec.header},
+                 [*dense.tensors("w"), *row_codec.tensors("s0.grads")])
     decoded = gc.decode("w", dense.header, dense.payload, dense.aux)
     np.testing.assert_array_equal(reply.tensors["w"], -decoded)
     looked_up = codec.decode(service.call("Lookup", codec.encode({"table": "t"}, [("ids", np.arange(3))])))
@@ -198,5 +198,5 @@ def test_a_bad_encoding_is_refused_and_changes_nothing(service, case, build, fra
     codecs, tensors = build(_int8(gradient((4, 300))))
     rows = gc.encode(INT8, gradient((3, 4)))  # a good row push in the same request: not applied either
     with pytest.raises(InvalidArgumentError, match=fragment):
-        push(service, {**codecs, "~s0.grads": rows.header}, [*tensors, *rows.tensors("~s0.grads")])
+        push(service, {**codecs, "s0.grads": rows.header}, [*tensors, *rows.tensors("s0.grads")])
     assert state(service) == before

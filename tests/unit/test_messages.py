@@ -83,9 +83,9 @@ def test_optional_fields_at_their_default_are_left_out_and_unknown_keys_are_igno
 def test_json_integers_are_numbers_and_named_tuples_are_lists():
     request = msg.BarrierRequest.from_meta({"worker": 0, "name": "b", "wait": 5})
     assert request.wait == 5.0 and isinstance(request.wait, float)
-    push = msg.PushPullRequest.from_meta({"sparse": [["t", "~s0.ids", "~s0.grads"]]})
-    assert push.sparse == [msg.RowPush("t", "~s0.ids", "~s0.grads")] and push.sparse[0].grads == "~s0.grads"
-    assert push.to_meta() == {"sparse": [["t", "~s0.ids", "~s0.grads"]]}
+    push = msg.PushPullRequest.from_meta({"rows": [["t", "r0.ids", "r0.grads"]]})
+    assert push.rows == [msg.RowPush("t", "r0.ids", "r0.grads")] and push.rows[0].grads == "r0.grads"
+    assert push.to_meta() == {"rows": [["t", "r0.ids", "r0.grads"]]}
 
 
 # ---- refused fields ---------------------------------------------------------------------------
@@ -114,8 +114,8 @@ def test_a_missing_required_field_is_refused_naming_it(cls, name):
 @pytest.mark.parametrize("cls, meta, fragment", [
     (msg.PushPullRequest, {"pull": ["w", 3]}, r"'pull'\[1\] must be a string, got 3"),
     (msg.PushPullRequest, {"lr": {"g": "fast"}}, r"'lr'\['g'\] must be a number"),
-    (msg.PushPullRequest, {"sparse": [["t", "~a"]]}, r"'sparse'\[0\] must be \[table, ids, grads\]"),
-    (msg.PushPullRequest, {"lookup": [["t", "~a", 5]]}, r"'lookup'\[0\]\[2\] must be a string"),
+    (msg.PushPullRequest, {"rows": [["t", "a"]]}, r"'rows'\[0\] must be \[table, ids, grads\]"),
+    (msg.PushPullRequest, {"lookups": [["t", "a", 5]]}, r"'lookups'\[0\]\[2\] must be a string"),
     (msg.PushPullRequest, {"marker": 1}, "'marker' must be true or false"),
     (msg.PushPullRequest, {"step": 1.5}, "'step' must be an integer or null"),
     (msg.BarrierRequest, {"worker": 0, "name": "", "wait": 1}, "'name' must not be empty"),
@@ -133,7 +133,7 @@ class Writer:
     def __init__(self):
         self.calls = []
 
-    def __call__(self, name, shard, tables):
+    def __call__(self, name, shard):
         self.calls.append(name)
         return {"index": shard.index, "file": f"{name}/shard-0.safetensors", "bytes": 10, "sha256": "ab"}
 
@@ -161,16 +161,14 @@ BAD_REQUESTS = [
     ("PushPull", {"pull": ["w"], "worker": 0, "step": "3"}, [("w", np.ones(4, np.float32))], "step"),
     ("PushPull", {"lr": {"g": "0.1"}}, [("w", np.ones(4, np.float32))], "lr"),
     ("PushPull", {"marker": "yes", "worker": 0}, [], "marker"),
-    ("PushPull", {"sparse": [["t", "~s.ids"]]}, [("w", np.ones(4, np.float32)), ("~s.ids", np.ones(1, np.int64))],
-     "sparse"),
+    ("PushPull", {"rows": [["t", "s.ids"]]}, [("w", np.ones(4, np.float32)), ("s.ids", np.ones(1, np.int64))],
+     "rows"),
     ("SetMode", {"consistency": "sync"}, [], "consistency"),
     ("Leave", {"worker": "0"}, [], "worker"),
     ("Leave", {"barrier": "b"}, [], "worker"),
     ("RegisterTable", {"table": "t", "dim": "4", "optimizer": ROWS, "init": INIT}, [], "dim"),
     ("RegisterTable", {"table": "t", "dim": 4, "optimizer": ROWS, "init": INIT, "num_shards": 1.0}, [], "num_shards"),
     ("Lookup", {"table": ["t"]}, [("ids", np.arange(2, dtype=np.int64))], "table"),
-    ("PushSparse", {"table": 1}, [("ids", np.arange(2, dtype=np.int64)), ("grads", np.ones((2, 4), np.float32))],
-     "table"),
     ("Checkpoint", {"name": 7}, [], "name"),
 ]
 
@@ -224,10 +222,10 @@ def test_a_bad_field_in_a_coordinator_request_is_refused_and_changes_nothing(met
 
 # ---- the bytes on the wire --------------------------------------------------------------------
 @pytest.mark.parametrize("message, old", [
-    (msg.PushPullRequest(pull=["w:0"], worker=1, step=4, sparse=[msg.RowPush("t", "~s0.ids", "~s0.grads")],
-                         lookup=[msg.RowLookup("t", "~l2.ids", "~l2.rows")], resumed="ckpt", base=9, lr={"g": 0.1}),
-     {"pull": ["w:0"], "worker": 1, "step": 4, "sparse": [["t", "~s0.ids", "~s0.grads"]],
-      "lookup": [["t", "~l2.ids", "~l2.rows"]], "resumed": "ckpt", "base": 9, "lr": {"g": 0.1}}),
+    (msg.PushPullRequest(pull=["w:0"], worker=1, step=4, rows=[msg.RowPush("t", "r0.ids", "r0.grads")],
+                         lookups=[msg.RowLookup("t", "l2.ids", "l2.rows")], resumed="ckpt", base=9, lr={"g": 0.1}),
+     {"pull": ["w:0"], "worker": 1, "step": 4, "rows": [["t", "r0.ids", "r0.grads"]],
+      "lookups": [["t", "l2.ids", "l2.rows"]], "resumed": "ckpt", "base": 9, "lr": {"g": 0.1}}),
     (msg.PushPullRequest(pull=[], worker=0, step=0, marker=True), {"pull": [], "worker": 0, "step": 0, "marker": True}),
     (msg.RegisterRequest(group="g", optimizer=SGD, consistency={"mode": "async"}, worker=2),
      {"group": "g", "optimizer": SGD, "consistency": {"mode": "async"}, "worker": 2}),

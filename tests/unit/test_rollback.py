@@ -25,7 +25,7 @@ ROWS = {"name": "adagrad", "hyper": {"lr": 0.1}}
 
 def fenced_service() -> ShardService:
     """A shard as a PS node serves it: pushes only from workers that registered with this process."""
-    service = ShardService(Shard(0), TableStore(0))
+    service = ShardService(Shard(0))
     service.shard.sessions = set()
     service.call("Register", codec.encode({"group": "g", "optimizer": SGD, "worker": 0},
                                           [("w", np.arange(4, dtype=np.float32))]))
@@ -56,7 +56,7 @@ def test_a_worker_that_registered_a_table_may_push_rows():
 
 
 def test_hello_names_the_groups_a_shard_holds():
-    service = ShardService(Shard(0), TableStore(0))
+    service = ShardService(Shard(0))
     assert codec.decode(service.call("Hello", codec.encode({}))).meta.get("groups", 0) == 0
     service.call("Register", codec.encode({"group": "g", "optimizer": SGD, "worker": 0},
                                           [("w", np.zeros(2, dtype=np.float32))]))
@@ -64,14 +64,14 @@ def test_hello_names_the_groups_a_shard_holds():
 
 
 def test_a_shutdown_asking_a_restart_is_claimed_as_the_chiefs_restart():
-    service = ShardService(Shard(0), TableStore(0))  # who may: tests/unit/test_roles.py
+    service = ShardService(Shard(0))  # who may: tests/unit/test_roles.py
     request = codec.encode(msg.ShutdownRequest(reason="roll-back", restart=True).to_meta())
-    assert service.claim("Shutdown", request).action == "Restart"
-    assert service.claim("Shutdown", codec.encode(msg.ShutdownRequest().to_meta())).action == "Shutdown"
+    assert service.claim(service.decode("Shutdown", request)).action == "Restart"
+    assert service.claim(service.decode("Shutdown", codec.encode(msg.ShutdownRequest().to_meta()))).action == "Shutdown"
 
 
 def test_a_restart_request_tells_the_node_to_restart():
-    service = ShardService(Shard(0), TableStore(0))
+    service = ShardService(Shard(0))
     asked = []
     service.on_shutdown = asked.append
     service.call("Shutdown", codec.encode(msg.ShutdownRequest(restart=True).to_meta()))
@@ -87,13 +87,17 @@ class FakePS:
         self.hello = {"incarnation": "a", "groups": int(holds_state)}
         self.down = False
 
-    def call(self, method, payload, timeout):
+    def call(self, method, payload, timeout, owned=False):
         result = Future()
         if self.down:
             result.set_exception(UnavailableError("restarting"))
         elif method == "Hello":
-            result.set_result(codec.encode({"incarnation": self.incarnation}))
+            reply = msg.HelloReply(shard=0, protocol=[codec.PROTOCOL_MAJOR, codec.PROTOCOL_MINOR], version=0,
+                                   sync_step=0, mode="async", pushes=0, dropped_late=0, waiting=0, staleness_max=0,
+                                   staleness_mean=0.0, tables={}, incarnation=self.incarnation)
+            result.set_result(codec.encode(reply.to_meta()))
         elif method == "Shutdown":
+            payload = b"".join(payload) if isinstance(payload, list) else payload  # a frame in parts, as stubs send
             assert msg.ShutdownRequest.from_meta(codec.decode(payload).meta).restart
             self.restarts += 1
             self.down = True

@@ -9,7 +9,7 @@ import torch
 from paramserver.base.consistency_spec import ConsistencySpec
 from paramserver.base.errors import FailedPreconditionError, InvalidArgumentError
 from paramserver.wire.half import bf16_bits_to_float32, float32_to_bf16_bits
-from paramserver.server.shard import Push, Shard
+from paramserver.server.shard import Push, Shard, Step
 from paramserver.server.table_store import TableStore
 
 ADAM = {"name": "adam", "hyper": {"lr": 0.1}}
@@ -94,7 +94,7 @@ def test_registration_checks_the_wire_dtypes_and_a_second_one_must_agree(shard):
         shard.register("k", ADAM, {"x": np.ones(2, np.float16)}, wire={"x": "float16"})
     assert pulled(shard)[0] == 0
     with pytest.raises(Exception, match="no variable 'x'"):
-        shard.check_known(["x"])
+        shard.step(Step({}, ["x"]), lambda *reply: reply)
 
 
 def test_a_sync_step_averages_the_upcast_half_gradients_in_float32():
@@ -125,9 +125,9 @@ def test_a_half_table_serves_rows_in_its_wire_dtype_and_refuses_row_gradients_in
     for bad, fragment in [(np.ones((2, 2), np.float32), "dtype float32 does not match 2 ids x dim 2 bfloat16"),
                           (np.full((2, 2), 0x7F80, np.uint16), "NaN or infinite")]:
         with pytest.raises(InvalidArgumentError, match=fragment):
-            tables.push("t", ids, bad)
+            tables.apply_rows([[tables.check_push("t", ids, bad)]])
         np.testing.assert_array_equal(tables.lookup("t", ids), rows)
-    tables.push("t", ids, float32_to_bf16_bits(np.full((2, 2), 0.5, np.float32)))
+    tables.apply_rows([[tables.check_push("t", ids, float32_to_bf16_bits(np.full((2, 2), 0.5, np.float32)))]])
     np.testing.assert_array_equal(tables.snapshot(lambda found: found["t"].read(ids)), float_rows - 0.5)
     with pytest.raises(FailedPreconditionError, match="'t' was registered to travel as bfloat16, not float16"):
         tables.register("t", 2, {"name": "sgd", "hyper": {"lr": 1.0}}, {"kind": "normal", "std": 0.5},

@@ -10,21 +10,23 @@ may be called from one thread at a time per client (one training loop).
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from ..base.compression_spec import Codec
 from ..base.consistency_spec import ConsistencySpec
+from ..base.deadline import Deadline
 from ..base.errors import InvalidArgumentError, ParamServerError
-from ..transport.channel import CallHandle, ShardChannel
-from ..wire import codec
+from ..transport.channel import ShardChannel
 from ..wire import messages as msg
+from ..wire.calls import Pending, gather
+from ..wire.stubs import ShardStub
 from .compression import GradientCompressor
 from .placement import DEFAULT_SPLIT_BYTES, Part, Placer
-from .table_client import StepRiders
+from .table_client import StepRiders, StepRows
 
 log = logging.getLogger(__name__)
 HELLO_TIMEOUT_S = 5.0  # a peer that does not answer Hello within this counts as down (it is restarting)
@@ -32,37 +34,38 @@ HELLO_TIMEOUT_S = 5.0  # a peer that does not answer Hello within this counts as
 
 @dataclass
 class PushPullHandle:
-    """Replies of one push/pull across shards. `wait(timeout)` returns {var: [(part, values)]}."""
+    """Replies of one push/pull (or register) across shards. `wait(timeout)` returns
+    ({shard: reply}, [(part, values)]); a step's looked-up rows land in `riders` by shard."""
 
-    calls: list[tuple[int, CallHandle]]
+    calls: list[tuple[int, Pending[Any]]]
     parts: dict[str, Part]
-    on_reply: Callable[[dict[int, dict]], None] | None = None
-    riders: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)  # filled by wait: "~" tensors by shard
+    on_reply: Callable[[dict[int, Any]], None] | None = None
+    riders: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)  # filled by wait: rows by name, by shard
 
     def wait_sent(self, timeout: float) -> None:
         """Return once every request was copied out: the pushed arrays may then change."""
-        deadline = time.monotonic() + timeout
+        deadline = Deadline(timeout)
         for _, call in self.calls:
-            call.wait_sent(max(0.0, deadline - time.monotonic()))
+            call.wait_sent(deadline.left())
 
-    def wait(self, timeout: float) -> tuple[dict[int, dict], list[tuple[Part, np.ndarray]]]:
-        """Block until every shard replied; returns ({shard: reply meta}, [(part, values)]).
+    def wait(self, timeout: float) -> tuple[dict[int, Any], list[tuple[Part, np.ndarray]]]:
+        """Block until every shard replied; returns ({shard: reply message}, [(part, values)]).
 
         The values may view transport buffers: consume them before the next call on this client.
         """
-        deadline = time.monotonic() + timeout
-        metas, values = {}, []
+        deadline = Deadline(timeout)
+        replies, values = {}, []
         for shard, call in self.calls:
-            frame = codec.decode(call.wait(max(0.0, deadline - time.monotonic())))
-            metas[shard] = frame.meta
-            for name, array in frame.tensors.items():
-                if name.startswith("~"):
+            replies[shard], tensors = call.wait(deadline.left())
+            for name, array in tensors.items():
+                part = self.parts.get(name)
+                if part is None:
                     self.riders.setdefault(shard, {})[name] = array
                 else:
-                    values.append((self.parts[name], array))
+                    values.append((part, array))
         if self.on_reply is not None:
-            self.on_reply(metas)
-        return metas, values
+            self.on_reply(replies)
+        return replies, values
 
 
 @dataclass
@@ -78,27 +81,26 @@ class PushRecord:
     position: int = 0  # steps this worker trained as the shards saw them (a restarted worker goes on there)
     base_versions: dict[int, int] = field(default_factory=dict)
 
-    def note_registered(self, metas: dict[int, dict]) -> None:
-        """Register replies (RegisterReply metas, by shard)."""
-        for shard, meta in metas.items():
-            reply = msg.RegisterReply.from_meta(meta)
+    def note_registered(self, replies: dict[int, msg.RegisterReply]) -> None:
+        """Register replies, by shard."""
+        for shard, reply in replies.items():
             self.base_versions[shard] = reply.version
             self.restored = max(self.restored, reply.restored)
             self.position = max(self.position, reply.position)
 
-    def note(self, metas: dict[int, dict], pushed: bool) -> None:
-        """PushPull replies (PushPullReply metas, by shard)."""
-        replies = [msg.PushPullReply.from_meta(meta) for meta in metas.values()]
-        for shard, reply in zip(metas, replies):
+    def note(self, replies: dict[int, msg.PushPullReply], pushed: bool) -> None:
+        """PushPull replies, by shard."""
+        for shard, reply in replies.items():
             self.base_versions[shard] = reply.version
         if replies:
-            self.step = max(reply.step for reply in replies)
+            self.step = max(reply.step for reply in replies.values())
         if pushed:
             # staleness of what was applied; a push dropped as late is counted apart
-            self.staleness = max((reply.staleness for reply in replies if reply.applied), default=0)
+            applied = [reply.staleness for reply in replies.values() if reply.applied]
+            self.staleness = max(applied, default=0)
             self.staleness_sum += self.staleness
             self.pushes += 1
-            self.dropped += any(not reply.applied for reply in replies)
+            self.dropped += any(not reply.applied for reply in replies.values())
 
 
 class PSClient:
@@ -113,6 +115,7 @@ class PSClient:
         consistency: ConsistencySpec | None = None,
     ) -> None:
         self.channels = channels
+        self.stubs = [ShardStub(channel) for channel in channels]
         self.worker = worker
         self.consistency = consistency or ConsistencySpec()
         self.record = PushRecord()
@@ -137,9 +140,9 @@ class PSClient:
 
     def connect(self, timeout: float) -> None:
         """Wait until every shard answered Hello (which also checks the protocol version)."""
-        deadline = time.monotonic() + timeout
+        deadline = Deadline(timeout)
         for channel in self.channels:
-            channel.wait_ready(max(0.1, deadline - time.monotonic()))
+            channel.wait_ready(max(0.1, deadline.left()))
 
     @property
     def incarnations(self) -> list[str | None]:
@@ -176,16 +179,14 @@ class PSClient:
             self._groups_on.setdefault(shard, set()).add(group)
         calls = []
         for shard, tensors in sorted(by_shard.items()):
-            meta = msg.RegisterRequest(
+            request = msg.RegisterRequest(
                 group=group,
                 optimizer=optimizer_spec,
                 consistency=self.consistency.to_dict(),
                 worker=self.worker,
                 dtypes=dtypes.get(shard, {}),
-            ).to_meta()
-            calls.append(
-                (shard, self.channels[shard].call("Register", codec.encode_parts(meta, tensors), self.rpc_timeout_s))
             )
+            calls.append((shard, self.stubs[shard].register(request, self.rpc_timeout_s, tensors)))
         return PushPullHandle(calls, self._part_by_name, self.record.note_registered)
 
     def push_pull(
@@ -219,16 +220,12 @@ class PSClient:
             for part in self.parts_of[var]:
                 pulled.setdefault(part.shard, []).append(part.name)
         calls = []
-        row_pushes, lookups, ride_tensors = (
-            (riders.row_pushes, riders.lookups, riders.tensors) if riders is not None else ({}, {}, {})
-        )
-        for shard, encodings in riders.codecs.items() if riders is not None else ():
-            headers.setdefault(shard, {}).update(encodings)
         # with embedding tables every shard hears of every step (a marker where there is nothing
         # else for it), so that a sync step on a shard holding only rows does not wait for this worker
         shards = range(self.num_shards) if riders is not None else set(pushed) | set(pulled)
         for shard in sorted(shards):
-            shard_lrs = {g: lr for g, lr in (lrs or {}).items() if g in self._groups_on.get(shard, ())}
+            rows = riders.on(shard) if riders is not None else StepRows()
+            pushes = shard in pushed or bool(rows.pushes)
             resumed = None
             if shard in self._owed_resumed and (shard in pushed or riders is not None):
                 resumed = self.resumed_from
@@ -237,19 +234,20 @@ class PSClient:
                 pull=pulled.get(shard, []),
                 worker=self.worker,
                 step=self.record.step,
-                sparse=row_pushes.get(shard, []),
-                lookup=lookups.get(shard, []),
+                rows=rows.pushes,
+                lookups=rows.lookups,
                 resumed=resumed,
-                marker=riders is not None and shard not in pushed and shard not in row_pushes,
+                marker=riders is not None and not pushes,
                 base=bases.get(shard),
-                lr=shard_lrs,
-                codecs=headers.get(shard, {}),
+                lr={g: lr for g, lr in (lrs or {}).items() if g in self._groups_on.get(shard, ())},
+                codecs={**headers.get(shard, {}), **rows.codecs},
             )
-            payload = codec.encode_parts(request.to_meta(), [*pushed.get(shard, ()), *ride_tensors.get(shard, ())])
-            if shard in pushed or shard in row_pushes:
-                self.pushed_bytes += codec.parts_size(payload)
-            calls.append((shard, self.channels[shard].call("PushPull", payload, self.rpc_timeout_s, owned)))
-        return PushPullHandle(calls, self._part_by_name, lambda metas: self.record.note(metas, bool(grads)))
+            tensors = [*pushed.get(shard, ()), *rows.tensors]
+            call = self.stubs[shard].push_pull(request, self.rpc_timeout_s, tensors, owned)
+            if pushes:
+                self.pushed_bytes += call.size
+            calls.append((shard, call))
+        return PushPullHandle(calls, self._part_by_name, lambda replies: self.record.note(replies, bool(grads)))
 
     def assign(self, values: dict[str, np.ndarray], timeout: float) -> None:
         """Overwrite registered variables' values on their shards (see Shard.assign); each shard checks
@@ -258,19 +256,15 @@ class PSClient:
         for var, array in values.items():
             for part in self.parts_of[var]:
                 by_shard.setdefault(part.shard, []).append((part.name, _rows(array, part)))
-        payload = msg.AssignRequest(worker=self.worker).to_meta()
-        calls = [
-            self.channels[shard].call("Assign", codec.encode_parts(payload, parts), timeout)
-            for shard, parts in sorted(by_shard.items())
-        ]
-        for call in calls:
-            call.wait(timeout)
+        request = msg.AssignRequest(worker=self.worker)
+        gather(
+            [self.stubs[shard].assign(request, timeout, parts) for shard, parts in sorted(by_shard.items())], timeout
+        )
 
     def set_mode(self, spec: ConsistencySpec) -> None:
         """Switch every shard to `spec` now (see Shard.set_mode)."""
-        payload = codec.encode(msg.SetModeRequest(consistency=spec.to_dict()).to_meta())
-        for call in [channel.call("SetMode", payload, self.rpc_timeout_s) for channel in self.channels]:
-            call.wait(self.rpc_timeout_s)
+        request = msg.SetModeRequest(consistency=spec.to_dict())
+        gather([stub.set_mode(request, self.rpc_timeout_s) for stub in self.stubs], self.rpc_timeout_s)
         self.consistency = spec
 
     def leave(self, timeout: float, barrier: str | None = None) -> None:
@@ -286,25 +280,23 @@ class PSClient:
         self._tell_all(msg.LeaveRequest(worker=worker, gone=why), timeout)
 
     def _tell_all(self, request: msg.LeaveRequest, timeout: float) -> None:
-        payload = codec.encode(request.to_meta())
-        calls = [channel.call("Leave", payload, timeout) for channel in self.channels]
-        for call in calls:
+        deadline = Deadline(timeout)
+        for call in [stub.leave(request, timeout) for stub in self.stubs]:
             try:
-                call.wait(timeout)
+                call.wait(deadline.left())
             except ParamServerError as exc:
                 log.warning("leave %s: %s", request.to_meta(), exc)
 
     def checkpoint(self, name: str, timeout: float) -> list[dict]:
         """Have every shard write its file of checkpoint `name` under its own checkpoint directory,
         all at once; returns their manifest entries. Call while no push is in flight."""
-        payload = codec.encode(msg.CheckpointRequest(name=name).to_meta())
-        calls = [channel.call("Checkpoint", payload, timeout) for channel in self.channels]
-        deadline = time.monotonic() + timeout
+        request = msg.CheckpointRequest(name=name)
+        calls = [stub.checkpoint(request, timeout) for stub in self.stubs]
+        deadline = Deadline(timeout)
         entries, errors = [], []
         for call in calls:  # every shard answers before a failure is raised: none still writes after
             try:
-                reply = call.wait(max(0.0, deadline - time.monotonic()))
-                entries.append(msg.CheckpointReply.from_meta(codec.decode(reply).meta).to_meta())
+                entries.append(call.wait(deadline.left())[0].to_meta())
             except ParamServerError as exc:
                 errors.append(exc)
         if errors:
@@ -313,9 +305,8 @@ class PSClient:
 
     def shard_stats(self) -> list[dict]:
         """Each shard's counters (version, sync step, mode, pushes, late drops, staleness)."""
-        payload = codec.encode(msg.HelloRequest().to_meta())
-        calls = [channel.call("Hello", payload, self.rpc_timeout_s) for channel in self.channels]
-        return [msg.HelloReply.from_meta(codec.decode(call.wait(self.rpc_timeout_s)).meta).to_meta() for call in calls]
+        calls = [stub.hello(msg.HelloRequest(), self.rpc_timeout_s) for stub in self.stubs]
+        return [reply.to_meta() for reply, _ in gather(calls, self.rpc_timeout_s)]
 
     def close(self) -> None:
         for channel in self.channels:
@@ -328,5 +319,4 @@ def _rows(array: np.ndarray, part: Part) -> np.ndarray:
 
 def hello(channel, timeout: float = HELLO_TIMEOUT_S) -> dict:
     """A PS's Hello reply (its counters, incarnation and groups)."""
-    payload = codec.encode(msg.HelloRequest().to_meta())
-    return codec.decode(channel.call("Hello", payload, timeout).wait(timeout)).meta
+    return ShardStub(channel).hello(msg.HelloRequest(), timeout).wait(timeout)[0].to_meta()

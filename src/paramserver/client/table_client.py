@@ -6,8 +6,8 @@ the same id always meets the same row. Thread-safety as PSClient: one training t
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -15,24 +15,22 @@ from ..base.compression_spec import NONE, Codec
 from ..base.errors import InvalidArgumentError
 from ..base.hashing import shard_of
 from ..transport.channel import ShardChannel
-from ..wire import codec
 from ..wire import messages as msg
+from ..wire.calls import Pending, gather
+from ..wire.stubs import ShardStub
 from .compression import GradientCompressor
 
 
 class RowsHandle:
     """The rows of a lookup in flight. `wait()` gathers them, within the lookup's deadline."""
 
-    def __init__(self, calls: list, count: int, deadline: float) -> None:
-        self._calls, self._count, self._deadline = calls, count, deadline
+    def __init__(self, calls: list[tuple[np.ndarray | slice, Pending[msg.LookupReply]]], count: int, timeout: float):
+        self._calls, self._count, self._timeout = calls, count, timeout
 
     def wait(self) -> np.ndarray:
+        replies = gather([call for _, call in self._calls], self._timeout)
         return _joined(
-            self._count,
-            (
-                (where, codec.decode(call.wait(max(0.0, self._deadline - time.monotonic()))).tensors["rows"])
-                for where, call in self._calls
-            ),
+            self._count, ((where, tensors["rows"]) for (where, _), (_, tensors) in zip(self._calls, replies))
         )
 
 
@@ -46,16 +44,27 @@ def _joined(count: int, pieces) -> np.ndarray:
     return rows if rows is not None else np.empty((0, 0), np.float32)
 
 
+@dataclass
+class StepRows:
+    """One shard's part of a step's embedding work: its PushPullRequest `rows` and `lookups`, the
+    tensors they name, and the encodings of compressed row gradients (by tensor name)."""
+
+    pushes: list[msg.RowPush] = field(default_factory=list)
+    lookups: list[msg.RowLookup] = field(default_factory=list)
+    tensors: list[tuple[str, np.ndarray]] = field(default_factory=list)
+    codecs: dict[str, dict] = field(default_factory=dict)
+
+
 class StepRiders:
     """Row pushes and lookups that ride along a step's PushPull, so that one request per shard
     carries the dense gradients, the row gradients and the next batch's lookups together.
 
-    Per shard, the PushPullRequest's `sparse` (RowPush: table, ids name, grads name) and `lookup`
-    (RowLookup: table, ids name, rows name); rider tensors are named with a leading "~" (never a
-    variable's name).
+    Per shard, a StepRows: the request's `rows` (RowPush: table, ids tensor, grads tensor) and
+    `lookups` (RowLookup: table, ids tensor, rows name), named `r<n>.ids`, `r<n>.grads`, `l<n>.ids`,
+    `l<n>.rows` (a variable's part names start with its optimizer's name: never these).
     The shard applies the row pushes with the dense push and reads the lookups after both, so
-    the rows include this step's update. Row gradients are encoded by their table's codec (`codecs`:
-    the encodings by shard, for the request). Built by TableClient.riders(); not thread-safe.
+    the rows include this step's update. Row gradients are encoded by their table's codec.
+    Built by TableClient.riders(); not thread-safe.
     """
 
     def __init__(
@@ -69,11 +78,12 @@ class StepRiders:
         self._num_shards = num_shards
         self._table_codecs = table_codecs or {}
         self._compressor = compressor or GradientCompressor()
-        self.codecs: dict[int, dict[str, dict]] = {}  # by shard: {grads name: encoding}
-        self.row_pushes: dict[int, list[msg.RowPush]] = {}  # by shard
-        self.lookups: dict[int, list[msg.RowLookup]] = {}  # by shard
-        self.tensors: dict[int, list[tuple[str, np.ndarray]]] = {}
+        self._by_shard: dict[int, StepRows] = {}
         self._lookups: list[tuple[int, list[tuple[int, np.ndarray, str]]]] = []  # (count, [(shard, where, rows name)])
+
+    def on(self, shard: int) -> StepRows:
+        """What rides to `shard` (empty if nothing)."""
+        return self._by_shard.get(shard) or StepRows()
 
     def push(self, table: str, ids: np.ndarray, grads: np.ndarray) -> None:
         """Add a row push. Every shard gets one, empty where it holds none of `ids`: each shard
@@ -81,22 +91,24 @@ class StepRiders:
         parts = {shard: (where, part) for shard, where, part in self._split(ids)}
         for shard in range(self._num_shards):
             where, part = parts.get(shard, (slice(0, 0), ids[:0]))
-            name = self._name(shard, "s")
-            self.row_pushes.setdefault(shard, []).append(msg.RowPush(table, name + ".ids", name + ".grads"))
+            rows = self._by_shard.setdefault(shard, StepRows())
+            name = f"r{len(rows.pushes)}"
+            rows.pushes.append(msg.RowPush(table, name + ".ids", name + ".grads"))
             header, encoded = self._compressor.encode_rows(
                 self._table_codecs.get(table, NONE), name + ".grads", grads[where]
             )
-            self.tensors.setdefault(shard, []).extend([(name + ".ids", part), *encoded])
+            rows.tensors.extend([(name + ".ids", part), *encoded])
             if header is not None:
-                self.codecs.setdefault(shard, {})[name + ".grads"] = header
+                rows.codecs[name + ".grads"] = header
 
     def lookup(self, table: str, ids: np.ndarray) -> int:
         """Add a lookup of distinct `ids`; returns its index in `rows()`."""
         placed = []
         for shard, where, part in self._split(ids):
-            name = self._name(shard, "l")
-            self.lookups.setdefault(shard, []).append(msg.RowLookup(table, name + ".ids", name + ".rows"))
-            self.tensors.setdefault(shard, []).append((name + ".ids", part))
+            rows = self._by_shard.setdefault(shard, StepRows())
+            name = f"l{len(rows.lookups)}"
+            rows.lookups.append(msg.RowLookup(table, name + ".ids", name + ".rows"))
+            rows.tensors.append((name + ".ids", part))
             placed.append((shard, where, name + ".rows"))
         self._lookups.append((ids.shape[0], placed))
         return len(self._lookups) - 1
@@ -107,9 +119,6 @@ class StepRiders:
             _joined(count, ((where, replies[shard][name]) for shard, where, name in placed))
             for count, placed in self._lookups
         ]
-
-    def _name(self, shard: int, kind: str) -> str:
-        return f"~{kind}{len(self.tensors.get(shard, ()))}"
 
 
 class TableClient:
@@ -124,6 +133,7 @@ class TableClient:
         compressor: GradientCompressor | None = None,
     ) -> None:
         self.channels = channels
+        self.stubs = [ShardStub(channel) for channel in channels]
         self.compressor = compressor or GradientCompressor()  # a PSClient's: one count of gradient bytes
         self.codecs: dict[str, Codec] = {}  # by table: how row gradients riding along a step are encoded
         self.rpc_timeout_s = rpc_timeout_s
@@ -162,8 +172,7 @@ class TableClient:
             worker=self.worker,
             dtype=wire,
         )
-        payload = codec.encode(request.to_meta())
-        self.wait_all([channel.call("RegisterTable", payload, self.rpc_timeout_s) for channel in self.channels])
+        gather([stub.register_table(request, self.rpc_timeout_s) for stub in self.stubs], self.rpc_timeout_s)
         self.codecs[table] = compression
 
     def lookup(self, table: str, ids: np.ndarray) -> np.ndarray:
@@ -172,32 +181,16 @@ class TableClient:
 
     def start_lookup(self, table: str, ids: np.ndarray) -> RowsHandle:
         """Send a lookup and return at once; `wait()` on the handle gives the rows."""
-        meta = msg.LookupRequest(table=table).to_meta()
+        request = msg.LookupRequest(table=table)
         calls = [
-            (where, self.channels[shard].call("Lookup", codec.encode_parts(meta, [("ids", part)]), self.rpc_timeout_s))
+            (where, self.stubs[shard].lookup(request, self.rpc_timeout_s, [("ids", part)]))
             for shard, where, part in self._split(ids)
         ]
-        return RowsHandle(calls, ids.shape[0], time.monotonic() + self.rpc_timeout_s)
-
-    def push(self, table: str, ids: np.ndarray, grads: np.ndarray) -> list:
-        """Send one row-wise update; returns the calls in flight (wait with `wait_all`)."""
-        meta = msg.PushSparseRequest(table=table).to_meta()
-        return [
-            self.channels[shard].call(
-                "PushSparse", codec.encode_parts(meta, [("ids", part), ("grads", grads[where])]), self.rpc_timeout_s
-            )
-            for shard, where, part in self._split(ids)
-        ]
+        return RowsHandle(calls, ids.shape[0], self.rpc_timeout_s)
 
     def riders(self) -> StepRiders:
         """An empty set of row pushes and lookups to send with a step's PushPull."""
         return StepRiders(self._split, len(self.channels), self.codecs, self.compressor)
-
-    def wait_all(self, calls: list) -> None:
-        """Wait for calls in flight (e.g. from `push`), all within one deadline."""
-        deadline = time.monotonic() + self.rpc_timeout_s
-        for call in calls:
-            call.wait(max(0.0, deadline - time.monotonic()))
 
     def _split(self, ids: np.ndarray) -> list[tuple[int, np.ndarray | slice, np.ndarray]]:
         """(shard, positions in ids, ids there) for each shard that holds some of `ids`."""

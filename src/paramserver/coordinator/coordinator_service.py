@@ -14,11 +14,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..base.errors import DeadlineExceededError, MalformedFrameError, ParamServerError, UnavailableError
+from ..base.deadline import Deadline
+from ..base.errors import DeadlineExceededError, ParamServerError, UnavailableError
 from ..base.lifecycle import Lifecycle, ReadyFlag
 from ..security.auth import Claim, Guard
 from ..wire import codec
 from ..wire import messages as msg
+from ..wire.calls import Request, decode_request
+from ..wire.stubs import CoordinatorStub
 from .membership import Coordinator
 
 log = logging.getLogger(__name__)
@@ -44,20 +47,21 @@ class CoordinatorService:
         }
         self.guard: Guard | None = None  # tokens, roles and audit (transport/dispatch.py), given by the host
 
-    def claim(self, method: str, payload: bytes) -> Claim:
-        """What a request asks for and as which worker (checked against the caller's role before `call`)."""
-        if method not in msg.COORDINATOR_METHODS:
-            raise MalformedFrameError(f"coordinator has no method {method!r}")
-        request = msg.COORDINATOR_METHODS[method][0].from_meta(codec.decode_meta(payload))
-        return Claim(method, getattr(request, "worker", None))
+    def decode(self, method: str, payload: Any) -> Request:
+        """The request frame, decoded once (NOT_FOUND for an unknown method, MALFORMED naming a bad field)."""
+        return decode_request("coordinator", msg.COORDINATOR_METHODS, method, payload)
 
-    def call(self, method: str, payload: bytes, sink: Callable[[list], Any] = b"".join) -> Any:
-        handler = self.methods.get(method)
-        if handler is None:
-            raise MalformedFrameError(f"coordinator has no method {method!r}")
-        request_type, _ = msg.COORDINATOR_METHODS[method]
-        view = handler(request_type.from_meta(codec.decode(payload).meta))
+    def claim(self, request: Request) -> Claim:
+        """What a request asks for and as which worker (checked against the caller's role before `serve`)."""
+        return Claim(request.method, getattr(request.message, "worker", None))
+
+    def serve(self, request: Request, sink: Callable[[list], Any] = b"".join) -> Any:
+        view = self.methods[request.method](request.message)
         return sink(codec.encode_parts(msg.CoordinatorReply(**view).to_meta()))
+
+    def call(self, method: str, payload: Any, sink: Callable[[list], Any] = b"".join) -> Any:
+        """Decode and serve one request frame (what dispatch does, less the guard)."""
+        return self.serve(self.decode(method, payload), sink)
 
 
 class CoordinatorClient(Lifecycle):
@@ -81,6 +85,7 @@ class CoordinatorClient(Lifecycle):
         """`on_restart(reason)`: called (from the thread whose call saw it) when a reply comes from a
         coordinator other than the one this worker joined: the chief restarted."""
         self.channel = channel
+        self.stub = CoordinatorStub(channel)
         self.on_restart = on_restart
         self.incarnation: str | None = None  # the coordinator's this worker joined
         self.worker = worker
@@ -98,9 +103,8 @@ class CoordinatorClient(Lifecycle):
     def _call(self, method: str, deadline_s: float | None = None, **fields: Any) -> dict:
         timeout = deadline_s or self.rpc_timeout_s
         request_type, _ = msg.COORDINATOR_METHODS[method]
-        payload = codec.encode(request_type(worker=self.worker, **fields).to_meta())
-        reply = codec.decode(self.channel.call(method, payload, timeout).wait(timeout))
-        self.view = msg.CoordinatorReply.from_meta(reply.meta).to_meta()
+        reply, _ = self.stub.call(method, request_type(worker=self.worker, **fields), timeout).wait(timeout)
+        self.view = reply.to_meta()
         incarnation = self.view.get("incarnation")
         if method == "Join" and self.incarnation is None:
             self.incarnation = incarnation
@@ -114,8 +118,7 @@ class CoordinatorClient(Lifecycle):
         """Why the coordinator is not the one this worker joined (it restarted, or does not answer), or None."""
         timeout = min(self.rpc_timeout_s, 5.0)
         try:
-            payload = codec.encode(msg.CoordinatorHelloRequest().to_meta())
-            now = codec.decode(self.channel.call("Hello", payload, timeout).wait(timeout)).meta.get("incarnation")
+            now = self.stub.hello(msg.CoordinatorHelloRequest(), timeout).wait(timeout)[0].incarnation
         except ParamServerError as exc:
             return f"the coordinator does not answer ({exc})"
         if now != self.incarnation:
@@ -125,15 +128,14 @@ class CoordinatorClient(Lifecycle):
     def published(self, key: str, timeout: float, poll_s: float = 0.05) -> str:
         """What the hosting worker published under `key`, waiting at most `timeout` seconds for it
         (UnavailableError after that)."""
-        deadline = time.monotonic() + timeout
-        payload = codec.encode(msg.CoordinatorHelloRequest().to_meta())
+        deadline = Deadline(timeout)
         while True:
-            call_timeout = max(0.1, min(self.rpc_timeout_s, deadline - time.monotonic()))
-            view = codec.decode(self.channel.call("Hello", payload, call_timeout).wait(call_timeout)).meta
-            value = (view.get("published") or {}).get(key)
+            call_timeout = max(0.1, min(self.rpc_timeout_s, deadline.left()))
+            view, _ = self.stub.hello(msg.CoordinatorHelloRequest(), call_timeout).wait(call_timeout)
+            value = (view.published or {}).get(key)
             if value is not None:
                 return value
-            if time.monotonic() >= deadline:
+            if deadline.passed():
                 raise UnavailableError(f"the coordinator published no {key!r} within {timeout:.0f}s")
             time.sleep(poll_s)
 

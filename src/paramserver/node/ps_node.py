@@ -56,18 +56,18 @@ class PSNode(Lifecycle):
         except BaseException:
             self.guard.close()
             raise
-        self.shard = Shard(index, wait_timeout_s=options.rpc_timeout_s, restore=restore)
         limits = TableLimits(options.max_table_rows, options.max_table_memory_bytes)
         tables = TableStore(index, options.max_table_ids, restore=restore, limits=limits)
+        self.shard = Shard(index, wait_timeout_s=options.rpc_timeout_s, restore=restore, tables=tables)
         self.metrics = NodeMetrics()
         save = shard_writer(options.checkpoint_dir)  # None without a checkpoint_dir: Checkpoint is refused
-        self.service = ShardService(self.shard, tables, save_checkpoint=save and self.metrics.checkpoints.around(save))
+        self.service = ShardService(self.shard, save_checkpoint=save and self.metrics.checkpoints.around(save))
         self.service.guard = self.guard
         if options.resume:  # a PS that may restart into a running cluster: pushes only from its own registrants
             self.shard.sessions = set()
         self.incarnation = secrets.token_hex(8)
         self.service.calls = self.metrics.calls(SERVICE, self.service.methods)
-        self.metrics.registry.register(ShardCollector(self.shard, self.service.tables))
+        self.metrics.registry.register(ShardCollector(self.shard, self.shard.tables))
         self.health = Health((SERVICE,))
         tls = tls_from_options(options)  # gRPC and the stream: TLS on both or on neither
         self.server = GrpcServer(

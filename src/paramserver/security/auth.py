@@ -81,7 +81,6 @@ SHARD_ACTIONS: dict[str, Action] = {
     "PushPull": _WORKER,
     "RegisterTable": _WORKER,
     "Lookup": _WORKER,
-    "PushSparse": _WORKER,
     "Leave": _WORKER,
     "Forget": Action("chief", audited=True, any_worker=True),
     "SetMode": _CHIEF,

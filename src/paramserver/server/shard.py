@@ -1,6 +1,8 @@
-"""One parameter-server shard: the variables it holds, and when pushes to them are applied.
+"""One parameter-server shard: the variables and tables it holds, and when pushes to them are applied.
 
-The domain object behind the shard service; it knows nothing of gRPC or frames.
+The domain object behind the shard service; it knows nothing of gRPC or frames. A worker's training
+step on this shard is one call, `step`: it checks every part (gradients, row pushes, lookups, pulled
+names) before any changes, then pushes, reads the rows, and pulls.
 Thread-safe: every public method may be called from many request threads at once. A push
 may block its caller (sync and ssp modes) until its step is applied or its worker may go
 on, never longer than `wait_timeout_s`.
@@ -31,6 +33,7 @@ from .consistency import SyncRound
 from .dense import DenseGroup
 from .optimizers import build_optimizer, check_lr
 from .quorum import Quorum
+from .table_store import CheckedPush, TableStore
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -46,8 +49,35 @@ class Push:
     worker: int | None = None
     step: int | None = None
     base_version: int | None = None
-    rows: list = field(default_factory=list)  # embedding row pushes, checked; applied by `row_applier`
+    rows: list[CheckedPush] = field(default_factory=list)  # embedding row pushes, checked; applied with the step
     resumed: str | None = None  # the barrier this worker comes from: it opened, all who waited there are back
+
+
+@dataclass
+class Step:
+    """One worker's training step on this shard, as it arrived (nothing checked yet). `grads` are
+    float32 or the variables' wire dtypes; row gradients are in their tables' wire dtypes."""
+
+    grads: dict[str, np.ndarray]
+    pull: list[str]
+    row_pushes: list[tuple[str, np.ndarray, np.ndarray]] = field(default_factory=list)  # (table, ids, grads)
+    lookups: list[tuple[str, np.ndarray]] = field(default_factory=list)  # (table, ids), read after the push
+    lrs: dict[str, float] = field(default_factory=dict)
+    worker: int | None = None
+    step: int | None = None
+    base_version: int | None = None
+    resumed: str | None = None
+    marker: bool = False  # counts as the worker's step with nothing to push
+
+
+@dataclass
+class StepOutcome:
+    """What a step's reply says: the shard's counters after it, and the push's fate."""
+
+    version: int
+    sync_step: int
+    staleness: int = 0
+    applied: bool = False
 
 
 @dataclass
@@ -67,8 +97,11 @@ class ShardStats:
 class Shard:
     """Holds dense variable groups and applies pushed gradients with their optimizer."""
 
-    def __init__(self, index: int = 0, wait_timeout_s: float = 60.0, restore=None) -> None:
+    def __init__(
+        self, index: int = 0, wait_timeout_s: float = 60.0, restore=None, tables: TableStore | None = None
+    ) -> None:
         self.index = index
+        self.tables = tables or TableStore(index, restore=restore)  # the shard's part of every embedding table
         self.restore = restore  # a checkpoint.restore.RestoreSource new groups start from, or None
         self.version = 0  # number of updates applied
         self.sync_step = 0  # number of sync steps applied; the step a sync push must carry
@@ -88,9 +121,6 @@ class Shard:
         self._sums: dict[str, np.ndarray] = {}
         self._switched = False  # the mode was switched while training (SetMode)
         self._cond = threading.Condition()
-        # applies embedding row pushes: [one list per worker] (set by the service to its TableStore's
-        # apply_rows); a sync step applies the rows it gathered with its dense gradients
-        self.row_applier: Callable[[list[list]], None] | None = None
 
     # ---- variables -------------------------------------------------------------------------
     def register(
@@ -226,11 +256,24 @@ class Shard:
         with self._cond:
             return read(dict(self._groups), self.version, self.sync_step)
 
-    def check_known(self, names: Iterable[str]) -> None:
-        """Raise NotFoundError unless every name is a variable here (a request checks its pull
-        before its push changes anything)."""
-        for name in names:
-            self._lookup(name)
+    def step(self, step: Step, reply: Callable[[StepOutcome, list[tuple[str, np.ndarray]], list[np.ndarray]], T]) -> T:
+        """One worker's training step: every part checked (each name looked up once) before any
+        changes; then the push (gradients and rows, by the consistency mode; it may wait), the
+        lookups (rows after this step's update) and the pull. `reply(outcome, values, rows)` is
+        called while no push can change the values (as `pull`'s `read`: it must copy what it keeps)."""
+        row_pushes = [self.tables.check_push(table, ids, grads) for table, ids, grads in step.row_pushes]
+        lookups = [self.tables.check_lookup(table, ids) for table, ids in step.lookups]
+        pulled = [(name, self._lookup(name)) for name in step.pull]
+        staleness, applied = 0, False
+        if step.grads or row_pushes or step.marker:
+            push = Push(step.grads, step.lrs, step.worker, step.step, step.base_version, row_pushes, step.resumed)
+            outcome = self.push(push)
+            staleness, applied = outcome.staleness, outcome.applied
+        sync_step = self.sync_step
+        rows = self.tables.lookup_checked(lookups)
+        with self._cond:
+            values = [(name, group.wire_view(name)) for name, group in pulled]
+            return reply(StepOutcome(self.version, sync_step, staleness, applied), values, rows)
 
     def pull(self, names: Iterable[str], read: Callable[[int, list[tuple[str, np.ndarray]]], T]) -> T:
         """Call `read(version, [(name, values)])` while no push can change the values: each variable's
@@ -451,9 +494,9 @@ class Shard:
         self.sync_step += 1
         self._round = None
 
-    def _apply_rows(self, by_worker: list[list]) -> None:
-        if self.row_applier is not None and any(by_worker):
-            self.row_applier(by_worker)
+    def _apply_rows(self, by_worker: list[list[CheckedPush]]) -> None:
+        if any(by_worker):
+            self.tables.apply_rows(by_worker)
 
     def check_mode(self, spec: ConsistencySpec) -> None:
         """Raise as `adopt_mode` would, changing nothing."""

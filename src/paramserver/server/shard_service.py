@@ -1,19 +1,17 @@
-"""The shard service: decode a request frame, call the Shard, encode the reply frame.
+"""The shard service: a decoded request (wire/calls.py) in, the Shard's answer out as a reply frame.
 
-Transport-neutral (bytes in, bytes out): the gRPC servicer, the tensor stream and the
-in-process transport all call it, so every request crosses the same codec. A transport
-may pass a `sink` that receives the reply's parts while the shard is locked (the parts
-view live values) and writes them where the reply must go, e.g. into shared memory;
-the default joins them into bytes. Errors are raised as typed ParamServerError
-subclasses; the transport turns them into status codes.
+Transport-neutral: the gRPC servicer, the tensor stream and the in-process transport all reach it
+through transport/dispatch.py, which decodes each request frame once (`decode`), checks the
+caller's claim (`claim`) and then has it served (`serve`). A transport may pass a `sink` that
+receives the reply's parts while the shard is locked (the parts view live values) and writes them
+where the reply must go, e.g. into shared memory; the default joins them into bytes. Errors are
+raised as typed ParamServerError subclasses; the transport turns them into status codes.
 
-Methods: Hello, Register, PushPull, SetMode, Leave, RegisterTable, Lookup, PushSparse, Checkpoint,
-Assign, Shutdown (admin: the node drains and stops). Each request's meta is parsed into its message of
-wire/messages.py (a bad field is a MalformedFrameError naming it, before anything changes) and each
-reply is built from one; the fields, their meanings and the tensors each frame carries are
-documented there (and in docs/protocol.md, generated from them). A PushPull without gradients, row
-pushes or "marker" is a plain pull; its parts (dense and riders) are all checked before any is
-applied. Compressed gradients (`codecs`, wire/gradient_codec.py) are decoded to float32 first. Thread-safe.
+Methods: Hello, Register, PushPull, SetMode, Leave, RegisterTable, Lookup, Checkpoint, Assign,
+Shutdown (admin: the node drains and stops). Requests and replies are the messages of
+wire/messages.py (docs/protocol.md is generated from them). A PushPull is one training step
+(Shard.step): compressed gradients (`codecs`, wire/gradient_codec.py) are decoded to float32 here,
+everything else is the Shard's. Thread-safe.
 """
 
 from __future__ import annotations
@@ -22,40 +20,36 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from ..base.consistency_spec import ConsistencySpec
-from ..base.errors import FailedPreconditionError, MalformedFrameError, NotFoundError
+from ..base.errors import FailedPreconditionError, MalformedFrameError
 from ..base.metrics import rss_bytes
-from ..security.auth import Claim, Guard
+from ..security.auth import Claim
 from ..wire import codec
 from ..wire import messages as msg
+from ..wire.calls import Request, decode_request
 from ..wire.gradient_codec import decode_tensors
-from .shard import Push, Shard
-from .table_store import TableStore
+from .shard import Shard, Step, StepOutcome
 
 log = logging.getLogger(__name__)
+SERVICE = "paramserver.Shard"
 Sink = Callable[[list], Any]
 
 
 class ShardService:
-    """Serves one Shard over any transport."""
+    """Serves one Shard (and its tables) over any transport."""
 
-    def __init__(
-        self,
-        shard: Shard,
-        tables: TableStore | None = None,
-        save_checkpoint: Callable[[str, Shard, TableStore], dict] | None = None,
-    ) -> None:
-        """`save_checkpoint(name, shard, tables)` writes the shard's file of checkpoint `name` under
-        the node's own checkpoint directory and returns its description; it checks the name before
-        taking any snapshot. Without it (no checkpoint_dir), a Checkpoint request is refused."""
+    def __init__(self, shard: Shard, save_checkpoint: Callable[[str, Shard], dict] | None = None) -> None:
+        """`save_checkpoint(name, shard)` writes the shard's file of checkpoint `name` under the node's
+        own checkpoint directory and returns its description; it checks the name before taking any
+        snapshot. Without it (no checkpoint_dir), a Checkpoint request is refused."""
         self.shard = shard
         self.save_checkpoint = save_checkpoint
-        self.tables = tables or TableStore(shard.index)
-        self.shard.row_applier = self.tables.apply_rows  # the shard applies row pushes with its steps
         self.announce: dict[str, Any] = {}  # extra Hello fields, e.g. the node's stream port
-        self.guard: Guard | None = None  # tokens, roles and audit (transport/dispatch.py), given by the node
+        self.guard = None  # security.auth.Guard: tokens, roles and audit (transport/dispatch.py), given by the node
         self.on_shutdown: Callable[[bool], None] | None = None  # what Shutdown sets off: the node's drain (restart?)
-        self.methods: dict[str, Callable[[bytes, Sink], Any]] = {
+        self.methods: dict[str, Callable[[Any, dict[str, np.ndarray], Sink], Any]] = {
             "Hello": self.hello,
             "Register": self.register,
             "PushPull": self.push_pull,
@@ -63,37 +57,42 @@ class ShardService:
             "Leave": self.leave,
             "RegisterTable": self.register_table,
             "Lookup": self.lookup,
-            "PushSparse": self.push_sparse,
             "Checkpoint": self.checkpoint,
             "Assign": self.assign,
             "Shutdown": self.shutdown,
         }
 
-    def call(self, method: str, payload: bytes, sink: Sink = b"".join) -> Any:
-        """Handle one request; returns what `sink` made of the reply (by default, its bytes)."""
-        handler = self.methods.get(method)
-        if handler is None:
-            raise NotFoundError(f"shard service has no method {method!r}")
-        return handler(payload, sink)
+    @property
+    def tables(self):
+        return self.shard.tables
 
-    def claim(self, method: str, payload: bytes) -> Claim:
-        """What a request asks for and as which worker (checked against the caller's role before `call`)."""
-        if method not in msg.SHARD_METHODS:
-            raise NotFoundError(f"shard service has no method {method!r}")
-        request = msg.SHARD_METHODS[method][0].from_meta(codec.decode_meta(payload))
-        worker = getattr(request, "worker", None)
-        if isinstance(request, msg.LeaveRequest) and request.gone is not None:
-            return Claim("Forget", worker, {"gone": request.gone})
-        if isinstance(request, msg.SetModeRequest):
-            return Claim(method, worker, {"consistency": request.consistency})
-        if isinstance(request, msg.CheckpointRequest):
-            return Claim(method, worker, {"name": request.name})
-        if isinstance(request, msg.ShutdownRequest):
-            return Claim("Restart" if request.restart else method, worker, {"reason": request.reason})
+    def decode(self, method: str, payload: Any) -> Request:
+        """The request frame, decoded once (NOT_FOUND for an unknown method, MALFORMED naming a bad field)."""
+        return decode_request("shard service", msg.SHARD_METHODS, method, payload)
+
+    def serve(self, request: Request, sink: Sink = b"".join) -> Any:
+        """Handle one decoded request; returns what `sink` made of the reply (by default, its bytes)."""
+        return self.methods[request.method](request.message, request.tensors, sink)
+
+    def call(self, method: str, payload: Any, sink: Sink = b"".join) -> Any:
+        """Decode and serve one request frame (what dispatch does, less the guard)."""
+        return self.serve(self.decode(method, payload), sink)
+
+    def claim(self, request: Request) -> Claim:
+        """What a request asks for and as which worker (checked against the caller's role before `serve`)."""
+        message, method = request.message, request.method
+        worker = getattr(message, "worker", None)
+        if isinstance(message, msg.LeaveRequest) and message.gone is not None:
+            return Claim("Forget", worker, {"gone": message.gone})
+        if isinstance(message, msg.SetModeRequest):
+            return Claim(method, worker, {"consistency": message.consistency})
+        if isinstance(message, msg.CheckpointRequest):
+            return Claim(method, worker, {"name": message.name})
+        if isinstance(message, msg.ShutdownRequest):
+            return Claim("Restart" if message.restart else method, worker, {"reason": message.reason})
         return Claim(method, worker)
 
-    def hello(self, payload: bytes, sink: Sink) -> Any:
-        request = msg.HelloRequest.from_meta(codec.decode(payload).meta)
+    def hello(self, request: msg.HelloRequest, tensors: dict, sink: Sink) -> Any:
         reply = msg.HelloReply(
             shard=self.shard.index,
             protocol=[codec.PROTOCOL_MAJOR, codec.PROTOCOL_MINOR],
@@ -102,52 +101,50 @@ class ShardService:
             rss_bytes=rss_bytes() if request.process else None,
             **self.announce,
         )
-        return sink(codec.encode_parts(reply.to_meta()))
+        return _send(sink, reply)
 
-    def register(self, payload: bytes, sink: Sink) -> Any:
-        frame = codec.decode(payload)
-        request = msg.RegisterRequest.from_meta(frame.meta)
+    def register(self, request: msg.RegisterRequest, tensors: dict, sink: Sink) -> Any:
         spec = ConsistencySpec.from_dict(request.consistency) if request.consistency is not None else None
-        self.shard.register(request.group, request.optimizer, frame.tensors, spec, request.worker, request.dtypes)
+        self.shard.register(request.group, request.optimizer, tensors, spec, request.worker, request.dtypes)
         self.shard.open_session(request.worker)
         position, restored = self.shard.position(request.worker), self.shard.restored_position(request.worker)
         return self.shard.pull(
-            frame.tensors,
-            _reply(sink, lambda version: msg.RegisterReply(version=version, position=position, restored=restored)),
-        )
-
-    def push_pull(self, payload: bytes, sink: Sink) -> Any:
-        frame = codec.decode(payload)
-        request = msg.PushPullRequest.from_meta(frame.meta)
-        # compressed gradients become float32 first: every check below sees what is applied
-        frame.tensors = decode_tensors(frame.tensors, request.codecs)
-        # row pushes and lookups riding along: all checked before anything changes
-        row_pushes = [
-            self.tables.check_push(table, _take(frame, ids), _take(frame, grads))
-            for table, ids, grads in request.sparse
-        ]
-        lookups = [(rows, self.tables.check_lookup(table, _take(frame, ids))) for table, ids, rows in request.lookup]
-        self.shard.check_known(frame.tensors if request.pull is None else request.pull)
-        step, staleness, applied = self.shard.sync_step, 0, False
-        if frame.tensors or row_pushes or request.marker:
-            push = Push(
-                frame.tensors, request.lr, request.worker, request.step, request.base, row_pushes, request.resumed
-            )
-            outcome = self.shard.push(push)
-            step, staleness, applied = self.shard.sync_step, outcome.staleness, outcome.applied
-        found = self.tables.lookup_checked([lookup for _, lookup in lookups])
-        rows = [(name, array) for (name, _), array in zip(lookups, found)]
-        return self.shard.pull(
-            frame.tensors if request.pull is None else request.pull,
-            _reply(
-                sink,
-                lambda version: msg.PushPullReply(version=version, step=step, staleness=staleness, applied=applied),
-                rows,
+            tensors,
+            lambda version, values: _send(
+                sink, msg.RegisterReply(version=version, position=position, restored=restored), values
             ),
         )
 
-    def register_table(self, payload: bytes, sink: Sink) -> Any:
-        request = msg.RegisterTableRequest.from_meta(codec.decode(payload).meta)
+    def push_pull(self, request: msg.PushPullRequest, tensors: dict, sink: Sink) -> Any:
+        # compressed gradients become float32 first: every check of the step sees what is applied
+        tensors = decode_tensors(tensors, request.codecs)
+        grads = _gradients(tensors, request)
+        step = Step(
+            grads=grads,
+            pull=list(grads) if request.pull is None else request.pull,
+            row_pushes=[
+                (push.table, _tensor(tensors, push.ids, "rows"), _tensor(tensors, push.grads, "rows"))
+                for push in request.rows
+            ],
+            lookups=[(lookup.table, _tensor(tensors, lookup.ids, "lookups")) for lookup in request.lookups],
+            lrs=request.lr,
+            worker=request.worker,
+            step=request.step,
+            base_version=request.base,
+            resumed=request.resumed,
+            marker=request.marker,
+        )
+        names = [lookup.rows for lookup in request.lookups]
+
+        def reply(outcome: StepOutcome, values: list, rows: list[np.ndarray]) -> Any:
+            answer = msg.PushPullReply(
+                version=outcome.version, step=outcome.sync_step, staleness=outcome.staleness, applied=outcome.applied
+            )
+            return _send(sink, answer, [*values, *zip(names, rows)])
+
+        return self.shard.step(step, reply)
+
+    def register_table(self, request: msg.RegisterTableRequest, tensors: dict, sink: Sink) -> Any:
         spec = ConsistencySpec.from_dict(request.consistency) if request.consistency is not None else None
         if spec is not None:
             self.shard.check_mode(spec)  # adopted only once the table is registered: a refusal changes nothing
@@ -164,29 +161,22 @@ class ShardService:
         self.shard.open_session(request.worker)
         if spec is not None:
             self.shard.adopt_mode(spec)
-        return sink(codec.encode_parts(msg.RegisterTableReply().to_meta()))
+        return _send(sink, msg.RegisterTableReply())
 
-    def lookup(self, payload: bytes, sink: Sink) -> Any:
-        frame = codec.decode(payload)
-        request = msg.LookupRequest.from_meta(frame.meta)
-        rows = self.tables.lookup(request.table, _tensor(frame, "ids"))
-        return sink(codec.encode_parts(msg.LookupReply().to_meta(), [("rows", rows)]))
+    def lookup(self, request: msg.LookupRequest, tensors: dict, sink: Sink) -> Any:
+        rows = self.tables.lookup(request.table, _tensor(tensors, "ids", "Lookup"))
+        return _send(sink, msg.LookupReply(), [("rows", rows)])
 
-    def checkpoint(self, payload: bytes, sink: Sink) -> Any:
-        request = msg.CheckpointRequest.from_meta(codec.decode(payload).meta)
+    def checkpoint(self, request: msg.CheckpointRequest, tensors: dict, sink: Sink) -> Any:
         if self.save_checkpoint is None:
             raise FailedPreconditionError(f"shard {self.shard.index} was started without a checkpoint_dir")
-        entry = self.save_checkpoint(request.name, self.shard, self.tables)
-        return sink(codec.encode_parts(msg.CheckpointReply(**entry).to_meta()))
+        entry = self.save_checkpoint(request.name, self.shard)
+        return _send(sink, msg.CheckpointReply(**entry))
 
-    def assign(self, payload: bytes, sink: Sink) -> Any:
-        frame = codec.decode(payload)
-        msg.AssignRequest.from_meta(frame.meta)
-        version = self.shard.assign(frame.tensors)
-        return sink(codec.encode_parts(msg.AssignReply(version=version).to_meta()))
+    def assign(self, request: msg.AssignRequest, tensors: dict, sink: Sink) -> Any:
+        return _send(sink, msg.AssignReply(version=self.shard.assign(tensors)))
 
-    def shutdown(self, payload: bytes, sink: Sink) -> Any:
-        request = msg.ShutdownRequest.from_meta(codec.decode(payload).meta)
+    def shutdown(self, request: msg.ShutdownRequest, tensors: dict, sink: Sink) -> Any:
         if self.on_shutdown is None:
             raise FailedPreconditionError(f"shard {self.shard.index} is not a node that can be shut down remotely")
         log.info(
@@ -197,45 +187,36 @@ class ShardService:
         )
         version = self.shard.version
         self.on_shutdown(request.restart)  # only sets a flag: the node drains after this reply is sent
-        return sink(codec.encode_parts(msg.ShutdownReply(version=version).to_meta()))
+        return _send(sink, msg.ShutdownReply(version=version))
 
-    def push_sparse(self, payload: bytes, sink: Sink) -> Any:
-        frame = codec.decode(payload)
-        request = msg.PushSparseRequest.from_meta(frame.meta)
-        self.tables.push(request.table, _tensor(frame, "ids"), _tensor(frame, "grads"))
-        return sink(codec.encode_parts(msg.PushSparseReply().to_meta()))
-
-    def leave(self, payload: bytes, sink: Sink) -> Any:
-        request = msg.LeaveRequest.from_meta(codec.decode(payload).meta)
+    def leave(self, request: msg.LeaveRequest, tensors: dict, sink: Sink) -> Any:
         if request.gone is None:
             self.shard.leave(request.worker, request.barrier)
         else:
             self.shard.forget(request.worker, request.gone)
-        return sink(codec.encode_parts(msg.LeaveReply(version=self.shard.version, step=self.shard.sync_step).to_meta()))
+        return _send(sink, msg.LeaveReply(version=self.shard.version, step=self.shard.sync_step))
 
-    def set_mode(self, payload: bytes, sink: Sink) -> Any:
-        request = msg.SetModeRequest.from_meta(codec.decode(payload).meta)
+    def set_mode(self, request: msg.SetModeRequest, tensors: dict, sink: Sink) -> Any:
         self.shard.set_mode(ConsistencySpec.from_dict(request.consistency))
-        return sink(
-            codec.encode_parts(msg.SetModeReply(version=self.shard.version, step=self.shard.sync_step).to_meta())
-        )
+        return _send(sink, msg.SetModeReply(version=self.shard.version, step=self.shard.sync_step))
 
 
-def _reply(sink: Sink, build: Callable[[int], msg.Message], more: list | None = None) -> Callable[[int, list], Any]:
-    """What Shard.pull calls with the version and the values, under the shard's lock."""
-    return lambda version, values: sink(codec.encode_parts(build(version).to_meta(), [*values, *(more or ())]))
+def _send(sink: Sink, reply: msg.Message, tensors: list | tuple = ()) -> Any:
+    return sink(codec.encode_parts(reply.to_meta(), tensors))
 
 
-def _take(frame: codec.Frame, name: str):
-    """Remove and return a rider tensor (what stays in the frame is the dense push)."""
-    if not name.startswith("~"):
-        raise MalformedFrameError(f"rider tensor names start with '~', got {name!r}")
-    tensor = _tensor(frame, name)
-    del frame.tensors[name]
-    return tensor
+def _tensor(tensors: dict[str, np.ndarray], name: str, field: str) -> np.ndarray:
+    """The tensor `name` of request field `field`; one the frame lacks is MALFORMED."""
+    if name not in tensors:
+        raise MalformedFrameError(f"request field {field!r} names tensor {name!r}, which the frame lacks")
+    return tensors[name]
 
 
-def _tensor(frame: codec.Frame, name: str):
-    if name not in frame.tensors:
-        raise MalformedFrameError(f"request needs a tensor named {name!r}")
-    return frame.tensors[name]
+def _gradients(tensors: dict[str, np.ndarray], request: msg.PushPullRequest) -> dict[str, np.ndarray]:
+    """A step's dense gradients: the tensors that neither `rows` nor `lookups` names, by part name.
+    A tensor named twice is MALFORMED."""
+    named = [*(name for push in request.rows for name in (push.ids, push.grads)), *(x.ids for x in request.lookups)]
+    riders = set(named)
+    if len(riders) != len(named):
+        raise MalformedFrameError("a PushPull request names one tensor in two places")
+    return {name: tensor for name, tensor in tensors.items() if name not in riders}

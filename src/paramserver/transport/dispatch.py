@@ -1,13 +1,14 @@
 """One answer to a request, for every transport: gRPC, the tensor stream and the in-process twin
 all call `answer`, so a request gets the same reply, status and message whichever way it came.
 
-A service is any object with `call(method, payload, sink)` (ShardService, CoordinatorService)
-that raises a ParamServerError for a refused request; anything else it raises is a bug, logged
-here and answered INTERNAL, and the transport keeps serving.
+A service (ShardService, CoordinatorService) has `decode(method, payload)`, which decodes a
+request frame once into a typed request (wire/calls.py), `claim(request)` (what it asks for, as
+whom) and `serve(request, sink)`; each raises a ParamServerError for a refused request. Anything
+else it raises is a bug, logged here and answered INTERNAL, and the transport keeps serving.
 
-A service may carry a `guard` (base/auth.Guard) and a `claim(method, payload)` (what the request
-asks for, as whom): the caller's token is then checked against its role before the service is
-called, so a refused call changes nothing, and refusals and audited calls go to the audit log.
+A service may carry a `guard` (security/auth.Guard): the caller's token is then checked before the
+request is decoded, and its claim against the caller's role before it is served, so a refused call
+changes nothing, and refusals and audited calls go to the audit log.
 """
 
 from __future__ import annotations
@@ -76,10 +77,11 @@ def _answer(service, method: str, payload, peer: str, sink: Callable[[list], Any
     try:
         if guard is not None:
             principal = guard.authenticate(token)
-            if guard.needs_claim(method):
-                claim = service.claim(method, payload)
-                guard.permit(principal, claim)
-        result = Answer(grpc.StatusCode.OK, service.call(method, payload, sink))
+        request = service.decode(method, payload)
+        if guard is not None and guard.needs_claim(method):
+            claim = service.claim(request)
+            guard.permit(principal, claim)
+        result = Answer(grpc.StatusCode.OK, service.serve(request, sink))
         error = None
     except ParamServerError as exc:
         log.warning("%s refused from %s: %s", method, peer, exc)

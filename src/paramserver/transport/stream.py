@@ -52,7 +52,7 @@ from ..wire.codec import split_parts
 from .shared_memory import write_parts
 
 MAGIC = b"PSTS"
-METHODS = ("Hello", "Register", "PushPull", "SetMode", "Leave", "RegisterTable", "Lookup", "PushSparse")
+METHODS = ("Hello", "Register", "PushPull", "SetMode", "Leave", "RegisterTable", "Lookup")
 PREFIX = struct.Struct("<4sBBHQ")
 REQUEST, REPLY, REQUEST_SHM, REPLY_SHM, ATTACH, AUTH, ACK = range(7)
 MORE = 0x80  # kind flag: a part of a longer request or reply; the parts that follow complete it

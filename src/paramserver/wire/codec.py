@@ -29,8 +29,8 @@ import numpy as np
 from ..base.errors import MalformedFrameError, ProtocolVersionError
 
 MAGIC = b"PSFR"
-PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 1  # 1: uint16 tensors (bfloat16 bits) and Register `dtypes`
+PROTOCOL_MAJOR = 2  # 2: a step's dense parts, row pushes and lookups named by typed fields (PushPull)
+PROTOCOL_MINOR = 0
 _PREFIX = struct.Struct("<4sHHI")
 _ALIGN = 8
 _MAX_DIMS = 32  # numpy's limit is 64; no variable of this project has more than a few

@@ -23,7 +23,7 @@ _NON_EMPTY = lambda value: None if value else "must not be empty"
 
 
 class RowPush(NamedTuple):
-    """A row push riding along a PushPull: the table and the names of its two tensors."""
+    """A row push of a step: the table and the names of its two tensors (ids, gradients)."""
 
     table: str
     ids: str
@@ -31,7 +31,7 @@ class RowPush(NamedTuple):
 
 
 class RowLookup(NamedTuple):
-    """A lookup riding along a PushPull: the table, its ids tensor, the name its rows come back under."""
+    """A lookup of a step: the table, the name of its ids tensor, the name its rows come back under."""
 
     table: str
     ids: str
@@ -92,16 +92,20 @@ class RegisterReply(Message):
 
 @message(
     "PushPull request",
-    tensors="gradients by part name (in their wire dtypes), plus the rider tensors (names start with `~`)",
+    tensors="the row pushes' ids and gradients and the lookups' ids, under the names its fields give; every other "
+    "tensor is a gradient, by part name (in its wire dtype)",
 )
 class PushPullRequest(Message):
-    """Push gradients and pull values in one round trip; embedding work may ride along."""
+    """One training step of one worker on this shard: push gradients, push embedding rows, look rows up
+    and pull values, in one round trip. Every part is checked before any is applied."""
 
     pull: list[str] | None = doc_field("part names to pull (absent: the pushed names)", None)
     worker: int | None = doc_field("the pusher's index", None)
     step: int | None = doc_field("the sync step it pushes for", None)
-    sparse: list[RowPush] = doc_field("row pushes riding along", [])
-    lookup: list[RowLookup] = doc_field("row lookups, read after the pushes", [])
+    rows: list[RowPush] = doc_field("row pushes: [table, ids tensor, gradients tensor]", [])
+    lookups: list[RowLookup] = doc_field(
+        "row lookups, read after the pushes: [table, ids tensor, name of the rows in the reply]", []
+    )
     resumed: str | None = doc_field("barrier that opened: every worker that waited there is back", None)
     marker: bool = doc_field("count as the worker's step with nothing to push", False)
     base: int | None = doc_field("the shard version the gradients were computed from", None)
@@ -188,18 +192,6 @@ class LookupReply(Message):
     pass
 
 
-@message("PushSparse request", tensors="`ids` (int64, distinct), `grads` (len(ids) x dim, in the table's wire dtype)")
-class PushSparseRequest(Message):
-    """A row-wise update, applied at once in every mode."""
-
-    table: str = doc_field("the table's name")
-
-
-@message("PushSparse reply")
-class PushSparseReply(Message):
-    pass
-
-
 @message("Checkpoint request")
 class CheckpointRequest(Message):
     """Write this shard's file of a checkpoint, under the PS's own checkpoint directory (`--checkpoint-dir`):
@@ -261,7 +253,6 @@ SHARD_METHODS: dict[str, tuple[type[Message], type[Message]]] = {
     "Leave": (LeaveRequest, LeaveReply),
     "RegisterTable": (RegisterTableRequest, RegisterTableReply),
     "Lookup": (LookupRequest, LookupReply),
-    "PushSparse": (PushSparseRequest, PushSparseReply),
     "Checkpoint": (CheckpointRequest, CheckpointReply),
     "Assign": (AssignRequest, AssignReply),
     "Shutdown": (ShutdownRequest, ShutdownReply),

@@ -27,8 +27,8 @@ from collections.abc import Callable
 from ..base.errors import ParamServerError, RollbackError, UnavailableError
 from ..base.lifecycle import RESTART_EXIT_CODE
 from ..client.ps_client import HELLO_TIMEOUT_S, hello
-from ..wire import codec
 from ..wire import messages as msg
+from ..wire.stubs import ShardStub
 
 log = logging.getLogger(__name__)
 
@@ -99,9 +99,9 @@ def roll_back_shards(channels: list, timeout: float) -> list[int]:
         extra={"event": "rollback_started"},
     )
     before = {index: hello(channels[index]).get("incarnation") for index in holding}
-    request = codec.encode(msg.ShutdownRequest(reason="roll-back by the chief", restart=True).to_meta())
+    request = msg.ShutdownRequest(reason="roll-back by the chief", restart=True)
     for index in holding:
-        channels[index].call("Shutdown", request, HELLO_TIMEOUT_S).wait(HELLO_TIMEOUT_S)
+        ShardStub(channels[index]).shutdown(request, HELLO_TIMEOUT_S).wait(HELLO_TIMEOUT_S)
     for index in holding:
         _wait_restarted(channels[index], index, before[index], started + timeout)
     took = time.monotonic() - started
