@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..base.errors import DeadlineExceededError, MalformedFrameError, ParamServerError, UnavailableError
 from ..base.lifecycle import Lifecycle, ReadyFlag
@@ -21,6 +21,9 @@ from ..wire import codec
 from ..wire import messages as msg
 from .membership import Coordinator
 
+if TYPE_CHECKING:
+    from ..base.metrics import CallMetrics
+
 log = logging.getLogger(__name__)
 SERVICE = "paramserver.Coordinator"
 _CONNECT_ATTEMPT_S = 1.0  # the joining thread's longest wait for the coordinator before it checks for stop()
@@ -28,6 +31,8 @@ _CONNECT_ATTEMPT_S = 1.0  # the joining thread's longest wait for the coordinato
 
 class CoordinatorService:
     """Parses a request (wire/messages.py), calls the Coordinator, encodes its view. Thread-safe."""
+
+    calls: CallMetrics  # set by a host that records its calls (transport/dispatch.py reads it when present)
 
     def __init__(self, coordinator: Coordinator) -> None:
         self.coordinator = coordinator
@@ -97,7 +102,8 @@ class CoordinatorClient(Lifecycle):
 
     def _call(self, method: str, deadline_s: float | None = None, **fields: Any) -> dict:
         timeout = deadline_s or self.rpc_timeout_s
-        request_type, _ = msg.COORDINATOR_METHODS[method]
+        # each coordinator request is a message dataclass whose fields include `worker`
+        request_type: Callable[..., msg.Message] = msg.COORDINATOR_METHODS[method][0]
         payload = codec.encode(request_type(worker=self.worker, **fields).to_meta())
         reply = codec.decode(self.channel.call(method, payload, timeout).wait(timeout))
         self.view = msg.CoordinatorReply.from_meta(reply.meta).to_meta()

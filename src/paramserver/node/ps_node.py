@@ -66,7 +66,8 @@ class PSNode(Lifecycle):
         if options.resume:  # a PS that may restart into a running cluster: pushes only from its own registrants
             self.shard.sessions = set()
         self.incarnation = secrets.token_hex(8)
-        self.service.calls = self.metrics.calls(SERVICE, self.service.methods)
+        # read by transport/dispatch.py when present; ShardService (server/) does not declare it yet
+        self.service.calls = self.metrics.calls(SERVICE, self.service.methods)  # type: ignore[attr-defined]
         self.metrics.registry.register(ShardCollector(self.shard, self.service.tables))
         self.health = Health((SERVICE,))
         tls = tls_from_options(options)  # gRPC and the stream: TLS on both or on neither
