@@ -10,6 +10,8 @@ from .base.errors import ConfigError
 from .worker import current
 
 if TYPE_CHECKING:
+    from types import FrameType
+
     from .worker.context import Context
 
 
@@ -21,8 +23,9 @@ def init(config: NodeConfig | None = None, *, num_ps: int = 1) -> Context:
     so one script can be started unchanged on every node. `num_ps` sets the number of shards
     of the in-process cluster only. Calling it again returns the same Context.
     """
-    if current.existing() is not None:
-        return current.existing()
+    existing = current.existing()
+    if existing is not None:
+        return existing
     config = config or current.node_config()
     if config is not None and _in_spawned_reimport():
         raise ConfigError(
@@ -33,7 +36,7 @@ def init(config: NodeConfig | None = None, *, num_ps: int = 1) -> Context:
     if config is not None and config.task.type == "ps":
         from .launch.ps_process import run_ps_node  # here: a worker never loads the PS node
 
-        raise SystemExit(run_ps_node(config.address, config.task.index, config.options))
+        raise SystemExit(run_ps_node(config.listed_address(), config.task.index, config.options))
     from .worker.join import join  # here: a PS task never loads torch
 
     return join(config, num_ps)
@@ -42,7 +45,7 @@ def init(config: NodeConfig | None = None, *, num_ps: int = 1) -> Context:
 def _in_spawned_reimport() -> bool:
     """Whether this call comes from the module-level code of `__mp_main__`: multiprocessing's
     'spawn' (or 'forkserver') running the main script again in a child process."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__mp_main__":
             return True

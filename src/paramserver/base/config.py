@@ -349,6 +349,13 @@ class NodeConfig:
         addresses = getattr(self.cluster, self.task.type)
         return addresses[self.task.index] if self.task.index < len(addresses) else None
 
+    def listed_address(self) -> str:
+        """This node's own address, for a node that serves one (every node but an unlisted evaluator)."""
+        address = self.address
+        if address is None:
+            raise ConfigError(f"task {self.task.type}:{self.task.index} has no address in the cluster")
+        return address
+
 
 def bind_address(address: str) -> str:
     """Where a node listens for its cluster address: the address itself on loopback, else all interfaces."""

@@ -14,13 +14,16 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, start_http_server
 
 from .errors import UnavailableError
 from .lifecycle import Lifecycle, ReadyFlag
+
+if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
 
 log = logging.getLogger(__name__)
 # latency buckets in seconds: a pull on one host is ~1 ms, a sync step may wait for the slowest worker
@@ -150,7 +153,7 @@ class MetricsEndpoint(Lifecycle):
         self.port = port
         self.what = what
         self.ready = ReadyFlag(f"metrics endpoint of {what}")
-        self._server = None
+        self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()
 
@@ -178,4 +181,5 @@ class MetricsEndpoint(Lifecycle):
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
+        if self._thread is not None:  # set together with the server
             self._thread.join(grace)

@@ -282,7 +282,7 @@ class CheckpointStore:
 
     def _remove_temporary(self, name: str, directory: str, target: str | None = None) -> list[str]:
         """Delete the temporary files in `directory` (those of `target` only, when given)."""
-        removed = []
+        removed: list[str] = []
         try:
             entries = self.fs.ls(directory, detail=False)
         except FileNotFoundError:

@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..base.deadline import Deadline
 from ..base.errors import DeadlineExceededError, ParamServerError, UnavailableError
@@ -24,6 +24,9 @@ from ..wire.calls import Request, decode_request
 from ..wire.stubs import CoordinatorStub
 from .membership import Coordinator
 
+if TYPE_CHECKING:
+    from ..base.metrics import CallMetrics
+
 log = logging.getLogger(__name__)
 SERVICE = "paramserver.Coordinator"
 _CONNECT_ATTEMPT_S = 1.0  # the joining thread's longest wait for the coordinator before it checks for stop()
@@ -31,6 +34,8 @@ _CONNECT_ATTEMPT_S = 1.0  # the joining thread's longest wait for the coordinato
 
 class CoordinatorService:
     """Parses a request (wire/messages.py), calls the Coordinator, encodes its view. Thread-safe."""
+
+    calls: CallMetrics  # set by a host that records its calls (transport/dispatch.py reads it when present)
 
     def __init__(self, coordinator: Coordinator) -> None:
         self.coordinator = coordinator

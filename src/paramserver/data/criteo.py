@@ -38,6 +38,7 @@ import itertools
 import re
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
 
@@ -109,7 +110,7 @@ def _locate(segments: Segments, index: int) -> tuple[str | None, int | None]:
 def _format_error(bad: _BadLine, path: str | None, number: int | None) -> CriteoFormatError:
     where = (f"{path}: " if path is not None else "") + (f"line {number}: " if number is not None else "")
     field = None if bad.field is None else FIELD_NAMES[bad.field]
-    what = bad.problem if field is None else f"field {bad.field + 1} ({field}): {bad.problem}"
+    what = bad.problem if bad.field is None else f"field {bad.field + 1} ({field}): {bad.problem}"
     return CriteoFormatError(where + what, path, number, field)
 
 
@@ -131,13 +132,15 @@ def _encoded(line: str | bytes) -> bytes:
 
 def _joined(lines: Sequence[str | bytes]) -> bytes:
     try:
-        data = b"".join(lines)  # lines read from files: bytes
+        data = b"".join(cast(Sequence[bytes], lines))  # lines read from files: bytes
     except TypeError:  # lines given as str
         data = b"".join(map(_encoded, lines))
     return data if data.endswith(b"\n") else data + b"\n"
 
 
 def _parse_c(data: bytes, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    if kernels.KERNELS is None:  # C kernels not built: the numpy parser parses (as `_parse` does)
+        return None
     labels, dense = np.empty(n, np.float32), np.empty((n, NUM_DENSE), np.float32)
     sparse = np.empty((n, NUM_SPARSE), np.int64)
     done = kernels.KERNELS.ps_parse_criteo(
@@ -251,7 +254,8 @@ def _counts(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         text[outside] = b"0"
         counts = text.astype(np.int64)
     dense = np.log1p(np.maximum(counts, 0)).astype(np.float32).reshape(values.shape)
-    return dense, bad.reshape(values.shape).any(axis=1)
+    # a 2-D array's any(axis=1) is an array (numpy's stubs also allow the scalar of a 1-D one)
+    return dense, cast(np.ndarray, bad.reshape(values.shape).any(axis=1))
 
 
 def _fixed(values: np.ndarray, width: int) -> np.ndarray:
@@ -314,7 +318,8 @@ def _blocks(source, given_block: int) -> Iterator[tuple[str | None, int, list[by
     Lines given directly (no file) are numbered among themselves, in blocks of `given_block`."""
     given: list[bytes] = []
     number = 1
-    for item in [source] if isinstance(source, (str, Path)) else source:
+    items: Iterable[Any] = [source] if isinstance(source, (str, Path)) else source  # paths, and lines
+    for item in items:
         if _is_path(item):
             if given:
                 yield None, number, given
@@ -346,6 +351,7 @@ def _kept(
     """(file, line numbers, lines) of every `every`-th line from `skip` on, counted across all blocks,
     without blank lines."""
     index = 0  # of the block's first line among all lines
+    numbers: Sequence[int]
     for path, first, lines in blocks:
         start = (skip - index) % every
         index += len(lines)
@@ -389,6 +395,7 @@ def batches(source, batch_size: int, skip: int = 0, every: int = 1, prefetch: in
     prefetch > 0 parses in a loader process that keeps up to that many batches ready
     (paramserver.data.loader); `source` must then be file paths.
     """
+    arrays: Iterable[tuple]
     if prefetch:
         paths = [str(p) for p in ([source] if isinstance(source, (str, Path)) else source)]
         arrays = BatchLoader(array_batches, paths, batch_size, skip, every, depth=prefetch)

@@ -30,7 +30,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import IO, Any
 
 from ..base.errors import InvalidArgumentError, ParamServerError
 from ..base.lifecycle import Lifecycle, ReadyFlag
@@ -81,15 +81,23 @@ class BatchLoader(Lifecycle):
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         # no preexec_fn: forking a threaded process (gRPC's) and running Python there can deadlock
         entry = f"from paramserver.data.loader import serve; serve({os.getpid()})"
-        self._proc = subprocess.Popen(
+        self._proc = proc = subprocess.Popen(
             [sys.executable, "-c", entry], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
         )
-        _widen_pipe(self._proc.stdout.fileno())
-        self._proc.stdin.write(pickle.dumps(self._job))
-        self._proc.stdin.close()
-        self._reader = threading.Thread(target=self._read, name=f"loader-{self._proc.pid}", daemon=True)
+        _widen_pipe(_pipe(proc.stdout).fileno())
+        stdin = _pipe(proc.stdin)
+        stdin.write(pickle.dumps(self._job))
+        stdin.close()
+        self._reader = threading.Thread(target=self._read, name=f"loader-{proc.pid}", daemon=True)
         self._reader.start()
-        log.info("loader %d started for %s.%s", self._proc.pid, *self._job[:2])
+        log.info("loader %d started for %s.%s", proc.pid, *self._job[:2])
+
+    @property
+    def _process(self) -> subprocess.Popen:
+        """The loader process; every caller runs after `_spawn` made it."""
+        if self._proc is None:
+            raise LoaderError("the loader process has not started")
+        return self._proc
 
     def wait_ready(self, timeout: float) -> None:
         """Block until the first batch (or the end, or an error, which iterating raises) is waiting."""
@@ -103,7 +111,7 @@ class BatchLoader(Lifecycle):
                 try:
                     kind, value = self._batches.get(timeout=self.timeout_s)
                 except queue.Empty:
-                    raise LoaderError(f"loader {self._proc.pid} sent no batch in {self.timeout_s:.0f}s") from None
+                    raise LoaderError(f"loader {self._process.pid} sent no batch in {self.timeout_s:.0f}s") from None
                 if kind == "end":
                     return
                 if kind == "error":
@@ -129,12 +137,14 @@ class BatchLoader(Lifecycle):
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait(5)
-        self._proc.stdout.close()
-        self._reader.join(grace)
+        _pipe(self._proc.stdout).close()
+        if self._reader is not None:  # None only when `_spawn` failed before starting it
+            self._reader.join(grace)
 
     def _read(self) -> None:
         """Reader thread: messages from the loader's stdout into the bounded queue."""
-        fd = self._proc.stdout.fileno()
+        proc = self._process
+        fd = _pipe(proc.stdout).fileno()
         try:
             while True:
                 header = _read_exact(fd, _LENGTH.size)
@@ -148,12 +158,12 @@ class BatchLoader(Lifecycle):
         except Exception as exc:  # a closed pipe after stop(), or a corrupt stream: the loop must hear of it
             if self._stopping.is_set():
                 return
-            self._put(("error", LoaderError(f"loader {self._proc.pid}: unreadable batch stream ({exc})")))
+            self._put(("error", LoaderError(f"loader {proc.pid}: unreadable batch stream ({exc})")))
             return
         self._put(
             (
                 "error",
-                LoaderError(f"loader {self._proc.pid} exited with code {self._proc.wait()} before its last batch"),
+                LoaderError(f"loader {proc.pid} exited with code {proc.wait()} before its last batch"),
             )
         )
 
@@ -165,6 +175,13 @@ class BatchLoader(Lifecycle):
                 return
             except queue.Full:
                 continue
+
+
+def _pipe(stream: IO[bytes] | None) -> IO[bytes]:
+    """A pipe of the loader process (it is always started with stdin and stdout pipes)."""
+    if stream is None:
+        raise LoaderError("the loader process has no pipe to its parent")
+    return stream
 
 
 def _widen_pipe(fd: int) -> None:

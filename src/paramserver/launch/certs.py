@@ -231,7 +231,10 @@ def check_cert_dir(directory: Path, nodes: list[str]) -> None:
 
 def with_node_tls(options: Options, directory: Path | None, node: str) -> Options:
     """`options` with `node`'s files from `directory` (unchanged without a directory)."""
-    return options if directory is None else replace(options, **node_tls_files(directory, node))
+    if directory is None:
+        return options
+    files = node_tls_files(directory, node)
+    return replace(options, tls_cert=files["tls_cert"], tls_key=files["tls_key"], tls_ca=files["tls_ca"])
 
 
 def check_cert_hosts(directory: Path, hosts: dict[str, str]) -> None:

@@ -32,7 +32,7 @@ SERVING_ROLES = ("ps", "chief", "worker")  # the roles that serve health on thei
 def node_env(role: str, index_field: str, options: dict, extra: dict[str, str] | None = None) -> list[dict]:
     """The env of a node's container: its index (downward API), its node name and its options
     (PARAMSERVER_OPTIONS, where `$(PARAMSERVER_NODE)` names its own files), then `extra`."""
-    env = [
+    env: list[dict] = [
         {"name": INDEX_ENV, "valueFrom": {"fieldRef": {"fieldPath": index_field}}},
         {"name": NODE_ENV, "value": f"{role}-$({INDEX_ENV})"},
         {"name": "PYTHONUNBUFFERED", "value": "1"},
@@ -47,7 +47,7 @@ def node_options(role: str, certs: bool, tokens: bool) -> dict:
     store (none for an evaluator, which serves nothing and joins nothing: a CA alone would be refused)."""
     if role not in SERVING_ROLES:
         return {}
-    options = {}
+    options: dict[str, str] = {}
     if certs:
         options.update(
             tls_cert=f"{TLS_DIR}/$({NODE_ENV}).crt",

@@ -44,7 +44,7 @@ from typing import Any, TextIO
 import psutil
 
 from ..base.config import OPTIONS_ENV, TF_CONFIG_ENV, Options
-from ..base.errors import UnavailableError
+from ..base.errors import FailedPreconditionError, UnavailableError
 from ..base.lifecycle import RESTART_EXIT_CODE, Lifecycle, ReadyFlag
 from ..worker.progress import ProgressBoard
 from .certs import ps_node_name, with_node_tls, worker_node_name
@@ -272,7 +272,7 @@ class LocalCluster(Lifecycle):
         index = self.workers.index(child)
         self._lines.write(
             "run",
-            f"{child.label} was killed (signal {-child.poll()}); restarting it alone "
+            f"{child.label} was killed (signal {-_exit_code(child)}); restarting it alone "
             f"(restart {self.restarts} of {self.max_restarts}); the others go on",
         )
         child.stop(1.0)
@@ -288,7 +288,8 @@ class LocalCluster(Lifecycle):
         """Stop every node and start them all again from the latest complete checkpoint."""
         self.restarts += 1
         started = time.monotonic()
-        why = "asked for a roll-back" if child.poll() == RESTART_EXIT_CODE else f"was killed (signal {-child.poll()})"
+        code = _exit_code(child)
+        why = "asked for a roll-back" if code == RESTART_EXIT_CODE else f"was killed (signal {-code})"
         self._lines.write(
             "run",
             f"{child.label} {why}; rolling the whole cluster back "
@@ -477,6 +478,14 @@ class LocalCluster(Lifecycle):
                 f"examples/s={t['recent_examples_per_s']:,.0f} loss={loss} "
                 f"staleness={t['staleness_mean']:.2f}",
             )
+
+
+def _exit_code(child: Child) -> int:
+    """The exit code of a child that has exited (negative: the signal that killed it)."""
+    code = child.poll()
+    if code is None:
+        raise FailedPreconditionError(f"{child.label} is still running")
+    return code
 
 
 def _rss(process: psutil.Process) -> int:

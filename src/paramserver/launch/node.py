@@ -82,7 +82,11 @@ def run_node(
             options = config.options
         if config is not None and options.checkpoint_dir:  # a restarted PS of a cluster resumes by itself
             options = dataclasses.replace(options, resume=True)
-        return run_ps_node(bind or bind_address(config.address), config.task.index if config else index or 0, options)
+        if not bind:
+            if config is None:  # only with an empty --bind: None without a config was refused above
+                raise ConfigError("a PS node needs TF_CONFIG, --cluster, or --bind HOST:PORT")
+            bind = bind_address(config.listed_address())
+        return run_ps_node(bind, config.task.index if config else index or 0, options)
     if config is None:
         raise ConfigError("a worker node needs TF_CONFIG or --cluster FILE --role worker --index I")
     if role == config_mod.EVALUATOR:
@@ -134,7 +138,8 @@ def run_script(config: NodeConfig, script: str, args: list[str]) -> int:
         completed = code == 0
         return code
     except Exception as exc:
-        why = current.existing().rollback_reason() if current.existing() is not None else None
+        context = current.existing()
+        why = context.rollback_reason() if context is not None else None
         if why is None:
             raise
         log.warning(
@@ -149,6 +154,7 @@ def run_script(config: NodeConfig, script: str, args: list[str]) -> int:
         )
         return RESTART_EXIT_CODE
     finally:
-        if current.existing() is not None:
-            current.existing().shutdown(completed)
+        context = current.existing()
+        if context is not None:
+            context.shutdown(completed)
     return 0

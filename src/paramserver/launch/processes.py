@@ -47,7 +47,9 @@ class Child:
         self._reader.start()
 
     def _read(self, on_line: Callable[[str, str], None]) -> None:
-        for line in self.proc.stdout:
+        stdout = self.proc.stdout
+        assert stdout is not None  # started with stdout=PIPE
+        for line in stdout:
             on_line(self.label, line.rstrip("\n"))
 
     @property
@@ -125,7 +127,8 @@ class LineWriter:
 
     def write(self, prefix: str, line: str, **extra: object) -> None:
         if self.json_lines:
-            line = as_json_line(line, *_node_of(prefix), **extra)
+            node, role = _node_of(prefix)
+            line = as_json_line(line, node, role, **extra)
         with self._lock:
             self.out.write(f"[{prefix}] {line}\n" if prefix and not self.json_lines else line + "\n")
             self.out.flush()

@@ -16,6 +16,7 @@ from ..coordinator.coordinator_service import SERVICE as COORDINATOR
 from ..coordinator.coordinator_service import CoordinatorService
 from ..coordinator.membership import Coordinator
 from ..security.auth import COORDINATOR_ACTIONS, Credentials, Guard
+from ..transport.channel import ShardChannel
 from ..transport.grpc_transport import GrpcChannel, GrpcServer
 from ..transport.health import Health
 
@@ -96,7 +97,9 @@ class CoordinatorHost(Lifecycle):
     ) -> None:
         """From now on, tell these shards of every worker found dead, so their waits fail at once; and
         watch that each stays the process of `incarnations` (else `on_restart(reason)`)."""
-        channels = [channel_to(self.credentials, a, self.options, use_stream=False) for a in ps_addresses]
+        channels: list[ShardChannel] = [
+            channel_to(self.credentials, a, self.options, use_stream=False) for a in ps_addresses
+        ]
         self.notices = PSClient(channels, self.options.rpc_timeout_s)
         self.incarnations, self.on_restart = list(incarnations or []), on_restart
 

@@ -10,10 +10,11 @@ from ..coordinator.coordinator_service import CoordinatorService
 from ..coordinator.membership import Coordinator
 from ..server.shard import Shard
 from ..server.shard_service import ShardService
+from ..transport.channel import ShardChannel
 from ..transport.inprocess import InProcessChannel
 
 
-def in_process_shards(num_ps: int) -> list[InProcessChannel]:
+def in_process_shards(num_ps: int) -> list[ShardChannel]:
     """One channel to each of `num_ps` new shards."""
     return [InProcessChannel(ShardService(Shard(index))) for index in range(num_ps)]
 

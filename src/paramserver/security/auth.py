@@ -24,7 +24,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from ..base.errors import ConfigError, ParamServerError, PermissionDeniedError, UnauthenticatedError
 from .audit import AuditLog
@@ -212,7 +212,10 @@ def _entry(raw: Any, i: int, problems: list[str]) -> tuple[str, Principal] | Non
         problems.append(f"tokens[{i}].worker is needed for role {role!r} (the worker index it acts as)")
     if not isinstance(digest, str) or not _HEX64.fullmatch(digest):
         problems.append(f"tokens[{i}].sha256 must be 64 lower-case hex digits (the token's SHA-256)")
-    return None if len(problems) > before else (digest, Principal(name, role, worker))
+    if len(problems) > before:
+        return None
+    # no new problem: name, role and digest passed the checks above, so all three are strings
+    return cast(str, digest), Principal(cast(str, name), cast(str, role), worker)
 
 
 class Authorizer:

@@ -24,8 +24,8 @@ import numpy as np
 
 from ..base.consistency_spec import ConsistencySpec
 from ..base.errors import FailedPreconditionError, MalformedFrameError
-from ..base.metrics import rss_bytes
-from ..security.auth import Claim
+from ..base.metrics import CallMetrics, rss_bytes
+from ..security.auth import Claim, Guard
 from ..wire import codec
 from ..wire import messages as msg
 from ..wire.calls import Request, decode_request
@@ -47,7 +47,10 @@ class ShardService:
         self.shard = shard
         self.save_checkpoint = save_checkpoint
         self.announce: dict[str, Any] = {}  # extra Hello fields, e.g. the node's stream port
-        self.guard = None  # security.auth.Guard: tokens, roles and audit (transport/dispatch.py), given by the node
+        self.calls: CallMetrics | None = None  # per-call metrics (transport/dispatch.py), given by the node
+        self.guard: Guard | None = (
+            None  # security.auth.Guard: tokens, roles and audit (transport/dispatch.py), given by the node
+        )
         self.on_shutdown: Callable[[bool], None] | None = None  # what Shutdown sets off: the node's drain (restart?)
         self.methods: dict[str, Callable[[Any, dict[str, np.ndarray], Sink], Any]] = {
             "Hello": self.hello,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from concurrent import futures
 from concurrent.futures import Future
 
@@ -245,7 +246,7 @@ class GrpcChannel:
         self._token = token
         self._metadata = bearer_metadata(token)
 
-    def call(self, method: str, payload: bytes, timeout: float, owned: bool = False) -> CallHandle:
+    def call(self, method: str, payload: bytes | list, timeout: float, owned: bool = False) -> CallHandle:
         # Hello always asks the PS process on gRPC: a restarted PS may serve its stream on another port
         if self._stream is not None and method in STREAM_METHODS and method != "Hello":
             return self._stream.call(method, payload, timeout, owned)
@@ -281,6 +282,7 @@ class GrpcChannel:
             stub = self._methods[name] = (
                 self._channel.unary_stream(name) if whole else self._channel.stream_stream(name)
             )
+        request: bytes | Iterator[bytes]
         if whole:
             request = payload if isinstance(payload, bytes) else b"".join(parts)
         else:  # copied now: the caller may reuse its buffers once `call` returns
@@ -355,6 +357,7 @@ class ChunkedCall(CallHandle):
             self._collect()
         if self._error is not None:
             raise self._error
+        assert self._reply is not None  # _collect set a reply or an error
         return self._reply
 
     def _collect(self) -> None:

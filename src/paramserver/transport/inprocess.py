@@ -22,7 +22,7 @@ class InProcessChannel:
         self.token = token  # sent with every call, as a remote channel does (checked if the service has a guard)
         self.address = address or f"inprocess:shard{service.shard.index}"
 
-    def call(self, method: str, payload: bytes, timeout: float, owned: bool = False) -> CallHandle:
+    def call(self, method: str, payload: bytes | list, timeout: float, owned: bool = False) -> CallHandle:
         future: Future = Future()
         payload = payload if isinstance(payload, bytes) else b"".join(payload)
         result = answer(self.service, method, payload, "in-process", token=self.token)

@@ -18,6 +18,7 @@ import fcntl
 import mmap
 import os
 import stat
+from typing import TypeGuard
 
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 _MAX_CAPACITY = 1 << 40  # far above any message limit; keeps the size arithmetic sane
@@ -29,6 +30,8 @@ class SegmentError(ValueError):
 
 class Segment:
     """One mapped segment; `requests` and `replies` are views of its halves."""
+
+    _fd: int | None  # the memfd of a segment this process created, open until `close`
 
     def __init__(self, fd: int, capacity: int) -> None:
         self.capacity = capacity
@@ -56,7 +59,7 @@ class Segment:
     def attach(cls, spec: dict) -> Segment:
         """The segment a peer offers; raises SegmentError naming what is wrong."""
         pid, fd_number, capacity = spec.get("pid"), spec.get("fd"), spec.get("capacity")
-        if not all(type(v) is int and v >= 0 for v in (pid, fd_number, capacity)) or not 0 < capacity <= _MAX_CAPACITY:
+        if not (_is_count(pid) and _is_count(fd_number) and _is_count(capacity)) or not 0 < capacity <= _MAX_CAPACITY:
             raise SegmentError(f"attach needs integers pid, fd and capacity (0 < capacity <= {_MAX_CAPACITY})")
         try:
             fd = os.open(f"/proc/{pid}/fd/{fd_number}", os.O_RDWR | os.O_CLOEXEC)
@@ -95,6 +98,11 @@ def write_parts(target: memoryview, parts: list) -> None:
         part = memoryview(part).cast("B")
         target[offset : offset + len(part)] = part
         offset += len(part)
+
+
+def _is_count(value: object) -> TypeGuard[int]:
+    """An exact int (no bool, no float) that is not negative."""
+    return type(value) is int and value >= 0
 
 
 def _check(fd: int, capacity: int) -> None:

@@ -269,6 +269,7 @@ def receive_parts(
                 f"message of more than {got + size} bytes (in parts) exceeds max_payload_bytes {max_total}"
             )
         if base == kinds[1]:
+            assert shm is not None  # a shared-memory part without a segment was refused above
             view = inbox.copy(shm[:size], at=got)
             if more:  # copied out: the peer may write the next part
                 send(sock, ACK, 0, method, [], 0, True)

@@ -64,11 +64,13 @@ class StreamCall(CallHandle):
     def wait_sent(self, timeout: float) -> None:
         """The request was copied out before `call` returned: nothing to wait for."""
 
-    def wait(self, timeout: float) -> memoryview | bytes:
+    # a reply may be a view, as CallHandle's doc says; its `-> bytes` stays until wire.codec.decode takes views
+    def wait(self, timeout: float) -> memoryview | bytes:  # type: ignore[override]
         if not self.done():
             self._client.finish(self, min(self.deadline, time.monotonic() + timeout))
         if self.error is not None:
             raise self.error
+        assert self.reply is not None  # finish() set a reply or an error
         return self.reply
 
 
@@ -169,15 +171,19 @@ class StreamClient:
         """Read the in-flight reply into `call`: owned bytes if small or `call.owned`, else a view
         valid until the next call on this client."""
         self._in_flight = None
+        sock = self._sock
+        if sock is None:  # never: a call is in flight only while the socket it was sent on is open
+            raise UnavailableError(f"{call.describe}: the tensor stream is not connected")
         try:
-            self._sock.settimeout(max(0.001, deadline - time.monotonic()))
-            kind, status, method_id, reply_size = read_prefix(self._sock, self.max_message_bytes)
+            sock.settimeout(max(0.001, deadline - time.monotonic()))
+            kind, status, method_id, reply_size = read_prefix(sock, self.max_message_bytes)
+            reply: memoryview | bytes
             if kind == REPLY_SHM and self._segment is not None and reply_size <= self._segment.capacity:
                 reply = self._segment.replies[:reply_size]
             elif kind & MORE:
                 shm = None if self._segment is None else self._segment.replies
                 reply = receive_parts(
-                    self._sock,
+                    sock,
                     (kind, status, method_id, reply_size),
                     self._inbox,
                     (REPLY, REPLY_SHM),
@@ -187,7 +193,7 @@ class StreamClient:
                 )
                 reply_size = len(reply)
             else:
-                reply = self._inbox.receive(self._sock, reply_size)
+                reply = self._inbox.receive(sock, reply_size)
             if call.owned or reply_size <= _OWNED_REPLY_BYTES:
                 reply = bytes(reply)
         except (OSError, ConnectionError, MalformedFrameError) as exc:
@@ -220,14 +226,14 @@ class StreamClient:
             if self.tls is not None:  # the handshake runs under the call's deadline (the socket's timeout)
                 sock = self.tls.wrap_socket(sock, server_hostname=self._host.strip("[]"))
             if self._token:
-                self._present_token(sock, deadline)
+                self._present_token(sock, self._token, deadline)
             self._sock = sock
         self._sock.settimeout(max(0.001, deadline - time.monotonic()))
         return self._sock
 
-    def _present_token(self, sock: socket.socket, deadline: float) -> None:
+    def _present_token(self, sock: socket.socket, token: str, deadline: float) -> None:
         """Send the auth message and read its answer; a refusal closes the socket and is raised."""
-        data = self._token.encode()
+        data = token.encode()
         try:
             sock.settimeout(max(0.001, deadline - time.monotonic()))
             send(sock, AUTH, 0, 0, [data], len(data), True)

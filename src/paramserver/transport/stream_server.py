@@ -165,9 +165,10 @@ class StreamServer(Lifecycle):
 
     def _serve(self, conn: socket.socket, peer) -> None:
         if self.tls is not None:
-            conn = self._handshake(conn, peer)
-            if conn is None:
+            secure = self._handshake(self.tls, conn, peer)
+            if secure is None:
                 return
+            conn = secure
         state = _Connection()
         inbox = Inbox()
         conn.settimeout(self.idle_timeout_s)  # also bounds a request that stops half-way
@@ -262,7 +263,13 @@ class StreamServer(Lifecycle):
             return None
 
     def _send_parts(
-        self, conn: socket.socket, status: int, method_id: int, reply: memoryview, inbox: Inbox, segment: Segment | None
+        self,
+        conn: socket.socket,
+        status: int,
+        method_id: int,
+        reply: bytes | memoryview,
+        inbox: Inbox,
+        segment: Segment | None,
     ) -> None:
         """A reply longer than max_message_bytes, in parts: through the segment when one is attached."""
         chunk = self.max_message_bytes if segment is None else min(self.max_message_bytes, segment.capacity)
@@ -278,13 +285,13 @@ class StreamServer(Lifecycle):
             lambda: await_ack(conn, inbox, self.max_message_bytes),
         )
 
-    def _handshake(self, conn: socket.socket, peer) -> ssl.SSLSocket | None:
+    def _handshake(self, tls: ssl.SSLContext, conn: socket.socket, peer) -> ssl.SSLSocket | None:
         """The connection over TLS; None (logged, counted, closed) when the peer fails the handshake."""
         previous = conn.gettimeout()
         conn.settimeout(_HANDSHAKE_TIMEOUT_S)
         secure = None
         try:
-            secure = self.tls.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+            secure = tls.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
             secure.do_handshake()
         except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
             with self._lock:  # counted before the peer sees its connection end (stop() cuts handshakes too)
@@ -303,7 +310,8 @@ class StreamServer(Lifecycle):
             if self._stopping.is_set():
                 secure.close()
                 return None
-            self._connections[secure] = thread
+            if thread is not None:  # always: _accept registered the connection before starting its thread
+                self._connections[secure] = thread
         return secure
 
     def _attach(self, conn: socket.socket, request: memoryview, old: Segment | None) -> Segment | None:

@@ -23,6 +23,7 @@ from typing import Any, ClassVar, NamedTuple, Self
 from ..base.errors import MalformedFrameError
 
 _UNIONS = (typing.Union, types.UnionType)
+M = typing.TypeVar("M")
 
 
 def doc_field(doc: str, default: Any = dataclasses.MISSING, check: Callable[[Any], str | None] | None = None) -> Any:
@@ -34,11 +35,12 @@ def doc_field(doc: str, default: Any = dataclasses.MISSING, check: Callable[[Any
     return dataclasses.field(default=default, metadata=metadata)
 
 
-def message(title: str, tensors: str = "") -> Callable[[type], type]:
+@typing.dataclass_transform(frozen_default=True, field_specifiers=(doc_field,))
+def message(title: str, tensors: str = "") -> Callable[[type[M]], type[M]]:
     """Class decorator: a frozen dataclass named `title` in errors and docs ("PushPull request"),
     whose frame carries `tensors` (words, for the docs: tensors never travel in the meta)."""
 
-    def wrap(cls: type) -> type:
+    def wrap(cls: type[M]) -> type[M]:
         cls.TITLE, cls.TENSORS, cls.DOC = title, tensors, cls.__dict__.get("__doc__") or ""
         return dataclasses.dataclass(frozen=True)(cls)
 

@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..base.errors import ParamServerError, RollbackError
+from ..base.errors import FailedPreconditionError, ParamServerError, RollbackError
 from ..base.metrics import CheckpointMetrics
 from ..checkpoint.store import CheckpointError, CheckpointStore, checkpoint_name, os_reason
 from ..coordinator.membership import timed_checkpoint_barrier
@@ -103,6 +103,12 @@ class Checkpointer:
             self._barrier_after[step] = f"checkpoint@{step}"
         return step in self._barrier_after
 
+    def _writable_store(self) -> CheckpointStore:
+        """The store checkpoints go to; a Checkpointer made without one never writes."""
+        if self.store is None:
+            raise FailedPreconditionError("this Checkpointer has no checkpoint store (no checkpoint_dir)")
+        return self.store
+
     def _requested(self) -> int:
         return int(self.coordinator.view.get("checkpoints_requested", 0)) if self.coordinator is not None else 0
 
@@ -156,10 +162,11 @@ class Checkpointer:
         return name
 
     def _save_final(self, step: int, timeout: float) -> str | None:
+        store = self._writable_store()
         name = checkpoint_name(step)
         counters = self._counters()
         try:
-            complete = self.store.complete()
+            complete = store.complete()
         except CheckpointError as exc:  # not known what is there: write it (the write says what fails)
             log.warning("final checkpoint %s: %s", name, exc)
             complete = []
@@ -170,7 +177,7 @@ class Checkpointer:
             log.warning(
                 "final checkpoint %s: %s holds a later checkpoint, %s; resuming and exporting take the latest",
                 name,
-                self.store.url,
+                store.url,
                 complete[-1],
             )
         try:
@@ -181,8 +188,9 @@ class Checkpointer:
     def _mark_final(self, name: str) -> str:
         """Mark the periodic checkpoint `name` as the final one (an evaluator ends after it); a
         failure is a warning: the checkpoint stays complete, an evaluator ends on its own timeout."""
+        store = self._writable_store()
         try:
-            self.store.mark_final(name)
+            store.mark_final(name)
         except CheckpointError as exc:
             log.warning("final checkpoint %s: cannot mark it final: %s", name, exc)
         return name
@@ -206,13 +214,14 @@ class Checkpointer:
 
         A complete checkpoint of the same name is uncommitted first and written again, so that
         its manifest never names files of another state."""
+        store = self._writable_store()
         name, started, what = checkpoint_name(step), time.monotonic(), "final checkpoint" if final else "checkpoint"
         if counters is None:
             counters = self._counters()
         self._sweep()
-        log.info("%s %s: writing %d shards to %s", what, name, len(self.client.channels), self.store.url)
+        log.info("%s %s: writing %d shards to %s", what, name, len(self.client.channels), store.url)
         try:
-            if self.store.uncommit(name):
+            if store.uncommit(name):
                 log.info("%s %s: replaces the complete checkpoint of that name", what, name)
             for hook in self.before_save:
                 hook(timeout)
@@ -224,7 +233,7 @@ class Checkpointer:
                 "shards": entries,
                 "mode": self.client.consistency.to_dict(),
             }
-            self.store.commit(name, {**manifest, "final": True} if final else manifest)
+            store.commit(name, {**manifest, "final": True} if final else manifest)
         except (ParamServerError, OSError) as exc:  # a shard's error, a deadline, the store's CheckpointError
             reason = str(exc) if isinstance(exc, ParamServerError) else f"{type(exc).__name__}: {os_reason(exc)}"
             took = time.monotonic() - started
@@ -249,7 +258,7 @@ class Checkpointer:
         self.written += 1
         self._report()
         try:
-            removed = self.store.prune(self.keep, protect=name)
+            removed = store.prune(self.keep, protect=name)
         except (CheckpointError, OSError) as exc:
             removed = []
             log.warning("%s %s: committed, but older checkpoints could not be deleted: %s", what, name, exc)
@@ -278,15 +287,17 @@ class Checkpointer:
         if self._swept:
             return
         self._swept = True
+        store = self._writable_store()
         try:
-            self.store.remove_temporary()
+            store.remove_temporary()
         except CheckpointError as exc:
             log.warning("cannot remove the temporary files of earlier writes: %s", exc)
 
     def _discard(self, name: str) -> None:
         """Delete what a failed checkpoint wrote (shard files without a manifest)."""
+        store = self._writable_store()
         try:
-            if self.store.discard(name):
+            if store.discard(name):
                 log.info("checkpoint %s: deleted the files it had written", name)
         except CheckpointError as exc:
             log.warning("checkpoint %s: cannot delete the files it had written: %s", name, exc)

@@ -16,6 +16,7 @@ from ..coordinator.coordinator_service import CoordinatorClient
 from ..node.coordinator_host import CoordinatorHost, channel_to
 from ..node.in_process import in_process_coordinator, in_process_shards
 from ..security.auth import Credentials
+from ..transport.channel import ShardChannel
 from .context import Context
 from .modes import ModeSwitcher
 from .ops import WorkerCollector, WorkerOps
@@ -150,7 +151,7 @@ def _host_coordinator(
 
 def _connect_shards(config: NodeConfig, spec: ConsistencySpec, credentials: Credentials) -> PSClient:
     options = config.options
-    channels = [
+    channels: list[ShardChannel] = [
         channel_to(
             credentials, address, options, use_stream=options.use_stream, use_shared_memory=options.shared_memory
         )
@@ -164,7 +165,8 @@ def _connect_shards(config: NodeConfig, spec: ConsistencySpec, credentials: Cred
 def _pauses(config: NodeConfig, client: PSClient, coordinator: CoordinatorClient):
     """(the Checkpointer, or None without a checkpoint_dir; `meet(name, timeout)`, the barrier of
     the pauses for checkpoints and mode switches)."""
-    options, final = config.options, None
+    options = config.options
+    final: str | None = None  # checkpoints.FINAL, the final checkpoint's barrier name, with a checkpoint_dir
     checkpointer = None
 
     def meet(name: str, _timeout: float | None = None) -> None:

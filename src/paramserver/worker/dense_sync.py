@@ -46,17 +46,18 @@ PUBLISHED_KEY = "dense_sync"
 BUCKET_ELEMENTS = 4 << 20  # 16 MB of float32 per all-reduce call; a few calls in flight at once
 
 
-def _without_dynamo(cls: type) -> type:
+def _without_dynamo(cls: type[torch.optim.Optimizer]) -> type:
     """torch.optim's `cls` without the wrappers whose first call imports torch._dynamo (3-4 s and about
     70 MB; nothing here is compiled), as PSOptimizer does; its `step` must run under torch.no_grad."""
     base = torch.optim.Optimizer
+    # torch's annotations of its decorated methods do not show the `__wrapped__` functools.wraps keeps
     return type(
         cls.__name__,
         (cls,),
         {
-            "add_param_group": base.add_param_group.__wrapped__,
-            "zero_grad": base.zero_grad.__wrapped__,
-            "step": cls.step.__wrapped__,
+            "add_param_group": base.add_param_group.__wrapped__,  # type: ignore[attr-defined]
+            "zero_grad": base.zero_grad.__wrapped__,  # type: ignore[attr-defined]
+            "step": cls.step.__wrapped__,  # type: ignore[attr-defined]
         },
     )
 
@@ -103,7 +104,8 @@ class AllReduceGroup:
             else:
                 host, port = coordinator.published(PUBLISHED_KEY, options.connect_timeout_s).rsplit(":", 1)
                 self._store = TCPStore(host, int(port), self.world, False, timeout=joining)
-            gloo = ProcessGroupGloo._Options()
+            # torch's stub calls it `Options`; at runtime that name is Backend.Options, Gloo's own is `_Options`
+            gloo = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
             gloo._timeout = self.timeout
             own_host = (self.context.address or "").rsplit(":", 1)[0]
             gloo._devices = [

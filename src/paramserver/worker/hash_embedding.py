@@ -13,6 +13,7 @@ Not thread-safe: use from the training thread.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol, cast
 
 import numpy as np
 import torch
@@ -23,6 +24,15 @@ from .distinct_ids import SpreadRows, distinct, sum_rows
 from .wire_dtype import WIRE_OF, wire_array
 
 _INT64_MAX = np.iinfo(np.int64).max
+
+
+class RowSource(Protocol):
+    """Where a HashEmbedding's rows come from: the PS's tables (client.table_client.TableClient), or a
+    checkpoint's saved rows (worker.checkpoint_model.SavedRows)."""
+
+    def lookup(self, table: str, ids: np.ndarray) -> np.ndarray:
+        """Rows (len(ids) x dim) of distinct int64 `ids`, in their order."""
+        ...
 
 
 def as_ids(ids) -> torch.Tensor:
@@ -82,7 +92,7 @@ class HashEmbedding(nn.Module):
         if not isinstance(capacity, int) or capacity < 0:
             raise InvalidArgumentError(f"embedding capacity must be a non-negative integer, got {capacity!r}")
         self.dim, self.capacity = dim, capacity
-        self.init = {"kind": init}
+        self.init: dict[str, str | float] = {"kind": init}
         if init == "normal":
             self.init["std"] = std
         elif init == "uniform":
@@ -92,8 +102,9 @@ class HashEmbedding(nn.Module):
         self.table_name = name
         self.placeholder = nn.Parameter(torch.empty(0, dtype=dtype))  # its dtype is the module's
         self._wire = dtype  # the dtype the table was registered to travel in (set by `attach`)
-        self.placeholder._ps_embedding = self  # how the PS optimizer recognizes this table
-        self._tables = None
+        # how the PS optimizer recognizes this table (tensors take attributes; torch's stubs declare none)
+        self.placeholder._ps_embedding = self  # type: ignore[attr-defined]
+        self._tables: RowSource | None = None
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._prefetches: list[_Prefetch] = []  # oldest first: rows delivered or in flight, then waiting
 
@@ -101,7 +112,7 @@ class HashEmbedding(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.placeholder.dtype
 
-    def attach(self, tables, table_name: str) -> None:
+    def attach(self, tables: RowSource, table_name: str) -> None:
         """Called by the optimizer once the table exists on the PS (registered in this module's dtype)."""
         self._tables, self.table_name, self._wire = tables, table_name, self.dtype
 
@@ -133,7 +144,7 @@ class HashEmbedding(nn.Module):
         return waiting
 
     def lookup(self, ids) -> torch.Tensor:
-        self._check_attached()
+        tables = self._check_attached()
         prefetched = next((p for p in self._prefetches if p.ids is ids), None)
         # rows that came back for other ids are dropped; those still on their way are kept
         self._prefetches = [p for p in self._prefetches if p is not prefetched and p.rows is None]
@@ -144,7 +155,8 @@ class HashEmbedding(nn.Module):
         if prefetched is not None and prefetched.rows is not None:
             rows = self._tensor(prefetched.rows)
         else:  # not prefetched, or its step's reply not read yet
-            rows = self._tensor(self._tables.lookup(self.table_name, unique))
+            # `attach` set the table's name with the tables
+            rows = self._tensor(tables.lookup(cast(str, self.table_name), unique))
         if torch.is_grad_enabled() and self.training:
             rows.requires_grad_(True)
             self._pending.append((torch.from_numpy(unique), rows))
@@ -156,11 +168,13 @@ class HashEmbedding(nn.Module):
             return torch.from_numpy(rows.view(np.int16)).view(torch.bfloat16).to(self.dtype)
         return torch.from_numpy(rows).to(self.dtype)
 
-    def _check_attached(self) -> None:
+    def _check_attached(self) -> RowSource:
+        """The tables `attach` gave; NotInitializedError before it."""
         if self._tables is None:
             raise NotInitializedError(
                 "create the paramserver optimizer over this module's parameters before its first forward"
             )
+        return self._tables
 
     @staticmethod
     def _distinct(ids) -> tuple[torch.Size, np.ndarray, torch.Tensor]:

@@ -48,7 +48,7 @@ class WorkerOps(Lifecycle):
         self.name = f"worker {config.worker_index}"
         self.metrics = metrics
         self.health = health or Health()
-        bind = bind_address(config.address)
+        bind = bind_address(config.listed_address())
         self.health_server = health_server(self.health, bind, tls) if health is None else None
         port = config.options.metrics_port
         self.endpoint = (

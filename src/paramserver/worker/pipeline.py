@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -46,7 +46,7 @@ def _find(batch: Any, ids: Any, depth: int = 2) -> tuple | object:
     for key, value in items:
         path = _find(value, ids, depth - 1)
         if path is not _NOT_IN_BATCH:
-            return (key, *path)
+            return (key, *cast(tuple, path))  # anything but the sentinel is a path
     return _NOT_IN_BATCH
 
 

@@ -61,9 +61,10 @@ class PSOptimizer(torch.optim.Optimizer):
     kind: ClassVar[str]
 
     # torch wraps these two in `torch._disable_dynamo`, whose first call imports torch._dynamo
-    # (about 70 MB); nothing here is ever compiled, so the plain functions do.
-    add_param_group = torch.optim.Optimizer.add_param_group.__wrapped__
-    zero_grad = torch.optim.Optimizer.zero_grad.__wrapped__
+    # (about 70 MB); nothing here is ever compiled, so the plain functions do. (torch's annotations
+    # of the decorated methods do not show the `__wrapped__` that functools.wraps keeps.)
+    add_param_group = torch.optim.Optimizer.add_param_group.__wrapped__  # type: ignore[attr-defined]
+    zero_grad = torch.optim.Optimizer.zero_grad.__wrapped__  # type: ignore[attr-defined]
 
     def __init__(
         self, params: Iterable, defaults: dict[str, Any], overlap: bool = False, context: Context | None = None
@@ -78,7 +79,7 @@ class PSOptimizer(torch.optim.Optimizer):
         self._embeddings: list = []
         self._vars: list[tuple[str, torch.Tensor]] = []
         self._sent_lr: dict[str, float] = {}
-        plans = []  # every group is checked before anything is registered
+        plans: list[tuple[dict, list, list]] = []  # every group is checked before anything is registered
         for group in self.param_groups:
             plans.append(self._plan_group(group, sum(len(plan[1]) for plan in plans)))
         self._codecs = self._plan_codecs(self.context.next_optimizer_name(), plans)

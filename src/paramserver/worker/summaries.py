@@ -18,11 +18,14 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..base.lifecycle import Lifecycle
+
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +44,7 @@ class Summaries(Lifecycle):
         self.every = every
         self.step = 0  # the latest optimizer step seen
         self._record = record  # the client's PushRecord: staleness of this worker's pushes
-        self._writer = None
+        self._writer: SummaryWriter | None = None
         self._loss_step = -1  # the step whose loss was written last
         self._window = _Window(time.perf_counter(), 0, 0)
         self._examples = 0
@@ -62,7 +65,11 @@ class Summaries(Lifecycle):
             writer.close()  # flushes, then joins tensorboard's writer thread
 
     def due(self, step: int) -> bool:
-        return self._writer is not None and step % self.every == 0
+        return self._due_writer(step) is not None
+
+    def _due_writer(self, step: int) -> SummaryWriter | None:
+        """The writer when `step` is a summary step (and the writer is open), else None."""
+        return self._writer if self._writer is not None and step % self.every == 0 else None
 
     def note_rows(self, table: str, rows: int) -> None:
         """Rows of `table` the coming step updates."""
@@ -71,8 +78,9 @@ class Summaries(Lifecycle):
     def report(self, examples: int = 0, loss: float | None = None) -> None:
         """What the script reported after a step (Context.report): the loss of a summary step is written."""
         self._examples += examples
-        if loss is not None and self.due(self.step) and self._loss_step != self.step and self.step > 0:
-            self._writer.add_scalar("loss", loss, self.step)
+        writer = self._due_writer(self.step) if loss is not None else None
+        if writer is not None and self._loss_step != self.step and self.step > 0:
+            writer.add_scalar("loss", loss, self.step)
             self._loss_step = self.step
 
     def log_scalar(self, name: str, value: float, step: int | None = None) -> None:
@@ -84,10 +92,10 @@ class Summaries(Lifecycle):
         """After the optimizer's step `step` pushed the gradients of `variables` (name, parameter)."""
         self.step = step
         self._steps += 1
-        if not self.due(step):
+        writer = self._due_writer(step)
+        if writer is None:
             return
-        self._write_rates(step)
-        writer = self._writer
+        self._write_rates(writer, step)
         for name, param in variables:  # in float32: tensorboard's numpy has no bfloat16
             if param.grad is not None:
                 grad = param.grad.detach().float()
@@ -95,9 +103,9 @@ class Summaries(Lifecycle):
                 writer.add_histogram(f"gradients/{name}", grad.cpu(), step)
             writer.add_histogram(f"parameters/{name}", param.detach().float().cpu(), step)
 
-    def _write_rates(self, step: int) -> None:
+    def _write_rates(self, writer: SummaryWriter, step: int) -> None:
         """examples/s, staleness and rows per step over the steps since the last summary."""
-        now, record, window, writer = time.perf_counter(), self._record, self._window, self._writer
+        now, record, window = time.perf_counter(), self._record, self._window
         if now > window.started:
             writer.add_scalar("examples_per_s", self._examples / (now - window.started), step)
         writer.add_scalar("staleness/last", record.staleness, step)
@@ -120,7 +128,7 @@ class _Window:
     pushes: int
 
 
-def event_writer(logdir: str) -> Any:
+def event_writer(logdir: str) -> SummaryWriter:
     """A torch SummaryWriter writing event files into `logdir` (the chief's, an evaluator's)."""
     from torch.utils.tensorboard import SummaryWriter  # loads tensorboard: only with a logdir
 
