@@ -48,7 +48,8 @@ class Placer:
             self.load[shard] += nbytes
             return [Part(var, var, shard, 0, rows, True)]
         bounds = np.linspace(0, rows, pieces + 1).round().astype(int)
-        parts, used = [], set()
+        parts: list[Part] = []
+        used: set[int] = set()
         for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
             shard = self._least_loaded(used)
             used.add(shard)

@@ -171,8 +171,9 @@ class PSClient:
             for part in parts:
                 self._part_by_name[part.name] = part
                 by_shard.setdefault(part.shard, []).append((part.name, _rows(array, part)))
-                if (wire or {}).get(var, "float32") != "float32":
-                    dtypes.setdefault(part.shard, {})[part.name] = wire[var]
+                dtype = (wire or {}).get(var, "float32")
+                if dtype != "float32":
+                    dtypes.setdefault(part.shard, {})[part.name] = dtype
         for var, var_codec in (codecs or {}).items():
             self.compressor.add(var, var_codec, tuple(values[var].shape))
         for shard in by_shard:
@@ -210,8 +211,8 @@ class PSClient:
         headers: dict[int, dict[str, dict]] = {}  # by shard: the compressed gradients' encodings
         for var, grad in grads.items():
             for part in self.parts_of[var]:
-                rows = None if part.whole else slice(part.lo, part.hi)
-                header, tensors = self.compressor.encode(var, part.name, _rows(grad, part), rows)
+                span = None if part.whole else slice(part.lo, part.hi)
+                header, tensors = self.compressor.encode(var, part.name, _rows(grad, part), span)
                 pushed.setdefault(part.shard, []).extend(tensors)
                 if header is not None:
                     headers.setdefault(part.shard, {})[part.name] = header

@@ -6,6 +6,7 @@ the same id always meets the same row. Thread-safety as PSClient: one training t
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -19,6 +20,9 @@ from ..wire import messages as msg
 from ..wire.calls import Pending, gather
 from ..wire.stubs import ShardStub
 from .compression import GradientCompressor
+
+Piece = tuple[int, np.ndarray | slice, np.ndarray]  # (shard, positions in the ids, the ids it holds)
+_PLACEMENTS_KEPT = 16  # a step's lookups and pushes of every table, with room to spare
 
 
 class RowsHandle:
@@ -139,6 +143,9 @@ class TableClient:
         self.rpc_timeout_s = rpc_timeout_s
         self.consistency = consistency  # the mode, told to shards that hold no dense variable
         self.worker = worker  # named when registering: a PS node accepts pushes only from workers that registered
+        # the latest placements of read-only ids arrays: a batch's ids are hashed once, at their lookup, and
+        # the push of the same array (HashEmbedding hands it back with its gradients) reuses the placement
+        self._placed: OrderedDict[int, tuple[np.ndarray, list[Piece]]] = OrderedDict()
 
     def register(
         self,
@@ -192,10 +199,24 @@ class TableClient:
         """An empty set of row pushes and lookups to send with a step's PushPull."""
         return StepRiders(self._split, len(self.channels), self.codecs, self.compressor)
 
-    def _split(self, ids: np.ndarray) -> list[tuple[int, np.ndarray | slice, np.ndarray]]:
-        """(shard, positions in ids, ids there) for each shard that holds some of `ids`."""
+    def _split(self, ids: np.ndarray) -> list[Piece]:
+        """(shard, positions in ids, ids there) for each shard that holds some of `ids`. The placement of a
+        read-only array that owns its data is kept for a while and reused for the same object: its ids
+        cannot have changed in between (HashEmbedding's distinct ids are such arrays)."""
         if len(self.channels) == 1:  # every id is there: no hashing, no copies
             return [(0, slice(None), ids)] if ids.size else []
+        placed = self._placed.get(id(ids))
+        if placed is not None and placed[0] is ids:
+            return placed[1]
+        pieces = self._place(ids)
+        if ids.flags.writeable or ids.base is not None:
+            return pieces
+        self._placed[id(ids)] = (ids, pieces)  # holds the array: its id is not reused while it is here
+        if len(self._placed) > _PLACEMENTS_KEPT:
+            self._placed.popitem(last=False)
+        return pieces
+
+    def _place(self, ids: np.ndarray) -> list[Piece]:
         owners = shard_of(ids, len(self.channels))
         return [
             (shard, where, ids[where])

@@ -108,6 +108,7 @@ class CoordinatorClient(Lifecycle):
     def _call(self, method: str, deadline_s: float | None = None, **fields: Any) -> dict:
         timeout = deadline_s or self.rpc_timeout_s
         request_type, _ = msg.COORDINATOR_METHODS[method]
+        assert issubclass(request_type, msg.JoinRequest), method  # every method called here names its worker
         reply, _ = self.stub.call(method, request_type(worker=self.worker, **fields), timeout).wait(timeout)
         self.view = reply.to_meta()
         incarnation = self.view.get("incarnation")

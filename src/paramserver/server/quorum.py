@@ -31,9 +31,10 @@ class Quorum:
             for other in [w for w, at in self.left.items() if at == resumed]:
                 del self.left[other]
                 self.returning.add(other)
-        self.left.pop(worker, None)
-        self.returning.discard(worker)
-        self.gone.pop(worker, None)
+        if worker is not None:  # an async push may name no worker: no membership changes
+            self.left.pop(worker, None)
+            self.returning.discard(worker)
+            self.gone.pop(worker, None)
 
     def leave(self, worker: int, barrier: str | None) -> None:
         """Out of the quorum; a worker whose data is done stays so until its own next push, even if

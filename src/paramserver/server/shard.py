@@ -322,11 +322,13 @@ class Shard:
             self._apply_rows([push.rows])
             self._count(staleness)
             if spec.mode == "ssp":
-                self._clocks[push.worker] = self._clocks.get(push.worker, 0) + 1
+                worker = push.worker
+                assert worker is not None  # _check_worker refused an ssp push that names no worker
+                self._clocks[worker] = self._clocks.get(worker, 0) + 1
                 self._cond.notify_all()
                 self._wait(
-                    lambda: self._ssp_may_go(push.worker),
-                    lambda: f"worker {push.worker} ahead of the slowest of workers {self._awaited()}",
+                    lambda: self._ssp_may_go(worker),
+                    lambda: f"worker {worker} ahead of the slowest of workers {self._awaited()}",
                 )
             return PushOutcome(True, staleness)
 
@@ -402,6 +404,7 @@ class Shard:
         if self._round is None or self._round.step != step:
             self._round = SyncRound(step)
         self._set_lrs(push.lrs)
+        assert push.worker is not None  # push() refused (_check_worker) a sync push that names no worker
         self._round.add(push.worker, push.grads, self._sums)
         self._round.rows.append(push.rows)
         self._count(staleness)
@@ -489,6 +492,7 @@ class Shard:
             }
 
     def _apply_round(self) -> None:
+        assert self._round is not None  # every caller has a step under way
         self._apply(self._by_group(self._round.averages(self._sums)))
         self._apply_rows(self._round.rows)
         self.sync_step += 1

@@ -51,9 +51,9 @@ class ShardCollector(Collector):
             ("paramserver_staleness_mean", "Mean staleness of the pushes (updates behind)", shard["staleness_mean"]),
             ("paramserver_pushes_waiting", "Pushes blocked in a sync step or an ssp bound now", shard["waiting"]),
         ):
-            family = GaugeMetricFamily(name, help_text, labels=["shard"])
-            family.add_metric(label, value)
-            yield family
+            gauge = GaugeMetricFamily(name, help_text, labels=["shard"])
+            gauge.add_metric(label, value)
+            yield gauge
         yield from self._tables(label[0])
 
     def _tables(self, shard: str) -> Iterator[Metric]:

@@ -80,6 +80,7 @@ def _answer(service, method: str, payload, peer: str, sink: Callable[[list], Any
         request = service.decode(method, payload)
         if guard is not None and guard.needs_claim(method):
             claim = service.claim(request)
+            assert principal is not None  # authenticated above: there is a guard
             guard.permit(principal, claim)
         result = Answer(grpc.StatusCode.OK, service.serve(request, sink))
         error = None

@@ -65,7 +65,7 @@ def encode_parts(
         array = np.ascontiguousarray(array)
         nbytes = array.nbytes
         entries.append([name, array.dtype.name, list(array.shape), offset, nbytes])
-        buffers.append(memoryview(array.reshape(-1)).cast("B") if nbytes else b"")
+        buffers.append(array.reshape(-1).data.cast("B") if nbytes else b"")  # .data is memoryview(array)
         pad = _pad(nbytes)
         if pad:
             buffers.append(b"\0" * pad)

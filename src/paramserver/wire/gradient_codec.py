@@ -170,7 +170,7 @@ def decode_tensors(tensors: dict[str, np.ndarray], codecs: dict[str, Any]) -> di
             raise InvalidArgumentError(f"encoding given for gradient {name!r}, which the request does not carry")
         kind = header.get("codec") if isinstance(header, dict) else None
         aux = {}
-        for key in _AUX.get(kind, ()):
+        for key in _AUX.get(kind, ()) if isinstance(kind, str) else ():  # decode() refuses any other kind
             if aux_name(name, key) not in out:
                 raise InvalidArgumentError(f"gradient {name!r}: {kind} needs tensor {aux_name(name, key)!r}")
             aux[key] = out.pop(aux_name(name, key))

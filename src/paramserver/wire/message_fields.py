@@ -23,10 +23,10 @@ from typing import Any, ClassVar, NamedTuple, Self
 from ..base.errors import MalformedFrameError
 
 _UNIONS = (typing.Union, types.UnionType)
-M = typing.TypeVar("M")
+M = typing.TypeVar("M", bound="Message")
 
 
-def doc_field(doc: str, default: Any = dataclasses.MISSING, check: Callable[[Any], str | None] | None = None) -> Any:
+def doc_field(doc: str, *, default: Any = dataclasses.MISSING, check: Callable[[Any], str | None] | None = None) -> Any:
     """A message field with its doc; a field with a default is optional (omitted from the meta at
     its default). `check(value)` returns why a well-typed value is still wrong, or None."""
     metadata = {"doc": doc, "check": check}
@@ -102,13 +102,20 @@ class Message:
         return cls(**values)
 
 
-@functools.cache
 def fields_of(cls: type) -> tuple[Field, ...]:
+    """The fields of a message class, in order (computed once per class)."""
+    return _fields_of(cls)  # passed as a `type`: mypy wrongly finds a type[Message] not Hashable
+
+
+@functools.cache
+def _fields_of(cls: type) -> tuple[Field, ...]:
     hints = typing.get_type_hints(cls)
     found = []
     for f in dataclasses.fields(cls):
-        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        default = None if required else f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        factory = f.default_factory
+        required, default = False, f.default
+        if f.default is dataclasses.MISSING:
+            required, default = (False, factory()) if callable(factory) else (True, None)  # no factory: MISSING
         found.append(
             Field(
                 f.name,
@@ -202,7 +209,12 @@ def _parser(hint: Any) -> Callable[[Any], Any]:
     raise TypeError(f"message field type {hint!r} is not supported")
 
 
-_SCALARS = {bool: (bool, bool), int: (int, int), float: ((int, float), float), str: (str, str)}
+_SCALARS: dict[Any, tuple[type | tuple[type, ...], Callable[[Any], Any]]] = {
+    bool: (bool, bool),
+    int: (int, int),
+    float: ((int, float), float),
+    str: (str, str),
+}
 _INT64 = 1 << 63
 _RANGES = {int: "an integer in the int64 range", float: "a finite number"}
 

@@ -43,7 +43,7 @@ class RowLookup(NamedTuple):
 class HelloRequest(Message):
     """Discovery: the shard's index, protocol version, stream port and counters."""
 
-    process: bool = doc_field("also say the serving process's resident memory (`paramserver status`)", False)
+    process: bool = doc_field("also say the serving process's resident memory (`paramserver status`)", default=False)
 
 
 @message("Hello reply")
@@ -59,11 +59,15 @@ class HelloReply(Message):
     staleness_max: int = doc_field("largest staleness of a push")
     staleness_mean: float = doc_field("mean staleness of the pushes")
     tables: dict[str, dict[str, Any]] = doc_field("by table: rows, dim, updates, admission counters, bytes")
-    stream_port: int | None = doc_field("the tensor stream's TCP port (a PS node)", None)
-    host_id: str | None = doc_field("hostname, boot id, PID and network namespace: equal where shm works", None)
-    incarnation: str | None = doc_field("random id of this PS process: a new one after every restart", None)
-    groups: int = doc_field("dense groups registered (0 for a PS that no worker registered with since it started)", 0)
-    rss_bytes: int | None = doc_field("the serving process's resident memory, in bytes (asked with `process`)", None)
+    stream_port: int | None = doc_field("the tensor stream's TCP port (a PS node)", default=None)
+    host_id: str | None = doc_field("hostname, boot id, PID and network namespace: equal where shm works", default=None)
+    incarnation: str | None = doc_field("random id of this PS process: a new one after every restart", default=None)
+    groups: int = doc_field(
+        "dense groups registered (0 for a PS that no worker registered with since it started)", default=0
+    )
+    rss_bytes: int | None = doc_field(
+        "the serving process's resident memory, in bytes (asked with `process`)", default=None
+    )
 
 
 @message("Register request", tensors="the group's initial values (float32), by part name")
@@ -73,13 +77,13 @@ class RegisterRequest(Message):
     group: str = doc_field("the optimizer param group's name")
     optimizer: dict[str, Any] = doc_field('{"name", "hyper"}: the optimizer and its hyper-parameters')
     consistency: dict[str, Any] | None = doc_field(
-        '{"mode", "workers", "backups", "staleness"}: a mode other than the shard\'s is refused', None
+        '{"mode", "workers", "backups", "staleness"}: a mode other than the shard\'s is refused', default=None
     )
-    worker: int | None = doc_field("the registering worker's index", None)
+    worker: int | None = doc_field("the registering worker's index", default=None)
     dtypes: dict[str, str] = doc_field(
         "wire dtype by part name, for parts whose gradients and values travel as `bfloat16` (uint16 bits) or "
         "`float16`; absent: float32. The PS keeps float32 values either way",
-        {},
+        default={},
     )
 
 
@@ -99,21 +103,21 @@ class PushPullRequest(Message):
     """One training step of one worker on this shard: push gradients, push embedding rows, look rows up
     and pull values, in one round trip. Every part is checked before any is applied."""
 
-    pull: list[str] | None = doc_field("part names to pull (absent: the pushed names)", None)
-    worker: int | None = doc_field("the pusher's index", None)
-    step: int | None = doc_field("the sync step it pushes for", None)
-    rows: list[RowPush] = doc_field("row pushes: [table, ids tensor, gradients tensor]", [])
+    pull: list[str] | None = doc_field("part names to pull (absent: the pushed names)", default=None)
+    worker: int | None = doc_field("the pusher's index", default=None)
+    step: int | None = doc_field("the sync step it pushes for", default=None)
+    rows: list[RowPush] = doc_field("row pushes: [table, ids tensor, gradients tensor]", default=[])
     lookups: list[RowLookup] = doc_field(
-        "row lookups, read after the pushes: [table, ids tensor, name of the rows in the reply]", []
+        "row lookups, read after the pushes: [table, ids tensor, name of the rows in the reply]", default=[]
     )
-    resumed: str | None = doc_field("barrier that opened: every worker that waited there is back", None)
-    marker: bool = doc_field("count as the worker's step with nothing to push", False)
-    base: int | None = doc_field("the shard version the gradients were computed from", None)
-    lr: dict[str, float] = doc_field("learning rate by group, when it changed", {})
+    resumed: str | None = doc_field("barrier that opened: every worker that waited there is back", default=None)
+    marker: bool = doc_field("count as the worker's step with nothing to push", default=False)
+    base: int | None = doc_field("the shard version the gradients were computed from", default=None)
+    lr: dict[str, float] = doc_field("learning rate by group, when it changed", default={})
     codecs: dict[str, dict[str, Any]] = doc_field(
         "by gradient tensor name (a part or a row push's grads): its compressed encoding, decoded to float32 "
         'before any check (see "Compressed gradients")',
-        {},
+        default={},
     )
 
 
@@ -146,8 +150,10 @@ class LeaveRequest(Message):
     """Take a worker out of every sync/ssp quorum until its next push."""
 
     worker: int = doc_field("the worker's index")
-    barrier: str | None = doc_field("the barrier it waits at", None)
-    gone: str | None = doc_field("why it is gone for good (from the coordinator's host): waits fail at once", None)
+    barrier: str | None = doc_field("the barrier it waits at", default=None)
+    gone: str | None = doc_field(
+        "why it is gone for good (from the coordinator's host): waits fail at once", default=None
+    )
 
 
 @message("Leave reply")
@@ -163,15 +169,15 @@ class RegisterTableRequest(Message):
     dim: int = doc_field("values per row")
     optimizer: dict[str, Any] = doc_field('{"name", "hyper"}: the row-wise optimizer')
     init: dict[str, Any] = doc_field('{"kind", ...}: the rows\' initializer')
-    policy: dict[str, Any] = doc_field("row admission and eviction (RowPolicy)", {})
-    capacity: int = doc_field("rows this shard reserves up front (at most 2^30)", 0)
-    num_shards: int = doc_field("the shards the table spreads over", 1)
-    consistency: dict[str, Any] | None = doc_field("the mode, for a shard that holds no dense variable", None)
-    worker: int | None = doc_field("the registering worker's index", None)
+    policy: dict[str, Any] = doc_field("row admission and eviction (RowPolicy)", default={})
+    capacity: int = doc_field("rows this shard reserves up front (at most 2^30)", default=0)
+    num_shards: int = doc_field("the shards the table spreads over", default=1)
+    consistency: dict[str, Any] | None = doc_field("the mode, for a shard that holds no dense variable", default=None)
+    worker: int | None = doc_field("the registering worker's index", default=None)
     dtype: str = doc_field(
         "wire dtype of the rows and row gradients: `float32`, `bfloat16` (uint16 bits) or "
         "`float16`; the PS keeps float32 rows either way",
-        "float32",
+        default="float32",
     )
 
 
@@ -217,7 +223,7 @@ class AssignRequest(Message):
     same shape, float32, finite) before any is written; optimizer state, step counts and the version
     stay as they are."""
 
-    worker: int | None = doc_field("the writing worker's index", None)
+    worker: int | None = doc_field("the writing worker's index", default=None)
 
 
 @message("Assign reply")
@@ -234,7 +240,7 @@ class ShutdownRequest(Message):
     restart: bool = doc_field(
         "exit with code 75 instead of 0, for the node's restart loop to start it again from "
         "the latest checkpoint (a roll-back; the chief may ask this)",
-        False,
+        default=False,
     )
 
 
@@ -269,14 +275,16 @@ class CoordinatorReply(Message):
     workers: int = doc_field("workers in the cluster")
     states: dict[str, str] = doc_field("by worker: joining, training, finished, exited or dead")
     checkpoints_requested: int = doc_field("timed checkpoints the chief asked for so far")
-    steps: dict[str, int] | None = doc_field("by worker: its step, as its latest heartbeat said", None)
-    open: bool | None = doc_field("Barrier only: whether it opened", None)
-    waiting: list[int] | None = doc_field("Barrier only, not open: the workers it waits for", None)
-    incarnation: str | None = doc_field("random id of this coordinator: a new one when the chief restarted", None)
+    steps: dict[str, int] | None = doc_field("by worker: its step, as its latest heartbeat said", default=None)
+    open: bool | None = doc_field("Barrier only: whether it opened", default=None)
+    waiting: list[int] | None = doc_field("Barrier only, not open: the workers it waits for", default=None)
+    incarnation: str | None = doc_field(
+        "random id of this coordinator: a new one when the chief restarted", default=None
+    )
     published: dict[str, str] | None = doc_field(
         "what the hosting worker published for the others, by key "
         "(e.g. `dense_sync`: the all-reduce rendezvous address)",
-        None,
+        default=None,
     )
 
 
@@ -310,7 +318,7 @@ class BarrierRequest(JoinRequest):
 
     name: str = doc_field("the barrier's name", check=_NON_EMPTY)
     wait: float = doc_field("seconds to wait at most (0 to 60)")
-    training_only: bool = doc_field("skip finished workers (checkpoint and mode-switch pauses)", False)
+    training_only: bool = doc_field("skip finished workers (checkpoint and mode-switch pauses)", default=False)
 
 
 @message("coordinator Leave request")

@@ -105,7 +105,9 @@ class HashEmbedding(nn.Module):
         # how the PS optimizer recognizes this table (tensors take attributes; torch's stubs declare none)
         self.placeholder._ps_embedding = self  # type: ignore[attr-defined]
         self._tables: RowSource | None = None
-        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # (distinct ids, their rows) of each training forward since the last step; the ids array is the one
+        # the lookup was placed with, so the push reuses its placement (client/table_client.py)
+        self._pending: list[tuple[np.ndarray, torch.Tensor]] = []
         self._prefetches: list[_Prefetch] = []  # oldest first: rows delivered or in flight, then waiting
 
     @property
@@ -159,7 +161,7 @@ class HashEmbedding(nn.Module):
             rows = self._tensor(tables.lookup(cast(str, self.table_name), unique))
         if torch.is_grad_enabled() and self.training:
             rows.requires_grad_(True)
-            self._pending.append((torch.from_numpy(unique), rows))
+            self._pending.append((unique, rows))
         return SpreadRows.apply(rows, inverse).view(*shape, self.dim)
 
     def _tensor(self, rows: np.ndarray) -> torch.Tensor:
@@ -181,6 +183,8 @@ class HashEmbedding(nn.Module):
         """(shape of ids, their distinct values, where each id is among them)."""
         ids = as_ids(ids)
         unique, inverse = distinct(ids.numpy().reshape(-1))
+        unique = unique if unique.base is None else unique.copy()  # owns its ids: nothing else can change them
+        unique.flags.writeable = False  # placed on the shards once, at the lookup; the push reuses it
         return ids.shape, unique, torch.from_numpy(inverse)
 
     def forward(self, ids) -> torch.Tensor:
@@ -193,8 +197,8 @@ class HashEmbedding(nn.Module):
         if not used:
             return None
         if len(used) == 1:  # one lookup this step: its ids are distinct already
-            return used[0][0].numpy(), wire_array(used[0][1].to(self._wire))
-        unique, inverse = distinct(torch.cat([i for i, _ in used]).numpy())
+            return used[0][0], wire_array(used[0][1].to(self._wire))
+        unique, inverse = distinct(np.concatenate([i for i, _ in used]))  # several lookups: placed anew
         summed = sum_rows(torch.cat([g for _, g in used]), torch.from_numpy(inverse), unique.shape[0])
         return unique, wire_array(summed.to(self._wire))
 
