@@ -132,6 +132,18 @@ class Procs:
             proc.kill()
 
 
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """torch in this process runs one intra-op thread: the models here are small, and on a machine whose
+    cores are busy (other tests' nodes, CI's load) torch's thread pool spends its time waiting for a core,
+    several times slower than one thread. Both sides of every comparison run in this process alike;
+    the nodes a test starts keep their own settings."""
+    import torch
+
+    if torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+
+
 @pytest.fixture
 def procs():
     tracker = Procs()
