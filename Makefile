@@ -1,9 +1,11 @@
-# Set-up and everyday commands. `make demo` and `make test` work on a fresh machine.
+# Set-up and everyday commands. `make demo`, `make test` and `make test-all` work on a fresh machine.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+# The test tiers are markers (pyproject.toml): cluster, parity, fault. The fast tier is everything else.
+FAST_TIER := not (cluster or parity or fault)
 
-.PHONY: setup demo test test-fast bench clean
+.PHONY: setup demo test test-all bench clean
 
 setup: $(VENV)/.installed
 
@@ -18,11 +20,13 @@ $(VENV)/.installed: pyproject.toml setup.py
 demo: setup
 	$(BIN)/paramserver demo
 
+# The fast tier, for every edit: no test starts a process (tests/conftest.py refuses it); a minute or two.
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m "$(FAST_TIER)"
 
-test-fast: setup
-	$(BIN)/python -m pytest -q -m "not slow"
+# Every tier: what CI runs (.ci/run, .ci/under-load).
+test-all: setup
+	$(BIN)/python -m pytest -q
 
 bench: setup
 	$(BIN)/python bench/dense.py

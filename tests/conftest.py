@@ -12,7 +12,67 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests import spawn_guard
+
+pytest_plugins = ["pytester"]
+
 ROOT = Path(__file__).resolve().parents[1]
+
+_GUARD = pytest.StashKey[spawn_guard.Guard]()
+
+
+def _guarded(item):
+    """Runs one phase of a test (set-up, call, teardown) with process starts refused, unless the
+    test is marked `cluster` or `fault` (tests/spawn_guard.py)."""
+    if spawn_guard.allows_spawning(item):
+        return None
+    guard = item.stash.setdefault(_GUARD, spawn_guard.Guard(item.nodeid))
+    return guard.install()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    guard = _guarded(item)
+    try:
+        return (yield)
+    finally:
+        if guard is not None:
+            guard.uninstall()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    guard = _guarded(item)
+    try:
+        return (yield)
+    finally:
+        if guard is not None:
+            guard.uninstall()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    guard = _guarded(item)
+    try:
+        return (yield)
+    finally:
+        if guard is not None:
+            guard.uninstall()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A refused process start fails the test even where its code swallowed the exception."""
+    report = yield
+    guard = item.stash.get(_GUARD, None)
+    failure = guard.failure() if guard is not None else None
+    if failure is not None and not report.skipped:
+        if report.passed:
+            report.outcome = "failed"
+            report.longrepr = failure
+        else:
+            report.sections.append(("spawn guard", failure))
+    return report
 
 
 def _kill_tree(proc: subprocess.Popen) -> None:
@@ -70,6 +130,18 @@ class Procs:
             _kill_tree(proc)
         for proc in self.leftovers():
             proc.kill()
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """torch in this process runs one intra-op thread: the models here are small, and on a machine whose
+    cores are busy (other tests' nodes, CI's load) torch's thread pool spends its time waiting for a core,
+    several times slower than one thread. Both sides of every comparison run in this process alike;
+    the nodes a test starts keep their own settings."""
+    import torch
+
+    if torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ import time
 import psutil
 
 from tests.conftest import ROOT
+from tests.wait import finished
 
 
 class LauncherRun:
@@ -60,6 +61,6 @@ class LauncherRun:
     def finish(self, timeout: float = 400) -> dict:
         """Wait for the run to end by itself; it must succeed. Returns its closing JSON line."""
         self.proc.wait(timeout)
-        self._reader.join(10)
+        finished(self._reader, "the reader of the launcher's output to reach its end")
         assert self.proc.returncode == 0, self.output(120)
         return json.loads(self.lines[-1])

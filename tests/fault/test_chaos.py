@@ -15,7 +15,7 @@ import pytest
 
 from tests.fault.launcher_run import LauncherRun
 
-pytestmark = pytest.mark.slow  # three short digits runs: about a minute
+pytestmark = pytest.mark.fault  # three short digits runs: about a minute
 
 DIGITS = "examples/digits.py"
 

@@ -23,7 +23,7 @@ from paramserver.base.lifecycle import RESTART_EXIT_CODE
 from tests.fault.test_lifecycle import WORKERS, check_every_batch_trained_once
 from tests.restart_loop import RestartLoop
 
-pytestmark = pytest.mark.slow  # a cluster of five restart loops through three kills: one to three minutes
+pytestmark = pytest.mark.fault  # a cluster of five restart loops through three kills: one to three minutes
 
 SCRIPT = "tests/integration/scripts/train_counted.py"
 BATCHES = 90  # per worker: long enough for three kills

@@ -26,7 +26,7 @@ import pytest
 from tests.conftest import ROOT
 from tests.fault.launcher_run import LauncherRun
 
-pytestmark = pytest.mark.slow  # clusters with kills, ten digits runs, two CTR runs: five to eight minutes
+pytestmark = pytest.mark.fault  # clusters with kills, ten digits runs, two CTR runs: five to eight minutes
 
 SCRIPT = "tests/integration/scripts/train_counted.py"
 BATCHES, WORKERS = 60, 3

@@ -28,7 +28,7 @@ from paramserver.transport.stream import host_id
 from tests.conftest import ROOT
 from tests.integration.test_node import shard_counters
 
-pytestmark = pytest.mark.slow  # five node processes with torch: 20-60 s on a loaded 2-core machine
+pytestmark = pytest.mark.fault  # five node processes with torch: 20-60 s on a loaded 2-core machine
 
 PORT, STREAM_PORT = 7000, 7001  # the same in every namespace
 SMALL = str(ROOT / "tests" / "integration" / "scripts" / "train_small.py")

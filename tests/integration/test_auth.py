@@ -25,6 +25,8 @@ from paramserver.node.coordinator_host import CoordinatorHost
 from tests.conftest import ROOT
 from tests.reference import batches, max_relative_error, mlp, train, twin
 
+pytestmark = pytest.mark.cluster  # real PS, coordinator and worker processes
+
 SMALL = str(ROOT / "tests" / "integration" / "scripts" / "train_small.py")
 
 NODES = ["ps-0", "worker-0", "worker-1", "admin"]
@@ -229,7 +231,6 @@ def test_the_coordinator_refuses_unknown_nodes_and_other_workers(coordinator):
     assert all(r["node"] == "coordinator" for r in records)
 
 
-@pytest.mark.slow
 def test_paramserver_run_with_tokens_switches_modes_and_checkpoints_with_each_nodes_own_token(procs, tmp_path):
     """Every node holds only its own token: the chief's scheduled mode switch, its checkpoints and
     everyone's joins are accepted, and nothing is refused."""

@@ -15,6 +15,8 @@ from paramserver.launch.local import NO_CHECKPOINT
 from tests.conftest import ROOT
 from tests.unit.checkpoint_faults import files
 
+pytestmark = pytest.mark.cluster  # training script processes
+
 SCRIPT = ROOT / "tests" / "integration" / "scripts" / "train_resume.py"
 
 
@@ -29,7 +31,6 @@ def under_a_file(tmp_path):
     return tmp_path / "blocker" / "ckpt"
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("directory, limit, reason", [
     (lambda tmp_path: tmp_path / "ckpt", small_files, "File too large (EFBIG)"),
     (under_a_file, None, "Not a directory (ENOTDIR)"),

@@ -14,7 +14,7 @@ from paramserver.checkpoint.restore import RestoreSource
 from paramserver.checkpoint.store import CheckpointStore
 from tests.conftest import ROOT
 
-pytestmark = pytest.mark.slow  # several short clusters: ~60 s
+pytestmark = pytest.mark.cluster  # several short clusters: ~60 s
 
 SCRIPTS = ROOT / "tests" / "integration" / "scripts"
 RESUME = str(SCRIPTS / "train_resume.py")

@@ -13,6 +13,8 @@ from paramserver.base.config import ClusterSpec, NodeConfig, Options, Task
 from tests.conftest import ROOT
 from tests.reference import mlp, twin
 
+pytestmark = pytest.mark.cluster  # a real PS process per test
+
 CODECS = ["none", "fp16", "bf16", "int8", "topk:0.01"]
 STEPS = 300
 

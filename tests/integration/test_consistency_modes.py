@@ -17,6 +17,9 @@ from paramserver.transport.grpc_transport import GrpcChannel
 from paramserver.worker.cluster import cluster_context
 from tests.integration.test_node import free_port
 from tests.reference import batches, max_relative_error, mlp, twin
+from tests.wait import finished
+
+pytestmark = pytest.mark.cluster  # real PS processes
 
 
 def worker_contexts(addresses, workers, mode, backups=0, schedule="", **options):
@@ -52,7 +55,7 @@ def run_workers(contexts, body):
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(120)
+        finished(thread, f"{thread.name}'s training body", timeout=120)
     if errors:
         raise errors[0]
 
@@ -207,7 +210,7 @@ def test_only_the_chief_switches_modes(procs):
 def silence(ctx):
     """Worker `ctx` dies as far as the others can tell: no heartbeat, no leave."""
     ctx.coordinator._stopping.set()
-    ctx.coordinator._thread.join(10)
+    finished(ctx.coordinator._thread, f"worker {ctx.worker_index}'s heartbeat thread to stop")
 
 
 @pytest.mark.parametrize("wait", ["push", "barrier"])

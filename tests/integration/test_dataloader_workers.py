@@ -23,7 +23,7 @@ from paramserver.base.grpc_fork import GRPC_FORK_SUPPORT_ENV
 from tests.conftest import ROOT
 from tests.integration.test_node import free_port
 
-pytestmark = pytest.mark.slow  # 25 whole clusters: 2 to 2.5 minutes for this file on 2 idle cores
+pytestmark = pytest.mark.cluster  # 25 whole clusters: 2 to 2.5 minutes for this file on 2 idle cores
 
 SCRIPTS = ROOT / "tests" / "integration" / "scripts"
 TRAIN = str(SCRIPTS / "train_dataloader.py")

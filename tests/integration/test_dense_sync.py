@@ -15,7 +15,7 @@ from paramserver.checkpoint.restore import RestoreSource
 from paramserver.checkpoint.store import CheckpointStore
 from tests.conftest import ROOT
 
-pytestmark = pytest.mark.slow  # whole clusters of processes
+pytestmark = pytest.mark.cluster  # whole clusters of processes
 SCRIPT = str(ROOT / "tests" / "integration" / "scripts" / "train_hybrid.py")
 IDS, FEATURES, DIM = 20, 6, 4
 

@@ -18,7 +18,7 @@ from paramserver.checkpoint.store import CheckpointStore
 from tests.conftest import ROOT
 from tests.integration.test_node import applied_pushes, free_port
 
-pytestmark = pytest.mark.slow  # clusters of processes
+pytestmark = pytest.mark.cluster  # clusters of processes
 
 SCRIPT = str(ROOT / "tests" / "integration" / "scripts" / "train_eval.py")
 STEPS = 30  # each worker's; checkpoints every 5 steps, the final one at 30

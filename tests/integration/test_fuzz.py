@@ -30,7 +30,7 @@ from paramserver.base.errors import ParamServerError
 from paramserver.wire import codec
 from paramserver.transport import stream as stream_mod
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.cluster
 SEED = 20261204
 FRAMES = 10_000
 VARIANTS = 10

@@ -14,6 +14,7 @@ from tests.conftest import ROOT
 from tests.reference import mlp
 
 
+@pytest.mark.cluster
 def test_digits_example_runs_as_a_plain_python_script(procs):
     proc = procs.start([sys.executable, str(ROOT / "examples" / "digits.py"), "--epochs", "3"],
                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -81,6 +82,7 @@ def test_pulled_values_land_on_each_parameters_own_device(fresh_context):
         torch.testing.assert_close(a.cpu(), b, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.cluster
 def test_ctr_example_learns_the_hidden_model(procs, tmp_path):
     data = ROOT / "examples" / "ctr_data.py"
     for name, rows, seed in (("train", 30000, 1), ("test", 5000, 2)):

@@ -10,7 +10,7 @@ import pytest
 
 from tests.conftest import ROOT
 
-pytestmark = pytest.mark.slow  # real processes
+pytestmark = pytest.mark.cluster  # real processes
 
 SMALL = str(ROOT / "tests" / "integration" / "scripts" / "train_small.py")
 

@@ -14,8 +14,9 @@ import pytest
 
 from paramserver.launch.processes import Child, stop_all
 from tests.conftest import ROOT
+from tests.wait import wait_until
 
-pytestmark = pytest.mark.slow  # whole clusters of processes: a minute for this file
+pytestmark = pytest.mark.cluster  # whole clusters of processes: a minute for this file
 
 SMALL = str(ROOT / "tests" / "integration" / "scripts" / "train_small.py")
 CHILD_MEMORY = str(ROOT / "tests" / "integration" / "scripts" / "child_memory.py")
@@ -176,10 +177,7 @@ def test_a_launcher_killed_outright_takes_its_nodes_with_it(procs):
     assert len(procs.leftovers()) >= 2  # the launcher's nodes are running
     proc.kill()
     proc.wait()
-    deadline = time.monotonic() + 10
-    while procs.leftovers() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert procs.leftovers() == []
+    wait_until(lambda: procs.leftovers() == [], "the killed launcher's nodes to exit", interval=0.1)
 
 
 def test_demo_reaches_95_percent_on_held_out_digits(procs):

@@ -69,6 +69,7 @@ def closed_by_peer(sock):
         return True
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("shared_memory", [False, True], ids=["tcp", "shm"])
 def test_an_idle_connection_is_closed_and_the_client_reconnects_without_a_doubled_push(procs, shared_memory):
     _, address = start(procs, idle_timeout_s=0.5)
@@ -91,6 +92,7 @@ def test_an_idle_connection_is_closed_and_the_client_reconnects_without_a_double
         channel.close()
 
 
+@pytest.mark.cluster
 def test_connections_past_max_connections_are_refused_with_a_clear_error(procs):
     _, address = start(procs, max_connections=2)
     port = stream_port(address)
@@ -113,6 +115,7 @@ def test_connections_past_max_connections_are_refused_with_a_clear_error(procs):
             sock.close()
 
 
+@pytest.mark.cluster
 def test_a_prefix_declaring_more_than_max_message_bytes_takes_no_memory(procs):
     proc, address = start(procs, max_message_bytes=1 << 20)
     port = stream_port(address)
@@ -136,6 +139,7 @@ def test_a_prefix_declaring_more_than_max_message_bytes_takes_no_memory(procs):
             sock.close()
 
 
+@pytest.mark.cluster
 def test_a_second_ps_on_an_address_in_use_fails_to_start(procs):
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

@@ -10,6 +10,8 @@ import paramserver as ps
 from paramserver.base.config import ClusterSpec, NodeConfig, Options, Task
 from tests.reference import train
 
+pytestmark = pytest.mark.cluster  # real PS processes
+
 LIMIT = 1 << 20
 TRANSPORTS = {"shm": dict(use_stream=True, shared_memory=True), "tcp": dict(use_stream=True, shared_memory=False),
               "grpc": dict(use_stream=False)}

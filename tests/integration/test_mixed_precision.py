@@ -72,6 +72,7 @@ def steps_apart(a: torch.Tensor, b: torch.Tensor) -> int:
     return int((ordered(a) - ordered(b)).abs().max())
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_a_half_model_trains_as_torch_with_float32_masters(procs, fresh_context, dtype, optimizer):
@@ -88,6 +89,7 @@ def test_a_half_model_trains_as_torch_with_float32_masters(procs, fresh_context,
     assert not all(torch.equal(p, q) for p, q in zip(model.parameters(), moved.parameters()))
 
 
+@pytest.mark.cluster
 def test_overlap_mode_trains_a_bfloat16_model_as_torch_one_update_behind(procs, fresh_context):
     join([procs.start_ps()[1]])
     kwargs = dict(lr=2 ** -4)
@@ -123,6 +125,7 @@ class CountingChannel:
         return getattr(self.channel, name)
 
 
+@pytest.mark.cluster
 def test_a_bfloat16_model_moves_about_half_the_bytes_of_a_float32_one(procs, fresh_context):
     ctx = join([procs.start_ps()[1]])
     counters = ctx.client.channels = [CountingChannel(channel) for channel in ctx.client.channels]
@@ -138,6 +141,7 @@ def test_a_bfloat16_model_moves_about_half_the_bytes_of_a_float32_one(procs, fre
     assert 0.5 <= pushed < 0.52 and 0.5 <= pulled < 0.52, moved  # the headers do not halve
 
 
+@pytest.mark.cluster
 def test_a_gradient_in_another_dtype_than_registered_is_refused_over_the_wire(procs, fresh_context):
     ctx = join([procs.start_ps()[1]])
     model = mlp(sizes=(8, 4)).to(torch.bfloat16)
@@ -163,6 +167,7 @@ def test_the_trainer_casts_float32_batches_for_a_bfloat16_model_which_learns(fre
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_a_half_embedding_table_trains_as_torch_on_float32_rows(procs, fresh_context, dtype):
     """Rows start as the PS's float32 initial values; lookups (direct and riding along a step) come

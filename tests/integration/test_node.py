@@ -11,6 +11,8 @@ from paramserver.wire import codec
 from paramserver.transport.grpc_transport import GrpcChannel
 from tests.conftest import ROOT
 
+pytestmark = pytest.mark.cluster  # `paramserver node` processes
+
 SMALL = str(ROOT / "tests" / "integration" / "scripts" / "train_small.py")
 
 

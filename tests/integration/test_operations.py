@@ -129,6 +129,7 @@ def test_a_drain_lets_a_call_in_flight_finish_after_health_went_not_serving():
             node_.stop(1.0)
 
 
+@pytest.mark.cluster
 def test_sigterm_drains_a_ps_node_while_a_health_watch_sees_it(procs):
     proc, lines = node(procs, "--role", "ps", "--bind", "127.0.0.1:0", "--drain-grace", "3")
     address = lines.wait_for(r"PARAMSERVER_READY ps 0 (\S+)").group(1)
@@ -195,6 +196,7 @@ def wait_for_heartbeats(chief_metrics: str) -> dict:
         time.sleep(0.2)  # polling a condition; the bound above decides nothing by itself
 
 
+@pytest.mark.cluster
 def test_every_node_serves_prometheus_metrics(cluster):
     ps = scrape(cluster["metrics"]["ps"])
     assert value(ps, "paramserver_pushes_total", shard="0") == 2 * STEPS
@@ -221,12 +223,14 @@ def test_every_node_serves_prometheus_metrics(cluster):
     assert value(worker, "process_resident_memory_bytes") > 50 * 2**20
 
 
+@pytest.mark.cluster
 def test_every_node_serves_health(cluster):
     for address in (*cluster["spec"]["ps"], *cluster["spec"]["worker"]):
         assert check(address, 30) == "SERVING", address
     assert check(cluster["spec"]["worker"][0], 30, "paramserver.Coordinator") == "SERVING"
 
 
+@pytest.mark.cluster
 def test_status_prints_every_node(cluster, procs):
     wait_for_heartbeats(cluster["metrics"]["chief"])
     cli = [sys.executable, "-m", "paramserver", "status", str(cluster["path"]), "--interval", "0.2"]
@@ -243,6 +247,7 @@ def test_status_prints_every_node(cluster, procs):
     assert len(table.splitlines()) == 4 and "MiB" in table
 
 
+@pytest.mark.cluster
 def test_status_shows_an_unreachable_node_and_says_so_in_its_exit_code(tmp_path, procs):
     path = tmp_path / "cluster.json"
     path.write_text(json.dumps({"ps": [f"127.0.0.1:{free_port()}"], "worker": [f"127.0.0.1:{free_port()}"]}))

@@ -18,6 +18,8 @@ from paramserver.wire import codec
 from paramserver.transport.grpc_transport import GrpcChannel
 from tests.reference import batches, max_relative_error, mlp, train, twin
 
+pytestmark = pytest.mark.cluster  # real PS processes
+
 TRANSPORTS = {"shm": dict(use_stream=True, shared_memory=True), "tcp": dict(use_stream=True, shared_memory=False),
               "grpc": dict(use_stream=False)}
 

@@ -13,6 +13,8 @@ from paramserver.wire import codec
 from paramserver.transport.grpc_transport import GrpcChannel
 from tests.integration.test_node import free_port
 
+pytestmark = pytest.mark.cluster  # real PS processes
+
 SGD = {"name": "sgd", "hyper": {"lr": 1.0}}
 ZEROS = {"kind": "zeros"}
 

@@ -21,6 +21,8 @@ from tests.fault.launcher_run import LauncherRun
 from tests.integration.s3_server import S3Server
 from tests.integration.test_checkpoints import RESUME, cli, export_file, run, same_end
 
+pytestmark = pytest.mark.cluster  # an S3 server and launcher runs: three short clusters per test, ~25-30 s each
+
 s3fs = pytest.importorskip("s3fs", reason="s3fs is not installed (pip install -e '.[s3]')")
 pytest.importorskip("moto.server", reason="moto's server is not installed (pip install 'moto[server]')")
 
@@ -60,7 +62,6 @@ def digests(store: CheckpointStore, name: str) -> list[tuple[str, int, str]]:
     return [(entry.file, entry.bytes, entry.sha256) for entry in store.shard_files(name, store.manifest(name))]
 
 
-@pytest.mark.slow  # three short clusters: ~25-30 s
 def test_checkpoints_written_to_s3_are_those_of_a_local_run_and_export_the_trained_values(procs, s3, tmp_path):
     s3()
     local = str(tmp_path / "ckpt")
@@ -88,7 +89,6 @@ def test_checkpoints_written_to_s3_are_those_of_a_local_run_and_export_the_train
     assert procs.leftovers() == []
 
 
-@pytest.mark.slow  # three short clusters: ~25-30 s
 def test_a_ps_killed_mid_write_to_s3_leaves_no_manifest_and_resume_takes_the_previous_checkpoint(procs, s3):
     server = s3(hold="/ckpt-000000020/shard-1.safetensors")
     crashed = LauncherRun(procs, ["--ps", "2", "--workers", "1", "--max-restarts", "0", "--checkpoint-dir", URL,

@@ -4,11 +4,14 @@ is refused PERMISSION_DENIED, audited, and changes nothing."""
 import json
 
 import numpy as np
+import pytest
 
 from paramserver.launch import cli
 from paramserver.launch.tokens import write_tokens
 from paramserver.wire import codec
 from paramserver.transport.grpc_transport import GrpcChannel
+
+pytestmark = pytest.mark.cluster  # a real PS process
 
 NODES = ["ps-0", "worker-0", "admin"]
 

@@ -11,7 +11,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from tests.conftest import ROOT
 
-pytestmark = pytest.mark.slow  # a cluster of processes
+pytestmark = pytest.mark.cluster  # a cluster of processes
 
 SCRIPT = str(ROOT / "tests" / "integration" / "scripts" / "train_summaries.py")
 STEPS, EVERY = 12, 3

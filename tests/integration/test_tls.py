@@ -84,6 +84,7 @@ def assert_unchanged(channel, before):
         np.testing.assert_array_equal(values[name], value)
 
 
+@pytest.mark.cluster
 def test_a_good_client_trains_over_mutual_tls(tls_ps):
     """The good path works (so the refusals below are the certificates' doing, not a broken server)."""
     _, _, good = tls_ps
@@ -104,6 +105,7 @@ def _grpc_attackers(pki):
     }
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("attacker", ["plaintext", "no certificate", "another CA's certificate"])
 def test_grpc_refuses_a_client_without_a_certificate_from_its_ca(pki, tls_ps, attacker):
     address, _, good = tls_ps
@@ -132,6 +134,7 @@ def _stream_attackers(pki):
             "another CA's certificate": lambda port: tls(port, pki / "other")}
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("attacker", ["plaintext", "no certificate", "another CA's certificate"])
 def test_the_tensor_stream_refuses_a_client_without_a_certificate_from_its_ca(pki, tls_ps, attacker):
     """A raw push on the stream port: the connection ends without a reply, and nothing changed."""
@@ -167,6 +170,7 @@ def tls_refusals(pki) -> int:
     return sum(1 for r in map(json.loads, lines) if r["what"] == "StreamTLS" and r["outcome"] == "UNAUTHENTICATED")
 
 
+@pytest.mark.cluster
 def test_paramserver_clients_without_tls_or_trusting_another_ca_are_refused(pki, tls_ps):
     """Our own client: plaintext is refused by the PS; a client of another CA refuses the PS."""
     address, stream_port, good = tls_ps
@@ -219,7 +223,7 @@ def paramserver_run(procs, *args):
     return out
 
 
-@pytest.mark.slow
+@pytest.mark.cluster
 def test_a_cluster_trains_over_mutual_tls_to_the_same_values_as_in_plaintext(procs, pki):
     """`paramserver run --certs`: every PS, worker and the coordinator on mutual TLS; sync mode makes
     the result exact, so the checksums of the final variables must be equal."""

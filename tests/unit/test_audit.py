@@ -9,6 +9,7 @@ import pytest
 
 from paramserver.security.audit import AuditLog
 from paramserver.base.errors import ConfigError
+from tests.wait import finished
 
 
 def test_records_are_json_lines_appended_to_what_was_there(tmp_path):
@@ -37,7 +38,7 @@ def test_concurrent_records_are_whole_lines(tmp_path):
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(60)
+        finished(thread, f"{thread.name} to write its 200 records")
     audit.close()
     records = [json.loads(line) for line in path.read_text().splitlines()]
     assert sorted((r["detail"]["writer"], r["detail"]["i"]) for r in records) == [

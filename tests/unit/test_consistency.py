@@ -1,7 +1,6 @@
 """Consistency modes at the shard: sync averaging, backup workers, ssp blocking, switching."""
 
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -10,6 +9,7 @@ from paramserver.base.consistency_spec import ConsistencySpec
 from paramserver.base.errors import (DeadlineExceededError, FailedPreconditionError, InvalidArgumentError,
                                      ParamServerError)
 from paramserver.server.shard import Push, Shard
+from tests.wait import finished, wait_until
 
 SGD1 = {"name": "sgd", "hyper": {"lr": 1.0}}
 
@@ -47,7 +47,7 @@ def test_sync_averages_a_step_and_applies_it_once():
     wait_until(lambda: shard.describe()["waiting"] == 1, "worker 0's push waits")
     assert shard.version == 0 and "value" not in result  # it waits for worker 1
     push(shard, 1, [3, 2, 1], 0)
-    first.join(5)
+    finished(first, "the first push to return")
     assert result["value"].applied
     assert (shard.version, shard.sync_step) == (1, 1)
     np.testing.assert_allclose(value(shard), [-2, -2, -2])
@@ -60,7 +60,7 @@ def test_sync_refuses_a_second_push_for_the_same_step_and_keeps_the_average_clea
     with pytest.raises(InvalidArgumentError, match="already pushed step 0"):
         push(shard, 0, [100, 100, 100], 0)
     push(shard, 1, [3, 3, 3], 0)
-    first.join(5)
+    finished(first, "the first push to return")
     np.testing.assert_allclose(value(shard), [-2, -2, -2])
 
 
@@ -78,7 +78,7 @@ def test_backup_workers_apply_without_the_straggler_and_drop_its_late_gradient()
     first, _ = in_thread(push, shard, 0, [1, 1, 1], 0)
     wait_until(lambda: shard.describe()["waiting"] == 1, "worker 0's push waits")
     push(shard, 1, [3, 3, 3], 0)
-    first.join(5)
+    finished(first, "the first push to return")
     np.testing.assert_allclose(value(shard), [-2, -2, -2])
     late = push(shard, 2, [1000, 1000, 1000], 0)  # the straggler's step 0 arrives after it was applied
     assert not late.applied and late.staleness == 1
@@ -95,7 +95,7 @@ def test_ssp_blocks_a_worker_exactly_k_steps_ahead_of_the_slowest():
     assert "value" not in result
     assert shard.version == 3  # its gradient is applied; only its worker waits
     push(shard, 1, [0, 0, 0])
-    third.join(5)
+    finished(third, "the third push to return")
     assert not third.is_alive() and "error" not in result
 
 
@@ -108,7 +108,7 @@ def test_switching_from_sync_applies_the_partly_gathered_step():
     waiting, result = in_thread(push, shard, 0, [2, 2, 2], 0)
     wait_until(lambda: shard.describe()["waiting"] == 1, "worker 0's push waits")
     shard.set_mode(ConsistencySpec.parse("async", 2))
-    waiting.join(5)
+    finished(waiting, "the waiting push to return")
     assert result["value"].applied
     np.testing.assert_allclose(value(shard), [-2, -2, -2])
     push(shard, 1, [1, 1, 1])  # async now: applied at once
@@ -123,7 +123,7 @@ def test_switching_to_sync_starts_at_the_current_step():
     shard.set_mode(ConsistencySpec.parse("sync", 2))
     waiting, _ = in_thread(push, shard, 0, [1, 1, 1], shard.sync_step)
     push(shard, 1, [1, 1, 1], shard.sync_step)
-    waiting.join(5)
+    finished(waiting, "the waiting push to return")
     assert shard.version == 4 and shard.sync_step == 1
 
 
@@ -146,24 +146,18 @@ def test_bad_modes_are_clear_errors(text, workers, backups, fragment):
 
 
 # ---- members joining late, finishing, coming back, gone for good ------------------------------
-def wait_until(predicate, what):
-    """Wait for a state the test expects (never a verdict by itself: a state never reached fails)."""
-    deadline = time.monotonic() + 30
-    while not predicate():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.01)
 
 
 def test_a_worker_starting_late_joins_the_step_under_way_and_nothing_is_dropped():
     shard = make_shard("sync", 3, backups=1)
     first, _ = in_thread(push, shard, 0, [1, 1, 1], 0)
     push(shard, 1, [3, 3, 3], 0)  # step 0 applied with workers 0 and 1
-    first.join(5)
+    finished(first, "the first push to return")
     shard.register("g", SGD1, {"w": np.zeros(3, np.float32)}, ConsistencySpec.parse("sync", 3, 1), worker=2)
     assert shard.position(2) == 0  # a fresh worker starts its data at 0, whatever the cluster's step
     late, result = in_thread(push, shard, 2, [5, 5, 5], 0)  # it knows no step yet: claims 0
     push(shard, 0, [1, 1, 1], 1)
-    late.join(5)
+    finished(late, "the late worker's push to return")
     assert result["value"].applied and shard.describe()["dropped_late"] == 0
     np.testing.assert_allclose(value(shard), [-5, -5, -5])  # -(1+3)/2 - (5+1)/2
     assert (shard.position(0), shard.position(1), shard.position(2)) == (2, 1, 1)
@@ -176,7 +170,7 @@ def test_a_push_for_the_step_after_this_shards_joins_the_open_step_and_never_wai
     # worker 2 adopted step 1 from a shard that applied step 0 already; here step 0 is still open
     # and needs a second push: worker 2's is it (it never waits for its own push)
     ahead = push(shard, 2, [5, 5, 5], 1)
-    first.join(5)
+    finished(first, "the first push to return")
     assert ahead.applied and shard.sync_step == 1 and shard.describe()["dropped_late"] == 0
     np.testing.assert_allclose(value(shard), [-3, -3, -3])
 
@@ -188,8 +182,8 @@ def test_a_push_for_the_next_step_from_a_worker_that_pushed_the_open_one_waits_f
     early, result = in_thread(push, shard, 0, [3, 3, 3], 1)  # e.g. another shard let it go on already
     push(shard, 1, [1, 1, 1], 0)
     push(shard, 1, [1, 1, 1], 1)
-    first.join(5)
-    early.join(5)
+    finished(first, "the first push to return")
+    finished(early, "the early push for the next step to return")
     assert "error" not in result and shard.sync_step == 2
     np.testing.assert_allclose(value(shard), [-3, -3, -3])
 
@@ -203,7 +197,7 @@ def test_a_refused_push_changes_nothing():
         shard.push(Push({"w": np.ones(3, np.float32)}, worker=0, step=0, resumed="b"))
     assert shard.position(0) == 1 and shard.describe()["pushes"] == 1
     push(shard, 1, [3, 3, 3], 0)  # worker 2 still waits at "b": the step needs workers 0 and 1 only
-    first.join(5)
+    finished(first, "the first push to return")
     assert shard.sync_step == 1
 
 
@@ -214,8 +208,9 @@ def test_a_finished_worker_leaves_the_quorum_and_its_next_push_joins_the_step_un
     push(shard, 0, [2, 2, 2], 1)
     assert shard.sync_step == 2
     back, result = in_thread(push, shard, 1, [4, 4, 4], 0)  # back from a barrier with an old step
+    wait_until(lambda: shard.describe()["waiting"] == 1, "the returning worker's push waits in step 2")
     push(shard, 0, [2, 2, 2], 2)
-    back.join(5)
+    finished(back, "the returning worker's push to return")
     assert result["value"].applied and shard.sync_step == 3 and shard.describe()["dropped_late"] == 0
     np.testing.assert_allclose(value(shard), [-7, -7, -7])
 
@@ -228,9 +223,9 @@ def test_a_restarted_worker_that_pushed_the_open_step_before_dying_pushes_the_ne
     assert shard.position(1) == 1  # it trained one batch: its second life goes on from there
     second, result = in_thread(push, shard, 1, [6, 6, 6], 0)
     push(shard, 0, [2, 2, 2], 0)  # completes step 0 with the first life's gradient
-    dying.join(5)
+    finished(dying, "the first life's push to return")
     push(shard, 0, [2, 2, 2], 1)
-    second.join(5)
+    finished(second, "the second life's push to return")
     assert result["value"].applied and shard.sync_step == 2
     np.testing.assert_allclose(value(shard), [-7, -7, -7])  # -(4+2)/2 - (6+2)/2
 
@@ -239,7 +234,7 @@ def test_a_wait_that_needs_a_gone_worker_fails_at_once_naming_it():
     shard = make_shard("sync", 2, timeout=600)
     waiting, result = in_thread(push, shard, 0, [1, 1, 1], 0)
     shard.forget(1, "no heartbeat for 31s")
-    waiting.join(30)
+    finished(waiting, "the waiting push to return")
     assert not waiting.is_alive()
     assert "worker 1 is gone (no heartbeat for 31s)" in str(result["error"])
 
@@ -249,7 +244,7 @@ def test_with_a_backup_a_gone_worker_is_not_needed():
     shard.forget(2, "no heartbeat for 31s")
     first, result = in_thread(push, shard, 0, [1, 1, 1], 0)
     push(shard, 1, [3, 3, 3], 0)
-    first.join(30)
+    finished(first, "the first push to return")
     assert result["value"].applied and shard.sync_step == 1
 
 
@@ -275,7 +270,7 @@ def test_workers_back_from_a_barrier_are_back_at_once_and_no_one_takes_a_step_al
     wait_until(lambda: shard.describe()["pushes"] == 1, "worker 0's push arrived")
     assert shard.sync_step == 0  # it waits for worker 1, which the barrier's opening brought back
     shard.push(Push({"w": np.full(3, 4, np.float32)}, worker=1, step=0, resumed="checkpoint@10"))
-    first.join(5)
+    finished(first, "the first push to return")
     assert result["value"].applied and shard.sync_step == 1
     np.testing.assert_allclose(value(shard), [-3, -3, -3])
 
@@ -294,5 +289,5 @@ def test_a_worker_found_dead_at_a_barrier_is_still_known_gone_when_the_barrier_o
     shard.forget(1, "no heartbeat for 31s")
     waiting, result = in_thread(lambda: shard.push(Push({"w": np.ones(3, np.float32)}, worker=0, step=0,
                                                         resumed="b")))
-    waiting.join(30)
+    finished(waiting, "the waiting push to return")
     assert not waiting.is_alive() and "worker 1 is gone" in str(result["error"])

@@ -9,6 +9,7 @@ import pytest
 
 from paramserver.base.errors import InvalidArgumentError, UnavailableError
 from paramserver.coordinator.membership import Coordinator
+from tests.wait import finished
 
 
 class Clock:
@@ -185,5 +186,5 @@ def test_what_the_host_publishes_reaches_every_worker_through_the_wire():
     found: list[str] = []
     reader.start()
     coordinator.publish("dense_sync", "127.0.0.1:4242")
-    reader.join(60.0)
+    finished(reader, "the client's read of the published address")
     assert found == ["127.0.0.1:4242"] and coordinator.view()["published"] == {"dense_sync": "127.0.0.1:4242"}

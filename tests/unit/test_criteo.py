@@ -152,6 +152,7 @@ def test_blank_lines_are_skipped_but_counted(tmp_path, both_kernel_paths):
     assert [len(b[2]) for b in criteo.array_batches([LINE, b"\n", b"  \r\n", LINE], 10)] == [2]
 
 
+@pytest.mark.cluster
 def test_the_error_keeps_its_file_and_line_across_a_loader_process(tmp_path):
     error = criteo.CriteoFormatError("f: line 3: field 1 (label): ...", "f", 3, "label")
     again = pickle.loads(pickle.dumps(error))
@@ -357,6 +358,7 @@ def test_the_c_parser_takes_every_good_line_and_stops_at_every_bad_one():
         assert criteo._parse_c(LINE.encode() + bad, 2) is None, bad[:60]
 
 
+@pytest.mark.cluster
 def test_generator_writes_the_exact_format_with_learnable_labels(tmp_path):
     path = tmp_path / "train.tsv"
     subprocess.run([sys.executable, str(ROOT / "examples" / "ctr_data.py"), "--rows", "2000", "--out", str(path)],

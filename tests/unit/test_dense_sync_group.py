@@ -10,6 +10,7 @@ import torch
 from paramserver.base.config import Options
 from paramserver.coordinator.membership import Coordinator
 from paramserver.worker.dense_sync import PUBLISHED_KEY, DenseSync
+from tests.wait import finished
 
 LR = 0.5
 
@@ -60,7 +61,7 @@ def test_a_finished_rank_answers_and_averages_divide_by_the_real_contributors():
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(120)
+        finished(thread, f"rank {threads.index(thread)} to finish its steps", timeout=120)
     assert 0 in results and 1 in results, "a rank did not finish"
     assert coordinator.view()["published"][PUBLISHED_KEY].startswith("127.0.0.1:")
     # worker 0's initial values, broadcast: both start equal

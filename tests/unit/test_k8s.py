@@ -311,6 +311,7 @@ def applied_pushes(address: str) -> int:
     return pushes(address)
 
 
+@pytest.mark.cluster
 def test_the_plain_pods_train_with_mutual_tls_and_tokens(procs, tmp_path):
     plain = deployment(workers=2)
     certs = make_certs(tmp_path, plain)
@@ -342,6 +343,7 @@ def test_the_plain_pods_train_with_mutual_tls_and_tokens(procs, tmp_path):
     assert ps.wait(30) == 0
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("dynamic", [False, True], ids=["dense", "sparse"])
 def test_the_tfjob_pods_train_under_the_operators_tf_config(dynamic, procs, tmp_path):
     d = deployment(tfjob=True, dynamic_workers=dynamic, chief=True, workers=1)

@@ -201,6 +201,11 @@ def case(request, tmp_path, coordinator_server) -> Case:
 
 ALL = ["GrpcServer", "StreamServer", "PSNode", "CoordinatorHost", "CoordinatorClient", "BatchLoader", "LocalCluster",
        "HealthServer", "MetricsEndpoint", "WorkerOps"]
+SPAWNING = {"BatchLoader", "LocalCluster"}  # these start processes once started: the cluster tier
+
+
+def cases(names: list[str]) -> list:
+    return [pytest.param(name, marks=pytest.mark.cluster) if name in SPAWNING else name for name in names]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -210,7 +215,7 @@ def grpc_warmed_up(coordinator_server):
         closable.close()
 
 
-@pytest.mark.parametrize("case", ALL, indirect=True)
+@pytest.mark.parametrize("case", cases(ALL), indirect=True)
 def test_start_wait_ready_stop_leaves_no_thread_and_no_process(case):
     with nothing_left_behind(case.children) as running_children:
         thing = case.make()
@@ -225,7 +230,7 @@ def test_start_wait_ready_stop_leaves_no_thread_and_no_process(case):
             closable.close()
 
 
-@pytest.mark.parametrize("case", [name for name in ALL if name != "LocalCluster"], indirect=True)
+@pytest.mark.parametrize("case", cases([name for name in ALL if name != "LocalCluster"]), indirect=True)
 def test_a_with_block_starts_and_stops(case):
     with nothing_left_behind(case.children) as running_children:
         with case.make() as thing:

@@ -11,6 +11,7 @@ import pytest
 from paramserver.base.errors import InvalidArgumentError
 from paramserver.data import criteo
 from paramserver.data.loader import BatchLoader, LoaderError
+from tests.wait import wait_until
 
 
 def line(rng: np.random.Generator) -> str:
@@ -27,6 +28,7 @@ def tsv(tmp_path):
     return path
 
 
+@pytest.mark.cluster
 def test_batches_from_the_loader_equal_batches_parsed_inline(tsv):
     inline = list(criteo.batches(tsv, 64, skip=1, every=2))
     loaded = list(criteo.batches(tsv, 64, skip=1, every=2, prefetch=3))
@@ -37,6 +39,7 @@ def test_batches_from_the_loader_equal_batches_parsed_inline(tsv):
             np.testing.assert_array_equal(x.numpy(), y.numpy())
 
 
+@pytest.mark.cluster
 def test_a_bad_line_raises_in_the_training_loop_naming_the_line(tsv):
     with open(tsv, "a") as handle:
         handle.write("1\tnot-a-number\n")
@@ -45,6 +48,7 @@ def test_a_bad_line_raises_in_the_training_loop_naming_the_line(tsv):
             pass
 
 
+@pytest.mark.cluster
 def test_leaving_the_loop_early_stops_the_loader_process(tsv):
     before = {p.pid for p in psutil.Process().children()}
     for _ in criteo.batches(tsv, 10, prefetch=2):
@@ -52,12 +56,11 @@ def test_leaving_the_loop_early_stops_the_loader_process(tsv):
         break
     assert len(started) == 1
     pid = started.pop()
-    deadline = time.monotonic() + 10
-    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-        assert time.monotonic() < deadline, "loader still running"
-        time.sleep(0.05)
+    wait_until(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE,
+               "the loader process to exit after the loop was left")
 
 
+@pytest.mark.cluster
 def test_a_killed_loader_is_an_error_not_a_hang(tsv):
     loader = BatchLoader(criteo.array_batches, [str(tsv)], 1, depth=1, timeout_s=20).start()
     batches = iter(loader)

@@ -11,6 +11,7 @@ from paramserver.base.errors import FailedPreconditionError, InvalidArgumentErro
 from paramserver.wire.half import bf16_bits_to_float32, float32_to_bf16_bits
 from paramserver.server.shard import Push, Shard, Step
 from paramserver.server.table_store import TableStore
+from tests.wait import finished
 
 ADAM = {"name": "adam", "hyper": {"lr": 0.1}}
 MASTER = np.linspace(-2, 2, 6, dtype=np.float32).reshape(3, 2)  # not all bfloat16 values: pulls round
@@ -108,7 +109,7 @@ def test_a_sync_step_averages_the_upcast_half_gradients_in_float32():
     waiter = threading.Thread(target=shard.push, args=(Push({"w": first}, worker=0, step=0),))
     waiter.start()
     shard.push(Push({"w": second}, worker=1, step=0))
-    waiter.join(30)
+    finished(waiter, "worker 0's push to return once worker 1's completes the step")
     mean = (bf16_bits_to_float32(first) + bf16_bits_to_float32(second)) / np.float32(2)
     np.testing.assert_array_equal(masters(shard)["w"], -mean)  # 1.5 + 2**-11: no bfloat16 holds it
     assert shard.sync_step == 1

@@ -39,6 +39,7 @@ def _reference_table() -> torch.nn.Embedding:
     return table
 
 
+@pytest.mark.parity  # 24 table trainings on both sides
 @pytest.mark.parametrize("num_ps", [1, 2, 3])
 @pytest.mark.parametrize("kind, torch_cls, kwargs", CASES, ids=lambda v: str(v) if isinstance(v, dict) else None)
 def test_a_table_equals_torch_sparse_training_for_any_number_of_shards(kind, torch_cls, kwargs, num_ps,

@@ -11,6 +11,8 @@ import torch
 import paramserver as ps
 from tests.reference import batches, max_relative_error, mlp, train, twin
 
+pytestmark = pytest.mark.parity  # torch's whole optim_db matrix, trained on both sides
+
 NAMES = ("SGD", "Adagrad", "Adam", "AdamW")
 SIZES, STEPS = (32, 16, 10), 30
 
