@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # The test tiers are markers (pyproject.toml): cluster, parity, fault. The fast tier is everything else.
 FAST_TIER := not (cluster or parity or fault)
 
-.PHONY: setup demo test test-all bench clean
+.PHONY: setup demo lint test test-all bench clean
 
 setup: $(VENV)/.installed
 
@@ -20,12 +20,18 @@ $(VENV)/.installed: pyproject.toml setup.py
 demo: setup
 	$(BIN)/paramserver demo
 
+# ruff (lint + format) and mypy on src/, configured in pyproject.toml; both tiers start with it.
+lint: setup
+	$(BIN)/ruff check src
+	$(BIN)/ruff format --check src
+	$(BIN)/mypy
+
 # The fast tier, for every edit: no test starts a process (tests/conftest.py refuses it); a minute or two.
-test: setup
+test: lint
 	$(BIN)/python -m pytest -q -m "$(FAST_TIER)"
 
 # Every tier: what CI runs (.ci/run, .ci/under-load).
-test-all: setup
+test-all: lint
 	$(BIN)/python -m pytest -q
 
 bench: setup

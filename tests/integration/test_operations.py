@@ -103,11 +103,11 @@ def test_a_drain_lets_a_call_in_flight_finish_after_health_went_not_serving():
     entered, release, seen = threading.Event(), threading.Event(), []
     hello = node_.service.methods["Hello"]
 
-    def slow_hello(payload, sink):  # a call that is still being answered when the drain starts
+    def slow_hello(request, tensors, sink):  # a call that is still being answered when the drain starts
         entered.set()
         release.wait(BOUND_S)
         seen.append(node_.health.status())
-        return hello(payload, sink)
+        return hello(request, tensors, sink)
 
     node_.service.methods["Hello"] = slow_hello
     drainer = threading.Thread(target=node_.drain, args=(BOUND_S,), name="test-drain")
