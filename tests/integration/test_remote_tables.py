@@ -8,6 +8,7 @@ import torch.nn.functional as F
 import paramserver as ps
 from paramserver.base.config import ClusterSpec, NodeConfig, Options, Task
 from paramserver.base.hashing import shard_of
+from paramserver.client.ps_client import PSClient
 from paramserver.client.table_client import TableClient
 from paramserver.wire import codec
 from paramserver.transport.grpc_transport import GrpcChannel
@@ -33,11 +34,13 @@ def shards(procs):
 
 
 def test_ids_spread_over_shards_and_meet_the_same_rows(shards):
-    _, tables = shards
+    channels, tables = shards
     ids = np.arange(-500, 500, dtype=np.int64) * 7919
     assert set(shard_of(ids, 2).tolist()) == {0, 1}
     np.testing.assert_array_equal(tables.lookup("t", ids), 0)  # rows made on first touch
-    tables.wait_all(tables.push("t", ids, np.tile(ids[:, None].astype(np.float32), (1, 4))))
+    riders = tables.riders()
+    riders.push("t", ids, np.tile(ids[:, None].astype(np.float32), (1, 4)))
+    PSClient(channels, 10).push_pull({}, [], riders=riders).wait(10)
     rows = tables.lookup("t", ids[::-1].copy())
     np.testing.assert_array_equal(rows[:, 0], -ids[::-1].astype(np.float32))
 
@@ -49,24 +52,24 @@ def call(channel, method, meta, tensors=()):
 @pytest.mark.parametrize("method, meta, tensors, error, fragment", [
     ("Lookup", {"table": "nope"}, [("ids", np.array([1], np.int64))], ps.NotFoundError, "no table 'nope'"),
     ("Lookup", {"table": "t"}, [("ids", np.array([1.0], np.float32))], ps.InvalidArgumentError, "int64"),
-    ("PushSparse", {"table": "t"}, [("ids", np.array([1, 1], np.int64)), ("grads", np.ones((2, 4), np.float32))],
+    # row pushes and lookups of a PushPull: all checked before anything changes
+    ("PushPull", {"pull": [], "rows": [["t", "s.ids", "s.grads"]]},
+     [("s.ids", np.array([1, 1], np.int64)), ("s.grads", np.ones((2, 4), np.float32))],
      ps.InvalidArgumentError, "distinct"),
-    ("PushSparse", {"table": "t"}, [("ids", np.array([1, 2], np.int64)), ("grads", np.ones((3, 4), np.float32))],
+    ("PushPull", {"pull": [], "rows": [["t", "s.ids", "s.grads"]]},
+     [("s.ids", np.array([1, 2], np.int64)), ("s.grads", np.ones((3, 4), np.float32))],
      ps.InvalidArgumentError, "does not match 2 ids"),
-    ("PushSparse", {"table": "t"}, [("ids", np.array([1], np.int64)), ("grads", np.full((1, 4), np.nan, np.float32))],
+    ("PushPull", {"pull": [], "rows": [["t", "s.ids", "s.grads"]]},
+     [("s.ids", np.array([1], np.int64)), ("s.grads", np.full((1, 4), np.nan, np.float32))],
      ps.InvalidArgumentError, "NaN"),
-    ("PushSparse", {"table": "t"}, [("ids", np.array([1], np.int64))], ps.InvalidArgumentError, "'grads'"),
-    # row pushes and lookups riding along a PushPull: all checked before anything changes
-    ("PushPull", {"pull": [], "sparse": [["t", "~s.ids", "~s.grads"]]},
-     [("~s.ids", np.array([1], np.int64)), ("~s.grads", np.full((1, 4), np.nan, np.float32))],
-     ps.InvalidArgumentError, "NaN"),
-    ("PushPull", {"pull": [], "sparse": [["t", "~s.ids", "~s.grads"]], "lookup": [["nope", "~l.ids", "~l.rows"]]},
-     [("~s.ids", np.array([1], np.int64)), ("~s.grads", np.ones((1, 4), np.float32)),
-      ("~l.ids", np.array([5], np.int64))], ps.NotFoundError, "no table 'nope'"),
-    ("PushPull", {"pull": [], "sparse": [["t", "s.ids", "s.grads"]]},
-     [("s.ids", np.array([1], np.int64)), ("s.grads", np.ones((1, 4), np.float32))],
-     ps.InvalidArgumentError, "start with '~'"),
-    ("PushPull", {"pull": [], "lookup": "t"}, [], ps.InvalidArgumentError, "'lookup' must be a list of \\[table, ids, rows\\]"),
+    ("PushPull", {"pull": [], "rows": [["t", "s.ids", "s.grads"]]}, [("s.ids", np.array([1], np.int64))],
+     ps.InvalidArgumentError, "'s.grads'"),
+    ("PushPull", {"pull": [], "rows": [["t", "s.ids", "s.grads"]], "lookups": [["nope", "l.ids", "l.rows"]]},
+     [("s.ids", np.array([1], np.int64)), ("s.grads", np.ones((1, 4), np.float32)),
+      ("l.ids", np.array([5], np.int64))], ps.NotFoundError, "no table 'nope'"),
+    ("PushPull", {"pull": [], "rows": [["t", "s.ids", "s.ids"]]},
+     [("s.ids", np.array([1], np.int64))], ps.InvalidArgumentError, "names one tensor in two places"),
+    ("PushPull", {"pull": [], "lookups": "t"}, [], ps.InvalidArgumentError, "'lookups' must be a list of \\[table, ids, rows\\]"),
 ])
 def test_bad_table_requests_are_refused_and_change_nothing(shards, method, meta, tensors, error, fragment):
     channels, tables = shards
