@@ -91,10 +91,11 @@ BAD_PUSHES = [
     ("wrong dtype", codec.encode({}, [("w", np.ones((3, 2), np.float64))]), ps.InvalidArgumentError, "dtype"),
     ("unknown variable", codec.encode({}, [("v", np.ones(2, np.float32))]), ps.NotFoundError, "'v'"),
     ("NaN", codec.encode({}, [("b", np.array([0, np.nan], np.float32))]), ps.InvalidArgumentError, "NaN"),
-    ("malformed frame", b"PSFR\x01\x00\x00\x00\xff\xff\x00\x00garbage", ps.InvalidArgumentError, "runs past"),
+    ("malformed frame", b"PSFR" + codec.PROTOCOL_MAJOR.to_bytes(2, "little") + b"\x00\x00\xff\xff\x00\x00garbage",
+     ps.InvalidArgumentError, "runs past"),
     ("not a frame", b"hello", ps.InvalidArgumentError, "shorter"),
     ("newer protocol", codec.encode({}, [("b", np.ones(2, np.float32))], major=codec.PROTOCOL_MAJOR + 1),
-     ps.FailedPreconditionError, "protocol 2"),
+     ps.FailedPreconditionError, f"protocol {codec.PROTOCOL_MAJOR + 1}"),
 ]
 
 

@@ -114,8 +114,7 @@ class PSClient:
         worker: int = 0,
         consistency: ConsistencySpec | None = None,
     ) -> None:
-        self.channels = channels
-        self.stubs = [ShardStub(channel) for channel in channels]
+        self.channels = channels  # and a typed stub over each (the setter)
         self.worker = worker
         self.consistency = consistency or ConsistencySpec()
         self.record = PushRecord()
@@ -128,6 +127,15 @@ class PSClient:
         self._groups_on: dict[int, set[str]] = {}
         self.compressor = GradientCompressor()  # codecs by variable (register), their residuals
         self.pushed_bytes = 0  # PushPull requests that pushed something, whole frames
+
+    @property
+    def channels(self) -> list[ShardChannel]:
+        return self._channels
+
+    @channels.setter
+    def channels(self, channels: list[ShardChannel]) -> None:
+        self._channels = list(channels)
+        self.stubs = [ShardStub(channel) for channel in self._channels]
 
     @property
     def gradient_bytes(self) -> int:
