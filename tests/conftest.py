@@ -1,4 +1,5 @@
-"""Shared fixtures: real PS processes on 127.0.0.1 port 0, and cleanup of everything a test started."""
+"""Shared fixtures: real PS processes on 127.0.0.1 port 0, and cleanup of everything a test started.
+The fast tier's guard: a test not marked `cluster` or `fault` that starts a process fails (tests/spawn_guard.py)."""
 
 from __future__ import annotations
 
