@@ -19,6 +19,12 @@ pytest_plugins = ["pytester"]
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# OpenMP threads that wait for work sleep instead of spinning, here and in every process a test starts
+# (they inherit it). Spinning threads are idle work that competes for the cores with everything else:
+# examples/digits.py took 26-31 s beside two busy loops, 14-16 s with this (and a third of the CPU). It
+# changes no result, only how idle threads wait. Read when torch loads, which is after this.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 _GUARD = pytest.StashKey[spawn_guard.Guard]()
 
 
