@@ -1,4 +1,5 @@
-"""Shared fixtures: real PS processes on 127.0.0.1 port 0, and cleanup of everything a test started."""
+"""Shared fixtures: real PS processes on 127.0.0.1 port 0, and cleanup of everything a test started.
+The fast tier's guard: a test not marked `cluster` or `fault` that starts a process fails (tests/spawn_guard.py)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,12 @@ from tests import spawn_guard
 pytest_plugins = ["pytester"]
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# OpenMP threads that wait for work sleep instead of spinning, here and in every process a test starts
+# (they inherit it). Spinning threads are idle work that competes for the cores with everything else:
+# examples/digits.py took 26-31 s beside two busy loops, 14-16 s with this (and a third of the CPU). It
+# changes no result, only how idle threads wait. Read when torch loads, which is after this.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 _GUARD = pytest.StashKey[spawn_guard.Guard]()
 
