@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml setup.py
 demo: setup
 	$(BIN)/paramserver demo
 
-# The fast tier, for every edit: no test starts a process (tests/conftest.py refuses it); a minute or two.
+# The fast tier, for every edit: no test starts a process (tests/conftest.py refuses it); under a minute.
 test: setup
 	$(BIN)/python -m pytest -q -m "$(FAST_TIER)"
 
