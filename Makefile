@@ -26,7 +26,7 @@ lint: setup
 	$(BIN)/ruff format --check src
 	$(BIN)/mypy
 
-# The fast tier, for every edit: no test starts a process (tests/conftest.py refuses it); a minute or two.
+# The fast tier, for every edit: no test starts a process (tests/conftest.py refuses it); under a minute.
 test: lint
 	$(BIN)/python -m pytest -q -m "$(FAST_TIER)"
 
