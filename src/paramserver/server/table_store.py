@@ -92,10 +92,6 @@ class TableStore:
         """Rows of `ids`, created on first touch (a copy, in the table's wire dtype)."""
         return self.lookup_checked([self.check_lookup(name, ids)])[0]
 
-    def push(self, name: str, ids: np.ndarray, grads: np.ndarray) -> None:
-        """One row-wise optimizer step; every check passes before any row changes."""
-        self.push_checked([self.check_push(name, ids, grads)])
-
     def check_lookup(self, name: str, ids: np.ndarray) -> CheckedLookup:
         """Validate a lookup without running it (raises InvalidArgumentError / NotFoundError)."""
         table = self._table(name)
