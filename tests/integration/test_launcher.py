@@ -78,10 +78,16 @@ def _count(line: str, key: str) -> int:
     return int(re.search(rf"\b{key}=([\d,]+)", line).group(1).replace(",", ""))
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_interrupting_the_launcher_stops_every_node_and_counts_no_step_after_it(procs, sig):
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # what a shell's background job (CI, nohup ... &) inherits
+
+
+@pytest.mark.parametrize("sig, inherited", [(signal.SIGINT, None), (signal.SIGTERM, None),
+                                            (signal.SIGINT, _ignore_sigint)], ids=["int", "term", "int-ignored"])
+def test_interrupting_the_launcher_stops_every_node_and_counts_no_step_after_it(procs, sig, inherited):
     proc = procs.start(paramserver("run", "--ps", "1", "--workers", "2", "--progress-every", "0.2", SMALL, "--",
-                                   "--steps", "0"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                   "--steps", "0"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                       preexec_fn=inherited)
     registered = set()
     for line in proc.stdout:  # wait until both workers train
         if "parameters registered" in line:

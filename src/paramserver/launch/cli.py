@@ -445,8 +445,10 @@ def _demo_script() -> Path:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     _configure_logging(args)
-    # SIGTERM stops a launcher as cleanly as Ctrl-C does.
+    # SIGTERM stops a launcher as cleanly as Ctrl-C does; SIGINT is set too, since a process started in
+    # the background by a shell (or by a job that was) inherits SIGINT ignored, and `kill -INT` must still stop it.
     signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
     try:
         if args.command == "run":
             return _run_local(args, args.script, _strip_dashes(args.args))
