@@ -30,41 +30,31 @@ _GUARD = pytest.StashKey[spawn_guard.Guard]()
 
 def _guarded(item):
     """Runs one phase of a test (set-up, call, teardown) with process starts refused, unless the
-    test is marked `cluster` or `fault` (tests/spawn_guard.py)."""
-    if spawn_guard.allows_spawning(item):
-        return None
-    guard = item.stash.setdefault(_GUARD, spawn_guard.Guard(item.nodeid))
-    return guard.install()
+    test is marked `cluster` or `fault` (tests/spawn_guard.py). A hook wrapper's body."""
+    guard = None
+    if not spawn_guard.allows_spawning(item):
+        guard = item.stash.setdefault(_GUARD, spawn_guard.Guard(item.nodeid))
+        guard.install()
+    try:
+        return (yield)
+    finally:
+        if guard is not None:
+            guard.uninstall()
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_setup(item):
-    guard = _guarded(item)
-    try:
-        return (yield)
-    finally:
-        if guard is not None:
-            guard.uninstall()
+    return (yield from _guarded(item))
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
-    guard = _guarded(item)
-    try:
-        return (yield)
-    finally:
-        if guard is not None:
-            guard.uninstall()
+    return (yield from _guarded(item))
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item, nextitem):
-    guard = _guarded(item)
-    try:
-        return (yield)
-    finally:
-        if guard is not None:
-            guard.uninstall()
+    return (yield from _guarded(item))
 
 
 @pytest.hookimpl(wrapper=True)
