@@ -129,15 +129,18 @@ class RestoreSource:
             )
         return DenseVariable(value, {key: array[rows] for key, array in found.state.items()}, found.steps)
 
-    def table_rows(self, table: str, dim: int, spec: dict, shard: int, num_shards: int) -> SavedTable | None:
-        """The saved rows of `table` that belong to `shard` of `num_shards`; None if the table is new."""
-        saved = self.tables.get(table)
+    def fill_table(self, table, shard: int, num_shards: int) -> bool:
+        """Load the saved rows of `table` that belong to `shard` of `num_shards` into it (an empty
+        table with the `load_rows`/`restore_meta` methods); False if the checkpoint has no such table."""
+        saved = self.tables.get(table.name)
         if saved is None:
-            return None
-        if saved.meta["dim"] != dim or saved.meta["spec"] != spec:
+            return False
+        if saved.meta["dim"] != table.dim or saved.meta["spec"] != table.spec:
             raise CheckpointError(
-                f"checkpoint {self.name}: table {table!r} has dim {saved.meta['dim']} and "
-                f"optimizer {saved.meta['spec']}, not dim {dim} and {spec}"
+                f"checkpoint {self.name}: table {table.name!r} has dim {saved.meta['dim']} and "
+                f"optimizer {saved.meta['spec']}, not dim {table.dim} and {table.spec}"
             )
         mine = shard_of(saved.ids, num_shards) == shard
-        return SavedTable(saved.meta, saved.ids[mine], {key: array[mine] for key, array in saved.arrays.items()})
+        table.load_rows(saved.ids[mine], {key: array[mine] for key, array in saved.arrays.items()})
+        table.restore_meta(saved.meta["counters"], saved.meta["steps"])
+        return True

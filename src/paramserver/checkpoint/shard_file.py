@@ -57,7 +57,7 @@ def encode(
             for key, array in group.state.items():
                 tensors[f"dense/{name}/{part}/{key}"] = array[slot.start : slot.stop].reshape(slot.shape)
     for name, table in tables.items():
-        ids, order = table.index.items()
+        n = table.size
         meta["tables"][name] = {
             "dim": table.dim,
             "spec": table.spec,
@@ -66,13 +66,12 @@ def encode(
             "counters": dict(table.counters),
             "steps": table.steps,
         }
-        tensors[f"table/{name}/ids"] = ids
-        tensors[f"table/{name}/values"] = table.values[order]
-        for key, array in table.state.items():
-            tensors[f"table/{name}/{key}"] = array[order]
-        if table.tracks_use:
-            tensors[f"table/{name}/last_seen"] = table.last_seen[order]
-            tensors[f"table/{name}/seen"] = table.seen[order]
+        for _, arrays in table.row_chunks(max(n, 1)):
+            tensors.update({f"table/{name}/{key}": array for key, array in arrays.items()})
+        if n == 0:
+            tensors.update(
+                {f"table/{name}/{key}": np.zeros((0, *shape), dtype) for key, (dtype, shape) in table.layout().items()}
+            )
     contiguous = {key: np.ascontiguousarray(value) for key, value in tensors.items()}
     return safetensors_numpy.save(contiguous, metadata={_META_KEY: json.dumps(meta)})
 

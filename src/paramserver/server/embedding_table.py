@@ -8,6 +8,7 @@ and in any order of arrival. Not thread-safe: the owning Shard serializes calls.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -113,6 +114,7 @@ class EmbeddingTable:
         self.name, self.dim, self.optimizer, self.init, self.spec = name, dim, optimizer, init, spec
         self.index = HashIndex(2 * capacity)
         self.values = np.empty((capacity, dim), np.float32)
+        self.row_ids = np.empty(capacity, np.int64)  # the id of each row: a checkpoint streams rows in order
         self.state = {key: _filled((capacity, dim), value, np.float32) for key, value in optimizer.state_init().items()}
         if optimizer.hyper.get("per_row_step"):
             self.state["row_step"] = np.zeros(capacity, np.int64)
@@ -142,17 +144,47 @@ class EmbeddingTable:
             new_ids = candidates[admit]
             self._reserve(self.size + new_ids.shape[0])
             new_rows = self.index.insert(new_ids)
+            self.row_ids[new_rows] = new_ids
             self.values[new_rows] = initial_rows(new_ids, self.dim, self.init)
             rows[missing] = self.index.find(ids[missing])
             self.counters["admitted"] += new_ids.shape[0]
             self.counters["not_admitted_lookups"] += int((~admit).sum())
         return rows
 
-    def load(self, ids: np.ndarray, arrays: dict[str, np.ndarray], counters: dict[str, int], steps: int) -> None:
-        """Fill an empty table with saved rows: `arrays` holds "values", each optimizer state,
-        and optionally "row_step", "last_seen", "seen" (one row per id). Restores a checkpoint."""
-        self._reserve(ids.shape[0])
+    def layout(self) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
+        """What a saved row holds: array name -> (dtype, shape of one row), in file order:
+        "ids", "values", each optimizer state (and "row_step"), "last_seen" and "seen" when kept."""
+        arrays: dict[str, np.ndarray] = {"ids": self.row_ids, "values": self.values, **self.state}
+        if self.tracks_use:
+            arrays.update(last_seen=self.last_seen, seen=self.seen)
+        return {name: (array.dtype, array.shape[1:]) for name, array in arrays.items()}
+
+    def row_chunks(self, chunk_rows: int) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
+        """(first row, {array name: rows}) for consecutive chunks of at most `chunk_rows` rows,
+        every array of `layout()` in each: views, no copy. The caller keeps the table still
+        (holds the store's lock) until it is done with them."""
+        names = self.layout()
+        for lo in range(0, self.size, chunk_rows):
+            hi = min(lo + chunk_rows, self.size)
+            yield lo, {name: self._array(name)[lo:hi] for name in names}
+
+    def _array(self, name: str) -> np.ndarray:
+        if name == "ids":
+            return self.row_ids
+        if name in ("values", "last_seen", "seen"):
+            return getattr(self, name)
+        return self.state[name]
+
+    def load_rows(self, ids: np.ndarray, arrays: dict[str, np.ndarray]) -> None:
+        """Add saved rows (a restore, one chunk at a time): `arrays` holds "values", each optimizer
+        state, and optionally "row_step", "last_seen", "seen", one row per id. The ids must be
+        distinct and not stored yet (InvalidArgumentError otherwise: a file is not trusted)."""
+        ids = np.ascontiguousarray(ids, np.int64)
+        if ids.shape[0] > 1 and np.unique(ids).shape[0] != ids.shape[0] or (self.index.find(ids) >= 0).any():
+            raise InvalidArgumentError(f"table {self.name!r}: saved rows name an id twice")
+        self._reserve(self.size + ids.shape[0])
         rows = self.index.insert(ids)
+        self.row_ids[rows] = ids
         self.values[rows] = arrays["values"]
         for key, array in self.state.items():
             if key in arrays:
@@ -161,6 +193,9 @@ class EmbeddingTable:
             for key in ("last_seen", "seen"):
                 if key in arrays:
                     getattr(self, key)[rows] = arrays[key]
+
+    def restore_meta(self, counters: dict[str, int], steps: int) -> None:
+        """Set the counters and update count a checkpoint saved (after its rows are loaded)."""
         self.counters.update({key: int(counters.get(key, 0)) for key in self.counters})
         self.steps = int(steps)
 
@@ -232,9 +267,9 @@ class EmbeddingTable:
         return evicted
 
     def _compact(self, keep: np.ndarray) -> None:
-        ids, rows = self.index.items()
-        kept_rows = rows[keep[rows]]
-        for name in ("values", "last_seen", "seen"):
+        kept_rows = np.flatnonzero(keep[: self.size])
+        kept_ids = self.row_ids[kept_rows]
+        for name in ("row_ids", "values", "last_seen", "seen"):
             array = getattr(self, name)
             array[: kept_rows.shape[0]] = array[kept_rows]
         for array in self.state.values():
@@ -243,7 +278,7 @@ class EmbeddingTable:
         for key, array in self.state.items():
             array[kept_rows.shape[0] :] = fill.get(key, 0)
         self.index = HashIndex(max(16, 2 * kept_rows.shape[0]))
-        self.index.insert(ids[keep[rows]])
+        self.index.insert(kept_ids)
 
     def describe(self) -> dict:
         return {
@@ -252,6 +287,7 @@ class EmbeddingTable:
             "updates": self.steps,
             **self.counters,
             "bytes": self.values.nbytes
+            + self.row_ids.nbytes
             + sum(a.nbytes for a in self.state.values())
             + self.index.nbytes
             + self.last_seen.nbytes
@@ -264,6 +300,7 @@ class EmbeddingTable:
             return
         capacity = max(needed, int(capacity * _GROWTH))
         self.values = _grown(self.values, capacity, 0.0)
+        self.row_ids = _grown(self.row_ids, capacity, 0)
         if self.tracks_use:
             self.last_seen = _grown(self.last_seen, capacity, 0)
             self.seen = _grown(self.seen, capacity, 0)

@@ -66,16 +66,10 @@ class TableStore:
                 optimizer = build_sparse_optimizer(optimizer_spec)
                 row_policy = RowPolicy.from_dict(policy)
                 self._check_new_table(name, dim, optimizer, row_policy, capacity)
-                saved = (
-                    self.restore.table_rows(name, dim, optimizer_spec, self.shard_index, num_shards)
-                    if self.restore is not None
-                    else None
-                )
                 table = EmbeddingTable(
                     name, dim, optimizer, init, optimizer_spec, capacity=max(1024, capacity), policy=row_policy
                 )
-                if saved is not None:
-                    table.load(saved.ids, saved.arrays, saved.meta["counters"], saved.meta["steps"])
+                if self.restore is not None and self.restore.fill_table(table, self.shard_index, num_shards):
                     log.info("shard %d: table %s restored with %d rows", self.shard_index, name, table.size)
                 self._tables[name], self._wire[name] = table, wire
                 log.info("shard %d: table %s (dim %d, %s)", self.shard_index, name, dim, optimizer.name)
