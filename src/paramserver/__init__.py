@@ -47,6 +47,7 @@ _LAZY = {
     "EpochMetrics": ("paramserver.worker.trainer", "EpochMetrics"),
     "evaluate": ("paramserver.worker.evaluator", "evaluate"),
     "Evaluation": ("paramserver.worker.evaluator", "Evaluation"),
+    "load_export": ("paramserver.checkpoint.tools", "load_export"),
     "optim": ("paramserver.optim", None),
     "nn": ("paramserver.nn", None),
 }
@@ -62,6 +63,7 @@ __all__ = [
     "EpochMetrics",
     "evaluate",
     "Evaluation",
+    "load_export",
     "optim",
     "nn",
     "ClusterSpec",

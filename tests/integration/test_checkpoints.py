@@ -8,6 +8,8 @@ import subprocess
 import sys
 
 import pytest
+
+from paramserver import load_export
 import torch
 
 from paramserver.checkpoint.restore import RestoreSource
@@ -77,7 +79,7 @@ def test_resume_skips_a_damaged_checkpoint_and_the_cli_names_the_file(procs, tmp
 
     exported = cli("export", directory, "ckpt-000000020", "--out", str(tmp_path / "model.pt"))
     assert exported.returncode == 0, exported.stderr
-    saved = torch.load(tmp_path / "model.pt")
+    saved = load_export(tmp_path / "model.pt")
     assert saved["step"] == 20 and set(saved["state_dict"]) == {"0.weight", "0.bias", "2.weight", "2.bias"}
     assert saved["state_dict"]["0.weight"].shape == (16, 8)
     table = saved["embeddings"]["resume.table"]
@@ -115,7 +117,7 @@ def export_file(directory: str, out) -> tuple[dict, subprocess.CompletedProcess]
     exported = cli("export", directory, "--out", str(out))
     assert exported.returncode == 0, exported.stderr
     assert exported.stdout.strip() == str(out)
-    return torch.load(out), exported
+    return load_export(out), exported
 
 
 def test_a_clean_end_writes_the_final_checkpoint_and_export_gives_the_trained_model(procs, tmp_path):

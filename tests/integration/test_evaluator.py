@@ -9,6 +9,8 @@ import subprocess
 import sys
 
 import pytest
+
+from paramserver import load_export
 import torch
 import torch.nn.functional as F
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -53,7 +55,7 @@ def evaluations(out: str) -> list[dict]:
 
 def torch_metrics(directory: str, data_path: str, out) -> dict:
     """The held-out metrics of the exported final checkpoint, computed by plain torch."""
-    saved = torch.load(tools.export(directory, None, str(out)))
+    saved = load_export(tools.export(directory, None, str(out)))
     data, state = torch.load(data_path), saved["state_dict"]
     table = saved["embeddings"]["opt0.emb"]
     where = {int(i): row for row, i in enumerate(table["ids"])}

@@ -71,6 +71,9 @@ class _Budget:
     def flush(self) -> None:
         self.handle.flush()
 
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self.handle.seek(offset, whence)
+
     def fileno(self) -> int:
         return self.handle.fileno()
 

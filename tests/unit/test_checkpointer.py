@@ -11,6 +11,8 @@ import re
 
 import numpy as np
 import pytest
+
+from paramserver import load_export
 import torch
 import torch.nn as nn
 
@@ -294,7 +296,7 @@ def test_export_of_unnamed_parameters_says_they_are_positional_and_how_to_load_t
     assert "positional" in note and "param0" in note and "model.parameters()" in note
     assert "ps.optim.Adam(model.named_parameters(), ...)" in note
     assert "strict=False" not in note
-    saved = torch.load(out)
+    saved = load_export(out)
     assert list(saved["state_dict"]) == [f"param{i}" for i in range(12)]  # in the optimizer's order
     fresh = model()
     snippet = "\n".join(line[4:] for line in note.splitlines() if line.startswith("    ") and "ps.optim" not in line)
@@ -312,7 +314,7 @@ def test_export_of_named_parameters_keeps_the_models_names_and_says_nothing(tmp_
     tools.run_tool("export", directory, None, out)
     assert capsys.readouterr().err == ""
     fresh = model()
-    fresh.load_state_dict({**fresh.state_dict(), **torch.load(out)["state_dict"]})  # as docs/checkpoints.md says
+    fresh.load_state_dict({**fresh.state_dict(), **load_export(out)["state_dict"]})  # as docs/checkpoints.md says
     for loaded, original in zip(fresh.parameters(), trained.parameters()):
         assert torch.equal(loaded, original)
 

@@ -103,9 +103,9 @@ def test_each_new_checkpoint_is_evaluated_partial_ones_never_read_and_it_ends_at
                                                                                                 monkeypatch):
     write(tmp_path, 10, 1.0)
     read = []
-    real_read = CheckpointStore.read_shard
-    monkeypatch.setattr(CheckpointStore, "read_shard", lambda self, name, entry: read.append(name) or
-                        real_read(self, name, entry))
+    real_open = CheckpointStore.open_shard
+    monkeypatch.setattr(CheckpointStore, "open_shard", lambda self, name, entry: read.append(name) or
+                        real_open(self, name, entry))
 
     def fn(model, step):  # training goes on meanwhile: each evaluation sees the next checkpoint appear
         if step == 10:

@@ -47,7 +47,7 @@ def test_the_checkpoint_holds_the_float32_masters_and_a_bfloat16_model_loads_the
     assert any(not np.array_equal(float32_to_bf16_bits(v).astype(np.uint32) << 16, v.view(np.uint32))
                for v in expected.values())  # the masters hold bits a bfloat16 drops
     for name in NAMES:
-        value = source.groups["opt0.group0"]["vars"][name].value
+        value = source.dense_variables()["opt0.group0"]["vars"][name].value
         assert value.dtype == np.float32
         np.testing.assert_array_equal(value, expected[name])
     model = nn.Linear(2, 3).to(torch.bfloat16)

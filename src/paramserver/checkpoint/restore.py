@@ -1,25 +1,43 @@
-"""A checkpoint's contents regrouped for a cluster of any size (restore onto more or fewer PS).
+"""One checkpoint, read a piece at a time, for a cluster of any size (restore onto more or fewer PS).
 
-Dense variables are reassembled whole from their parts (a part named ``var[lo:hi]`` holds rows
-lo..hi of axis 0), so a new shard can take any row range of them; table rows are pooled and a
-new shard takes the ids that hash to it (``mix64(id) % num_shards``). Read-only after
-construction, so thread-safe.
+Opening a checkpoint reads its manifest and each shard file's header (a few KB): every shard file
+is checked against the manifest's size, and the files named in `verify` (default: all) against
+its SHA-256 too, a chunk at a time; any other file is hashed the first time data is read from it.
+Nothing is kept: a new shard asks for its dense parts (`dense_part`: only the rows it holds, read
+from the files that hold them) and its table rows (`fill_table`: streamed into the table a slice
+at a time; with the shard count the checkpoint was written with, a shard reads its own file only,
+otherwise every file's ids and the rows that hash to it: ``mix64(id) % num_shards``).
+
+Dense variables are reassembled from their parts (a part named ``var[lo:hi]`` holds rows lo..hi
+of axis 0). Nothing read is trusted: malformed headers, shapes that do not fit, an id twice and
+non-finite values are CheckpointErrors naming the file.
+
+Thread-safety: any method may be called from several threads (each read opens its own handle).
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import re
+import threading
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
+from ..base import kernels
+from ..base.errors import InvalidArgumentError
 from ..base.hashing import shard_of
-from . import shard_file
-from .store import CheckpointError, CheckpointStore
+from .shard_file import META_KEY
+from .store import CheckpointError, CheckpointStore, ShardFile
+from .tensor_file import TensorReader, TensorSpec
 
 log = logging.getLogger(__name__)
 _SPLIT = re.compile(r"^(.*)\[(\d+):(\d+)\]$")
+SLICE_BYTES = 8 << 20  # bytes of rows read at a time
 
 
 def part_rows(part: str) -> tuple[str, int | None, int | None]:
@@ -42,30 +60,57 @@ class SavedTable:
     arrays: dict[str, np.ndarray] = field(default_factory=dict)  # values, each state, row_step/last_seen/seen
 
 
-class RestoreSource:
-    """Everything in one checkpoint, checked against its manifest (size and SHA-256 of every file)."""
+@dataclass(frozen=True)
+class _Piece:
+    """One saved part of a dense variable: in file `index`, rows lo.. of the variable."""
 
-    def __init__(self, store: CheckpointStore, name: str) -> None:
-        self.name = name
+    index: int
+    part: str
+    lo: int
+    rows: int
+    steps: int
+
+
+@dataclass
+class _SavedFile:
+    entry: ShardFile
+    meta: dict[str, Any]
+    tensors: dict[str, TensorSpec]
+
+
+class RestoreSource:
+    """A checkpoint to restore from (see the module docstring). `verify`: the shard files hashed
+    now (None: all); the others are hashed on first read."""
+
+    def __init__(self, store: CheckpointStore, name: str, verify: Iterable[int] | None = None) -> None:
+        self.store, self.name = store, name
         self.manifest = store.manifest(name)
         self.step = int(self.manifest.get("step", 0))
-        self.groups: dict[str, dict] = {}  # group -> {"spec", "vars": {var: DenseVariable}}
-        self.tables: dict[str, SavedTable] = {}
+        entries = store.shard_files(name, self.manifest)
+        self.num_shards = len(entries)
+        wanted = {entry.index for entry in entries} if verify is None else set(verify)
+        self._verified: set[int] = set()
+        self._lock = threading.Lock()
+        self._files: dict[int, _SavedFile] = {}
+        for entry in entries:
+            if entry.index in wanted:
+                store.verify_file(name, entry)
+                self._verified.add(entry.index)
+            else:
+                store.check_size(name, entry)
+            self._files[entry.index] = self._header(entry)
         self.positions: dict[int, int] = {}  # each worker's steps at the checkpoint
-        pieces: dict[tuple[str, str], list] = {}
-        for entry in store.shard_files(name, self.manifest):
-            contents = shard_file.decode(store.read_shard(name, entry), f"checkpoint {name}: {entry.file}")
-            self._collect(contents, pieces)
-        for (group, var), parts in pieces.items():
-            parts.sort(key=lambda p: p[0] or 0)  # row ranges in order (a whole variable has one part)
-            state = {key: np.concatenate([p[2][key] for p in parts]) for key in parts[0][2]}
-            self.groups[group]["vars"][var] = DenseVariable(
-                np.concatenate([p[1] for p in parts]), state, max(p[3] for p in parts)
-            )
+        for saved in self._files.values():
+            for worker, position in saved.meta["positions"].items():
+                self.positions[int(worker)] = max(self.positions.get(int(worker), 0), int(position))
+        self._groups, self._pieces = self._dense_index()
+        self.tables = self._table_index()  # table -> meta (counters summed, steps the most)
 
     @classmethod
     def latest(cls, store: CheckpointStore) -> RestoreSource | None:
-        """The newest checkpoint that reads back whole; a damaged one is skipped (and logged)."""
+        """The newest checkpoint whose every file reads back whole (hashed a chunk at a time: every
+        PS of a cluster must choose the same one, so each checks them all); a damaged one is
+        skipped (and logged)."""
         for name in reversed(store.complete()):
             try:
                 return cls(store, name)
@@ -77,70 +122,230 @@ class RestoreSource:
         """Steps `worker` had trained at this checkpoint (the checkpoint's step if not recorded)."""
         return self.positions.get(worker, self.step) if worker is not None else self.step
 
-    def _collect(self, contents: shard_file.ShardContents, pieces: dict) -> None:
-        tensors = contents.tensors
-        for worker, position in contents.meta.get("positions", {}).items():
-            self.positions[int(worker)] = max(self.positions.get(int(worker), 0), position)
-        for group, info in contents.meta["groups"].items():
-            self.groups.setdefault(group, {"spec": info["spec"], "vars": {}})
-            for part, steps in info["steps"].items():
-                var, lo, _ = part_rows(part)
-                prefix = f"dense/{group}/{part}"
-                state = {
-                    key[len(prefix) + 1 :]: array for key, array in tensors.items() if key.startswith(prefix + "/")
-                }
-                pieces.setdefault((group, var), []).append((lo, tensors[prefix], state, steps))
-        for table, info in contents.meta["tables"].items():
-            prefix = f"table/{table}/"
-            arrays = {key[len(prefix) :]: array for key, array in tensors.items() if key.startswith(prefix)}
-            ids = arrays.pop("ids")
-            saved = self.tables.get(table)
-            if saved is None:
-                self.tables[table] = SavedTable(info, ids, arrays)
-            else:
-                saved.ids = np.concatenate([saved.ids, ids])
-                saved.arrays = {key: np.concatenate([saved.arrays[key], array]) for key, array in arrays.items()}
-                saved.meta["steps"] = max(saved.meta["steps"], info["steps"])
-                for key, count in info["counters"].items():
-                    saved.meta["counters"][key] = saved.meta["counters"].get(key, 0) + count
+    # ---- reading files ------------------------------------------------------------------------
+    def _where(self, entry: ShardFile) -> str:
+        return f"checkpoint {self.name}: {entry.file}"
 
-    # ---- what a new shard asks for ----------------------------------------------------------
+    def _header(self, entry: ShardFile) -> _SavedFile:
+        with self.store.open_shard(self.name, entry) as handle:
+            reader = TensorReader(handle, entry.bytes, self._where(entry))
+        try:
+            meta = json.loads(reader.metadata[META_KEY])
+            if not all(isinstance(meta.get(key), dict) for key in ("groups", "tables", "positions")):
+                raise ValueError("groups, tables or positions missing")
+        except (KeyError, ValueError, TypeError, AttributeError) as exc:
+            raise CheckpointError(f"{self._where(entry)}: not a paramserver shard file ({exc})") from None
+        return _SavedFile(entry, meta, reader.tensors)
+
+    @contextlib.contextmanager
+    def reader(self, index: int) -> Iterator[TensorReader]:
+        """A reader of shard file `index`, hashed first if it was not yet."""
+        entry = self._files[index].entry
+        with self._lock:
+            if index not in self._verified:
+                self.store.verify_file(self.name, entry)
+                self._verified.add(index)
+        with self.store.open_shard(self.name, entry) as handle:
+            yield TensorReader(handle, entry.bytes, self._where(entry))
+
+    # ---- dense variables ------------------------------------------------------------------------
+    def _dense_index(self) -> tuple[dict[str, dict], dict[tuple[str, str], list[_Piece]]]:
+        groups: dict[str, dict] = {}
+        pieces: dict[tuple[str, str], list[_Piece]] = {}
+        for index, saved in sorted(self._files.items()):
+            for group, info in saved.meta["groups"].items():
+                try:
+                    groups.setdefault(group, {"spec": info["spec"]})
+                    for part, steps in info["steps"].items():
+                        var, lo, _ = part_rows(part)
+                        spec = saved.tensors[f"dense/{group}/{part}"]
+                        rows = spec.shape[0] if spec.shape else 1
+                        pieces.setdefault((group, var), []).append(_Piece(index, part, lo or 0, rows, int(steps)))
+                except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                    raise CheckpointError(f"{self._where(saved.entry)}: group {group!r} is malformed ({exc})") from None
+        for var_pieces in pieces.values():
+            var_pieces.sort(key=lambda piece: piece.lo)
+        return groups, pieces
+
     def dense_part(self, group: str, spec: dict, part: str, shape: tuple[int, ...]) -> DenseVariable:
         """Values, optimizer state and step count of one part under the new placement."""
-        saved = self.groups.get(group)
+        saved = self._groups.get(group)
         if saved is None:
             raise CheckpointError(
                 f"checkpoint {self.name} has no variable group {group!r} (a checkpoint of "
-                f"another model? it holds {sorted(self.groups)})"
+                f"another model? it holds {sorted(self._groups)})"
             )
         if saved["spec"] != spec:
             raise CheckpointError(
                 f"checkpoint {self.name}: group {group!r} was trained with optimizer {saved['spec']}, not {spec}"
             )
         var, lo, hi = part_rows(part)
-        found = saved["vars"].get(var)
-        if found is None:
+        pieces = self._pieces.get((group, var))
+        if pieces is None:
             raise CheckpointError(f"checkpoint {self.name}: group {group!r} has no variable {var!r}")
-        rows = slice(lo, hi) if lo is not None else slice(None)
-        value = found.value[rows]
-        if tuple(value.shape) != tuple(shape):
+        whole = self._shape(group, pieces)
+        lo, hi = (0, whole[0] if whole else 1) if lo is None else (lo, min(hi or 0, whole[0]))
+        found = (max(hi - lo, 0), *whole[1:]) if whole else ()
+        if tuple(found) != tuple(shape):
             raise CheckpointError(
-                f"checkpoint {self.name}: variable {part!r} has shape {tuple(value.shape)} there, not {tuple(shape)}"
+                f"checkpoint {self.name}: variable {part!r} has shape {tuple(found)} there, not {tuple(shape)}"
             )
-        return DenseVariable(value, {key: array[rows] for key, array in found.state.items()}, found.steps)
+        return self._read_rows(group, pieces, lo, hi, whole)
+
+    def _shape(self, group: str, pieces: list[_Piece]) -> tuple[int, ...]:
+        first = self._files[pieces[0].index].tensors[f"dense/{group}/{pieces[0].part}"]
+        if not first.shape:
+            return ()
+        return (sum(piece.rows for piece in pieces), *first.shape[1:])
+
+    def _read_rows(self, group: str, pieces: list[_Piece], lo: int, hi: int, whole: tuple) -> DenseVariable:
+        values: list[np.ndarray] = []
+        state: dict[str, list[np.ndarray]] = {}
+        for piece in pieces:
+            start, stop = max(lo, piece.lo), min(hi, piece.lo + piece.rows) if whole else 1
+            if whole and start >= stop:
+                continue
+            name = f"dense/{group}/{piece.part}"
+            with self.reader(piece.index) as reader:
+                values.append(reader.read(name, start - piece.lo, stop - piece.lo) if whole else reader.read(name))
+                for key in sorted(k for k in reader.tensors if k.startswith(name + "/")):
+                    part = reader.read(key, start - piece.lo, stop - piece.lo) if whole else reader.read(key)
+                    state.setdefault(key[len(name) + 1 :], []).append(part)
+        steps = max(piece.steps for piece in pieces)
+        join = np.concatenate if whole else (lambda arrays: arrays[0])
+        return DenseVariable(join(values), {key: join(arrays) for key, arrays in state.items()}, steps)
+
+    def dense_variables(self) -> dict[str, dict[str, Any]]:
+        """Every dense variable whole: {group: {"spec": ..., "vars": {var: DenseVariable}}}."""
+        out: dict[str, dict[str, Any]] = {
+            group: {"spec": info["spec"], "vars": {}} for group, info in self._groups.items()
+        }
+        for (group, var), pieces in self._pieces.items():
+            whole = self._shape(group, pieces)
+            out[group]["vars"][var] = self._read_rows(group, pieces, 0, whole[0] if whole else 1, whole)
+        return out
+
+    def dense_shapes(self) -> dict[str, tuple[str, tuple[int, ...], int, list[str]]]:
+        """Each dense variable's (group, shape, steps, state names), from the headers alone."""
+        shapes = {}
+        for (group, var), pieces in self._pieces.items():
+            tensors = self._files[pieces[0].index].tensors
+            prefix = f"dense/{group}/{pieces[0].part}/"
+            states = sorted(key[len(prefix) :] for key in tensors if key.startswith(prefix))
+            shapes[var] = (group, self._shape(group, pieces), max(p.steps for p in pieces), states)
+        return shapes
+
+    # ---- tables ---------------------------------------------------------------------------------
+    def _table_index(self) -> dict[str, dict]:
+        tables: dict[str, dict] = {}
+        for saved in self._files.values():
+            for table, info in saved.meta["tables"].items():
+                try:
+                    if f"table/{table}/ids" not in saved.tensors or not isinstance(info["counters"], dict):
+                        raise ValueError("no ids")
+                    merged = tables.setdefault(table, {**info, "counters": {}, "steps": 0, "rows": 0})
+                    if (merged["dim"], merged["spec"]) != (info["dim"], info["spec"]):
+                        raise ValueError("dim or optimizer differs from another shard's")
+                    merged["steps"] = max(merged["steps"], int(info["steps"]))
+                    for key, count in info["counters"].items():
+                        merged["counters"][key] = merged["counters"].get(key, 0) + int(count)
+                    merged["rows"] += saved.tensors[f"table/{table}/ids"].shape[0]
+                except (KeyError, TypeError, ValueError) as exc:
+                    raise CheckpointError(f"{self._where(saved.entry)}: table {table!r} is malformed ({exc})") from None
+        return tables
+
+    def tensor_bytes(self, prefix: str) -> int:
+        """Bytes of every saved tensor whose name starts with `prefix`, from the headers."""
+        return sum(
+            spec.nbytes
+            for saved in self._files.values()
+            for key, spec in saved.tensors.items()
+            if key.startswith(prefix)
+        )
+
+    def table_files(self, table: str) -> list[int]:
+        """The shard files that hold rows of `table`."""
+        return [index for index, saved in sorted(self._files.items()) if table in saved.meta["tables"]]
+
+    def table_slices(
+        self, table: str, index: int, names: Iterable[str], shard: int = 0, num_shards: int = 1
+    ) -> Iterator[tuple[np.ndarray, dict[str, np.ndarray]]]:
+        """(ids, {array name: rows}) of the rows of `table` in shard file `index` that belong to
+        `shard` of `num_shards`, a slice at a time; each array is checked (shape, finite)."""
+        with self.reader(index) as reader:
+            ids_spec = reader.tensors[f"table/{table}/ids"]
+            if ids_spec.dtype != np.int64 or len(ids_spec.shape) != 1:
+                raise CheckpointError(f"{reader.where}: table {table!r} ids are not a 1-D int64 tensor")
+            rows = ids_spec.shape[0]
+            specs = {name: self._row_spec(reader, table, name, rows) for name in names}
+            step = max(1, SLICE_BYTES // max(1, 8 + sum(spec.row_bytes for spec in specs.values())))
+            for lo in range(0, rows, step):
+                ids = reader.read(f"table/{table}/ids", lo, lo + step)
+                mine = shard_of(ids, num_shards) == shard if num_shards > 1 else np.ones(ids.shape[0], bool)
+                if not mine.any():
+                    continue
+                arrays = {name: reader.read(f"table/{table}/{name}", lo, lo + step)[mine] for name in specs}
+                for name, array in arrays.items():
+                    if array.dtype.kind == "f" and not kernels.all_finite(array):
+                        raise CheckpointError(f"{reader.where}: table {table!r} {name} holds NaN or infinite values")
+                yield ids[mine], arrays
+
+    @staticmethod
+    def _row_spec(reader: TensorReader, table: str, name: str, rows: int) -> TensorSpec:
+        spec = reader.tensors.get(f"table/{table}/{name}")
+        if spec is None or not spec.shape or spec.shape[0] != rows:
+            raise CheckpointError(f"{reader.where}: table {table!r} has no {name} for each of its {rows} rows")
+        return spec
 
     def fill_table(self, table, shard: int, num_shards: int) -> bool:
         """Load the saved rows of `table` that belong to `shard` of `num_shards` into it (an empty
-        table with the `load_rows`/`restore_meta` methods); False if the checkpoint has no such table."""
-        saved = self.tables.get(table.name)
-        if saved is None:
+        table with `layout`/`load_rows`/`restore_meta`); False if the checkpoint has no such table."""
+        meta = self.tables.get(table.name)
+        if meta is None:
             return False
-        if saved.meta["dim"] != table.dim or saved.meta["spec"] != table.spec:
+        if meta["dim"] != table.dim or meta["spec"] != table.spec:
             raise CheckpointError(
-                f"checkpoint {self.name}: table {table.name!r} has dim {saved.meta['dim']} and "
-                f"optimizer {saved.meta['spec']}, not dim {table.dim} and {table.spec}"
+                f"checkpoint {self.name}: table {table.name!r} has dim {meta['dim']} and "
+                f"optimizer {meta['spec']}, not dim {table.dim} and {table.spec}"
             )
-        mine = shard_of(saved.ids, num_shards) == shard
-        table.load_rows(saved.ids[mine], {key: array[mine] for key, array in saved.arrays.items()})
-        table.restore_meta(saved.meta["counters"], saved.meta["steps"])
+        files = self.table_files(table.name)
+        if num_shards == self.num_shards:  # the same placement: this shard's rows are in its own file
+            files = [index for index in files if index == shard]
+        layout = table.layout()
+        for index in files:
+            saved = self._files[index].tensors
+            names = [n for n in layout if n != "ids" and f"table/{table.name}/{n}" in saved]
+            self._check_layout(index, table.name, names, layout)
+            for ids, arrays in self.table_slices(table.name, index, names, shard, num_shards):
+                try:
+                    table.load_rows(ids, arrays)
+                except InvalidArgumentError as exc:
+                    raise CheckpointError(f"{self._where(self._files[index].entry)}: {exc}") from None
+        table.restore_meta(meta["counters"], meta["steps"])
         return True
+
+    def _check_layout(self, index: int, table: str, names: list[str], layout: dict) -> None:
+        tensors = self._files[index].tensors
+        if "values" not in names:
+            raise CheckpointError(f"{self._where(self._files[index].entry)}: table {table!r} has no values")
+        for name in names:
+            spec = tensors[f"table/{table}/{name}"]
+            dtype, row_shape = layout[name]
+            if spec.dtype != dtype or tuple(spec.shape[1:]) != tuple(row_shape):
+                raise CheckpointError(
+                    f"{self._where(self._files[index].entry)}: table {table!r} {name} is "
+                    f"{spec.dtype} rows of {spec.shape[1:]}, not {np.dtype(dtype)} rows of {row_shape}"
+                )
+
+    def saved_table(self, table: str) -> SavedTable:
+        """Every saved row of `table` (ids and values) in memory: for an evaluator's model."""
+        meta = self.tables[table]
+        ids = np.empty(meta["rows"], np.int64)
+        values = np.empty((meta["rows"], meta["dim"]), np.float32)
+        at = 0
+        for index in self.table_files(table):
+            for chunk_ids, arrays in self.table_slices(table, index, ["values"]):
+                ids[at : at + chunk_ids.shape[0]] = chunk_ids
+                values[at : at + chunk_ids.shape[0]] = arrays["values"]
+                at += chunk_ids.shape[0]
+        return SavedTable(meta, ids, {"values": values})

@@ -1,98 +1,97 @@
-"""A shard's state as one safetensors file, and back.
+"""A shard's state as one safetensors file, written a slice at a time.
 
 Tensor names: ``dense/<group>/<part>`` (values, shaped like the part), ``dense/<group>/<part>/<state>``
 (each optimizer state), ``table/<table>/ids|values|<state>|row_step|last_seen|seen`` (one row per
 stored id, in row order). The file's metadata key ``paramserver`` holds JSON: the shard index,
 its version and sync step, each group's optimizer spec and per-part step counts, and each
 table's dim, optimizer, initializer, row policy, counters and update count.
+
+Consistency without a copy of the tables: the dense variables are copied (they are small) and
+every table's snapshot begins while no push can change them, at one step; the table rows are
+then written a slice at a time while training goes on (server/row_snapshot.py). Memory: the
+dense copy, one slice, and the rows changed during the write (bounded; see TableStore).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
-from typing import Any
+import logging
+import threading
+import time
+from typing import IO, Any
 
 import numpy as np
-from safetensors import SafetensorError
-from safetensors import numpy as safetensors_numpy
 
 from ..server.dense import DenseGroup
-from ..server.embedding_table import EmbeddingTable
 from ..server.shard import Shard
 from ..server.table_store import TableStore
-from .store import CheckpointError, CheckpointStore, ShardFile
+from . import tensor_file
+from .store import CheckpointStore, ShardFile
 
-_META_KEY = "paramserver"
-
-
-@dataclass
-class ShardContents:
-    meta: dict[str, Any]
-    tensors: dict[str, np.ndarray]
+log = logging.getLogger(__name__)
+META_KEY = "paramserver"
+_ONE_AT_A_TIME = threading.Lock()  # a process writes one checkpoint file at a time
 
 
-def encode(
-    index: int,
-    version: int,
-    sync_step: int,
-    groups: dict[str, DenseGroup],
-    tables: dict[str, EmbeddingTable],
-    positions: dict[int, int] | None = None,
-) -> bytes:
-    """The file's bytes; the caller holds the locks that keep groups and tables still."""
-    tensors: dict[str, np.ndarray] = {}
+def write(store: CheckpointStore, name: str, shard: Shard, tables: TableStore) -> ShardFile:
+    """Write `shard`'s file of checkpoint `name`: its state at one step, streamed."""
+    started = time.monotonic()
+    with _ONE_AT_A_TIME:
+        dense, meta, snapshots = shard.snapshot(
+            lambda groups, version, sync_step: _begin(shard, tables, groups, version, sync_step)
+        )
+        try:
+            entry = store.write_shard_with(
+                name, shard.index, lambda handle: _fill(handle, dense, meta, snapshots, tables)
+            )
+        finally:
+            kept = tables.end_snapshot()
+    log.info(
+        "checkpoint %s: shard %d wrote %d bytes in %.2fs (rows kept aside for it: %d bytes at most)",
+        name,
+        shard.index,
+        entry.bytes,
+        time.monotonic() - started,
+        max(kept.values(), default=0),
+    )
+    return entry
+
+
+def _begin(shard: Shard, tables: TableStore, groups: dict[str, DenseGroup], version: int, sync_step: int):
+    """Under the shard's lock: copy the dense variables and begin the tables' snapshots."""
+    dense: dict[str, np.ndarray] = {}
     meta: dict[str, Any] = {
-        "shard": index,
+        "shard": shard.index,
         "version": version,
         "sync_step": sync_step,
         "groups": {},
         "tables": {},
-        "positions": {str(w): p for w, p in (positions or {}).items()},
+        "positions": {str(w): p for w, p in shard.positions().items()},
     }
-    for name, group in groups.items():
-        meta["groups"][name] = {"spec": group.spec, "steps": dict(group.steps)}
+    for group_name, group in groups.items():
+        meta["groups"][group_name] = {"spec": group.spec, "steps": dict(group.steps)}
         for part, slot in group.slots.items():
-            tensors[f"dense/{name}/{part}"] = group.view(part)
+            dense[f"dense/{group_name}/{part}"] = group.view(part).copy()
             for key, array in group.state.items():
-                tensors[f"dense/{name}/{part}/{key}"] = array[slot.start : slot.stop].reshape(slot.shape)
-    for name, table in tables.items():
-        n = table.size
-        meta["tables"][name] = {
-            "dim": table.dim,
-            "spec": table.spec,
-            "init": table.init,
-            "policy": asdict(table.policy),
-            "counters": dict(table.counters),
-            "steps": table.steps,
-        }
-        for _, arrays in table.row_chunks(max(n, 1)):
-            tensors.update({f"table/{name}/{key}": array for key, array in arrays.items()})
-        if n == 0:
-            tensors.update(
-                {f"table/{name}/{key}": np.zeros((0, *shape), dtype) for key, (dtype, shape) in table.layout().items()}
-            )
-    contiguous = {key: np.ascontiguousarray(value) for key, value in tensors.items()}
-    return safetensors_numpy.save(contiguous, metadata={_META_KEY: json.dumps(meta)})
+                dense[f"dense/{group_name}/{part}/{key}"] = array[slot.start : slot.stop].reshape(slot.shape).copy()
+    snapshots = tables.begin_snapshot()
+    for table_name, (table_meta, _) in snapshots.items():
+        meta["tables"][table_name] = table_meta
+    return dense, meta, snapshots
 
 
-def decode(data: bytes, where: str) -> ShardContents:
-    """Parse a shard file; `where` names it in errors."""
-    try:
-        tensors = safetensors_numpy.load(data)
-        header_size = int.from_bytes(data[:8], "little")
-        header = json.loads(data[8 : 8 + header_size])
-        meta = json.loads(header["__metadata__"][_META_KEY])
-    except (SafetensorError, ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"{where}: not a paramserver shard file ({exc})") from None
-    return ShardContents(meta, tensors)
-
-
-def write(store: CheckpointStore, name: str, shard: Shard, tables: TableStore) -> ShardFile:
-    """Write `shard`'s file of checkpoint `name`: a snapshot taken while nothing changes it."""
-    data = shard.snapshot(
-        lambda groups, version, sync_step: tables.snapshot(
-            lambda saved_tables: encode(shard.index, version, sync_step, groups, saved_tables, shard.positions())
-        )
-    )
-    return store.write_shard(name, shard.index, data)
+def _fill(handle: IO[bytes], dense: dict[str, np.ndarray], meta: dict, snapshots: dict, tables: TableStore) -> None:
+    """Write the file: header and dense tensors, then each table's slices at their places."""
+    shapes: dict[str, tuple[np.dtype, tuple[int, ...]]] = {key: (a.dtype, a.shape) for key, a in dense.items()}
+    for table_name, (_, snapshot) in snapshots.items():
+        for key, (dtype, row_shape) in snapshot.layout.items():
+            shapes[f"table/{table_name}/{key}"] = (dtype, (snapshot.size, *row_shape))
+    layout = tensor_file.plan(shapes, {META_KEY: json.dumps(meta)})
+    handle.write(layout.header)
+    for key, array in dense.items():
+        tensor_file.write_rows(handle, layout, key, 0, array)
+    for table_name in snapshots:
+        while (taken := tables.next_slice(table_name)) is not None:
+            lo, arrays = taken
+            for key, array in arrays.items():
+                tensor_file.write_rows(handle, layout, f"table/{table_name}/{key}", lo, array)

@@ -33,11 +33,12 @@ import logging
 import os
 import posixpath
 import re
+import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -51,7 +52,7 @@ FORMAT_VERSION = 1
 _PREFIX = "ckpt-"
 _NAME = re.compile(r"^ckpt-\d{9}$")
 _TEMPORARY = re.compile(r"^(?P<target>.+)\.tmp-[0-9a-f]+$")  # `<file>.tmp-<hex>`: a write in progress or dead
-_CHUNK = 1 << 20  # bytes hashed at a time when a checkpoint is verified
+_CHUNK = 8 << 20  # bytes hashed at a time when a file is verified
 
 
 class CheckpointError(FailedPreconditionError):
@@ -123,16 +124,26 @@ class CheckpointStore:
 
     # ---- writing ---------------------------------------------------------------------------
     def write_shard(self, name: str, index: int, data: bytes) -> ShardFile:
-        """Write one shard's file of checkpoint `name`; returns its manifest entry."""
-        file = shard_file_name(index)
-        self._write_atomic(name, self.path(name, file), data)
-        return ShardFile(index, file, len(data), hashlib.sha256(data).hexdigest())
+        """Write one shard's file of checkpoint `name` from bytes; returns its manifest entry."""
+        return self.write_shard_with(name, index, lambda handle: handle.write(data))
+
+    def write_shard_with(self, name: str, index: int, fill: Callable[[IO[bytes]], Any]) -> ShardFile:
+        """Write one shard's file of checkpoint `name` by `fill(handle)` (it may seek: the handle
+        is a local file); returns its manifest entry, whose size and SHA-256 are read back from
+        what was written (a chunk at a time). Local: written under a temporary name, fsynced,
+        renamed. Object store: spooled to a local temporary file, then uploaded whole."""
+        path = self.path(name, shard_file_name(index))
+        if self.local:
+            size, digest = self._write_atomic(name, path, fill)
+        else:
+            size, digest = self._upload(name, path, fill)
+        return ShardFile(index, shard_file_name(index), size, digest)
 
     def commit(self, name: str, manifest: dict[str, Any]) -> None:
         """Write the manifest (the commit point) of a checkpoint whose shard files are written."""
         body = {"format": FORMAT, "version": FORMAT_VERSION, "name": name, "time": time.time(), **manifest}
         self._forget(name)
-        self._write_atomic(name, self.path(name, MANIFEST), json.dumps(body, indent=1, sort_keys=True).encode())
+        self._write_bytes(name, self.path(name, MANIFEST), json.dumps(body, indent=1, sort_keys=True).encode())
         self._good.add(name)  # its entries hash the very bytes the shards wrote: sizes are checked at prune
 
     def mark_final(self, name: str) -> None:
@@ -143,7 +154,7 @@ class CheckpointStore:
         if manifest.get("final") is True:
             return
         body = json.dumps({**manifest, "final": True}, indent=1, sort_keys=True).encode()
-        self._write_atomic(name, self.path(name, MANIFEST), body)
+        self._write_bytes(name, self.path(name, MANIFEST), body)
 
     def uncommit(self, name: str) -> bool:
         """Remove the manifest of checkpoint `name` if it has one (before its files are written
@@ -246,21 +257,51 @@ class CheckpointStore:
         self._good.discard(name)
         self._damaged.pop(name, None)
 
-    def _write_atomic(self, name: str, path: str, data: bytes) -> None:
+    def _write_bytes(self, name: str, path: str, data: bytes) -> None:
+        if not self.local:
+            self._put_whole(name, path, data)
+        else:
+            self._write_atomic(name, path, lambda handle: handle.write(data))
+
+    def _put_whole(self, name: str, path: str, data: bytes) -> None:
         directory = posixpath.dirname(path)
         with self._os("create directory", directory, name):
             self.fs.makedirs(directory, exist_ok=True)
-        if not self.local:
-            # One call with the whole object: S3 stores a PUT (or a completed multipart upload)
-            # whole or not at all. Not open()/write(): its close() on an error would complete a
-            # multipart upload with the parts sent so far, a truncated object.
+        # One call with the whole object: S3 stores a PUT (or a completed multipart upload)
+        # whole or not at all. Not open()/write(): its close() on an error would complete a
+        # multipart upload with the parts sent so far, a truncated object.
+        try:
+            with self._os("write", path, name):
+                self.fs.pipe_file(path, data)
+        except CheckpointError:
+            self._remove_quietly(path)  # a filesystem that writes in place may hold part of it
+            raise
+
+    def _upload(self, name: str, path: str, fill: Callable[[IO[bytes]], Any]) -> tuple[int, str]:
+        """Spool a file locally, then upload it in one call (`put_file`: one PUT, or a multipart
+        upload completed only when every part is sent, aborted on failure)."""
+        directory = posixpath.dirname(path)
+        with self._os("create directory", directory, name):
+            self.fs.makedirs(directory, exist_ok=True)
+        with tempfile.NamedTemporaryFile(prefix="paramserver-spool-") as spool:
+            with self._os("write", spool.name, name):
+                fill(spool)
+                spool.flush()
+            with self._os("read", spool.name, name):
+                size, digest = _digest(spool.name)
             try:
                 with self._os("write", path, name):
-                    self.fs.pipe_file(path, data)
+                    self.fs.put_file(spool.name, path)
             except CheckpointError:
-                self._remove_quietly(path)  # a filesystem that writes in place may hold part of it
+                self._remove_quietly(path)
                 raise
-            return
+        return size, digest
+
+    def _write_atomic(self, name: str, path: str, fill: Callable[[IO[bytes]], Any]) -> tuple[int, str]:
+        """Write a local file under a temporary name, fsync, rename; returns its size and SHA-256."""
+        directory = posixpath.dirname(path)
+        with self._os("create directory", directory, name):
+            self.fs.makedirs(directory, exist_ok=True)
         try:  # a dead writer's temporary files of this file
             self._remove_temporary(name, directory, posixpath.basename(path))
         except CheckpointError as exc:
@@ -268,10 +309,12 @@ class CheckpointStore:
         tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
         try:
             with self._os("write", tmp, name), self.fs.open(tmp, "wb") as handle:
-                handle.write(data)
+                fill(handle)
                 handle.flush()
                 with self._os("fsync", tmp, name):
                     os.fsync(handle.fileno())
+            with self._os("read", tmp, name):
+                size, digest = _digest(tmp)
             with self._os(f"rename {tmp} to", path, name):
                 os.replace(tmp, path)
         except CheckpointError:
@@ -279,6 +322,7 @@ class CheckpointStore:
             raise
         with self._os("fsync directory", directory, name):
             _fsync_directory(directory)  # the rename itself survives a crash
+        return size, digest
 
     def _remove_temporary(self, name: str, directory: str, target: str | None = None) -> list[str]:
         """Delete the temporary files in `directory` (those of `target` only, when given)."""
@@ -384,29 +428,31 @@ class CheckpointStore:
             )
         return entries
 
-    def read_shard(self, name: str, entry: ShardFile) -> bytes:
-        """The bytes of one shard file, checked against the manifest's size and SHA-256."""
-        with self._open_shard(name, entry) as handle, self._os("read", self.path(name, entry.file), name):
-            data = handle.read()
-        self._check(name, entry, len(data), hashlib.sha256(data).hexdigest())
-        return data
-
     def verify(self, name: str) -> dict[str, Any]:
         """Check that checkpoint `name` is complete and that every shard file has the size and
         SHA-256 its manifest names (reading each file through once, a chunk at a time). Returns
         the manifest; raises CheckpointError naming the file and what is wrong with it."""
         manifest = self.manifest(name)
         for entry in self.shard_files(name, manifest):
-            digest, size = hashlib.sha256(), 0
-            with self._open_shard(name, entry) as handle, self._os("read", self.path(name, entry.file), name):
-                while chunk := handle.read(_CHUNK):
-                    digest.update(chunk)
-                    size += len(chunk)
-            self._check(name, entry, size, digest.hexdigest())
+            self.verify_file(name, entry)
         return manifest
 
+    def verify_file(self, name: str, entry: ShardFile) -> None:
+        """Check one shard file's size and SHA-256 against its manifest entry (a chunk at a time)."""
+        digest, size = hashlib.sha256(), 0
+        with self.open_shard(name, entry) as handle, self._os("read", self.path(name, entry.file), name):
+            while chunk := handle.read(_CHUNK):
+                digest.update(chunk)
+                size += len(chunk)
+        self._check(name, entry, size, digest.hexdigest())
+
+    def check_size(self, name: str, entry: ShardFile) -> None:
+        """Check one shard file's size against its manifest entry (no read)."""
+        self._check_size(name, entry)
+
     @contextlib.contextmanager
-    def _open_shard(self, name: str, entry: ShardFile) -> Iterator[Any]:
+    def open_shard(self, name: str, entry: ShardFile) -> Iterator[Any]:
+        """An open binary handle (seek, read) of one shard file; OSErrors as CheckpointErrors."""
         path = self.path(name, entry.file)
         try:
             handle = self.fs.open(path, "rb")
@@ -442,6 +488,16 @@ class CheckpointStore:
             raise CheckpointError(
                 f"checkpoint {name}: shard file {entry.file} does not match its SHA-256 (changed after it was written)"
             )
+
+
+def _digest(path: str) -> tuple[int, str]:
+    """Size and SHA-256 of a local file, read a chunk at a time."""
+    digest, size = hashlib.sha256(), 0
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            digest.update(chunk)
+            size += len(chunk)
+    return size, digest.hexdigest()
 
 
 def _fsync_directory(path: str) -> None:

@@ -1,27 +1,37 @@
 """`paramserver checkpoint list|inspect|export DIR [NAME]`: look into checkpoints with no cluster.
 
-export writes one file that torch alone loads: ``torch.load(path)`` gives ``{"state_dict":
-{parameter name: tensor}, "embeddings": {table: {"ids": int64 tensor, "weight": float tensor}},
-"step": n, "checkpoint": name}``. Parameter names are the model's when the optimizer was given
-``model.named_parameters()``; ``model.load_state_dict({**model.state_dict(), **saved["state_dict"]})``
-loads them, failing on any name or shape the model does not have (embedding placeholders and
-buffers keep their values). An optimizer given ``model.parameters()`` saw no names: its variables
-are ``param0``, ``param1``, ... in the order it got them, and export says so and how to map them.
+export writes one safetensors file, a slice of rows at a time (bounded memory whatever the
+tables' size): each dense variable under its parameter name, and each table as
+``embeddings/<table>/ids`` (int64) and ``embeddings/<table>/weight`` (float32, one row per id);
+its metadata holds ``format`` ("paramserver-export"), ``step`` and ``checkpoint``.
+``safetensors.torch.load_file(path)`` reads it, and `load_export(path)` gives ``{"state_dict":
+{parameter name: tensor}, "embeddings": {table: {"ids": ..., "weight": ...}}, "step": n,
+"checkpoint": name}``. inspect reads the files' headers only.
+
+Parameter names are the model's when the optimizer was given ``model.named_parameters()``;
+``model.load_state_dict({**model.state_dict(), **saved["state_dict"]})`` loads them, failing on
+any name or shape the model does not have (embedding placeholders and buffers keep their values).
+An optimizer given ``model.parameters()`` saw no names: its variables are ``param0``,
+``param1``, ... in the order it got them, and export says so and how to map them.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 from collections import Counter
 
 import numpy as np
 
+from . import tensor_file
 from .restore import RestoreSource
 from .store import CheckpointError, CheckpointStore
 
 _POSITIONAL = re.compile(r"^(?:opt\d+\.)?param\d+$")
+EXPORT_FORMAT = "paramserver-export"
+EMBEDDINGS = "embeddings"  # tensor names of a table: embeddings/<table>/ids and embeddings/<table>/weight
 
 
 def list_checkpoints(url: str) -> list[dict]:
@@ -66,28 +76,28 @@ def _source(url: str, name: str | None) -> RestoreSource:
 
 
 def inspect(url: str, name: str | None = None) -> dict:
-    """Variables (shape, optimizer state, steps) and tables (rows, dim, optimizer) of one checkpoint."""
+    """Variables (shape, optimizer state, steps) and tables (rows, dim, optimizer) of one checkpoint,
+    from the manifest and the files' headers (every file checked against the manifest)."""
     source = _source(url, name)
     variables = {
         var: {
             "group": group,
-            "shape": list(v.value.shape),
-            "steps": v.steps,
-            "state": sorted(v.state),
-            "bytes": int(v.value.nbytes + sum(a.nbytes for a in v.state.values())),
+            "shape": list(shape),
+            "steps": steps,
+            "state": states,
+            "bytes": source.tensor_bytes(f"dense/{group}/{var}"),
         }
-        for group, info in source.groups.items()
-        for var, v in info["vars"].items()
+        for var, (group, shape, steps, states) in source.dense_shapes().items()
     }
     tables = {
         table: {
-            "rows": int(saved.ids.shape[0]),
-            "dim": saved.meta["dim"],
-            "optimizer": saved.meta["spec"],
-            "counters": saved.meta["counters"],
-            "bytes": int(saved.ids.nbytes + sum(a.nbytes for a in saved.arrays.values())),
+            "rows": int(meta["rows"]),
+            "dim": meta["dim"],
+            "optimizer": meta["spec"],
+            "counters": meta["counters"],
+            "bytes": source.tensor_bytes(f"table/{table}/"),
         }
-        for table, saved in source.tables.items()
+        for table, meta in source.tables.items()
     }
     return {
         "name": source.name,
@@ -134,7 +144,8 @@ def positional_note(names: list[str], path: str) -> str | None:
     else:
         lines += [
             "paramN is the N-th parameter the optimizer was given; to load them into the same model:",
-            f"    saved = torch.load({path!r})",
+            "    from paramserver import load_export",
+            f"    saved = load_export({path!r})",
             "    names = [name for name, _ in model.named_parameters()]",
             "    state = {names[int(key.removeprefix('param'))]: value for key, value in saved['state_dict'].items()}",
             "    model.load_state_dict({**model.state_dict(), **state})",
@@ -149,29 +160,71 @@ def positional_note(names: list[str], path: str) -> str | None:
 
 
 def export(url: str, name: str | None, out: str | None, note=None) -> str:
-    """Write the checkpoint's dense values and embedding tables as a torch file; returns its path.
-    `note(text)` is told when the parameter names are positional (see `positional_note`)."""
-    import torch
-
+    """Write the checkpoint's dense values and embedding tables as one safetensors file (see
+    `load_export`), streaming the tables a slice at a time; returns its path. `note(text)` is
+    told when the parameter names are positional (see `positional_note`)."""
     source = _source(url, name)
-    values = {var: v.value for info in source.groups.values() for var, v in info["vars"].items()}
+    values = {var: v.value for info in source.dense_variables().values() for var, v in info["vars"].items()}
     names = export_names(list(values))
-    state_dict = {exported: torch.from_numpy(np.array(values[var])) for var, exported in names.items()}
-    embeddings = {
-        table: {
-            "ids": torch.from_numpy(np.array(saved.ids)),
-            "weight": torch.from_numpy(np.array(saved.arrays["values"])),
-        }
-        for table, saved in source.tables.items()
+    shapes: dict[str, tuple[np.dtype, tuple[int, ...]]] = {
+        exported: (values[var].dtype, values[var].shape) for var, exported in names.items()
     }
-    path = out or f"{source.name}.pt"
-    torch.save(
-        {"state_dict": state_dict, "embeddings": embeddings, "step": source.step, "checkpoint": source.name}, path
-    )
-    text = positional_note(list(state_dict), path)
+    for table, meta in source.tables.items():
+        shapes[f"{EMBEDDINGS}/{table}/ids"] = (np.dtype(np.int64), (meta["rows"],))
+        shapes[f"{EMBEDDINGS}/{table}/weight"] = (np.dtype(np.float32), (meta["rows"], meta["dim"]))
+    metadata = {"format": EXPORT_FORMAT, "step": str(source.step), "checkpoint": source.name}
+    layout = tensor_file.plan(shapes, metadata)
+    path = out or f"{source.name}.safetensors"
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as handle:
+            handle.write(layout.header)
+            for var, exported in names.items():
+                tensor_file.write_rows(handle, layout, exported, 0, values[var])
+            for table in source.tables:
+                _copy_table(source, table, handle, layout)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    text = positional_note(list(names.values()), path)
     if text is not None and note is not None:
         note(text)
     return path
+
+
+def _copy_table(source: RestoreSource, table: str, handle, layout: tensor_file.TensorPlan) -> None:
+    at = 0
+    for index in source.table_files(table):
+        for ids, arrays in source.table_slices(table, index, ["values"]):
+            tensor_file.write_rows(handle, layout, f"{EMBEDDINGS}/{table}/ids", at, ids)
+            tensor_file.write_rows(handle, layout, f"{EMBEDDINGS}/{table}/weight", at, arrays["values"])
+            at += ids.shape[0]
+
+
+def load_export(path: str) -> dict:
+    """An exported file as ``{"state_dict": {name: tensor}, "embeddings": {table: {"ids": int64
+    tensor, "weight": float tensor}}, "step": n, "checkpoint": name}`` (all of it in memory)."""
+    from safetensors import safe_open
+
+    state_dict: dict = {}
+    embeddings: dict[str, dict] = {}
+    with safe_open(path, framework="pt") as handle:
+        metadata = handle.metadata() or {}
+        if metadata.get("format") != EXPORT_FORMAT:
+            raise CheckpointError(f"{path} is not a paramserver export (format {metadata.get('format')!r})")
+        for key in sorted(handle.keys(), key=_natural):  # positional names in the optimizer's order
+            if key.startswith(f"{EMBEDDINGS}/"):
+                table, _, field = key[len(EMBEDDINGS) + 1 :].rpartition("/")
+                embeddings.setdefault(table, {})[field] = handle.get_tensor(key)
+            else:
+                state_dict[key] = handle.get_tensor(key)
+    return {
+        "state_dict": state_dict,
+        "embeddings": embeddings,
+        "step": int(metadata["step"]),
+        "checkpoint": metadata["checkpoint"],
+    }
 
 
 def run_tool(action: str, url: str, name: str | None, out: str | None) -> int:

@@ -17,6 +17,7 @@ from ..base import kernels
 from ..base.errors import InvalidArgumentError
 from ..base.hashing import mix64
 from .hash_index import HashIndex
+from .row_snapshot import RowSnapshot
 from .sparse_optimizers import SparseOptimizer
 
 _GROWTH = 1.5  # capacity growth of the row arrays: bounds wasted memory at a third
@@ -129,6 +130,7 @@ class EmbeddingTable:
         self.counters = {"admitted": 0, "not_admitted_lookups": 0, "dropped_gradients": 0, "evicted": 0}
         self._rng = np.random.default_rng(0)
         self.steps = 0
+        self.snapshot: RowSnapshot | None = None  # a checkpoint's view of the rows, while one is written
 
     @property
     def size(self) -> int:
@@ -166,9 +168,19 @@ class EmbeddingTable:
         names = self.layout()
         for lo in range(0, self.size, chunk_rows):
             hi = min(lo + chunk_rows, self.size)
-            yield lo, {name: self._array(name)[lo:hi] for name in names}
+            yield lo, {name: self.array(name)[lo:hi] for name in names}
 
-    def _array(self, name: str) -> np.ndarray:
+    def begin_snapshot(self, slice_rows: int, budget_bytes: int) -> RowSnapshot:
+        """Start a checkpoint's view of the rows as they are now (see RowSnapshot); until
+        `end_snapshot`, changed rows are kept aside for it and eviction waits."""
+        self.snapshot = RowSnapshot(self.size, self.layout(), self.array, slice_rows, budget_bytes)
+        return self.snapshot
+
+    def end_snapshot(self) -> None:
+        self.snapshot = None
+
+    def array(self, name: str) -> np.ndarray:
+        """The live array of one `layout()` name (rows 0..capacity-1)."""
         if name == "ids":
             return self.row_ids
         if name in ("values", "last_seen", "seen"):
@@ -207,6 +219,8 @@ class EmbeddingTable:
         rows = self.rows(ids)  # first: it may grow (replace) the arrays
         stored = rows >= 0
         if self.tracks_use:
+            if self.snapshot is not None:
+                self.snapshot.preserve(rows[stored])
             self.last_seen[rows[stored]] = self.steps
             self.seen[rows[stored]] += 1
         if stored.all():
@@ -224,6 +238,8 @@ class EmbeddingTable:
         stored = rows >= 0
         self.counters["dropped_gradients"] += int((~stored).sum())
         self.steps += 1
+        if self.snapshot is not None:
+            self.snapshot.preserve(rows[stored])
         if stored.all():
             self.optimizer.update(self.values, rows, grads, self.state, self.steps)
         elif stored.any():
@@ -250,6 +266,8 @@ class EmbeddingTable:
 
     def evict(self) -> int:
         """Drop rows by the policy (ttl, min_count, max_rows); returns how many. Compacts the arrays."""
+        if self.snapshot is not None:  # eviction moves rows: it waits for the checkpoint's writer
+            return 0
         policy, n = self.policy, self.size
         keep = np.ones(n, bool)
         if policy.ttl_steps:

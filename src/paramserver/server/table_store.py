@@ -10,19 +10,25 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
 from ..base import kernels
+from ..base.deadline import Deadline
 from ..base.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
 from ..wire.half import WIRE_DTYPES, from_wire, to_wire
 from .embedding_table import EmbeddingTable, RowPolicy
 from .limits import TableLimits, check_new_rows, check_new_table, row_bytes, table_bytes
+from .row_snapshot import RowSnapshot
 from .sparse_optimizers import build_sparse_optimizer
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_IDS = 1 << 20  # largest id batch one request may carry
+SNAPSHOT_SLICE_BYTES = 8 << 20  # rows a checkpoint copies per pause of the tables
+SNAPSHOT_BUDGET = 0.05  # rows kept aside for a checkpoint, as a share of the table's bytes...
+SNAPSHOT_MIN_BUDGET = 32 << 20  # ...or at least this many bytes
+SNAPSHOT_WAIT_S = 30.0  # longest a change waits for a checkpoint's writer to catch up
 MAX_CAPACITY = 1 << 30  # rows one shard's table may reserve up front
 
 
@@ -39,6 +45,8 @@ class TableStore:
         self._tables: dict[str, EmbeddingTable] = {}
         self._wire: dict[str, str] = {}  # wire dtype by table
         self._lock = threading.Lock()
+        self._writer_moved = threading.Condition(self._lock)  # a checkpoint's writer took a slice
+        self._snapshots: dict[str, RowSnapshot] = {}  # of the checkpoint being written, if any
 
     def register(
         self,
@@ -116,12 +124,14 @@ class TableStore:
         """Read (and create) the rows; the limits are checked again here, under the lock, before
         any row is created (the check in `check_lookup` ran before the request changed anything)."""
         with self._lock:
+            self._wait_for_writer()
             for lookup in lookups:
                 check_new_rows(self.limits, lookup.table, lookup.ids, self._bytes())
             return [to_wire(lookup.table.read(lookup.ids), self._wire[lookup.table.name]) for lookup in lookups]
 
     def push_checked(self, pushes: list[CheckedPush]) -> None:
         with self._lock:
+            self._wait_for_writer()
             for push in pushes:
                 push.table.apply(push.ids, push.grads)
 
@@ -136,6 +146,7 @@ class TableStore:
         for push in (push for pushes in by_worker for push in pushes):
             by_table.setdefault(push.table.name, []).append(push)
         with self._lock:
+            self._wait_for_writer()
             for pushes in by_table.values():
                 ids, inverse = np.unique(np.concatenate([p.ids for p in pushes]), return_inverse=True)
                 summed = np.zeros((ids.shape[0], pushes[0].table.dim), np.float32)
@@ -143,10 +154,68 @@ class TableStore:
                 summed /= np.float32(len(by_worker))
                 pushes[0].table.apply(ids, summed)
 
-    def snapshot(self, read):
-        """Call `read(tables)` while no lookup or push can change them (a checkpoint)."""
+    # ---- a checkpoint's view of the rows (see RowSnapshot) -----------------------------------
+    def begin_snapshot(self) -> dict[str, tuple[dict, RowSnapshot]]:
+        """Take every table's rows as they are now: {table: (its meta, its snapshot)}. Until
+        `end_snapshot`, rows are changed as usual; the writer takes them with `next_slice`.
+        One checkpoint at a time (the caller serializes them)."""
         with self._lock:
-            return read(dict(self._tables))
+            taken = {}
+            for name, table in self._tables.items():
+                one_row = sum(
+                    np.dtype(dtype).itemsize * int(np.prod(shape)) for dtype, shape in table.layout().values()
+                )
+                budget = max(SNAPSHOT_MIN_BUDGET, int(SNAPSHOT_BUDGET * table.size * one_row))
+                snapshot = table.begin_snapshot(max(1, SNAPSHOT_SLICE_BYTES // one_row), budget)
+                taken[name] = (self._meta(table), snapshot)
+                self._snapshots[name] = snapshot
+            return taken
+
+    def next_slice(self, name: str) -> tuple[int, dict[str, np.ndarray]] | None:
+        """The next slice of table `name`'s snapshot (a copy taken under the lock), or None when done."""
+        with self._lock:
+            taken = self._snapshots[name].next_slice()
+            self._writer_moved.notify_all()
+            return taken
+
+    def end_snapshot(self) -> dict[str, int]:
+        """End the checkpoint's view (also after a failed write); returns each table's peak bytes
+        kept aside for it."""
+        with self._lock:
+            peaks = {name: snapshot.peak_kept_bytes for name, snapshot in self._snapshots.items()}
+            for table in self._tables.values():
+                table.end_snapshot()
+            self._snapshots.clear()
+            self._writer_moved.notify_all()
+            return peaks
+
+    def _wait_for_writer(self) -> None:
+        """Hold a change while a checkpoint's rows kept aside are over their budget, until its
+        writer moves on (call under the lock): memory stays bounded. A writer that stalls for
+        SNAPSHOT_WAIT_S lets the change through (logged): memory grows, nothing deadlocks."""
+        if not self._snapshots:
+            return
+        deadline = Deadline(SNAPSHOT_WAIT_S)
+        while any(snapshot.over_budget for snapshot in self._snapshots.values()):
+            if deadline.passed():
+                log.warning(
+                    "shard %d: a checkpoint's writer has not moved for %.0fs; changes go on",
+                    self.shard_index,
+                    SNAPSHOT_WAIT_S,
+                )
+                return
+            self._writer_moved.wait(deadline.left())
+
+    @staticmethod
+    def _meta(table: EmbeddingTable) -> dict:
+        return {
+            "dim": table.dim,
+            "spec": table.spec,
+            "init": table.init,
+            "policy": asdict(table.policy),
+            "counters": dict(table.counters),
+            "steps": table.steps,
+        }
 
     def describe(self) -> dict:
         with self._lock:

@@ -54,12 +54,12 @@ def load_into(model: torch.nn.Module, source: RestoreSource) -> None:
     changed in its dense values only when a table does not fit)."""
     state = dense_state(model, source)
     model.load_state_dict({**model.state_dict(), **state})
-    attach_tables(model, source.tables, source.name)
+    attach_tables(model, {table: source.saved_table(table) for table in source.tables}, source.name)
 
 
 def dense_state(model: torch.nn.Module, source: RestoreSource) -> dict[str, torch.Tensor]:
     """The checkpoint's dense values under the model's parameter names, shapes checked."""
-    values = {var: v.value for info in source.groups.values() for var, v in info["vars"].items()}
+    values = {var: v.value for info in source.dense_variables().values() for var, v in info["vars"].items()}
     names = [name for name, _ in model.named_parameters()]
     own = model.state_dict()
     state, unknown = {}, []

@@ -1,0 +1,82 @@
+"""A table's rows as they were at one instant, read a slice at a time while training goes on.
+
+How a checkpoint saves a table without copying it (and without stopping training for the whole
+write): when the snapshot begins, the table's rows are 0..size-1 (row order). A writer then takes
+one slice of rows at a time (`next_slice`: a copy of a few MB, under the store's lock: a brief
+pause), and writes it with no lock held. Until the writer has passed a row, any change to it
+first keeps the row's old contents aside (`preserve`, called by the table before it changes
+rows: copy-on-write per row), and the slice is patched with them. Rows created after the
+snapshot began are not part of it; eviction (which moves rows) waits until it ends.
+
+Memory: the slice being copied, plus the rows kept aside: at most the rows changed during the
+write, each once. `over_budget` tells the store when they pass `budget_bytes`, so that it holds
+further changes until the writer has moved on (see TableStore).
+
+Not thread-safe: the owning TableStore's lock serializes every call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+
+class RowSnapshot:
+    """Rows 0..size-1 of one table (each array of its `layout`) as they were at the start."""
+
+    def __init__(
+        self,
+        size: int,
+        layout: dict[str, tuple[np.dtype, tuple[int, ...]]],
+        array: Callable[[str], np.ndarray],
+        slice_rows: int,
+        budget_bytes: int,
+    ) -> None:
+        self.size, self.layout, self.slice_rows, self.budget_bytes = size, layout, slice_rows, budget_bytes
+        self._array = array  # the table's live array of a name (looked up each time: growth replaces arrays)
+        self.cursor = 0  # rows below were handed to the writer
+        self._kept = np.zeros(size, bool)  # rows whose old contents are kept aside
+        self._aside: dict[int, list[tuple[np.ndarray, dict[str, np.ndarray]]]] = {}  # by slice number
+        self.kept_bytes = 0
+        self.peak_kept_bytes = 0
+
+    @property
+    def done(self) -> bool:
+        return self.cursor >= self.size
+
+    @property
+    def over_budget(self) -> bool:
+        return self.kept_bytes > self.budget_bytes and not self.done
+
+    def preserve(self, rows: np.ndarray) -> None:
+        """Keep the current contents of `rows` aside if the writer still needs them (call before
+        changing them; repeated rows are fine)."""
+        rows = rows[(rows >= self.cursor) & (rows < self.size)]
+        if rows.size == 0:
+            return
+        rows = np.unique(rows[~self._kept[rows]])
+        if rows.size == 0:
+            return
+        self._kept[rows] = True
+        slices = rows // self.slice_rows
+        for number in np.unique(slices):
+            mine = rows[slices == number]
+            saved = {name: self._array(name)[mine] for name in self.layout}
+            self._aside.setdefault(int(number), []).append((mine, saved))
+            self.kept_bytes += sum(array.nbytes for array in saved.values())
+        self.peak_kept_bytes = max(self.peak_kept_bytes, self.kept_bytes)
+
+    def next_slice(self) -> tuple[int, dict[str, np.ndarray]] | None:
+        """(first row, {array name: rows}) of the next slice, as at the start; None when done."""
+        if self.done:
+            return None
+        lo = self.cursor
+        hi = min(lo + self.slice_rows, self.size)
+        arrays = {name: self._array(name)[lo:hi].copy() for name in self.layout}
+        for rows, saved in self._aside.pop(lo // self.slice_rows, []):
+            for name, array in arrays.items():
+                array[rows - lo] = saved[name]
+            self.kept_bytes -= sum(array.nbytes for array in saved.values())
+        self.cursor = hi
+        return lo, arrays
