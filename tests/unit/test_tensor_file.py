@@ -87,3 +87,19 @@ def test_a_crafted_table_is_refused_naming_the_file_and_the_table_stays_empty(tm
     with pytest.raises(CheckpointError, match=rf"ckpt-000000001: shard-0\.safetensors: .*{fragment}"):
         tables.register("t", 2, ADAGRAD, {"kind": "zeros"})
     assert tables.describe() == {}  # refused whole: no table, no row
+
+
+@pytest.mark.parametrize("file, fragment", [
+    ("/dev/zero", "names '/dev/zero'"),
+    ("../../shard-0.safetensors", "names '../../shard-0.safetensors'"),
+    ("shard-1.safetensors", "not shard-0.safetensors"),
+])
+def test_a_manifest_naming_a_file_that_is_not_its_shards_own_is_refused(tmp_path, file, fragment):
+    source = crafted(tmp_path, np.array([1, 2], np.int64), np.zeros((2, 2), np.float32))
+    path = tmp_path / "crafted" / source.name / "MANIFEST.json"
+    manifest = json.loads(path.read_text())
+    manifest["shards"][0].update(file=file, bytes=1 << 40)
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=fragment):
+        RestoreSource(source.store, source.name)
+    assert RestoreSource.latest(source.store) is None

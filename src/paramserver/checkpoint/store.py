@@ -421,6 +421,14 @@ class CheckpointStore:
             ]
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(f"checkpoint {name}: {MANIFEST} has a bad shard list ({exc})") from None
+        for entry in entries:  # a manifest is not trusted: its files are this checkpoint's own, by name
+            if entry.file != shard_file_name(entry.index) or entry.bytes < 0:
+                raise CheckpointError(
+                    f"checkpoint {name}: {MANIFEST} names {entry.file[:80]!r} ({entry.bytes} bytes) for shard "
+                    f"{entry.index}, not {shard_file_name(entry.index)}"
+                )
+        if sorted(entry.index for entry in entries) != list(range(len(entries))):
+            raise CheckpointError(f"checkpoint {name}: {MANIFEST} does not name shards 0..{len(entries) - 1} once each")
         if not entries or manifest.get("num_shards", len(entries)) != len(entries):
             raise CheckpointError(
                 f"checkpoint {name}: {MANIFEST} names {len(entries)} shard files for "
