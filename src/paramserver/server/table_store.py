@@ -4,6 +4,11 @@ Rows are float32; a table's wire dtype (wire/half.py) is how its rows leave and 
 arrive (bfloat16 or float16: half the bytes). Thread-safe: one lock serializes all calls. Row
 pushes are applied when their shard's step applies them (`apply_rows`): on arrival in async and
 ssp modes, averaged with the other workers' of the same step in sync mode.
+
+With `tiers` (a PS with a table_memory_budget, server/tiers.py) every table is a TieredTable,
+whose rows beyond its share of the budget live on local disk; without, an EmbeddingTable. Both
+offer the same calls, made here under the lock alone. `close` closes the tiers (deleting the spill
+files): the PS's last call.
 """
 
 from __future__ import annotations
@@ -18,8 +23,9 @@ from ..base import kernels
 from ..base.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
 from ..wire.half import WIRE_DTYPES, from_wire, to_wire
 from .embedding_table import EmbeddingTable, RowPolicy
-from .limits import TableLimits, check_new_rows, check_new_table, row_bytes, table_bytes
+from .limits import Table, TableLimits, check_new_rows, check_new_table, row_bytes, table_bytes
 from .sparse_optimizers import build_sparse_optimizer
+from .tiers import Tiers
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_IDS = 1 << 20  # largest id batch one request may carry
@@ -30,13 +36,19 @@ class TableStore:
     """Embedding tables by name."""
 
     def __init__(
-        self, shard_index: int, max_ids: int = DEFAULT_MAX_IDS, restore=None, limits: TableLimits | None = None
+        self,
+        shard_index: int,
+        max_ids: int = DEFAULT_MAX_IDS,
+        restore=None,
+        limits: TableLimits | None = None,
+        tiers: Tiers | None = None,
     ) -> None:
         self.shard_index = shard_index
         self.restore = restore  # a checkpoint.restore.RestoreSource new tables start from, or None
         self.max_ids = max_ids
         self.limits = limits or TableLimits()
-        self._tables: dict[str, EmbeddingTable] = {}
+        self.tiers = tiers
+        self._tables: dict[str, Table] = {}
         self._wire: dict[str, str] = {}  # wire dtype by table
         self._lock = threading.Lock()
 
@@ -66,9 +78,7 @@ class TableStore:
                 optimizer = build_sparse_optimizer(optimizer_spec)
                 row_policy = RowPolicy.from_dict(policy)
                 self._check_new_table(name, dim, optimizer, row_policy, capacity)
-                table = EmbeddingTable(
-                    name, dim, optimizer, init, optimizer_spec, capacity=max(1024, capacity), policy=row_policy
-                )
+                table = self._new_table(name, dim, optimizer, init, optimizer_spec, row_policy, capacity)
                 if self.restore is not None and self.restore.fill_table(table, self.shard_index, num_shards):
                     log.info("shard %d: table %s restored with %d rows", self.shard_index, name, table.size)
                 self._tables[name], self._wire[name] = table, wire
@@ -81,6 +91,11 @@ class TableStore:
                 raise FailedPreconditionError(
                     f"table {name!r} was registered to travel as {self._wire[name]}, not {wire}"
                 )
+
+    def _new_table(self, name, dim, optimizer, init, spec, policy, capacity) -> Table:
+        if self.tiers is not None:
+            return self.tiers.new_table(name, dim, optimizer, init, spec, policy)
+        return EmbeddingTable(name, dim, optimizer, init, spec, capacity=max(1024, capacity), policy=policy)
 
     def lookup(self, name: str, ids: np.ndarray) -> np.ndarray:
         """Rows of `ids`, created on first touch (a copy, in the table's wire dtype)."""
@@ -152,6 +167,12 @@ class TableStore:
         with self._lock:
             return {name: table.describe() for name, table in self._tables.items()}
 
+    def close(self) -> None:
+        """Close the tiered tables' stores and delete the spill space (after the last call)."""
+        with self._lock:
+            if self.tiers is not None:
+                self.tiers.close()
+
     def _bytes(self) -> int:
         """Bytes all tables hold now (call under the lock)."""
         return sum(table_bytes(table) for table in self._tables.values())
@@ -162,9 +183,9 @@ class TableStore:
         states = len(optimizer.state_init())
         tracks_use = bool(policy.ttl_steps or policy.min_count or policy.max_rows)
         one_row = row_bytes(dim, states, bool(optimizer.hyper.get("per_row_step")), tracks_use)
-        check_new_table(self.limits, name, max(1024, capacity), one_row, self._bytes())
+        check_new_table(self.limits, name, max(1024, capacity), one_row, self._bytes(), self.tiers is not None)
 
-    def _table(self, name: str) -> EmbeddingTable:
+    def _table(self, name: str) -> Table:
         table = self._tables.get(name)
         if table is None:
             raise NotFoundError(f"shard {self.shard_index} holds no table {name!r}")
@@ -184,7 +205,7 @@ class TableStore:
 class CheckedLookup:
     """A lookup that passed TableStore.check_lookup."""
 
-    table: EmbeddingTable
+    table: Table
     ids: np.ndarray
 
 
@@ -192,7 +213,7 @@ class CheckedLookup:
 class CheckedPush:
     """A row push that passed TableStore.check_push."""
 
-    table: EmbeddingTable
+    table: Table
     ids: np.ndarray
     grads: np.ndarray
 
