@@ -5,7 +5,8 @@ the memory tiers of all of them together: it is split evenly, in bytes, between 
 and split again when a table is registered (the others then move their least recently touched rows
 to disk until they fit their new share). A table's share holds its rows' fields, ids, touch times,
 flags and hash index (hot_rows.capacity_for); a share too small for 64 rows gets 64. What a share
-does not use is not lent to another table. On top of the budget: the RocksDB stores' memory
+does not use is not lent to another table; shrinking a full memory tier copies what it keeps (a
+transient, at registration only). On top of the budget: the RocksDB stores' memory
 (a block cache and memtables shared by all tables, `StoreMemory`: each a sixteenth of the budget,
 64 MiB at most; index and filter blocks, about 2 bytes a row on disk), and a batch's working arrays.
 Thread-safety: the owning TableStore calls under its lock.
