@@ -4,6 +4,7 @@ from dataclasses import fields, replace
 
 import pytest
 
+from paramserver.base.byte_size import parse_byte_size
 from paramserver.base.config import (OPTIONS_ENV, ClusterSpec, NodeConfig, Options, Task, config_from_environ,
                                      load_cluster_file, options_from_environ, parse_tf_config)
 from paramserver.base.errors import ConfigError
@@ -108,6 +109,11 @@ BAD = [
     ("resume", True, {}), ("resume", 1, {}), ("resume", 2, DIR), ("resume", "yes", DIR),
     ("eval_timeout_s", -1, {}), ("eval_timeout_s", float("inf"), {}), ("eval_timeout_s", "5", {}),
     ("max_table_rows", 0, {}), ("max_table_memory_bytes", 0, {}), ("max_table_memory_bytes", 1.5, {}),
+    ("max_tiered_table_rows", 0, {}), ("max_tiered_table_rows", "1", {}),
+    ("table_memory_budget", -1, {}), ("table_memory_budget", 1000, {"spill_dir": "/s"}),
+    ("table_memory_budget", 1 << 20, {}), ("table_memory_budget", "4GiB", {"spill_dir": "/s"}),
+    ("table_memory_budget", 32 << 30, {"spill_dir": "/s"}),
+    ("spill_dir", "/s", {}), ("spill_dir", 3, {"table_memory_budget": 1 << 20}),
     ("idle_timeout_s", 0, {}), ("max_connections", 0, {}),
     ("metrics_port", -2, {}), ("metrics_port", 65536, {}),
     ("log_format", "xml", {}), ("logdir", 3, {}), ("summary_every", 0, {}),
@@ -268,3 +274,31 @@ def test_a_malformed_sparse_form_is_a_config_error(sparse):
     with pytest.raises(ConfigError, match="TF_CONFIG"):
         parse_tf_config(json.dumps({"sparseCluster": sparse, "task": {"type": "worker", "index": 0}}),
                         cluster=whole)
+
+
+@pytest.mark.parametrize("text, size", [
+    ("4GiB", 4 << 30), ("512MiB", 512 << 20), ("512mib", 512 << 20), ("16Gi", 16 << 30), ("1.5GiB", 3 << 29),
+    ("1000000", 10**6), ("2GB", 2 * 10**9), ("64 KiB", 64 << 10), ("0", 0), ("7B", 7),
+])
+def test_sizes_in_bytes_read_as_people_write_them(text, size):
+    assert parse_byte_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["", "GiB", "4XB", "-1", "4 G i B", "1e9"])
+def test_a_size_that_is_not_one_is_refused(text):
+    with pytest.raises(ValueError, match="not a size in bytes"):
+        parse_byte_size(text)
+
+
+def test_the_tiered_table_flags_set_their_options(capsys):
+    args = cli._parser().parse_args(["node", "--role", "ps", "--table-memory-budget", "4GiB", "--spill-dir", "/ssd",
+                                     "--max-tiered-table-rows", "1000", "--max-table-memory", "16GiB"])
+    given = cli.mode_options(args)
+    assert (given["table_memory_budget"], given["spill_dir"]) == (4 << 30, "/ssd")
+    assert (given["max_tiered_table_rows"], given["max_table_memory_bytes"]) == (1000, 16 << 30)
+    Options(**given)  # valid together
+    with pytest.raises(SystemExit):
+        cli._parser().parse_args(["node", "--table-memory-budget", "lots"])
+    assert "not a size in bytes" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="'table_memory_budget' needs a spill_dir"):
+        Options(table_memory_budget=1 << 30)

@@ -85,6 +85,7 @@ class Task:
 
 
 _GRPC_MAX_MESSAGE = 2**31 - 1  # gRPC's message size limits are signed 32-bit
+MIN_TABLE_MEMORY_BUDGET = 1 << 16  # the least table_memory_budget (a few hundred rows in memory)
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,10 @@ class Options:
     # limits a PS enforces before it takes memory (docs/security.md)
     max_table_rows: int = 1 << 27  # most rows one table may hold on one PS (capacity asked, or rows created)
     max_table_memory_bytes: int = 16 << 30  # most bytes all tables of one PS may hold (values + optimizer state)
+    max_tiered_table_rows: int = 1 << 34  # most rows one tiered table may hold on one PS, memory and disk
+    # tables bigger than memory (docs/scaling.md#tiered-tables)
+    table_memory_budget: int = 0  # bytes of table rows one PS keeps in memory, the rest in spill_dir; 0: all in memory
+    spill_dir: str = ""  # local directory a PS with a table_memory_budget keeps the other rows in
     idle_timeout_s: float = 300.0  # a tensor-stream connection with no request this long is closed
     max_connections: int = 256  # tensor-stream connections one PS serves at once
     # operations (docs/operations.md)
@@ -209,8 +214,11 @@ class Options:
         need("checkpoint_every_seconds", lambda v: v >= 0, "0 (none) or more")
         need("checkpoint_keep", lambda v: v >= 1, "at least 1")
         need("eval_timeout_s", lambda v: v >= 0, "0 (wait for the final checkpoint) or more")
-        for name in ("max_table_rows", "max_table_memory_bytes", "max_connections", "summary_every"):
+        for name in ("max_table_rows", "max_table_memory_bytes", "max_tiered_table_rows"):
             need(name, lambda v: v >= 1, "at least 1")
+        for name in ("max_connections", "summary_every"):
+            need(name, lambda v: v >= 1, "at least 1")
+        found += self._tier_problems(skip)
         for name in ("idle_timeout_s", "drain_grace_s"):
             need(name, lambda v: v > 0, "positive")
         need("metrics_port", lambda v: -1 <= v <= 65535, "-1 (none), 0 (a free port) or a port number")
@@ -248,6 +256,25 @@ class Options:
             if needs(name, "checkpoint_dir") and getattr(self, name) and not self.checkpoint_dir:
                 found.append(f"option {name!r} needs a checkpoint_dir")
         return found + self._mode_problems(num_workers, skip)
+
+    def _tier_problems(self, skip: frozenset[str] | set[str]) -> list[str]:
+        """table_memory_budget and spill_dir: both or neither, and a budget the tables may take."""
+        found = []
+        budget = self.table_memory_budget
+        if "table_memory_budget" not in skip:
+            if budget != 0 and budget < MIN_TABLE_MEMORY_BUDGET:
+                least = MIN_TABLE_MEMORY_BUDGET
+                found.append(f"option 'table_memory_budget' must be 0 (off) or at least {least}, got {budget!r}")
+            elif "max_table_memory_bytes" not in skip and budget > self.max_table_memory_bytes:
+                found.append(
+                    f"option 'table_memory_budget' must be at most max_table_memory_bytes "
+                    f"({self.max_table_memory_bytes}), got {budget!r}"
+                )
+            elif budget and "spill_dir" not in skip and not self.spill_dir:
+                found.append("option 'table_memory_budget' needs a spill_dir (where the rows beyond it go)")
+        if not skip.intersection(("spill_dir", "table_memory_budget")) and self.spill_dir and not budget:
+            found.append("option 'spill_dir' needs a table_memory_budget (rows spill only beyond a budget)")
+        return found
 
     def _mode_problems(self, num_workers: int | None, skip: frozenset[str] | set[str]) -> list[str]:
         """mode, backup_workers and mode_schedule, as ConsistencySpec and the schedule read them."""

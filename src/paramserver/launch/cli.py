@@ -10,6 +10,7 @@ import signal
 import sys
 from pathlib import Path
 
+from ..base.byte_size import parse_byte_size
 from ..base.config import ClusterSpec, Options, config_from_environ, load_cluster_file, options_from_environ
 from ..base.errors import ConfigError, ParamServerError
 from .logs import configure_logging
@@ -178,8 +179,25 @@ def _add_limit_flags(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--max-table-memory",
+        type=_byte_size,
+        help=f"most bytes of all tables on one PS, e.g. 16GiB (default {Options.max_table_memory_bytes})",
+    )
+    group.add_argument(
+        "--table-memory-budget",
+        type=_byte_size,
+        help="bytes of table rows one PS keeps in memory, e.g. 4GiB; the rest go to --spill-dir "
+        "(default 0: all in memory; docs/scaling.md)",
+    )
+    group.add_argument(
+        "--spill-dir",
+        help="local directory where a PS with --table-memory-budget keeps the rows beyond it "
+        "(each PS in a subdirectory of its own, deleted when it stops)",
+    )
+    group.add_argument(
+        "--max-tiered-table-rows",
         type=int,
-        help=f"most bytes of all tables on one PS (default {Options.max_table_memory_bytes})",
+        help=f"with --table-memory-budget: most rows of one table on one PS, memory and disk "
+        f"(default {Options.max_tiered_table_rows})",
     )
     group.add_argument(
         "--max-message-bytes",
@@ -274,6 +292,9 @@ _FLAG_OPTIONS = {
     "heartbeat_timeout": "heartbeat_timeout_s",
     "max_table_rows": "max_table_rows",
     "max_table_memory": "max_table_memory_bytes",
+    "table_memory_budget": "table_memory_budget",
+    "spill_dir": "spill_dir",
+    "max_tiered_table_rows": "max_tiered_table_rows",
     "max_message_bytes": "max_message_bytes",
     "max_payload_bytes": "max_payload_bytes",
     "idle_timeout": "idle_timeout_s",
@@ -494,6 +515,13 @@ def _configure_logging(args: argparse.Namespace) -> None:
             pass
     node = "launcher" if args.command in ("run", "demo") else ""
     configure_logging(args.log_level, log_format or "text", node=node, role=node)
+
+
+def _byte_size(text: str) -> int:
+    try:
+        return parse_byte_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _interrupt(signum: int, frame: object) -> None:

@@ -11,6 +11,10 @@ resuming one (a cluster's PS with a checkpoint_dir) accepts pushes only from wor
 with it (Shard.sessions). The chief's
 roll-back asks a PS to restart (a Shutdown with `restart`): it drains and exits RESTART_EXIT_CODE,
 for its restart loop to start it again from the latest checkpoint.
+
+With a `table_memory_budget`, the PS's tables keep the rows beyond it on local disk, in a
+subdirectory of `spill_dir` of its own (server/tiers.py, docs/scaling.md): made at start (after the
+stale ones a killed PS of the same index left are deleted), deleted by `stop`.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from ..server.shard import Shard
 from ..server.shard_metrics import ShardCollector
 from ..server.shard_service import ShardService
 from ..server.table_store import TableStore
+from ..server.tiers import Tiers
 from ..transport.grpc_transport import SERVICE, GrpcServer
 from ..transport.health import Health
 from ..transport.stream import host_id
@@ -56,8 +61,14 @@ class PSNode(Lifecycle):
         except BaseException:
             self.guard.close()
             raise
-        limits = TableLimits(options.max_table_rows, options.max_table_memory_bytes)
-        tables = TableStore(index, options.max_table_ids, restore=restore, limits=limits)
+        limits = TableLimits(options.max_table_rows, options.max_table_memory_bytes, options.max_tiered_table_rows)
+        try:  # with a budget, tables spill to a directory of this PS's own; stale ones go first
+            budget = options.table_memory_budget
+            tiers = Tiers.create(budget, options.spill_dir, index) if budget else None
+        except BaseException:
+            self.guard.close()
+            raise
+        tables = TableStore(index, options.max_table_ids, restore=restore, limits=limits, tiers=tiers)
         self.shard = Shard(index, wait_timeout_s=options.rpc_timeout_s, restore=restore, tables=tables)
         self.metrics = NodeMetrics()
         save = shard_writer(options.checkpoint_dir)  # None without a checkpoint_dir: Checkpoint is refused
@@ -143,6 +154,7 @@ class PSNode(Lifecycle):
         if self.endpoint is not None:
             self.endpoint.stop(0.5)
         self.guard.close()
+        self.shard.tables.close()  # after the servers: no call is in flight (the spill files go)
         stats = self.shard.describe()
         took = time.monotonic() - started
         log.info(

@@ -295,6 +295,8 @@ class EmbeddingTable:
         fill = self.optimizer.state_init()
         for key, array in self.state.items():
             array[kept_rows.shape[0] :] = fill.get(key, 0)
+        for array in (self.last_seen, self.seen):  # a new row in a freed place starts unseen
+            array[kept_rows.shape[0] :] = 0
         self.index = HashIndex(max(16, 2 * kept_rows.shape[0]))
         self.index.insert(kept_ids)
 

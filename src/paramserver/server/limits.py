@@ -5,6 +5,12 @@ capacity, plus its hash index; rows are created by lookups (and by a registratio
 reserved up front). Both the rows of one table and the bytes of all tables of the PS are
 bounded (`Options.max_table_rows`, `Options.max_table_memory_bytes`); a request that would pass
 either is refused with ResourceExhaustedError and changes nothing.
+
+A tiered table (a PS with a table_memory_budget; docs/scaling.md) counts its memory tier, which its
+share of the budget bounds, against max_table_memory_bytes, and all its rows, memory and disk,
+against `Options.max_tiered_table_rows` instead of max_table_rows: its rows are meant to outgrow
+memory. Its rows a lookup may create are bounded by the ids not in memory (those on disk are not
+looked up twice to tell them from new ones).
 """
 
 from __future__ import annotations
@@ -15,6 +21,9 @@ import numpy as np
 
 from ..base.errors import ResourceExhaustedError
 from .embedding_table import EmbeddingTable
+from .tiered_table import TieredTable
+
+Table = EmbeddingTable | TieredTable
 
 _GROWTH = 1.5  # as EmbeddingTable grows its arrays
 _INDEX_BYTES_PER_ROW = 2 * 2 * 8  # the hash index keeps at least twice the rows in slots, 16 bytes each
@@ -22,10 +31,12 @@ _INDEX_BYTES_PER_ROW = 2 * 2 * 8  # the hash index keeps at least twice the rows
 
 @dataclass(frozen=True)
 class TableLimits:
-    """`max_rows`: rows one table may hold on this PS; `max_bytes`: bytes all its tables may hold."""
+    """`max_rows`: rows one table may hold on this PS; `max_bytes`: bytes all its tables may hold;
+    `max_tiered_rows`: rows one tiered table may hold on this PS (memory and disk)."""
 
     max_rows: int = 1 << 27
     max_bytes: int = 16 << 30
+    max_tiered_rows: int = 1 << 34
 
 
 def row_bytes(dim: int, float_states: int, per_row_step: bool, tracks_use: bool) -> int:
@@ -38,13 +49,25 @@ def table_row_bytes(table: EmbeddingTable) -> int:
     return row_bytes(table.dim, states, "row_step" in table.state, table.tracks_use)
 
 
-def table_bytes(table: EmbeddingTable) -> int:
-    """What the table holds now: its arrays at capacity (capacity is what memory was taken for)."""
+def table_bytes(table: Table) -> int:
+    """What the table holds now: its arrays at capacity (capacity is what memory was taken for);
+    of a tiered table, its memory tier."""
+    if isinstance(table, TieredTable):
+        return table.hot.nbytes
     return table.values.shape[0] * table_row_bytes(table)
 
 
-def check_new_table(limits: TableLimits, name: str, capacity: int, one_row: int, used: int) -> None:
-    """Raise unless a table of `capacity` rows (`one_row` bytes each) fits next to `used` bytes."""
+def check_new_table(
+    limits: TableLimits, name: str, capacity: int, one_row: int, used: int, tiered: bool = False
+) -> None:
+    """Raise unless a table of `capacity` rows (`one_row` bytes each) fits next to `used` bytes.
+    A tiered table's memory comes from the PS's budget: only its rows are checked."""
+    if tiered:
+        if capacity > limits.max_tiered_rows:
+            raise ResourceExhaustedError(
+                f"table {name!r}: capacity {capacity} exceeds the PS's max_tiered_table_rows {limits.max_tiered_rows}"
+            )
+        return
     if capacity > limits.max_rows:
         raise ResourceExhaustedError(
             f"table {name!r}: capacity {capacity} exceeds the PS's max_table_rows {limits.max_rows}"
@@ -57,9 +80,12 @@ def check_new_table(limits: TableLimits, name: str, capacity: int, one_row: int,
         )
 
 
-def check_new_rows(limits: TableLimits, table: EmbeddingTable, ids: np.ndarray, used: int) -> None:
+def check_new_rows(limits: TableLimits, table: Table, ids: np.ndarray, used: int) -> None:
     """Raise unless the rows a lookup of `ids` may create fit (every missing id counted as admitted:
     the policy may admit any of them). `used`: bytes of all the PS's tables now."""
+    if isinstance(table, TieredTable):
+        _check_tiered_rows(limits, table, ids)
+        return
     missing = int(np.unique(ids[table.index.find(ids) < 0]).shape[0]) if ids.shape[0] else 0
     if not missing:
         return
@@ -78,4 +104,15 @@ def check_new_rows(limits: TableLimits, table: EmbeddingTable, ids: np.ndarray, 
         raise ResourceExhaustedError(
             f"table {table.name!r}: {missing} new rows would grow the PS's tables to "
             f"{used + extra} bytes, over max_table_memory_bytes {limits.max_bytes}"
+        )
+
+
+def _check_tiered_rows(limits: TableLimits, table: TieredTable, ids: np.ndarray) -> None:
+    """A tiered table's lookup: its new rows go to disk when memory is full, so only rows count,
+    every id not in memory as a new one."""
+    missing = int(np.unique(ids[table.hot.find(ids) < 0]).shape[0]) if ids.shape[0] else 0
+    if missing and table.size + missing > limits.max_tiered_rows:
+        raise ResourceExhaustedError(
+            f"table {table.name!r}: up to {missing} new rows would bring it to {table.size + missing} rows, "
+            f"over the PS's max_tiered_table_rows {limits.max_tiered_rows}"
         )

@@ -25,6 +25,8 @@ import numpy as np
 class RowSnapshot:
     """Rows 0..size-1 of one table (each array of its `layout`) as they were at the start."""
 
+    holds_changes = False  # changes go on; the rows they change are kept aside
+
     def __init__(
         self,
         size: int,
@@ -80,3 +82,28 @@ class RowSnapshot:
             self.kept_bytes -= sum(array.nbytes for array in saved.values())
         self.cursor = hi
         return lo, arrays
+
+
+class FrozenSnapshot:
+    """A snapshot of a table that cannot keep rows aside (a tiered table: its rows move between
+    memory and disk): changes wait until the writer is done (`holds_changes`), so the rows it
+    reads a slice at a time (`slices`: the table's row_chunks) are those of the start."""
+
+    holds_changes = True
+    kept_bytes = 0
+    peak_kept_bytes = 0
+
+    def __init__(self, size: int, layout: dict, slices) -> None:
+        self.size, self.layout = size, layout
+        self._slices = slices
+        self.done = size == 0
+
+    @property
+    def over_budget(self) -> bool:
+        return not self.done
+
+    def next_slice(self) -> tuple[int, dict[str, np.ndarray]] | None:
+        taken = next(self._slices, None)
+        if taken is None:
+            self.done = True
+        return taken

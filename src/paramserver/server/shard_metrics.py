@@ -23,6 +23,17 @@ _TABLE_COUNTERS = {
     "evicted": ("paramserver_table_evictions", "Rows evicted from a table"),
 }
 
+# a tiered table's describe() figures (docs/scaling.md) -> (metric name, help): gauges, then counters
+_TIER_GAUGES = {
+    "memory_rows": ("paramserver_table_memory_rows", "Rows of a tiered table held in memory on this shard"),
+    "disk_rows": ("paramserver_table_disk_rows", "Rows of a tiered table on this shard's spill disk"),
+    "disk_bytes": ("paramserver_table_disk_bytes", "Bytes of a tiered table's files on this shard's spill disk"),
+}
+_TIER_COUNTERS = {
+    "disk_reads": ("paramserver_table_disk_reads", "Rows of a tiered table read from the spill disk"),
+    "disk_writes": ("paramserver_table_disk_writes", "Rows of a tiered table written to the spill disk"),
+}
+
 
 class ShardCollector(Collector):
     """The metrics of one shard and its tables (labels: `shard`, and `table` for a table's)."""
@@ -78,3 +89,16 @@ class ShardCollector(Collector):
         yield rows
         yield size
         yield from counters.values()
+        yield from self._tiers(shard, tables)
+
+    def _tiers(self, shard: str, tables: dict[str, dict]) -> Iterator[Metric]:
+        """The tiered tables' figures, when the shard has tiered tables."""
+        tiered = {name: described for name, described in tables.items() if "disk_rows" in described}
+        if not tiered:
+            return
+        for figures, family in ((_TIER_GAUGES, GaugeMetricFamily), (_TIER_COUNTERS, CounterMetricFamily)):
+            for key, (name, help_text) in figures.items():
+                metric = family(name, help_text, labels=["shard", "table"])
+                for table, described in tiered.items():
+                    metric.add_metric([shard, table], described[key])
+                yield metric

@@ -4,6 +4,11 @@ Rows are float32; a table's wire dtype (wire/half.py) is how its rows leave and 
 arrive (bfloat16 or float16: half the bytes). Thread-safe: one lock serializes all calls. Row
 pushes are applied when their shard's step applies them (`apply_rows`): on arrival in async and
 ssp modes, averaged with the other workers' of the same step in sync mode.
+
+With `tiers` (a PS with a table_memory_budget, server/tiers.py) every table is a TieredTable,
+whose rows beyond its share of the budget live on local disk; without, an EmbeddingTable. Both
+offer the same calls, made here under the lock alone. `close` closes the tiers (deleting the spill
+files): the PS's last call.
 """
 
 from __future__ import annotations
@@ -19,9 +24,10 @@ from ..base.deadline import Deadline
 from ..base.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
 from ..wire.half import WIRE_DTYPES, from_wire, to_wire
 from .embedding_table import EmbeddingTable, RowPolicy
-from .limits import TableLimits, check_new_rows, check_new_table, row_bytes, table_bytes
-from .row_snapshot import RowSnapshot
+from .limits import Table, TableLimits, check_new_rows, check_new_table, row_bytes, table_bytes
+from .row_snapshot import FrozenSnapshot, RowSnapshot
 from .sparse_optimizers import build_sparse_optimizer
+from .tiers import Tiers
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_IDS = 1 << 20  # largest id batch one request may carry
@@ -36,17 +42,23 @@ class TableStore:
     """Embedding tables by name."""
 
     def __init__(
-        self, shard_index: int, max_ids: int = DEFAULT_MAX_IDS, restore=None, limits: TableLimits | None = None
+        self,
+        shard_index: int,
+        max_ids: int = DEFAULT_MAX_IDS,
+        restore=None,
+        limits: TableLimits | None = None,
+        tiers: Tiers | None = None,
     ) -> None:
         self.shard_index = shard_index
         self.restore = restore  # a checkpoint.restore.RestoreSource new tables start from, or None
         self.max_ids = max_ids
         self.limits = limits or TableLimits()
-        self._tables: dict[str, EmbeddingTable] = {}
+        self.tiers = tiers
+        self._tables: dict[str, Table] = {}
         self._wire: dict[str, str] = {}  # wire dtype by table
         self._lock = threading.Lock()
         self._writer_moved = threading.Condition(self._lock)  # a checkpoint's writer took a slice
-        self._snapshots: dict[str, RowSnapshot] = {}  # of the checkpoint being written, if any
+        self._snapshots: dict[str, RowSnapshot | FrozenSnapshot] = {}  # of the checkpoint being written
 
     def register(
         self,
@@ -74,9 +86,7 @@ class TableStore:
                 optimizer = build_sparse_optimizer(optimizer_spec)
                 row_policy = RowPolicy.from_dict(policy)
                 self._check_new_table(name, dim, optimizer, row_policy, capacity)
-                table = EmbeddingTable(
-                    name, dim, optimizer, init, optimizer_spec, capacity=max(1024, capacity), policy=row_policy
-                )
+                table = self._new_table(name, dim, optimizer, init, optimizer_spec, row_policy, capacity)
                 if self.restore is not None and self.restore.fill_table(table, self.shard_index, num_shards):
                     log.info("shard %d: table %s restored with %d rows", self.shard_index, name, table.size)
                 self._tables[name], self._wire[name] = table, wire
@@ -89,6 +99,11 @@ class TableStore:
                 raise FailedPreconditionError(
                     f"table {name!r} was registered to travel as {self._wire[name]}, not {wire}"
                 )
+
+    def _new_table(self, name, dim, optimizer, init, spec, policy, capacity) -> Table:
+        if self.tiers is not None:
+            return self.tiers.new_table(name, dim, optimizer, init, spec, policy)
+        return EmbeddingTable(name, dim, optimizer, init, spec, capacity=max(1024, capacity), policy=policy)
 
     def lookup(self, name: str, ids: np.ndarray) -> np.ndarray:
         """Rows of `ids`, created on first touch (a copy, in the table's wire dtype)."""
@@ -155,7 +170,7 @@ class TableStore:
                 pushes[0].table.apply(ids, summed)
 
     # ---- a checkpoint's view of the rows (see RowSnapshot) -----------------------------------
-    def begin_snapshot(self) -> dict[str, tuple[dict, RowSnapshot]]:
+    def begin_snapshot(self) -> dict[str, tuple[dict, RowSnapshot | FrozenSnapshot]]:
         """Take every table's rows as they are now: {table: (its meta, its snapshot)}. Until
         `end_snapshot`, rows are changed as usual; the writer takes them with `next_slice`.
         One checkpoint at a time (the caller serializes them)."""
@@ -190,14 +205,22 @@ class TableStore:
             return peaks
 
     def _wait_for_writer(self) -> None:
-        """Hold a change while a checkpoint's rows kept aside are over their budget, until its
-        writer moves on (call under the lock): memory stays bounded. A writer that stalls for
-        SNAPSHOT_WAIT_S lets the change through (logged): memory grows, nothing deadlocks."""
+        """Hold a change while a checkpoint's writer needs it held (call under the lock): while
+        the rows kept aside for it are over their budget (memory stays bounded; a writer that
+        stalls for SNAPSHOT_WAIT_S lets the change through, logged: memory grows, nothing
+        deadlocks), or, for a table that cannot keep rows aside, until the writer is done (the
+        writer is this process's own thread: it ends, or fails and ends the snapshot)."""
         if not self._snapshots:
             return
         deadline = Deadline(SNAPSHOT_WAIT_S)
         while any(snapshot.over_budget for snapshot in self._snapshots.values()):
             if deadline.passed():
+                if any(s.holds_changes and s.over_budget for s in self._snapshots.values()):
+                    log.info(
+                        "shard %d: a change waits for a checkpoint's writer (%.0fs)", self.shard_index, SNAPSHOT_WAIT_S
+                    )
+                    deadline = Deadline(SNAPSHOT_WAIT_S)
+                    continue
                 log.warning(
                     "shard %d: a checkpoint's writer has not moved for %.0fs; changes go on",
                     self.shard_index,
@@ -207,7 +230,7 @@ class TableStore:
             self._writer_moved.wait(deadline.left())
 
     @staticmethod
-    def _meta(table: EmbeddingTable) -> dict:
+    def _meta(table: Table) -> dict:
         return {
             "dim": table.dim,
             "spec": table.spec,
@@ -221,6 +244,12 @@ class TableStore:
         with self._lock:
             return {name: table.describe() for name, table in self._tables.items()}
 
+    def close(self) -> None:
+        """Close the tiered tables' stores and delete the spill space (after the last call)."""
+        with self._lock:
+            if self.tiers is not None:
+                self.tiers.close()
+
     def _bytes(self) -> int:
         """Bytes all tables hold now (call under the lock)."""
         return sum(table_bytes(table) for table in self._tables.values())
@@ -231,9 +260,9 @@ class TableStore:
         states = len(optimizer.state_init())
         tracks_use = bool(policy.ttl_steps or policy.min_count or policy.max_rows)
         one_row = row_bytes(dim, states, bool(optimizer.hyper.get("per_row_step")), tracks_use)
-        check_new_table(self.limits, name, max(1024, capacity), one_row, self._bytes())
+        check_new_table(self.limits, name, max(1024, capacity), one_row, self._bytes(), self.tiers is not None)
 
-    def _table(self, name: str) -> EmbeddingTable:
+    def _table(self, name: str) -> Table:
         table = self._tables.get(name)
         if table is None:
             raise NotFoundError(f"shard {self.shard_index} holds no table {name!r}")
@@ -253,7 +282,7 @@ class TableStore:
 class CheckedLookup:
     """A lookup that passed TableStore.check_lookup."""
 
-    table: EmbeddingTable
+    table: Table
     ids: np.ndarray
 
 
@@ -261,7 +290,7 @@ class CheckedLookup:
 class CheckedPush:
     """A row push that passed TableStore.check_push."""
 
-    table: EmbeddingTable
+    table: Table
     ids: np.ndarray
     grads: np.ndarray
 

@@ -1,0 +1,176 @@
+"""Tables bigger than memory (docs/scaling.md, "Tiered tables"). Two measurements, one JSON line each:
+
+- `table`: a TieredTable in this process (dim 16, Adagrad) under a memory budget: N rows made by
+  lookups, then training steps (a lookup and a push of the distinct ids among B draws) drawn
+  uniformly and with a Zipf skew (a = 1.1); rows/s (distinct ids, each looked up and updated),
+  memory bytes per row (the memory tier at capacity / its rows), disk bytes per row (RocksDB's
+  files, before and after a full compaction), the process's RssAnon and RssFile.
+- `stores`: batch get/put of 8-byte keys and 136-byte values at random ids, in RocksDB (rocksdict,
+  as spill_store.py sets it up) and, when the `lmdb` package is installed, in LMDB; RSS of each in
+  a process of its own.
+
+    python bench/tiered.py table [--rows 2000000] [--budget 64MiB] [--batch 16384] [--steps 100]
+    python bench/tiered.py stores [--rows 3000000]
+"""
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from paramserver.base.byte_size import parse_byte_size  # noqa: E402
+from paramserver.server.embedding_table import RowPolicy  # noqa: E402
+from paramserver.server.sparse_optimizers import build_sparse_optimizer  # noqa: E402
+from paramserver.server.tiers import Tiers  # noqa: E402
+
+ADAGRAD = {"name": "adagrad", "hyper": {"lr": 0.05}}
+
+
+def rss_mib() -> dict:
+    wanted = ("RssAnon", "RssFile")
+    lines = (line.split(":") for line in Path("/proc/self/status").read_text().splitlines())
+    return {key: int(value.split()[0]) >> 10 for key, value in lines if key in wanted}
+
+
+def table(args) -> dict:
+    spill = tempfile.mkdtemp(prefix="tiered-bench-")
+    tiers = Tiers.create(args.budget, spill, 0)
+    try:
+        t = tiers.new_table("t", 16, build_sparse_optimizer(ADAGRAD), {"kind": "normal"}, ADAGRAD, RowPolicy())
+        out: dict = {"rows": args.rows, "budget": args.budget, "memory_capacity": t.hot.capacity}
+        started = time.perf_counter()
+        for lo in range(0, args.rows, 1 << 16):
+            t.read(np.arange(lo, min(lo + (1 << 16), args.rows), dtype=np.int64))
+        out["create_rows_per_s"] = round(args.rows / (time.perf_counter() - started))
+        rng = np.random.default_rng(0)
+        for name, draw in (
+            ("uniform", lambda: rng.integers(0, args.rows, args.batch)),
+            ("zipf", lambda: (rng.zipf(1.1, args.batch) - 1) % args.rows),
+        ):
+            reads, touched = t.store.reads, 0
+            started = time.perf_counter()
+            for _ in range(args.steps):
+                ids = np.unique(draw()).astype(np.int64)
+                t.read(ids)
+                t.apply(ids, rng.standard_normal((ids.shape[0], 16)).astype(np.float32))
+                touched += ids.shape[0]
+            took = time.perf_counter() - started
+            out[f"{name}_rows_per_s"] = round(touched / took)
+            out[f"{name}_disk_reads_per_row"] = round((t.store.reads - reads) / touched, 3)
+        out["memory_bytes_per_row"] = round(t.hot.nbytes / t.hot.capacity, 1)
+        out["disk_bytes_per_row"] = round(t.store.disk_bytes() / t.size, 1)
+        t.store._db.compact_range(None, None)
+        out["disk_bytes_per_row_compacted"] = round(t.store.disk_bytes() / t.size, 1)
+        out["store_memory_bytes_per_row"] = round(t.store.memory_bytes() / t.size, 2)
+        started = time.perf_counter()
+        saved = sum(arrays["ids"].shape[0] for _, arrays in t.row_chunks(1 << 16))
+        out["row_chunks_rows_per_s"] = round(saved / (time.perf_counter() - started))
+        out["rss_mib"] = rss_mib()
+        return out
+    finally:
+        tiers.close()
+        shutil.rmtree(spill, ignore_errors=True)
+
+
+STORE_SCRIPT = r"""
+import json, shutil, sys, tempfile, time
+import numpy as np
+kind, n = sys.argv[1], int(sys.argv[2])
+batch, size = 100_000, 136
+path = tempfile.mkdtemp(prefix="tiered-store-")
+def rss():
+    lines = (l.split(":") for l in open("/proc/self/status").read().splitlines())
+    return {k: int(v.split()[0]) >> 10 for k, v in lines if k in ("RssAnon", "RssFile")}
+def keys(ids):
+    b = (ids.view(np.uint64) ^ np.uint64(1 << 63)).astype(">u8").tobytes()
+    return [b[i:i + 8] for i in range(0, len(b), 8)]
+def values(m):
+    b = np.random.default_rng(m).integers(0, 255, m * size, dtype=np.uint8).tobytes()
+    return [b[i:i + size] for i in range(0, len(b), size)]
+if kind == "lmdb":
+    import lmdb
+    env = lmdb.open(path, map_size=64 << 30, sync=False, metasync=False, readahead=False, lock=False)
+    def put(k, v):
+        with env.begin(write=True) as txn:
+            txn.cursor().putmulti(zip(k, v))
+    def get(k):
+        with env.begin() as txn:
+            return [txn.get(x) for x in k]
+else:
+    from paramserver.server.spill_store import GET_BATCH, StoreMemory, _options
+    import rocksdict
+    db = rocksdict.Rdict(path, _options(StoreMemory()))
+    write = rocksdict.WriteOptions()
+    write.disable_wal = True
+    def put(k, v):
+        wb = rocksdict.WriteBatch(raw_mode=True)
+        for a, b in zip(k, v):
+            wb.put(a, b)
+        db.write(wb, write)
+    def get(k):
+        return [x for lo in range(0, len(k), GET_BATCH) for x in db.get(k[lo:lo + GET_BATCH])]
+rng = np.random.default_rng(0)
+ids = rng.integers(-(1 << 62), 1 << 62, n, dtype=np.int64)
+out = {"store": kind, "rows": n}
+t = time.perf_counter()
+for lo in range(0, n, batch):
+    put(keys(ids[lo:lo + batch]), values(min(batch, n - lo)))
+out["load_per_s"] = round(n / (time.perf_counter() - t))
+t = time.perf_counter()
+for _ in range(20):
+    assert all(x is not None for x in get(keys(ids[rng.integers(0, n, batch)])))
+out["get_per_s"] = round(20 * batch / (time.perf_counter() - t))
+t = time.perf_counter()
+for i in range(20):
+    put(keys(ids[rng.integers(0, n, batch)]), values(batch))
+out["update_per_s"] = round(20 * batch / (time.perf_counter() - t))
+out["rss_mib"] = rss()
+files = __import__("pathlib").Path(path).rglob("*")
+out["disk_bytes_per_row"] = round(sum(p.stat().st_size for p in files if p.is_file()) / n, 1)
+shutil.rmtree(path, ignore_errors=True)
+print(json.dumps(out))
+"""
+
+
+def stores(args) -> list[dict]:
+    results = []
+    for kind in ("rocksdb", "lmdb"):
+        if kind == "lmdb" and subprocess.run([sys.executable, "-c", "import lmdb"], capture_output=True).returncode:
+            continue
+        env = {"PYTHONPATH": str(ROOT / "src")}
+        done = subprocess.run(
+            [sys.executable, "-c", STORE_SCRIPT, kind, str(args.rows)], capture_output=True, text=True, env=env
+        )
+        failed = {"store": kind, "error": done.stderr[-500:]}
+        results.append(json.loads(done.stdout) if done.returncode == 0 else failed)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("what", choices=["table", "stores"])
+    parser.add_argument("--rows", type=int, default=None)
+    parser.add_argument("--budget", type=parse_byte_size, default=64 << 20)
+    parser.add_argument("--batch", type=int, default=16384)
+    parser.add_argument("--steps", type=int, default=100)
+    args = parser.parse_args()
+    if args.what == "table":
+        args.rows = args.rows or 2_000_000
+        print(json.dumps(table(args)), flush=True)
+    else:
+        args.rows = args.rows or 3_000_000
+        for result in stores(args):
+            print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

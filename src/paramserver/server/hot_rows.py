@@ -1,0 +1,142 @@
+"""The in-memory tier of a tiered table: at most `capacity` rows, found through a HashIndex.
+
+Each field of the table's rows (row_record.RowRecord: values, optimizer state, counters) is one
+C-contiguous array of `capacity` rows, taken once at that size: zeros from fresh pages, so that
+rows not filled yet cost no resident memory. Per row the tier also keeps its id, when it was last
+touched (the table's touch clock: the least recently touched rows go first), whether a copy of it
+is on disk, and whether it changed since it was read from there (dirty). Rows are 0..size-1: new
+ones are appended; removing rows compacts the rest in place (in chunks: no whole copy) and
+rebuilds the index (the old one freed first), so memory never holds two of anything.
+Not thread-safe: the owning table serializes calls.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .hash_index import HashIndex
+from .row_record import RowRecord
+
+_MOVE_ROWS = 1 << 16  # rows moved at a time when compacting
+_SLOT_BYTES = 16  # a HashIndex slot: (id, row)
+_MIN_ROWS = 64  # the least capacity a table's share gives
+
+
+def row_bytes(record: RowRecord) -> int:
+    """Memory of one row of capacity, the index aside: its fields, id, touch time and two flags."""
+    return record.nbytes + 8 + 8 + 2
+
+
+def index_bytes(capacity: int) -> int:
+    """The HashIndex of `capacity` rows: a power of two of slots, at least twice the rows."""
+    return _SLOT_BYTES * (1 << max(4, int(2 * capacity - 1).bit_length()))
+
+
+def capacity_for(budget: int, record: RowRecord) -> int:
+    """The most rows whose arrays and index fit in `budget` bytes (at least _MIN_ROWS)."""
+    best, slots = 0, 16
+    while slots * _SLOT_BYTES < budget:  # each power of two of slots: the rows that fit beside it
+        best = max(best, min(slots // 2, (budget - slots * _SLOT_BYTES) // row_bytes(record)))
+        slots *= 2
+    return max(best, _MIN_ROWS)
+
+
+class HotRows:
+    """Rows in memory, each with its id, touch time and disk flags."""
+
+    def __init__(self, record: RowRecord, capacity: int) -> None:
+        self.record = record
+        self.capacity = capacity
+        self.fields = {
+            name: np.zeros((capacity, *record.dtype[name].shape), record.dtype[name].base) for name in record.names
+        }
+        self.ids = np.zeros(capacity, np.int64)
+        self.touched = np.zeros(capacity, np.int64)  # the table's touch clock when last looked up or updated
+        self.on_disk = np.zeros(capacity, bool)  # a copy is on disk (stale when dirty)
+        self.dirty = np.zeros(capacity, bool)  # changed since read from disk (or never written there)
+        self.index = HashIndex(2 * capacity)
+
+    @property
+    def size(self) -> int:
+        return self.index.size
+
+    @property
+    def free(self) -> int:
+        return self.capacity - self.size
+
+    @property
+    def values(self) -> np.ndarray:
+        return self.fields["values"]
+
+    def optimizer_state(self) -> dict[str, np.ndarray]:
+        """The arrays a SparseOptimizer updates: its state, and row_step when kept."""
+        return {name: self.fields[name] for name in (*self.record.state_names, "row_step") if name in self.fields}
+
+    @property
+    def nbytes(self) -> int:
+        return self.capacity * row_bytes(self.record) + self.index.nbytes
+
+    def find(self, ids: np.ndarray) -> np.ndarray:
+        return self.index.find(ids)
+
+    def add(self, ids: np.ndarray, records: np.ndarray, clock: int, on_disk: bool) -> np.ndarray:
+        """Append rows (ids absent, distinct, and room for them); returns their row numbers.
+        A row read from disk comes clean; any other is dirty (it is nowhere else)."""
+        rows = self.index.insert(ids)
+        self.ids[rows] = ids
+        for name, array in self.fields.items():
+            array[rows] = records[name]
+        self.touched[rows] = clock
+        self.on_disk[rows] = on_disk
+        self.dirty[rows] = not on_disk
+        return rows
+
+    def records(self, rows: np.ndarray) -> np.ndarray:
+        """The rows' fields as records (a copy)."""
+        records = self.record.empty(rows.shape[0])
+        for name, array in self.fields.items():
+            records[name] = array[rows]
+        return records
+
+    def least_recent(self, count: int, clock: int) -> np.ndarray:
+        """Up to `count` rows least recently touched, of those not touched at `clock` (in use now)."""
+        idle = np.flatnonzero(self.touched[: self.size] < clock)
+        if idle.shape[0] <= count:
+            return idle
+        return idle[np.argpartition(self.touched[idle], count - 1)[:count]]
+
+    def remove(self, rows: np.ndarray) -> None:
+        """Drop these rows; the others keep their order."""
+        if not rows.shape[0]:
+            return
+        keep = np.ones(self.size, bool)
+        keep[rows] = False
+        kept = np.flatnonzero(keep)
+        first = int(rows.min())  # rows before it stay where they are
+        for array in (*self.fields.values(), self.ids, self.touched, self.on_disk, self.dirty):
+            for lo in range(first, kept.shape[0], _MOVE_ROWS):
+                hi = min(lo + _MOVE_ROWS, kept.shape[0])
+                array[lo:hi] = array[kept[lo:hi]]  # its sources lie at lo or after: not overwritten yet
+        self._reindex(kept.shape[0])
+
+    def _reindex(self, size: int) -> None:
+        del self.index  # freed before the new one is made
+        self.index = HashIndex(2 * self.capacity)
+        self.index.insert(self.ids[:size])
+
+    def resize(self, capacity: int) -> None:
+        """Hold at most `capacity` rows from now on (the rows held must fit)."""
+        size = self.size
+        moved = HotRows(self.record, capacity)
+        for name, array in self.fields.items():
+            moved.fields[name][:size] = array[:size]
+        for name in ("ids", "touched", "on_disk", "dirty"):
+            getattr(moved, name)[:size] = getattr(self, name)[:size]
+        del self.index
+        moved._reindex(size)
+        self.__dict__.update(moved.__dict__)
+
+
+def _zeros(capacity: int, field: np.dtype) -> np.ndarray:
+    """`capacity` rows of one record field, as a native C-contiguous array (fresh pages: no RSS yet)."""
+    return np.zeros((capacity, *field.shape), field.base.newbyteorder("="))

@@ -1,0 +1,183 @@
+"""The cold rows of one tiered table, on local disk in RocksDB (rocksdict), keyed by id.
+
+Why RocksDB (measured on this project's machine: 2 cores, virtio disk, ext4; `python bench/tiered.py
+stores`, docs/scaling.md): batch get/put of 8-byte keys and 136-byte values at 3M random ids, in
+batches of 100k:
+
+  store                       load/s  get/s  update/s  disk B/row           RssAnon  RssFile
+  RocksDB, as set up here     566k    158k   320k      247 (144 compacted)  225 MiB  32 MiB
+  LMDB 3.0.0 (sync off)       264k    719k   259k      439                  355 MiB  1273 MiB
+
+LMDB reads through mmap: every page it touches is in the process's RSS (RssFile: the whole file
+here), so at 200M rows its ~90 GB file would count against the PS; its B-tree also writes 4 KiB
+pages at random on every update. RocksDB's memory is bounded and set here: a block cache and
+memtables shared by the PS's tables (`StoreMemory`), plus index and bloom filter blocks, about 2
+bytes per row on disk. A multi-get holds a block per key while it is served (100k keys took 250 MB
+with 16 KiB blocks, measured): gets go 4096 keys at a time, with 4 KiB blocks. Writes are sequential
+(an LSM tree), and a bloom filter answers "never stored" (a new id) without a read.
+
+The spill is a cache of the training state, rebuilt from a checkpoint on restart: no write-ahead
+log, no fsync, and a store is never reopened (SpillSpace deletes what a dead PS left).
+Not thread-safe: the owning table serializes calls (TableStore's lock).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import cast
+
+import numpy as np
+import rocksdict
+
+from ..base.errors import ResourceExhaustedError
+from .row_record import RowRecord
+
+GET_BATCH = 4096  # keys per multi-get: each may hold a block (4 KiB) until the batch is served
+PUT_BATCH = 65536  # rows per write batch
+_SIGN = np.uint64(1 << 63)  # big-endian keys with the sign bit flipped: byte order = signed id order
+
+
+class SpillError(ResourceExhaustedError):
+    """The spill store could not read or write (a full disk, an I/O error): names its directory
+    and RocksDB's reason. The request fails; rows not written out stay in memory."""
+
+
+@contextlib.contextmanager
+def _failing_as_spill_error(path: str, action: str) -> Iterator[None]:
+    try:
+        yield
+    except Exception as exc:  # rocksdict raises plain Exceptions carrying RocksDB's status
+        raise SpillError(f"spill store {path}: cannot {action}: {exc}") from exc
+
+
+class StoreMemory:
+    """What the RocksDB stores of one PS share, so that their memory has one bound:
+    one block cache and one budget for all memtables."""
+
+    def __init__(self, block_cache_bytes: int = 64 << 20, memtable_bytes: int = 64 << 20) -> None:
+        self.block_cache_bytes, self.memtable_bytes = block_cache_bytes, memtable_bytes
+        self.cache = rocksdict.Cache(block_cache_bytes)
+        self.memtables = rocksdict.WriteBufferManager(memtable_bytes, False)
+
+    @classmethod
+    def for_budget(cls, budget: int) -> StoreMemory:
+        """A sixteenth of the PS's table budget for each, within [1 MiB, 64 MiB] (the hot rows in
+        memory are the real cache: the block cache only spares re-reading index blocks)."""
+        share = min(max(budget // 16, 1 << 20), 64 << 20)
+        return cls(share, share)
+
+    @property
+    def nbytes(self) -> int:
+        """The bound of both (the index and filter blocks of each store come on top)."""
+        return self.block_cache_bytes + self.memtable_bytes
+
+
+def _options(memory: StoreMemory) -> rocksdict.Options:
+    options = rocksdict.Options(raw_mode=True)
+    options.create_if_missing(True)
+    table = rocksdict.BlockBasedOptions()
+    table.set_block_cache(memory.cache)
+    table.set_bloom_filter(10, False)  # a full filter per file: ~1% of new ids cost a read
+    table.set_block_size(4 << 10)
+    options.set_block_based_table_factory(table)
+    options.set_write_buffer_manager(memory.memtables)
+    options.set_write_buffer_size(min(32 << 20, max(memory.memtable_bytes // 2, 1 << 20)))
+    options.set_max_write_buffer_number(2)
+    options.set_compression_type(rocksdict.DBCompressionType.none())  # float rows barely compress
+    options.set_target_file_size_base(256 << 20)
+    options.set_max_open_files(512)
+    options.set_max_background_jobs(2)
+    return options
+
+
+def keys_of(ids: np.ndarray) -> list:
+    packed = (np.ascontiguousarray(ids, np.int64).view(np.uint64) ^ _SIGN).astype(">u8").tobytes()
+    return [packed[i : i + 8] for i in range(0, len(packed), 8)]
+
+
+def ids_of(keys: list[bytes]) -> np.ndarray:
+    return (np.frombuffer(b"".join(keys), ">u8").astype(np.uint64) ^ _SIGN).view(np.int64)
+
+
+class SpillStore:
+    """Records (row_record.RowRecord) of a table's rows by id, in a RocksDB directory of its own."""
+
+    def __init__(self, path: str, record: RowRecord, memory: StoreMemory) -> None:
+        self.path, self.record = path, record
+        self._options = _options(memory)
+        with _failing_as_spill_error(path, "open"):
+            self._db = rocksdict.Rdict(path, self._options)
+        self._write = rocksdict.WriteOptions()
+        self._write.disable_wal = True  # type: ignore[method-assign,assignment]  # a property (the stub says a method)
+        self.reads = self.writes = 0  # rows read from and written to disk
+
+    def get(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(found, records): whether each id has a record here, and the records of those found, in order."""
+        found = np.zeros(ids.shape[0], bool)
+        parts = []
+        for lo in range(0, ids.shape[0], GET_BATCH):
+            with _failing_as_spill_error(self.path, "read rows"):
+                got = cast(list, self._db.get(keys_of(ids[lo : lo + GET_BATCH])))
+            hits = [value for value in got if value is not None]
+            found[lo : lo + len(got)] = [value is not None for value in got]
+            parts.append(b"".join(hits))
+        records = np.frombuffer(b"".join(parts), self.record.dtype).copy()
+        self.reads += records.shape[0]
+        return found, records
+
+    def contains(self, ids: np.ndarray) -> np.ndarray:
+        return self.get(ids)[0]
+
+    def put(self, ids: np.ndarray, records: np.ndarray) -> None:
+        """Write (or overwrite) the records of `ids`."""
+        size = self.record.nbytes
+        for lo in range(0, ids.shape[0], PUT_BATCH):
+            packed = np.ascontiguousarray(records[lo : lo + PUT_BATCH]).tobytes()
+            batch = rocksdict.WriteBatch(raw_mode=True)
+            for i, key in enumerate(keys_of(ids[lo : lo + PUT_BATCH])):
+                batch.put(key, packed[i * size : (i + 1) * size])
+            with _failing_as_spill_error(self.path, "write rows"):
+                self._db.write(batch, self._write)
+        self.writes += ids.shape[0]
+
+    def delete(self, ids: np.ndarray) -> None:
+        for lo in range(0, ids.shape[0], PUT_BATCH):
+            batch = rocksdict.WriteBatch(raw_mode=True)
+            for key in keys_of(ids[lo : lo + PUT_BATCH]):
+                batch.delete(key)
+            with _failing_as_spill_error(self.path, "delete rows"):
+                self._db.write(batch, self._write)
+
+    def scan(self, chunk_rows: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """(ids, records) of every row, in id order, `chunk_rows` at a time. The iterator reads one
+        point-in-time view: rows written or deleted meanwhile do not change what it yields."""
+        iterator = self._db.iter()
+        iterator.seek_to_first()
+        while iterator.valid():
+            keys: list[bytes] = []
+            values: list[bytes] = []
+            with _failing_as_spill_error(self.path, "read rows"):
+                while iterator.valid() and len(keys) < chunk_rows:
+                    keys.append(iterator.key())
+                    values.append(iterator.value())
+                    iterator.next()
+                iterator.status()  # raises what ended the iteration early, if anything did
+            yield ids_of(keys), np.frombuffer(b"".join(values), self.record.dtype)
+        del iterator
+
+    def disk_bytes(self) -> int:
+        """Bytes of the store's files (live data, and what compaction has not reclaimed yet)."""
+        return sum(self._db.property_int_value(p) or 0 for p in ("rocksdb.total-sst-files-size",))
+
+    def memory_bytes(self) -> int:
+        """The store's own memory outside the shared cache: index and filter blocks, memtables."""
+        return sum(
+            self._db.property_int_value(p) or 0
+            for p in ("rocksdb.estimate-table-readers-mem", "rocksdb.cur-size-all-mem-tables")
+        )
+
+    def close(self) -> None:
+        """Close and delete the store's files."""
+        self._db.close()
+        rocksdict.Rdict.destroy(self.path, self._options)
