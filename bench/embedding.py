@@ -133,13 +133,14 @@ def write_ctr_data(directory: str, rows: int) -> tuple[str, str]:
     return paths[0], paths[1]
 
 
-def run_ctr(num_ps: int, workers: int, flags: list[str], train: str, test: str, script: str = "") -> dict:
+def run_ctr(num_ps: int, workers: int, flags: list[str], train: str, test: str, script: str = "",
+            options: dict | None = None) -> dict:
     """examples/ctr.py (or `script`, taking its flags) on a local cluster (torch threads as
-    `paramserver run` gives them); its JSON record."""
+    `paramserver run` gives them, and `options`); its JSON record."""
     cluster = LocalCluster(num_ps, workers, script or str(ROOT / "examples" / "ctr.py"),
                            ["--train", train, "--test", test, *flags],
-                           Options(torch_threads=default_torch_threads(workers)), out=io.StringIO(), progress_every=0,
-                           log_level="WARNING")
+                           Options(torch_threads=default_torch_threads(workers), **(options or {})), out=io.StringIO(),
+                           progress_every=0, log_level="WARNING")
     if cluster.run() != 0:
         raise SystemExit(cluster._lines.out.getvalue()[-3000:])
     summary = cluster.summary()
