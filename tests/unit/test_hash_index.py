@@ -32,3 +32,84 @@ def test_colliding_ids_in_one_batch_all_find_a_slot():
     ids = np.arange(0, 8 * 4096, 4096, dtype=np.int64)  # same low bits
     index.insert(ids)
     np.testing.assert_array_equal(index.find(ids), np.arange(8))
+
+
+@pytest.fixture
+def small_shares(monkeypatch):
+    """Growths move and fault in a few slots per call, and arrays are mapped from 64 slots on,
+    so small indexes go through many calls of every growth phase."""
+    from paramserver.server import hash_index
+
+    monkeypatch.setattr(hash_index, "_SHARE_MIN", 8)
+    monkeypatch.setattr(hash_index, "_RESERVE_FROM", 64)
+
+
+def unmoved_find(index, ids):
+    """What `find` answers, without the slots it moves (a find of every id would end a move at once)."""
+    from paramserver.server.hash_index import _find
+
+    found = _find(index._slots, ids)
+    if index._old is not None:
+        missed = found < 0
+        found[missed] = _find(index._old, ids[missed])
+    return found
+
+
+def test_an_index_growing_incrementally_finds_what_a_dict_does(small_shares):
+    rng = np.random.default_rng(1)
+    index, reference, phases = HashIndex(16), {}, set()
+    pool = np.unique(rng.integers(-(2**63), 2**63 - 1, 20_000, dtype=np.int64))
+    rng.shuffle(pool)
+    stored = 0
+    while stored < pool.size:
+        batch = pool[stored : stored + int(rng.integers(1, 300))]
+        rows = index.insert(batch)
+        reference.update(zip(batch.tolist(), rows.tolist()))
+        stored += batch.size
+        phases.add((index._next is not None, index._old is not None))
+        everything = pool[:stored]  # each stored id is where a find looks, even right at a moved stretch's end
+        np.testing.assert_array_equal(unmoved_find(index, everything), [reference[i] for i in everything.tolist()])
+        probe = rng.choice(pool, 100)  # stored and maybe not
+        np.testing.assert_array_equal(index.find(probe), [reference.get(i, -1) for i in probe.tolist()])
+        assert index.size == len(reference)
+    assert {(True, False), (False, True), (False, False)} <= phases  # faulting in, moving, neither
+    keys, rows = index.items()
+    np.testing.assert_array_equal(rows, np.arange(pool.size))
+    np.testing.assert_array_equal(keys, pool)
+
+
+def test_items_and_bytes_count_both_arrays_while_slots_move(small_shares):
+    index = HashIndex(1024)
+    ids = np.arange(1, 1001, dtype=np.int64) * 7919
+    for chunk in np.array_split(ids, 50):
+        index.insert(chunk)
+        if index._old is not None:
+            break
+    index.find(ids[:1])  # moves a few slots
+    assert index._old is not None and 0 < index._moved < index._old.shape[0]
+    keys, rows = index.items()
+    np.testing.assert_array_equal(keys, ids[: index.size])
+    np.testing.assert_array_equal(rows, np.arange(index.size))
+    assert index.nbytes > index.capacity * 16
+    while index.growing:
+        index.find(ids[:1])  # a table only read finishes the move
+    assert index.nbytes == index.capacity * 16
+    np.testing.assert_array_equal(index.find(ids[: index.size]), np.arange(index.size))
+
+
+def test_a_batch_larger_than_the_room_left_finishes_a_growth_at_once(small_shares):
+    index = HashIndex(64)
+    index.insert(np.arange(30, dtype=np.int64))  # past 3/8: a growth starts
+    assert index.growing
+    big = np.arange(100, 5100, dtype=np.int64)
+    rows = index.insert(big)
+    assert 2 * index.size <= index.capacity
+    np.testing.assert_array_equal(index.find(big), rows)
+    np.testing.assert_array_equal(index.find(np.arange(30, dtype=np.int64)), np.arange(30))
+
+
+def test_an_index_holding_a_known_batch_takes_it_without_growing():
+    for n in (1, 1000, 3000, 100_000):
+        index = HashIndex.holding(n)
+        index.insert(np.arange(n, dtype=np.int64))
+        assert not index.growing and index.capacity <= max(16, 6 * n)  # a power of two under twice n / (3/8)

@@ -60,10 +60,11 @@ static inline uint64_t mix64(uint64_t x) { /* the murmur3 finalizer, as hash_ind
     return x ^ (x >> 33);
 }
 
-/* The index is one array of (key, row) slots, so a probe reads one cache line; row < 0 marks
- * an empty slot; capacity is a power of two; linear probing. The loops prefetch the slot (or
- * row) AHEAD ids on: at random positions in tables of hundreds of MB, waiting on memory is most
- * of the work, and issuing the loads early lets them overlap. */
+/* The index is one array of (key, row + 1) slots, so a probe reads one cache line; 0 marks an
+ * empty slot (a zeroed array is an empty index: no fill pass when it grows); capacity is a power
+ * of two; linear probing. The loops prefetch the slot (or row) AHEAD ids on: at random positions
+ * in tables of hundreds of MB, waiting on memory is most of the work, and issuing the loads early
+ * lets them overlap. (ps_unique's scratch slots keep their own convention: row < 0 is empty.) */
 #define AHEAD 8
 
 static inline uint64_t slot_of(int64_t id, uint64_t mask) { return mix64((uint64_t)id) & mask; }
@@ -74,20 +75,20 @@ void ps_index_find(const int64_t *slots, int64_t capacity, const int64_t *ids, i
     for (int64_t i = 0; i < n; i++) {
         if (i + AHEAD < n) __builtin_prefetch(&slots[2 * slot_of(ids[i + AHEAD], mask)]);
         uint64_t s = slot_of(ids[i], mask);
-        while (slots[2 * s + 1] >= 0 && slots[2 * s] != ids[i]) s = (s + 1) & mask;
-        out[i] = slots[2 * s + 1];
+        while (slots[2 * s + 1] != 0 && slots[2 * s] != ids[i]) s = (s + 1) & mask;
+        out[i] = slots[2 * s + 1] - 1;
     }
 }
 
-/* Store absent, distinct ids with the given rows. The caller keeps the index at most half full. */
+/* Store absent, distinct ids with the given rows (>= 0). The caller keeps the index at most half full. */
 void ps_index_place(int64_t *slots, int64_t capacity, const int64_t *ids, const int64_t *new_rows, int64_t n) {
     uint64_t mask = (uint64_t)capacity - 1;
     for (int64_t i = 0; i < n; i++) {
         if (i + AHEAD < n) __builtin_prefetch(&slots[2 * slot_of(ids[i + AHEAD], mask)], 1);
         uint64_t s = slot_of(ids[i], mask);
-        while (slots[2 * s + 1] >= 0) s = (s + 1) & mask;
+        while (slots[2 * s + 1] != 0) s = (s + 1) & mask;
         slots[2 * s] = ids[i];
-        slots[2 * s + 1] = new_rows[i];
+        slots[2 * s + 1] = new_rows[i] + 1;
     }
 }
 

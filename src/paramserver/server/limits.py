@@ -1,7 +1,9 @@
 """The operator's limits on what tables may take on one PS, checked before memory is taken.
 
 A table's memory is its per-row arrays (values, each optimizer state, use counters) at their
-capacity, plus its hash index; rows are created by lookups (and by a registration's capacity
+logical capacity (`EmbeddingTable.capacity`: it grows 1.5x at a time, in place once the arrays
+live in reserved address space, which costs memory only where rows are written), plus its hash
+index; rows are created by lookups (and by a registration's capacity
 reserved up front). Both the rows of one table and the bytes of all tables of the PS are
 bounded (`Options.max_table_rows`, `Options.max_table_memory_bytes`); a request that would pass
 either is refused with ResourceExhaustedError and changes nothing.
@@ -16,8 +18,10 @@ import numpy as np
 from ..base.errors import ResourceExhaustedError
 from .embedding_table import EmbeddingTable
 
-_GROWTH = 1.5  # as EmbeddingTable grows its arrays
-_INDEX_BYTES_PER_ROW = 2 * 2 * 8  # the hash index keeps at least twice the rows in slots, 16 bytes each
+_GROWTH = 1.5  # as EmbeddingTable grows its capacity
+# the hash index keeps at least twice the rows in slots, 16 bytes each (while it grows it also
+# holds what is left of the old slot array until its slots have moved over: not counted)
+_INDEX_BYTES_PER_ROW = 2 * 2 * 8
 
 
 @dataclass(frozen=True)
@@ -40,7 +44,7 @@ def table_row_bytes(table: EmbeddingTable) -> int:
 
 def table_bytes(table: EmbeddingTable) -> int:
     """What the table holds now: its arrays at capacity (capacity is what memory was taken for)."""
-    return table.values.shape[0] * table_row_bytes(table)
+    return table.capacity * table_row_bytes(table)
 
 
 def check_new_table(limits: TableLimits, name: str, capacity: int, one_row: int, used: int) -> None:
@@ -69,7 +73,7 @@ def check_new_rows(limits: TableLimits, table: EmbeddingTable, ids: np.ndarray, 
             f"table {table.name!r}: {missing} new rows would bring it to {rows} rows, "
             f"over the PS's max_table_rows {limits.max_rows}"
         )
-    capacity = table.values.shape[0]
+    capacity = table.capacity
     if rows <= capacity:
         return
     grown = max(rows, int(capacity * _GROWTH)) - capacity
