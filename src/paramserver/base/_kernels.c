@@ -80,7 +80,7 @@ void ps_index_find(const int64_t *slots, int64_t capacity, const int64_t *ids, i
     }
 }
 
-/* Store absent, distinct ids with the given rows (>= 0). The caller keeps the index at most half full. */
+/* Store absent, distinct ids with the given rows (>= 0). The caller keeps the index at most 11/16 full. */
 void ps_index_place(int64_t *slots, int64_t capacity, const int64_t *ids, const int64_t *new_rows, int64_t n) {
     uint64_t mask = (uint64_t)capacity - 1;
     for (int64_t i = 0; i < n; i++) {
@@ -89,6 +89,23 @@ void ps_index_place(int64_t *slots, int64_t capacity, const int64_t *ids, const 
         while (slots[2 * s + 1] != 0) s = (s + 1) & mask;
         slots[2 * s] = ids[i];
         slots[2 * s + 1] = new_rows[i] + 1;
+    }
+}
+
+/* Move the occupied slots of old[lo, hi) into slots (the new array, kept at most 11/16 full by
+ * the caller), zeroing them in old: a growth's share of its rehash (server/hash_index.py). */
+void ps_index_move(int64_t *old, int64_t lo, int64_t hi, int64_t *slots, int64_t capacity) {
+    uint64_t mask = (uint64_t)capacity - 1;
+    for (int64_t i = lo; i < hi; i++) {
+        if (i + AHEAD < hi && old[2 * (i + AHEAD) + 1] != 0)
+            __builtin_prefetch(&slots[2 * slot_of(old[2 * (i + AHEAD)], mask)], 1);
+        if (old[2 * i + 1] == 0) continue;
+        uint64_t s = slot_of(old[2 * i], mask);
+        while (slots[2 * s + 1] != 0) s = (s + 1) & mask;
+        slots[2 * s] = old[2 * i];
+        slots[2 * s + 1] = old[2 * i + 1];
+        old[2 * i] = 0;
+        old[2 * i + 1] = 0;
     }
 }
 

@@ -36,7 +36,7 @@ from .hash_index import HashIndex
 from .sparse_optimizers import SparseOptimizer
 
 _GROWTH = 1.5  # capacity growth of the row arrays: bounds wasted memory at a third
-_RESERVE_FROM = 16 << 20  # bytes of a table's row arrays from which they live in reserved address space
+_RESERVE_FROM = 8 << 20  # bytes of a table's row arrays from which they live in reserved address space
 _RESERVE_BYTES = 64 << 30  # address space reserved per row array (past it, one more copy into a larger one)
 
 
@@ -361,10 +361,10 @@ class EmbeddingTable:
         self._bind(capacity)
 
     def _reserve_arrays(self, capacity: int) -> dict[str, np.ndarray] | None:
-        """Row arrays in reserved address space, room for `capacity` rows or as many as
-        `_RESERVE_BYTES` holds of the widest array; None where the system refuses one."""
+        """Row arrays in reserved address space, room for as many rows as `_RESERVE_BYTES` holds of
+        the widest array (or twice `capacity`, past that); None where the system refuses one."""
         widest = max(dtype.itemsize * int(np.prod(shape)) for shape, dtype in self._shapes.values())
-        rows = max(capacity, _RESERVE_BYTES // widest)
+        rows = max(2 * capacity, _RESERVE_BYTES // widest)
         arrays = {}
         for name, (shape, dtype) in self._shapes.items():
             array = reserved.reserve(rows, shape, dtype)

@@ -1,6 +1,6 @@
 """A vectorized hash index from int64 ids to row numbers, that grows without a pause.
 
-Open addressing with linear probing over one array of (key, row + 1) slots, kept at most 5/8
+Open addressing with linear probing over one array of (key, row + 1) slots, kept at most 11/16
 full and mostly under 3/8 (a probe reads one or two cache lines); every operation works on a
 whole batch of ids at once (a probe round per collision depth, not a Python loop per id), so
 memory per id stays at a few bytes and there is no Python object per id. With the C kernels
@@ -14,7 +14,7 @@ Growth is incremental, as Redis rehashes: rehashing every slot at once stalled a
 seconds at tens of millions of ids. It has two phases, each done a share per call, sized to end
 the phase when 1/_SLACK of the ids it has room for have come (at least `_SHARE_MIN` slots):
 1. Fault in. Once the index is 3/8 full (`_GROW_AT`), the next array (twice the slots) is mapped
-   and its pages are faulted in, in order, by the inserts, before it is full to `_MAX_LOAD`.
+   and its pages are faulted in, in order, by the inserts, before the old one is `_MAX_LOAD` full.
    Fresh pages written at random places would each stop on a page fault: a batch of 65,536 ids
    would wait on tens of thousands of them (and on a virtual machine a first touch of memory
    can cost 10 us a page).
@@ -27,8 +27,8 @@ the phase when 1/_SLACK of the ids it has room for have come (at least `_SHARE_M
    for an id still there passes no moved slot (moved slots are zeroed, their pages handed back).
 Only a batch larger than the room left (past `_MAX_LOAD`) finishes a growth at once. `items`,
 `size` and `nbytes` count every array while a growth is under way. Memory: 16 bytes a slot, so
-32 to 43 bytes an id between growths; during one, up to three times the old array (the old one
-full, the next one faulted in), shrinking as the old slots move out.
+43 to 49 bytes an id between growths; up to 73 at a growth's switch (the old array full and the
+next one, twice its size, faulted in), shrinking as the old slots move out.
 
 Not thread-safe, `find` included (it moves slots): the owning table serializes calls.
 """
@@ -44,8 +44,8 @@ from ..base.hashing import mix64
 from . import reserved
 
 _GROW_AT = 3 / 8  # load at which a growth starts (faulting in the next slot array)
-_MAX_LOAD = 5 / 8  # load past which an insert finishes a growth at once (a batch outrunning it)
-_SLACK = 1.25  # a phase's shares are sized to end it when 1/_SLACK of its room is used
+_MAX_LOAD = 11 / 16  # load past which an insert finishes a growth at once (a batch outrunning it)
+_SLACK = 1.1  # a phase's shares are sized to end it when 1/_SLACK of its room is used
 _SHARE_MIN = 1 << 12  # slots faulted in or moved per call however few its ids
 _RESERVE_FROM = 1 << 16  # slots from which an array is mapped (and hands moved pages back) rather than np.zeros
 
@@ -165,10 +165,8 @@ class HashIndex:
         hi = min(total, lo + count)
         while hi < total and old[hi, 1] != 0:
             hi += 1  # a run of occupied slots moves whole
-        block = old[lo:hi]
-        used = block[block[:, 1] != 0]
-        _place(self._slots, np.ascontiguousarray(used[:, 0]), used[:, 1] - 1)
-        reserved.release(old, lo, hi)
+        _move_slots(old, lo, hi, self._slots)
+        reserved.release(old, lo, hi)  # zero, and whole pages handed back
         self._moved = hi
         if hi == total:
             self._old = None
@@ -188,6 +186,16 @@ def _empty(capacity: int, faulted: bool = False) -> np.ndarray:
     if faulted:
         reserved.populate(slots, 0, capacity)
     return slots
+
+
+def _move_slots(old: np.ndarray, lo: int, hi: int, slots: np.ndarray) -> None:
+    """Place the occupied slots of old[lo:hi] in `slots` (the C kernel zeroes them in `old` too)."""
+    if kernels.KERNELS is not None:
+        kernels.KERNELS.ps_index_move(kernels.ptr(old), lo, hi, kernels.ptr(slots), slots.shape[0])
+        return
+    block = old[lo:hi]
+    used = block[block[:, 1] != 0]
+    _place(slots, np.ascontiguousarray(used[:, 0]), used[:, 1] - 1)
 
 
 def _find(slots: np.ndarray, ids: np.ndarray) -> np.ndarray:
@@ -212,7 +220,7 @@ def _find(slots: np.ndarray, ids: np.ndarray) -> np.ndarray:
 
 
 def _place(slots: np.ndarray, ids: np.ndarray, rows: np.ndarray) -> None:
-    """Store absent, distinct ids with their rows in one slot array (kept at most half full)."""
+    """Store absent, distinct ids with their rows in one slot array (kept at most `_MAX_LOAD` full)."""
     capacity = slots.shape[0]
     if kernels.KERNELS is not None:
         ids, rows = np.ascontiguousarray(ids, np.int64), np.ascontiguousarray(rows, np.int64)
