@@ -11,24 +11,29 @@ A slot stores row + 1, so 0 marks an empty slot: a fresh array of zeros (np.zero
 `reserved` mapping the kernel has not handed out yet) is an empty index with no fill pass.
 
 Growth is incremental, as Redis rehashes: rehashing every slot at once stalled a lookup for
-seconds at tens of millions of ids. It has two phases, each done a share per call, sized to end
-the phase when 1/_SLACK of the ids it has room for have come (at least `_SHARE_MIN` slots):
-1. Fault in. Once the index is 3/8 full (`_GROW_AT`), the next array (twice the slots) is mapped
-   and its pages are faulted in, in order, by the inserts, before the old one is `_MAX_LOAD` full.
-   Fresh pages written at random places would each stop on a page fault: a batch of 65,536 ids
-   would wait on tens of thousands of them (and on a virtual machine a first touch of memory
-   can cost 10 us a page).
-2. Move. The faulted array takes the inserts, and each insert moves a share of the old slots
-   over, sized to end before the new array is `_GROW_AT` full (each `find` moves one slot per
-   id too, so a table only read finishes the move). `find` looks in the new array first, then in
-   the old one for the misses. The old array is walked from its first slot on, and every
-   stretch moved ends just before a slot that is empty: a run of occupied slots (the way a
-   probe goes) never has a moved part followed by one still there, so a probe of the old array
-   for an id still there passes no moved slot (moved slots are zeroed, their pages handed back).
+seconds at tens of millions of ids. Once the index is 3/8 full (`_GROW_AT`) the next array
+(twice the slots, zero pages) is mapped, and from then on each insert moves a share of the old
+slots over, in order from an empty slot (`_start`), sized to end the move when 1/_SLACK of the
+ids there is room for (up to `_MAX_LOAD` of the old array) have come; each `find` moves one
+slot per id too, so a table only read ends it as well. Each stretch moved ends just before an
+empty slot, so a run of occupied slots (the way a probe goes) moves whole: an id whose home, in
+the old array, lies in the moved part is in the new array, any other in the old one (inserts
+too), except where its probe of the old array runs into `_start` (kept empty while growing: the
+only way from the part not moved into the moved part), then in the new one. `find` looks where
+that rule says, one probe for almost every id.
+
+The new array's pages are faulted in (`reserved.populate`, in order) just ahead of the moved
+part, where its ids land: the two new slots of an old home h are h and h + old capacity. Fresh
+pages written at random places would each stop on a page fault: a batch of 65,536 ids would
+wait on tens of thousands of them (on a virtual machine a first touch of memory can cost 10 us
+a page), and a read of one stops too (a zero page mapped). Moved old slots are zeroed and their
+pages handed back, so the two arrays together never hold more than the new one's size: 16
+bytes a slot, 43 to 49 bytes an id at any time. (Faulting the whole new array in before moving
+any slot, the simpler order, holds three times the old array at the switch: up to 73 bytes an
+id, a table of dim 16 with Adagrad past 1.5x its rows' own bytes.)
+
 Only a batch larger than the room left (past `_MAX_LOAD`) finishes a growth at once. `items`,
-`size` and `nbytes` count every array while a growth is under way. Memory: 16 bytes a slot, so
-43 to 49 bytes an id between growths; up to 73 at a growth's switch (the old array full and the
-next one, twice its size, faulted in), shrinking as the old slots move out.
+`size` and `nbytes` count both arrays while a growth is under way.
 
 Not thread-safe, `find` included (it moves slots): the owning table serializes calls.
 """
@@ -43,10 +48,11 @@ from ..base import kernels
 from ..base.hashing import mix64
 from . import reserved
 
-_GROW_AT = 3 / 8  # load at which a growth starts (faulting in the next slot array)
+_GROW_AT = 3 / 8  # load at which a growth starts
 _MAX_LOAD = 11 / 16  # load past which an insert finishes a growth at once (a batch outrunning it)
-_SLACK = 1.1  # a phase's shares are sized to end it when 1/_SLACK of its room is used
-_SHARE_MIN = 1 << 12  # slots faulted in or moved per call however few its ids
+_SLACK = 1.1  # a growth's shares are sized to end it when 1/_SLACK of its room is used
+_SHARE_MIN = 1 << 12  # old slots moved per call however few its ids
+_AHEAD = 1 << 12  # old homes past the moved part whose new slots are faulted in already
 _RESERVE_FROM = 1 << 16  # slots from which an array is mapped (and hands moved pages back) rather than np.zeros
 
 
@@ -55,10 +61,10 @@ class HashIndex:
 
     def __init__(self, capacity: int = 1024) -> None:
         self._slots = _empty(1 << max(4, int(capacity - 1).bit_length()), faulted=True)
-        self._next: np.ndarray | None = None  # the array a growth is faulting in, or None
-        self._faulted = 0  # its slots faulted in so far
-        self._old: np.ndarray | None = None  # the slots a growth is moving out of, or None
-        self._moved = 0  # old slots moved so far, from the first on
+        self._next: np.ndarray | None = None  # the array a growth moves ids to, or None
+        self._start = 0  # the old slot the move began at: empty, and kept empty while growing
+        self._moved = 0  # old slots moved so far, counted from _start
+        self._faulted = 0  # old homes, counted from _start, whose slots in the next array are faulted in
         self.size = 0
 
     @classmethod
@@ -68,52 +74,52 @@ class HashIndex:
 
     @property
     def capacity(self) -> int:
-        return self._slots.shape[0]
+        """Slots of the array the ids live in (of the one they are moving to, while growing)."""
+        return (self._slots if self._next is None else self._next).shape[0]
 
     @property
     def growing(self) -> bool:
-        """Whether a growth is under way (faulting in the next array, or moving slots to it)."""
-        return self._next is not None or self._old is not None
+        """Whether a growth is moving ids to a larger array."""
+        return self._next is not None
 
     @property
     def nbytes(self) -> int:
-        """Bytes the slot arrays hold: of the next one what is faulted in, of the old one what is
-        not handed back yet (where they are reserved; an ordinary array holds all of it)."""
-        total = self._slots.nbytes
-        if self._next is not None:
-            faulted = self._faulted if reserved.is_reserved(self._next) else self._next.shape[0]
-            total += faulted * self._next.strides[0]
-        if self._old is not None:
-            left = self._old.shape[0] - self._moved if reserved.is_reserved(self._old) else self._old.shape[0]
-            total += left * self._old.strides[0]
-        return total
+        """Bytes the slot arrays hold: of a growth's old array what is not handed back yet, of
+        its new one what is faulted in (where they are reserved; an ordinary array holds all)."""
+        if self._next is None:
+            return self._slots.nbytes
+        old, new = self._slots, self._next
+        left = old.shape[0] - self._moved if reserved.is_reserved(old) else old.shape[0]
+        faulted = new.shape[0] * self._faulted // old.shape[0] if reserved.is_reserved(new) else new.shape[0]
+        return (left + faulted) * old.strides[0]
 
     def find(self, ids: np.ndarray) -> np.ndarray:
         """Row of each id, or -1 where the id is not stored."""
         ids = np.ascontiguousarray(ids, np.int64)
-        if self._old is not None:
-            self._move(self._old, max(_SHARE_MIN, ids.shape[0]))
-        found = _find(self._slots, ids)
-        if self._old is not None:
-            missed = np.flatnonzero(found < 0)
-            if missed.size:
-                found[missed] = _find(self._old, ids[missed])
-        return found
+        if self._next is None:
+            return _find(self._slots, ids)
+        self._advance(max(_SHARE_MIN, ids.shape[0]))
+        if self._next is None:
+            return _find(self._slots, ids)
+        return _find_growing(self._slots, self._start, self._moved, self._next, ids)
 
     def insert(self, ids: np.ndarray) -> np.ndarray:
         """Store ids that are absent and distinct; returns their new rows (size, size+1, ...)."""
         ids = np.ascontiguousarray(ids, np.int64)
         self._grow_share(ids.shape[0])
-        if self.size + ids.shape[0] > _MAX_LOAD * self.capacity:
+        if self.size + ids.shape[0] > _MAX_LOAD * self._slots.shape[0]:
             self._grow_now(self.size + ids.shape[0])
         new_rows = np.arange(self.size, self.size + ids.shape[0], dtype=np.int64)
-        _place(self._slots, ids, new_rows)
+        if self._next is None:
+            _place(self._slots, ids, new_rows)
+        else:
+            _place_growing(self._slots, self._start, self._moved, self._next, ids, new_rows)
         self.size += ids.shape[0]
         return new_rows
 
     def items(self) -> tuple[np.ndarray, np.ndarray]:
         """All stored (ids, rows), ordered by row."""
-        arrays = [self._slots] if self._old is None else [self._slots, self._old]
+        arrays = [self._slots] if self._next is None else [self._slots, self._next]
         used = [array[array[:, 1] != 0] for array in arrays]
         keys = np.concatenate([slots[:, 0] for slots in used])
         rows = np.concatenate([slots[:, 1] for slots in used]) - 1
@@ -121,55 +127,81 @@ class HashIndex:
         return keys[order], rows[order]
 
     def _grow_share(self, ids: int) -> None:
-        """This insert's share of a growth: start one at `_GROW_AT` load, fault in a share of
-        the next array (its room: up to `_MAX_LOAD`), or move a share of the old slots (its
-        room: up to `_GROW_AT` of the new array, when the next growth would start)."""
-        if self._old is not None:
-            room = _GROW_AT * self.capacity - self.size
-            self._move(self._old, _share(self._old.shape[0] - self._moved, ids, room))
-        elif self._next is not None or self.size + ids > _GROW_AT * self.capacity:
-            if self._next is None:
-                self._next, self._faulted = _empty(2 * self.capacity), 0
-            room = _MAX_LOAD * self.capacity - self.size
-            self._fault(self._next, _share(self._next.shape[0] - self._faulted, ids, room))
+        """This insert's share of a growth (starting one at `_GROW_AT` load): the old slots left
+        to move, for its ids' part of the room left before `_MAX_LOAD`."""
+        old = self._slots.shape[0]
+        if self._next is None:
+            if self.size + ids <= _GROW_AT * old:
+                return
+            self._begin(2 * old)
+        self._advance(_share(old - self._moved, ids, _MAX_LOAD * old - self.size))
 
-    def _fault(self, next_slots: np.ndarray, count: int) -> None:
-        end = min(next_slots.shape[0], self._faulted + count)
-        reserved.populate(next_slots, self._faulted, end)
-        self._faulted = end
-        if end == next_slots.shape[0]:  # faulted in: it takes the inserts, the old slots move over
-            self._old, self._slots, self._next = self._slots, next_slots, None
-            self._moved = 0
+    def _begin(self, capacity: int) -> None:
+        self._next = _empty(capacity)
+        self._start, self._moved, self._faulted = _first_empty(self._slots), 0, 0
 
     def _grow_now(self, needed: int) -> None:
         """Room for `needed` ids at once: only a batch larger than the room a growth leaves
         (then a stall as long as the index, as a restore or compaction of that size takes anyway)."""
-        self._finish()
-        if needed > _MAX_LOAD * self.capacity:
-            capacity = self.capacity
-            while 2 * needed > capacity:
-                capacity *= 2
-            self._next, self._faulted = _empty(capacity), 0
-            self._finish()
+        while needed > _MAX_LOAD * self._slots.shape[0]:
+            if self._next is None:
+                capacity = 2 * self._slots.shape[0]
+                while needed > _GROW_AT * capacity:
+                    capacity *= 2
+                self._begin(capacity)
+            self._advance(self._slots.shape[0])
 
-    def _finish(self) -> None:
-        """End a growth under way at once."""
-        if self._next is not None:
-            self._fault(self._next, self._next.shape[0])
-        if self._old is not None:
-            self._move(self._old, self._old.shape[0])
+    def _advance(self, count: int) -> None:
+        """Move at least `count` more old slots, up to an empty one, faulting in the new slots
+        of their homes (and `_AHEAD` more) first; the last share swaps the arrays."""
+        old, new = self._slots, self._next
+        if new is None:
+            return
+        total = old.shape[0]
+        end = min(total, self._moved + count)
+        while end < total and old[(self._start + end) % total, 1] != 0:
+            end += 1  # a run of occupied slots moves whole
+        self._fault(old, new, total if end == total else min(total, end + _AHEAD))
+        for lo, hi in _segments(self._start, self._moved, end, total):
+            _move_slots(old, lo, hi, new)
+            reserved.release(old, lo, hi)  # zero, and whole pages handed back
+        self._moved = end
+        if end == total:
+            self._slots, self._next = new, None
 
-    def _move(self, old: np.ndarray, count: int) -> None:
-        """Move at least `count` more `old` slots, up to an empty one, into the new array."""
-        lo, total = self._moved, old.shape[0]
-        hi = min(total, lo + count)
-        while hi < total and old[hi, 1] != 0:
-            hi += 1  # a run of occupied slots moves whole
-        _move_slots(old, lo, hi, self._slots)
-        reserved.release(old, lo, hi)  # zero, and whole pages handed back
-        self._moved = hi
-        if hi == total:
-            self._old = None
+    def _fault(self, old: np.ndarray, new: np.ndarray, end: int) -> None:
+        """Fault in the new slots of old homes [_faulted, end) (counted from _start)."""
+        total = old.shape[0]
+        if new.shape[0] != 2 * total:  # a growth at once by more than twice (_grow_now): all of it
+            if self._faulted < total:
+                reserved.populate(new, 0, new.shape[0])
+            self._faulted = total
+            return
+        for lo, hi in _segments(self._start, self._faulted, end, total):
+            reserved.populate(new, lo, hi)
+            reserved.populate(new, total + lo, total + hi)
+        self._faulted = max(self._faulted, end)
+
+
+def _segments(start: int, lo: int, hi: int, total: int) -> list[tuple[int, int]]:
+    """Slots [lo, hi) counted from `start` (wrapping around at `total`), as plain ranges."""
+    if hi <= lo:
+        return []
+    a, b = start + lo, start + hi
+    if b <= total:
+        return [(a, b)]
+    if a >= total:
+        return [(a - total, b - total)]
+    return [(a, total), (0, b - total)]
+
+
+def _first_empty(slots: np.ndarray) -> int:
+    """Position of an empty slot (an index at most 11/16 full has one within a few slots, w.h.p.)."""
+    for lo in range(0, slots.shape[0], 1024):
+        empty = np.flatnonzero(slots[lo : lo + 1024, 1] == 0)
+        if empty.size:
+            return lo + int(empty[0])
+    raise RuntimeError("hash index slots full: it is kept at most 11/16 full")
 
 
 def _share(left: int, ids: int, room: float) -> int:
@@ -200,11 +232,55 @@ def _move_slots(old: np.ndarray, lo: int, hi: int, slots: np.ndarray) -> None:
 
 def _find(slots: np.ndarray, ids: np.ndarray) -> np.ndarray:
     """Row of each id (contiguous int64) in one slot array, or -1."""
-    capacity = slots.shape[0]
+    if kernels.KERNELS is None:
+        return _probe(slots, ids)[0]
+    found = np.empty(ids.shape[0], np.int64)
+    kernels.KERNELS.ps_index_find(
+        kernels.ptr(slots), slots.shape[0], kernels.ptr(ids), ids.shape[0], kernels.ptr(found)
+    )
+    return found
+
+
+def _find_growing(old: np.ndarray, start: int, moved: int, new: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Row of each id while a growth moves `old` to `new` (looked for where the module's rule says), or -1."""
+    found = np.empty(ids.shape[0], np.int64)
     if kernels.KERNELS is not None:
-        found = np.empty(ids.shape[0], np.int64)
-        kernels.KERNELS.ps_index_find(kernels.ptr(slots), capacity, kernels.ptr(ids), ids.shape[0], kernels.ptr(found))
+        kernels.KERNELS.ps_index_find_growing(
+            kernels.ptr(old), old.shape[0], start, moved, kernels.ptr(new), new.shape[0],
+            kernels.ptr(ids), ids.shape[0], kernels.ptr(found),
+        )  # fmt: skip
         return found
+    in_new = _moved_home(old.shape[0], start, moved, ids)
+    rest = np.flatnonzero(~in_new)
+    found[rest], stop = _probe(old, ids[rest])
+    in_new[rest[(found[rest] < 0) & (stop == start)]] = True
+    found[in_new] = _probe(new, ids[in_new])[0]
+    return found
+
+
+def _place_growing(old: np.ndarray, start: int, moved: int, new: np.ndarray, ids: np.ndarray, rows: np.ndarray) -> None:
+    """Store absent, distinct ids with their rows while a growth moves `old` to `new` (where the module's rule says)."""
+    if kernels.KERNELS is not None:
+        kernels.KERNELS.ps_index_place_growing(
+            kernels.ptr(old), old.shape[0], start, moved, kernels.ptr(new), new.shape[0],
+            kernels.ptr(ids), kernels.ptr(rows), ids.shape[0],
+        )  # fmt: skip
+        return
+    in_new = _moved_home(old.shape[0], start, moved, ids)
+    rest = np.flatnonzero(~in_new)
+    in_new[rest[_place_numpy(old, ids[rest], rows[rest], keep_empty=start)]] = True
+    _place_numpy(new, ids[in_new], rows[in_new])
+
+
+def _moved_home(total: int, start: int, moved: int, ids: np.ndarray) -> np.ndarray:
+    """Whether each id's home in an old array of `total` slots lies in its moved part."""
+    home = (mix64(ids) & np.uint64(total - 1)).astype(np.int64)
+    return (home - start) % total < moved
+
+
+def _probe(slots: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """numpy: (row of each id or -1, the slot its probe stopped at)."""
+    capacity = slots.shape[0]
     keys, stored = slots[:, 0], slots[:, 1]
     pos = (mix64(ids) & np.uint64(capacity - 1)).astype(np.int64)
     found = np.full(ids.shape[0], -1, np.int64)
@@ -216,23 +292,32 @@ def _find(slots: np.ndarray, ids: np.ndarray) -> np.ndarray:
         found[active[hit]] = held[hit] - 1
         active = active[~(hit | (held == 0))]
         pos[active] = (pos[active] + 1) & (capacity - 1)
-    return found
+    return found, pos
 
 
 def _place(slots: np.ndarray, ids: np.ndarray, rows: np.ndarray) -> None:
     """Store absent, distinct ids with their rows in one slot array (kept at most `_MAX_LOAD` full)."""
-    capacity = slots.shape[0]
-    if kernels.KERNELS is not None:
-        ids, rows = np.ascontiguousarray(ids, np.int64), np.ascontiguousarray(rows, np.int64)
-        kernels.KERNELS.ps_index_place(kernels.ptr(slots), capacity, kernels.ptr(ids), kernels.ptr(rows), ids.shape[0])
+    if kernels.KERNELS is None:
+        _place_numpy(slots, ids, rows)
         return
+    ids, rows = np.ascontiguousarray(ids, np.int64), np.ascontiguousarray(rows, np.int64)
+    kernels.KERNELS.ps_index_place(
+        kernels.ptr(slots), slots.shape[0], kernels.ptr(ids), kernels.ptr(rows), ids.shape[0]
+    )
+
+
+def _place_numpy(slots: np.ndarray, ids: np.ndarray, rows: np.ndarray, keep_empty: int = -1) -> np.ndarray:
+    """numpy `_place`, except ids whose probe reaches slot `keep_empty`: left out, their positions returned."""
     keys, stored = slots[:, 0], slots[:, 1]
-    mask = capacity - 1
+    mask = slots.shape[0] - 1
     pos = (mix64(ids) & np.uint64(mask)).astype(np.int64)
-    pending = np.arange(ids.shape[0])
+    pending, turned = np.arange(ids.shape[0]), [np.zeros(0, np.int64)]
     while pending.size:
         at = pos[pending]
         free = stored[at] == 0
+        stop = free & (at == keep_empty)
+        turned.append(pending[stop])
+        pending, at, free = pending[~stop], at[~stop], free[~stop]
         # of several ids probing the same free slot this round, the first takes it
         taken, first = np.unique(at[free], return_index=True)
         winners = pending[free][first]
@@ -242,3 +327,4 @@ def _place(slots: np.ndarray, ids: np.ndarray, rows: np.ndarray) -> None:
         placed[winners] = True
         pending = pending[~placed[pending]]
         pos[pending] = (pos[pending] + 1) & mask
+    return np.concatenate(turned)
