@@ -137,6 +137,7 @@ class HashIndex:
         self._advance(_share(old - self._moved, ids, _MAX_LOAD * old - self.size))
 
     def _begin(self, capacity: int) -> None:
+        """Start a growth into `capacity` slots (zero pages: faulted in as the move goes)."""
         self._next = _empty(capacity)
         self._start, self._moved, self._faulted = _first_empty(self._slots), 0, 0
 
@@ -205,7 +206,7 @@ def _first_empty(slots: np.ndarray) -> int:
 
 
 def _share(left: int, ids: int, room: float) -> int:
-    """Slots to do now of `left`, for `ids` of the `room` ids the phase has: ends it at 1/_SLACK of the room."""
+    """Old slots to move now of `left`, for `ids` of the `room` ids a growth has: it ends at 1/_SLACK of the room."""
     return max(_SHARE_MIN, math.ceil(left * ids * _SLACK / max(room, 1.0)))
 
 
