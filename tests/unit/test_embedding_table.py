@@ -185,3 +185,105 @@ def test_a_reserved_capacity_takes_that_many_rows_without_regrowing():
     with pytest.raises(InvalidArgumentError, match="capacity -1"):
         store.register("u", 4, {"name": "sgd", "hyper": {"lr": 0.1}}, {"kind": "zeros"}, capacity=-1)
     assert "u" not in store._tables
+
+
+@pytest.fixture
+def small_growth(monkeypatch):
+    """Row arrays move to reserved address space from 4 KiB on, and the index grows a few slots
+    per call, so small tables go through the reserved arrays and many index growths."""
+    from paramserver.server import embedding_table, hash_index
+
+    monkeypatch.setattr(embedding_table, "_RESERVE_FROM", 4096)
+    monkeypatch.setattr(hash_index, "_SHARE_MIN", 8)
+    monkeypatch.setattr(hash_index, "_RESERVE_FROM", 64)
+
+
+ADAGRAD_WARM = {"name": "adagrad", "hyper": {"lr": 0.1, "initial_accumulator_value": 0.25}}
+
+
+def grown_and_reference(policy=None):
+    def make(capacity):
+        return EmbeddingTable("t", 4, build_sparse_optimizer(ADAGRAD_WARM), {"kind": "normal", "std": 0.1},
+                              ADAGRAD_WARM, capacity=capacity, policy=RowPolicy.from_dict(policy))
+
+    return make(4), make(1 << 15)
+
+
+def feed(tables, rng, batches, space=6000):
+    """The same reads and updates into each table; returns the ids touched."""
+    touched = set()
+    for _ in range(batches):
+        ids = np.unique(rng.integers(0, space, int(rng.integers(1, 200)))).astype(np.int64)
+        grads = rng.standard_normal((ids.size, 4)).astype(np.float32)
+        for t in tables:
+            t.read(ids)
+            t.apply(ids, grads)
+        touched.update(ids.tolist())
+    return np.array(sorted(touched), np.int64)
+
+
+def saved_rows(t):
+    """Every row's arrays, keyed by id: what a checkpoint of the table holds."""
+    chunks = [arrays for _, arrays in t.row_chunks(1000)]
+    merged = {name: np.concatenate([c[name] for c in chunks]) for name in chunks[0]}
+    order = np.argsort(merged["ids"])
+    return {name: array[order] for name, array in merged.items()}
+
+
+def test_a_table_grown_through_many_index_growths_keeps_every_row_and_its_state(small_growth):
+    grown, reference = grown_and_reference()
+    rng = np.random.default_rng(5)
+    touched, phases = set(), set()
+    for _ in range(8):
+        touched.update(feed([grown, reference], rng, 30).tolist())
+        phases.add(grown.index.growing)
+    assert grown.capacity < reference.capacity and phases == {True, False}
+    assert grown._reserved and grown.values.shape[0] == grown.capacity
+    ids = np.array(sorted(touched), np.int64)
+    np.testing.assert_array_equal(grown.read(ids), reference.read(ids))
+    ours, theirs = saved_rows(grown), saved_rows(reference)
+    assert ours.keys() == theirs.keys() == {"ids", "values", "sum"}
+    for name in ours:
+        np.testing.assert_array_equal(ours[name], theirs[name])
+    fresh = np.array([10**9], np.int64)  # a new row starts from the optimizer's initial state
+    grown.read(fresh)
+    assert (grown.state["sum"][grown.rows(fresh)[0]] == 0.25).all()
+
+
+def test_eviction_mid_growth_keeps_the_rows_it_should_and_new_rows_start_fresh(small_growth):
+    grown, reference = grown_and_reference({"ttl_steps": 3})
+    rng = np.random.default_rng(6)
+    feed([grown, reference], rng, 25)
+    while not grown.index.growing:
+        feed([grown, reference], rng, 1)
+    assert grown.evict() == reference.evict() > 0
+    recent = feed([grown, reference], rng, 2)
+    np.testing.assert_array_equal(grown.read(recent), reference.read(recent))
+    ours, theirs = saved_rows(grown), saved_rows(reference)
+    for name in ("ids", "values", "sum", "seen", "last_seen"):
+        np.testing.assert_array_equal(ours[name], theirs[name])
+    for t in (grown, reference):  # evicted ids come back as fresh rows, in rows an eviction freed
+        back = np.setdiff1d(np.arange(6000, dtype=np.int64), t.row_ids[: t.size])[:50]
+        rows = t.rows(back)
+        assert (t.state["sum"][rows] == 0.25).all() and (t.seen[rows] == 0).all()
+
+
+def test_tables_grow_by_copying_where_address_space_cannot_be_reserved(small_growth, monkeypatch):
+    from paramserver.server import reserved
+
+    monkeypatch.setattr(reserved, "reserve", lambda rows, row_shape, dtype: None)
+    grown, reference = grown_and_reference()
+    ids = feed([grown, reference], np.random.default_rng(7), 60)
+    assert not grown._reserved and grown.values.shape[0] == grown.capacity < reference.capacity
+    np.testing.assert_array_equal(grown.read(ids), reference.read(ids))
+    np.testing.assert_array_equal(saved_rows(grown)["sum"], saved_rows(reference)["sum"])
+
+
+def test_saved_rows_load_into_a_growing_table(small_growth):
+    grown, reference = grown_and_reference()
+    ids = feed([reference], np.random.default_rng(8), 40)
+    saved = saved_rows(reference)
+    for lo in range(0, ids.size, 97):
+        grown.load_rows(saved["ids"][lo : lo + 97], {k: v[lo : lo + 97] for k, v in saved.items() if k != "ids"})
+    np.testing.assert_array_equal(grown.read(ids), reference.read(ids))
+    np.testing.assert_array_equal(saved_rows(grown)["sum"], saved["sum"])

@@ -32,3 +32,102 @@ def test_colliding_ids_in_one_batch_all_find_a_slot():
     ids = np.arange(0, 8 * 4096, 4096, dtype=np.int64)  # same low bits
     index.insert(ids)
     np.testing.assert_array_equal(index.find(ids), np.arange(8))
+
+
+@pytest.fixture
+def small_shares(monkeypatch):
+    """Growths move a few slots per call and fault in few ahead, and arrays are mapped from 64
+    slots on, so small indexes go through many calls of every growth."""
+    from paramserver.server import hash_index
+
+    monkeypatch.setattr(hash_index, "_SHARE_MIN", 8)
+    monkeypatch.setattr(hash_index, "_AHEAD", 8)
+    monkeypatch.setattr(hash_index, "_RESERVE_FROM", 64)
+
+
+def unmoved_find(index, ids):
+    """What `find` answers, without the slots it moves (a find of every id would end a move at once)."""
+    from paramserver.server.hash_index import _find, _find_growing
+
+    if index._next is None:
+        return _find(index._slots, ids)
+    return _find_growing(index._slots, index._start, index._moved, index._next, ids)
+
+
+def test_an_index_growing_incrementally_finds_what_a_dict_does(small_shares):
+    rng = np.random.default_rng(1)
+    index, reference, growths = HashIndex(16), {}, 0
+    pool = np.unique(rng.integers(-(2**63), 2**63 - 1, 20_000, dtype=np.int64))
+    rng.shuffle(pool)
+    stored = 0
+    while stored < pool.size:
+        batch = pool[stored : stored + int(rng.integers(1, 300))]
+        was_growing = index.growing
+        rows = index.insert(batch)
+        growths += index.growing and not was_growing
+        reference.update(zip(batch.tolist(), rows.tolist()))
+        stored += batch.size
+        everything = pool[:stored]  # each stored id is where a find looks, even right at a moved stretch's end
+        np.testing.assert_array_equal(unmoved_find(index, everything), [reference[i] for i in everything.tolist()])
+        probe = rng.choice(pool, 100)  # stored and maybe not
+        np.testing.assert_array_equal(index.find(probe), [reference.get(i, -1) for i in probe.tolist()])
+        assert index.size == len(reference)
+    assert growths >= 6
+    keys, rows = index.items()
+    np.testing.assert_array_equal(rows, np.arange(pool.size))
+    np.testing.assert_array_equal(keys, pool)
+
+
+def test_ids_whose_probe_runs_into_the_moved_part_are_found_in_the_new_array(small_shares):
+    from paramserver.server import hash_index
+
+    index = HashIndex(4096)
+    first = np.arange(1, 1538, dtype=np.int64)
+    index.insert(first[:-1])
+    index.insert(first[-1:])  # past 3/8: a growth starts, moving a few slots a call
+    assert index.growing
+    ids = np.arange(10_000, 2_000_000, dtype=np.int64)
+    homes = (hash_index.mix64(ids) & np.uint64(4095)).astype(np.int64)
+    last = ids[homes == (index._start - 1) % 4096][:3]  # homes just before the slot kept empty
+    for id_ in last:
+        index.insert(np.array([id_], np.int64))
+    assert index.growing and index._slots[index._start, 1] == 0
+    assert np.isin(last, index._next[:, 0]).any()  # a probe ran into the kept-empty slot: placed in the new array
+    np.testing.assert_array_equal(index.find(last), np.arange(1537, 1540))
+    np.testing.assert_array_equal(index.find(first), np.arange(1537))
+
+
+def test_items_and_bytes_count_both_arrays_while_slots_move(small_shares):
+    index = HashIndex(1024)
+    ids = np.arange(1, 1001, dtype=np.int64) * 7919
+    for chunk in np.array_split(ids, 50):
+        index.insert(chunk)
+        if index.growing and index._moved:
+            break
+    assert index.growing and 0 < index._moved < 1024
+    keys, rows = index.items()
+    np.testing.assert_array_equal(keys, ids[: index.size])
+    np.testing.assert_array_equal(rows, np.arange(index.size))
+    assert index.capacity * 16 // 2 < index.nbytes < index.capacity * 16
+    while index.growing:
+        index.find(ids[:1])  # a table only read finishes the move
+    assert index.nbytes == index.capacity * 16
+    np.testing.assert_array_equal(index.find(ids[: index.size]), np.arange(index.size))
+
+
+def test_a_batch_larger_than_the_room_left_finishes_a_growth_at_once(small_shares):
+    index = HashIndex(64)
+    index.insert(np.arange(30, dtype=np.int64))  # past 3/8: a growth starts
+    assert index.growing
+    big = np.arange(100, 5100, dtype=np.int64)
+    rows = index.insert(big)
+    assert 2 * index.size <= index.capacity
+    np.testing.assert_array_equal(index.find(big), rows)
+    np.testing.assert_array_equal(index.find(np.arange(30, dtype=np.int64)), np.arange(30))
+
+
+def test_an_index_holding_a_known_batch_takes_it_without_growing():
+    for n in (1, 1000, 3000, 100_000):
+        index = HashIndex.holding(n)
+        index.insert(np.arange(n, dtype=np.int64))
+        assert not index.growing and index.capacity <= max(16, 6 * n)  # a power of two under twice n / (3/8)

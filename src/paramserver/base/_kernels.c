@@ -60,10 +60,11 @@ static inline uint64_t mix64(uint64_t x) { /* the murmur3 finalizer, as hash_ind
     return x ^ (x >> 33);
 }
 
-/* The index is one array of (key, row) slots, so a probe reads one cache line; row < 0 marks
- * an empty slot; capacity is a power of two; linear probing. The loops prefetch the slot (or
- * row) AHEAD ids on: at random positions in tables of hundreds of MB, waiting on memory is most
- * of the work, and issuing the loads early lets them overlap. */
+/* The index is one array of (key, row + 1) slots, so a probe reads one cache line; 0 marks an
+ * empty slot (a zeroed array is an empty index: no fill pass when it grows); capacity is a power
+ * of two; linear probing. The loops prefetch the slot (or row) AHEAD ids on: at random positions
+ * in tables of hundreds of MB, waiting on memory is most of the work, and issuing the loads early
+ * lets them overlap. (ps_unique's scratch slots keep their own convention: row < 0 is empty.) */
 #define AHEAD 8
 
 static inline uint64_t slot_of(int64_t id, uint64_t mask) { return mix64((uint64_t)id) & mask; }
@@ -74,20 +75,94 @@ void ps_index_find(const int64_t *slots, int64_t capacity, const int64_t *ids, i
     for (int64_t i = 0; i < n; i++) {
         if (i + AHEAD < n) __builtin_prefetch(&slots[2 * slot_of(ids[i + AHEAD], mask)]);
         uint64_t s = slot_of(ids[i], mask);
-        while (slots[2 * s + 1] >= 0 && slots[2 * s] != ids[i]) s = (s + 1) & mask;
-        out[i] = slots[2 * s + 1];
+        while (slots[2 * s + 1] != 0 && slots[2 * s] != ids[i]) s = (s + 1) & mask;
+        out[i] = slots[2 * s + 1] - 1;
     }
 }
 
-/* Store absent, distinct ids with the given rows. The caller keeps the index at most half full. */
+/* Store absent, distinct ids with the given rows (>= 0). The caller keeps the index at most 11/16 full. */
 void ps_index_place(int64_t *slots, int64_t capacity, const int64_t *ids, const int64_t *new_rows, int64_t n) {
     uint64_t mask = (uint64_t)capacity - 1;
     for (int64_t i = 0; i < n; i++) {
         if (i + AHEAD < n) __builtin_prefetch(&slots[2 * slot_of(ids[i + AHEAD], mask)], 1);
         uint64_t s = slot_of(ids[i], mask);
-        while (slots[2 * s + 1] >= 0) s = (s + 1) & mask;
+        while (slots[2 * s + 1] != 0) s = (s + 1) & mask;
         slots[2 * s] = ids[i];
-        slots[2 * s + 1] = new_rows[i];
+        slots[2 * s + 1] = new_rows[i] + 1;
+    }
+}
+
+/* ---- A growing index (server/hash_index.py): ids move from `old` to `slots` (twice its size),
+ * old slot by old slot from `start` on. An id whose home in `old`, counted from `start`, lies
+ * below `moved` lives in `slots`; any other in `old`, unless a probe of `old` for it runs into
+ * slot `start` (kept empty while growing: the way from the part not moved yet into the moved
+ * part), then in `slots`. So each id is looked for where its slot pages are already faulted in. */
+
+static inline int moved_home(uint64_t home, int64_t start, int64_t moved, uint64_t old_mask) {
+    return (int64_t)((home - (uint64_t)start) & old_mask) < moved;
+}
+
+void ps_index_find_growing(const int64_t *old, int64_t old_capacity, int64_t start, int64_t moved,
+                           const int64_t *slots, int64_t capacity, const int64_t *ids, int64_t n, int64_t *out) {
+    uint64_t old_mask = (uint64_t)old_capacity - 1, mask = (uint64_t)capacity - 1;
+    for (int64_t i = 0; i < n; i++) {
+        if (i + AHEAD < n) {
+            uint64_t h = mix64((uint64_t)ids[i + AHEAD]);
+            if (moved_home(h & old_mask, start, moved, old_mask)) __builtin_prefetch(&slots[2 * (h & mask)]);
+            else __builtin_prefetch(&old[2 * (h & old_mask)]);
+        }
+        uint64_t h = mix64((uint64_t)ids[i]), s = h & old_mask;
+        if (!moved_home(s, start, moved, old_mask)) {
+            while (old[2 * s + 1] != 0 && old[2 * s] != ids[i]) s = (s + 1) & old_mask;
+            if (old[2 * s + 1] != 0 || s != (uint64_t)start) {
+                out[i] = old[2 * s + 1] - 1;
+                continue;
+            }
+        }
+        s = h & mask;
+        while (slots[2 * s + 1] != 0 && slots[2 * s] != ids[i]) s = (s + 1) & mask;
+        out[i] = slots[2 * s + 1] - 1;
+    }
+}
+
+void ps_index_place_growing(int64_t *old, int64_t old_capacity, int64_t start, int64_t moved, int64_t *slots,
+                            int64_t capacity, const int64_t *ids, const int64_t *new_rows, int64_t n) {
+    uint64_t old_mask = (uint64_t)old_capacity - 1, mask = (uint64_t)capacity - 1;
+    for (int64_t i = 0; i < n; i++) {
+        if (i + AHEAD < n) {
+            uint64_t h = mix64((uint64_t)ids[i + AHEAD]);
+            if (moved_home(h & old_mask, start, moved, old_mask)) __builtin_prefetch(&slots[2 * (h & mask)], 1);
+            else __builtin_prefetch(&old[2 * (h & old_mask)], 1);
+        }
+        uint64_t h = mix64((uint64_t)ids[i]), s = h & old_mask;
+        int64_t *target = old;
+        if (!moved_home(s, start, moved, old_mask)) {
+            while (old[2 * s + 1] != 0) s = (s + 1) & old_mask;
+        }
+        if (moved_home(h & old_mask, start, moved, old_mask) || s == (uint64_t)start) {
+            target = slots;
+            s = h & mask;
+            while (slots[2 * s + 1] != 0) s = (s + 1) & mask;
+        }
+        target[2 * s] = ids[i];
+        target[2 * s + 1] = new_rows[i] + 1;
+    }
+}
+
+/* Move the occupied slots of old[lo, hi) into slots (the new array, kept at most 11/16 full by
+ * the caller), zeroing them in old: a growth's share of its rehash. */
+void ps_index_move(int64_t *old, int64_t lo, int64_t hi, int64_t *slots, int64_t capacity) {
+    uint64_t mask = (uint64_t)capacity - 1;
+    for (int64_t i = lo; i < hi; i++) {
+        if (i + AHEAD < hi && old[2 * (i + AHEAD) + 1] != 0)
+            __builtin_prefetch(&slots[2 * slot_of(old[2 * (i + AHEAD)], mask)], 1);
+        if (old[2 * i + 1] == 0) continue;
+        uint64_t s = slot_of(old[2 * i], mask);
+        while (slots[2 * s + 1] != 0) s = (s + 1) & mask;
+        slots[2 * s] = old[2 * i];
+        slots[2 * s + 1] = old[2 * i + 1];
+        old[2 * i] = 0;
+        old[2 * i + 1] = 0;
     }
 }
 

@@ -1,7 +1,8 @@
 """Hashing shared by the worker, the shards and the data readers.
 
-`mix64` spreads ids (the murmur3 finalizer); an id lives on shard `shard_of(id)`; hash indexes
-(the shard's tables, the worker's distinct ids) start from `empty_slots`.
+`mix64` spreads ids (the murmur3 finalizer); an id lives on shard `shard_of(id)`; the worker's
+distinct ids start from `empty_slots` (the shard's table index, server/hash_index.py, marks an
+empty slot with 0 instead, so that a zeroed array is empty without a fill pass).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ def mix64(ids: np.ndarray) -> np.ndarray:
 
 
 def empty_slots(capacity: int) -> np.ndarray:
-    """(capacity x 2) int64 slots of (key, row); row -1 marks an empty slot."""
+    """(capacity x 2) int64 slots of (key, row); row -1 marks an empty slot (ps_unique's scratch)."""
     slots = np.empty((capacity, 2), np.int64)
     slots[:, 0] = 0
     slots[:, 1] = -1

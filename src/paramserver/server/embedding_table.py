@@ -1,9 +1,24 @@
 """An embedding table on a shard: rows keyed by any int64 id, created on first touch.
 
 Rows live in one contiguous (capacity x dim) float32 array, with one array of the same shape
-per optimizer state, found through a vectorized HashIndex. A new row is initialized from a
-hash of (id, column), so its initial value depends on the id alone: the same on any shard
-and in any order of arrival. Not thread-safe: the owning Shard serializes calls.
+per optimizer state (and one of row ids, and use counters when kept), found through a
+vectorized HashIndex. A new row is initialized from a hash of (id, column), so its initial
+value depends on the id alone: the same on any shard and in any order of arrival.
+
+Growth never copies a large table, so no lookup waits on one (a copy of the arrays stalled the
+shard for seconds at tens of millions of rows). Small tables keep ordinary arrays grown by
+copying (1.5x, a few MB at most). Once the arrays pass `_RESERVE_FROM` bytes they move, with a
+last copy, into address space reserved up front (server/reserved.py: `_RESERVE_BYTES` per array,
+costing memory only where written): from then on growing the capacity is taking a longer view
+of the same memory. The logical capacity still grows 1.5x at a time, as limits.py accounts it.
+Where the system refuses the reservation (strict overcommit, an RLIMIT_AS) the arrays keep
+growing by copying. The index grows incrementally (hash_index.py).
+
+Every array of a row is written when the row is created (`_start_rows`): unwritten reserved
+memory reads as zeros, not as an optimizer's initial state, and the rows an eviction frees
+(their pages handed back) may be taken again by new ids.
+
+Not thread-safe: the owning Shard serializes calls.
 """
 
 from __future__ import annotations
@@ -16,11 +31,14 @@ import numpy as np
 from ..base import kernels
 from ..base.errors import InvalidArgumentError
 from ..base.hashing import mix64
+from . import reserved
 from .hash_index import HashIndex
 from .row_snapshot import RowSnapshot
 from .sparse_optimizers import SparseOptimizer
 
 _GROWTH = 1.5  # capacity growth of the row arrays: bounds wasted memory at a third
+_RESERVE_FROM = 8 << 20  # bytes of a table's row arrays from which they live in reserved address space
+_RESERVE_BYTES = 64 << 30  # address space reserved per row array (past it, one more copy into a larger one)
 
 
 _KINDS = {"normal": 1, "uniform": 2}
@@ -114,17 +132,21 @@ class EmbeddingTable:
         initial_rows(np.zeros(1, np.int64), dim, init)  # refuse a bad initializer now
         self.name, self.dim, self.optimizer, self.init, self.spec = name, dim, optimizer, init, spec
         self.index = HashIndex(2 * capacity)
-        self.values = np.empty((capacity, dim), np.float32)
-        self.row_ids = np.empty(capacity, np.int64)  # the id of each row: a checkpoint streams rows in order
-        self.state = {key: _filled((capacity, dim), value, np.float32) for key, value in optimizer.state_init().items()}
-        if optimizer.hyper.get("per_row_step"):
-            self.state["row_step"] = np.zeros(capacity, np.int64)
         self.policy = policy or RowPolicy()
         # per-row use, kept only when an eviction rule needs it (16 bytes a row)
         self.tracks_use = bool(self.policy.ttl_steps or self.policy.min_count or self.policy.max_rows)
-        tracked = capacity if self.tracks_use else 0
-        self.last_seen = np.zeros(tracked, np.int64)  # table update count when each row was last looked up
-        self.seen = np.zeros(tracked, np.int64)  # lookups of each row
+        self._shapes = self._row_shapes()
+        self._row_nbytes = sum(dtype.itemsize * int(np.prod(shape)) for shape, dtype in self._shapes.values())
+        # each row array at its allocated length, by layout() name; the attributes below are views
+        # of their first `capacity` rows
+        self._full: dict[str, np.ndarray] = {}
+        self._capacity, self._reserved = 0, False
+        self.values = np.zeros((0, dim), np.float32)
+        self.row_ids = np.zeros(0, np.int64)  # the id of each row: a checkpoint streams rows in order
+        self.last_seen = np.zeros(0, np.int64)  # table update count when each row was last looked up
+        self.seen = np.zeros(0, np.int64)  # lookups of each row
+        self.state: dict[str, np.ndarray] = {}
+        self._allocate(capacity)
         self.candidates = HashIndex(64)  # ids looked up but not admitted yet, with their counts
         self.candidate_counts = np.zeros(64, np.int64)
         self.counters = {"admitted": 0, "not_admitted_lookups": 0, "dropped_gradients": 0, "evicted": 0}
@@ -132,23 +154,42 @@ class EmbeddingTable:
         self.steps = 0
         self.snapshot: RowSnapshot | None = None  # a checkpoint's view of the rows, while one is written
 
+    def _row_shapes(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        """Each row array (by layout() name): the shape of one row, and its dtype."""
+        f32, i64 = np.dtype(np.float32), np.dtype(np.int64)
+        shapes: dict[str, tuple[tuple[int, ...], np.dtype]] = {"ids": ((), i64), "values": ((self.dim,), f32)}
+        shapes.update({key: ((self.dim,), f32) for key in self.optimizer.state_init()})
+        if self.optimizer.hyper.get("per_row_step"):
+            shapes["row_step"] = ((), i64)
+        if self.tracks_use:
+            shapes.update(last_seen=((), i64), seen=((), i64))
+        return shapes
+
     @property
     def size(self) -> int:
         return self.index.size
+
+    @property
+    def capacity(self) -> int:
+        """Rows the arrays have room for now: it grows 1.5x at a time (what limits.py accounts),
+        in place once the arrays live in reserved address space."""
+        return self._capacity
 
     def rows(self, ids: np.ndarray, create: bool = True) -> np.ndarray:
         """Row numbers of `ids`; missing ids are admitted by the policy (-1 where not)."""
         rows = self.index.find(ids)
         missing = np.flatnonzero(rows < 0)
         if create and missing.size:
-            candidates = np.unique(ids[missing])  # a batch may name a new id twice
+            candidates, where = np.unique(ids[missing], return_inverse=True)  # a batch may name a new id twice
             admit = self._admit(candidates)
             new_ids = candidates[admit]
-            self._reserve(self.size + new_ids.shape[0])
-            new_rows = self.index.insert(new_ids)
-            self.row_ids[new_rows] = new_ids
-            self.values[new_rows] = initial_rows(new_ids, self.dim, self.init)
-            rows[missing] = self.index.find(ids[missing])
+            self._make_room(self.size + new_ids.shape[0])
+            lo = self.size
+            new_rows = np.full(candidates.shape[0], -1, np.int64)
+            new_rows[admit] = self.index.insert(new_ids)
+            self._start_rows(lo, new_ids)
+            self.values[lo : self.size] = initial_rows(new_ids, self.dim, self.init)
+            rows[missing] = new_rows[where.reshape(-1)]
             self.counters["admitted"] += new_ids.shape[0]
             self.counters["not_admitted_lookups"] += int((~admit).sum())
         return rows
@@ -180,12 +221,8 @@ class EmbeddingTable:
         self.snapshot = None
 
     def array(self, name: str) -> np.ndarray:
-        """The live array of one `layout()` name (rows 0..capacity-1)."""
-        if name == "ids":
-            return self.row_ids
-        if name in ("values", "last_seen", "seen"):
-            return getattr(self, name)
-        return self.state[name]
+        """The live array of one `layout()` name, at its allocated length (growth may replace it)."""
+        return self._full[name]
 
     def load_rows(self, ids: np.ndarray, arrays: dict[str, np.ndarray]) -> None:
         """Add saved rows (a restore, one chunk at a time): `arrays` holds "values", each optimizer
@@ -194,17 +231,13 @@ class EmbeddingTable:
         ids = np.ascontiguousarray(ids, np.int64)
         if ids.shape[0] > 1 and np.unique(ids).shape[0] != ids.shape[0] or (self.index.find(ids) >= 0).any():
             raise InvalidArgumentError(f"table {self.name!r}: saved rows name an id twice")
-        self._reserve(self.size + ids.shape[0])
-        rows = self.index.insert(ids)
-        self.row_ids[rows] = ids
-        self.values[rows] = arrays["values"]
-        for key, array in self.state.items():
-            if key in arrays:
-                array[rows] = arrays[key]
-        if self.tracks_use:
-            for key in ("last_seen", "seen"):
-                if key in arrays:
-                    getattr(self, key)[rows] = arrays[key]
+        self._make_room(self.size + ids.shape[0])
+        lo = self.size
+        self.index.insert(ids)
+        self._start_rows(lo, ids)
+        self.values[lo : self.size] = arrays["values"]
+        for name in sorted(self._shapes.keys() & arrays.keys() - {"ids", "values"}):
+            self._full[name][lo : self.size] = arrays[name]
 
     def restore_meta(self, counters: dict[str, int], steps: int) -> None:
         """Set the counters and update count a checkpoint saved (after its rows are loaded)."""
@@ -257,7 +290,7 @@ class EmbeddingTable:
             if fresh.any():
                 slots[fresh] = self.candidates.insert(ids[fresh])
                 if self.candidates.size > self.candidate_counts.shape[0]:
-                    self.candidate_counts = _grown(self.candidate_counts, 2 * self.candidates.size, 0)
+                    self.candidate_counts = _grown(self.candidate_counts, 2 * self.candidates.size)
             self.candidate_counts[slots] += 1
             admit &= self.candidate_counts[slots] >= policy.admit_after
         if policy.admit_probability < 1:
@@ -285,48 +318,87 @@ class EmbeddingTable:
         return evicted
 
     def _compact(self, keep: np.ndarray) -> None:
-        kept_rows = np.flatnonzero(keep[: self.size])
-        kept_ids = self.row_ids[kept_rows]
-        for name in ("row_ids", "values", "last_seen", "seen"):
-            array = getattr(self, name)
-            array[: kept_rows.shape[0]] = array[kept_rows]
-        for array in self.state.values():
-            array[: kept_rows.shape[0]] = array[kept_rows]
-        fill = self.optimizer.state_init()
-        for key, array in self.state.items():
-            array[kept_rows.shape[0] :] = fill.get(key, 0)
-        for array in (self.last_seen, self.seen):  # a new row in a freed place starts unseen
-            array[kept_rows.shape[0] :] = 0
-        self.index = HashIndex(max(16, 2 * kept_rows.shape[0]))
-        self.index.insert(kept_ids)
+        """Move the kept rows to the front (in order) and index them anew; the freed rows' pages
+        go back to the kernel where the arrays are reserved (new rows write every array anyway)."""
+        size = self.size
+        kept_rows = np.flatnonzero(keep[:size])
+        kept = kept_rows.shape[0]
+        for array in self._full.values():
+            array[:kept] = array[kept_rows]
+            if self._reserved:
+                reserved.release(array, kept, size)
+        self.index = HashIndex.holding(kept)
+        self.index.insert(self.row_ids[:kept])
 
     def describe(self) -> dict:
+        # reserved arrays hold memory for the rows written: [0, size), as evictions hand pages back
+        rows = self.size if self._reserved else self._capacity
         return {
             "rows": self.size,
             "dim": self.dim,
             "updates": self.steps,
             **self.counters,
-            "bytes": self.values.nbytes
-            + self.row_ids.nbytes
-            + sum(a.nbytes for a in self.state.values())
-            + self.index.nbytes
-            + self.last_seen.nbytes
-            + self.seen.nbytes,
+            "bytes": rows * self._row_nbytes + self.index.nbytes,
         }
 
-    def _reserve(self, needed: int) -> None:
-        capacity = self.values.shape[0]
-        if needed <= capacity:
-            return
-        capacity = max(needed, int(capacity * _GROWTH))
-        self.values = _grown(self.values, capacity, 0.0)
-        self.row_ids = _grown(self.row_ids, capacity, 0)
-        if self.tracks_use:
-            self.last_seen = _grown(self.last_seen, capacity, 0)
-            self.seen = _grown(self.seen, capacity, 0)
+    def _start_rows(self, lo: int, ids: np.ndarray) -> None:
+        """Write every array of the new rows [lo, lo + len(ids)) but their values: their memory may hold
+        an evicted row's, or (reserved) zeros rather than the optimizer's initial state."""
+        hi = lo + ids.shape[0]
+        self.row_ids[lo:hi] = ids
+        fill = self.optimizer.state_init()
         for key, array in self.state.items():
-            fill = self.optimizer.state_init().get(key, 0)
-            self.state[key] = _grown(array, capacity, fill)
+            array[lo:hi] = fill.get(key, 0)
+        if self.tracks_use:
+            self.last_seen[lo:hi] = 0
+            self.seen[lo:hi] = 0
+
+    def _make_room(self, needed: int) -> None:
+        """Capacity for `needed` rows, grown 1.5x at a time: in place within the reserved address
+        space, else into new arrays (a copy of the rows held)."""
+        if needed <= self._capacity:
+            return
+        capacity = max(needed, int(self._capacity * _GROWTH))
+        room = self._full["ids"].shape[0]
+        if needed <= room:
+            self._bind(min(capacity, room))
+        else:
+            self._allocate(capacity)
+
+    def _allocate(self, capacity: int) -> None:
+        """New arrays for `capacity` rows, the rows held copied in: reserved ones once they pass
+        `_RESERVE_FROM` bytes (where the system allows it), else ordinary ones."""
+        full = self._reserve_arrays(capacity) if capacity * self._row_nbytes >= _RESERVE_FROM else None
+        self._reserved = full is not None
+        if full is None:
+            full = {name: np.zeros((capacity, *shape), dtype) for name, (shape, dtype) in self._shapes.items()}
+        size = self.size
+        for name, array in self._full.items():
+            full[name][:size] = array[:size]
+        self._full = full
+        self._bind(capacity)
+
+    def _reserve_arrays(self, capacity: int) -> dict[str, np.ndarray] | None:
+        """Row arrays in reserved address space, room for as many rows as `_RESERVE_BYTES` holds of
+        the widest array (or twice `capacity`, past that); None where the system refuses one."""
+        widest = max(dtype.itemsize * int(np.prod(shape)) for shape, dtype in self._shapes.values())
+        rows = max(2 * capacity, _RESERVE_BYTES // widest)
+        arrays = {}
+        for name, (shape, dtype) in self._shapes.items():
+            array = reserved.reserve(rows, shape, dtype)
+            if array is None:
+                return None
+            arrays[name] = array
+        return arrays
+
+    def _bind(self, capacity: int) -> None:
+        """Point the row attributes at the first `capacity` rows of the arrays."""
+        self._capacity = capacity
+        views = {name: array[:capacity] for name, array in self._full.items()}
+        self.row_ids, self.values = views.pop("ids"), views.pop("values")
+        if self.tracks_use:
+            self.last_seen, self.seen = views.pop("last_seen"), views.pop("seen")
+        self.state.update(views)
 
 
 def gather_rows(values: np.ndarray, rows: np.ndarray) -> np.ndarray:
@@ -341,12 +413,7 @@ def gather_rows(values: np.ndarray, rows: np.ndarray) -> np.ndarray:
     return out
 
 
-def _filled(shape: tuple, fill: float, dtype) -> np.ndarray:
-    # zeros come from fresh pages the kernel maps on first write: unused capacity costs no RSS
-    return np.zeros(shape, dtype) if fill == 0 else np.full(shape, fill, dtype)
-
-
-def _grown(array: np.ndarray, capacity: int, fill: float) -> np.ndarray:
-    grown = _filled((capacity,) + array.shape[1:], fill, array.dtype)
+def _grown(array: np.ndarray, capacity: int) -> np.ndarray:
+    grown = np.zeros((capacity,) + array.shape[1:], array.dtype)
     grown[: array.shape[0]] = array
     return grown

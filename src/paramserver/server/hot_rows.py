@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .hash_index import HashIndex
+from .hash_index import GROW_AT, HashIndex
 from .row_record import RowRecord
 
 _MOVE_ROWS = 1 << 16  # rows moved at a time when compacting
@@ -28,15 +28,16 @@ def row_bytes(record: RowRecord) -> int:
 
 
 def index_bytes(capacity: int) -> int:
-    """The HashIndex of `capacity` rows: a power of two of slots, at least twice the rows."""
-    return _SLOT_BYTES * (1 << max(4, int(2 * capacity - 1).bit_length()))
+    """The HashIndex that holds `capacity` rows without growing (HashIndex.holding)."""
+    return _SLOT_BYTES * HashIndex.holding(capacity).capacity
 
 
 def capacity_for(budget: int, record: RowRecord) -> int:
     """The most rows whose arrays and index fit in `budget` bytes (at least _MIN_ROWS)."""
     best, slots = 0, 16
     while slots * _SLOT_BYTES < budget:  # each power of two of slots: the rows that fit beside it
-        best = max(best, min(slots // 2, (budget - slots * _SLOT_BYTES) // row_bytes(record)))
+        held = int(slots * GROW_AT)  # what that many slots hold before the index grows
+        best = max(best, min(held, (budget - slots * _SLOT_BYTES) // row_bytes(record)))
         slots *= 2
     return max(best, _MIN_ROWS)
 
@@ -54,7 +55,7 @@ class HotRows:
         self.touched = np.zeros(capacity, np.int64)  # the table's touch clock when last looked up or updated
         self.on_disk = np.zeros(capacity, bool)  # a copy is on disk (stale when dirty)
         self.dirty = np.zeros(capacity, bool)  # changed since read from disk (or never written there)
-        self.index = HashIndex(2 * capacity)
+        self.index = HashIndex.holding(capacity)
 
     @property
     def size(self) -> int:
@@ -121,7 +122,7 @@ class HotRows:
 
     def _reindex(self, size: int) -> None:
         del self.index  # freed before the new one is made
-        self.index = HashIndex(2 * self.capacity)
+        self.index = HashIndex.holding(self.capacity)
         self.index.insert(self.ids[:size])
 
     def resize(self, capacity: int) -> None:

@@ -1,7 +1,9 @@
 """The operator's limits on what tables may take on one PS, checked before memory is taken.
 
 A table's memory is its per-row arrays (values, each optimizer state, use counters) at their
-capacity, plus its hash index; rows are created by lookups (and by a registration's capacity
+logical capacity (`EmbeddingTable.capacity`: it grows 1.5x at a time, in place once the arrays
+live in reserved address space, which costs memory only where rows are written), plus its hash
+index; rows are created by lookups (and by a registration's capacity
 reserved up front). Both the rows of one table and the bytes of all tables of the PS are
 bounded (`Options.max_table_rows`, `Options.max_table_memory_bytes`); a request that would pass
 either is refused with ResourceExhaustedError and changes nothing.
@@ -25,8 +27,10 @@ from .tiered_table import TieredTable
 
 Table = EmbeddingTable | TieredTable
 
-_GROWTH = 1.5  # as EmbeddingTable grows its arrays
-_INDEX_BYTES_PER_ROW = 2 * 2 * 8  # the hash index keeps at least twice the rows in slots, 16 bytes each
+_GROWTH = 1.5  # as EmbeddingTable grows its capacity
+# the hash index: 16-byte slots, 2.7 to 3.1 for each row held (hash_index.py), which is about two
+# for each row of capacity (the capacity being 1 to 1.5 times the rows held)
+_INDEX_BYTES_PER_ROW = 2 * 2 * 8
 
 
 @dataclass(frozen=True)
@@ -54,7 +58,7 @@ def table_bytes(table: Table) -> int:
     of a tiered table, its memory tier."""
     if isinstance(table, TieredTable):
         return table.hot.nbytes
-    return table.values.shape[0] * table_row_bytes(table)
+    return table.capacity * table_row_bytes(table)
 
 
 def check_new_table(
@@ -95,7 +99,7 @@ def check_new_rows(limits: TableLimits, table: Table, ids: np.ndarray, used: int
             f"table {table.name!r}: {missing} new rows would bring it to {rows} rows, "
             f"over the PS's max_table_rows {limits.max_rows}"
         )
-    capacity = table.values.shape[0]
+    capacity = table.capacity
     if rows <= capacity:
         return
     grown = max(rows, int(capacity * _GROWTH)) - capacity
