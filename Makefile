@@ -10,7 +10,7 @@ FAST_TIER := not (cluster or parity or fault)
 setup: $(VENV)/.installed
 
 # torch is pinned to the CPU build that pip finds locally; a looser spec pulls a multi-GB CUDA build.
-$(VENV)/.installed: pyproject.toml setup.py
+$(VENV)/.installed: pyproject.toml setup.py src/paramserver/base/_kernels.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0

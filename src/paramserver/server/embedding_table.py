@@ -385,7 +385,7 @@ class EmbeddingTable:
         rows = max(2 * capacity, _RESERVE_BYTES // widest)
         arrays = {}
         for name, (shape, dtype) in self._shapes.items():
-            array = reserved.reserve(rows, shape, dtype)
+            array = reserved.reserve(rows, shape, dtype, huge=True)
             if array is None:
                 return None
             arrays[name] = array
