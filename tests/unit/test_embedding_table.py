@@ -271,7 +271,7 @@ def test_eviction_mid_growth_keeps_the_rows_it_should_and_new_rows_start_fresh(s
 def test_tables_grow_by_copying_where_address_space_cannot_be_reserved(small_growth, monkeypatch):
     from paramserver.server import reserved
 
-    monkeypatch.setattr(reserved, "reserve", lambda rows, row_shape, dtype: None)
+    monkeypatch.setattr(reserved, "reserve", lambda rows, row_shape, dtype, huge=False: None)
     grown, reference = grown_and_reference()
     ids = feed([grown, reference], np.random.default_rng(7), 60)
     assert not grown._reserved and grown.values.shape[0] == grown.capacity < reference.capacity
