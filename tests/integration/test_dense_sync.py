@@ -95,7 +95,7 @@ def test_uneven_ends_finish_average_over_real_contributors_and_checkpoint_the_de
     store = CheckpointStore(str(ckpt))
     final = RestoreSource(store, store.complete()[-1])
     assert final.manifest.get("final") is True
-    saved = {var.removeprefix("opt0."): dense.value for var, dense in final.groups["opt0.group0"]["vars"].items()}
+    saved = {var.removeprefix("opt0."): dense.value for var, dense in final.dense_variables()["opt0.group0"]["vars"].items()}
     for name, value in first.items():  # the chief wrote its values, after the other's last steps
         assert torch.equal(torch.from_numpy(saved[f"mlp.{name}"]), value), name
     assert procs.leftovers() == []
