@@ -40,12 +40,6 @@ class RowRecord:
     def nbytes(self) -> int:
         return self.dtype.itemsize
 
-    def offset(self, name: str) -> int:
-        """Where field `name` starts in a record, in bytes."""
-        fields = self.dtype.fields
-        assert fields is not None
-        return int(fields[name][1])
-
     def empty(self, n: int) -> np.ndarray:
         return np.empty(n, self.dtype)
 

@@ -3,25 +3,21 @@
 The same interface and the same training results as EmbeddingTable (bit for bit: the same
 initial rows, admissions, optimizer kernels and eviction rules), over two tiers:
 - HotRows (hot_rows.py): at most `capacity` rows in memory, the table's share of the PS's budget;
-- SpillStore (spill_store.py): every other row, in a hash table of pages in a mapped file under
-  the PS's spill directory.
+- SpillStore (spill_store.py): every other row, in RocksDB under the PS's spill directory.
 A row is read from disk on its first lookup (or update) while it is not in memory, and stays on
 disk as well: clean, it is simply dropped from memory later; changed (an update, or a lookup that
-counts its use), it is written back in place when it leaves (where it was read from, unless it
-moved meanwhile). Values, optimizer state and counters move together, as one record (row_record.py).
+counts its use), it is written back when it leaves. Values, optimizer state and counters move
+together, as one record (row_record.py).
 
 Which rows stay in memory: the least recently touched go first. Every read or update of a batch
 (every 64k distinct ids of it) advances a touch clock and stamps the rows it touches; when new rows
 need room, the memory tier drops an eighth of its capacity (at least what is needed), least
-recently stamped first (a count of rows per touch time finds the cutoff), never rows of the batch
-in hand. Dropping rows only frees their places: nothing is compacted or rebuilt.
+recently stamped first, never rows of the batch in hand. An eviction batch compacts the arrays
+and rebuilds the index: dropping in batches spreads that cost over many rows.
 
-A push of exactly the ids the last lookup read (a worker's step) takes the rows that lookup found,
-unless an id gained or lost its row since: one index lookup a step instead of two.
-
-The table keeps no index of its rows on disk (the store's directory and fingerprints find them):
-memory holds the hot rows, the ids looked up but not admitted yet (as EmbeddingTable does) and
-counts. Not thread-safe: TableStore's lock serializes every call, row_chunks' iteration included.
+The table keeps no index of its rows on disk (that is RocksDB's): memory holds the hot rows, the
+ids looked up but not admitted yet (as EmbeddingTable does) and counts. Not thread-safe:
+TableStore's lock serializes every call, row_chunks' iteration included.
 """
 
 from __future__ import annotations
@@ -37,7 +33,7 @@ from .row_admission import Admission
 from .row_record import RowRecord
 from .row_snapshot import FrozenSnapshot
 from .sparse_optimizers import SparseOptimizer
-from .spill_store import SpillStore
+from .spill_store import SpillStore, StoreMemory
 from .tiered_eviction import keep_rule
 
 _BATCH = 1 << 16  # distinct ids handled at a time: one tick of the touch clock
@@ -58,6 +54,7 @@ class TieredTable:
         policy: RowPolicy,
         capacity: int,
         store_dir: str,
+        memory: StoreMemory,
     ) -> None:
         if not isinstance(dim, int) or dim < 1:
             raise InvalidArgumentError(f"table {name!r}: dim must be a positive integer, got {dim!r}")
@@ -67,7 +64,7 @@ class TieredTable:
         self.tracks_use = bool(policy.ttl_steps or policy.min_count or policy.max_rows)
         self.record = RowRecord(dim, optimizer, self.tracks_use)
         self.hot = HotRows(self.record, capacity)
-        self.store = SpillStore(store_dir, self.record)
+        self.store = SpillStore(store_dir, self.record, memory)
         self.admission = Admission(policy)
         self.counters = {"admitted": 0, "not_admitted_lookups": 0, "dropped_gradients": 0, "evicted": 0}
         self.steps = 0
@@ -76,7 +73,6 @@ class TieredTable:
         self._born = 0  # rows admitted or loaded so far: each row's admission number
         self._spilled = 0  # rows on disk (some also in memory)
         self._memory_only = 0  # rows in memory with no copy on disk
-        self._looked_up: tuple[np.ndarray, np.ndarray, int] | None = None  # the last read's ids and rows
 
     @property
     def size(self) -> int:
@@ -89,11 +85,7 @@ class TieredTable:
     def read(self, ids: np.ndarray) -> np.ndarray:
         """The rows of `ids`, admitted on first touch; a copy, len(ids) x dim. An id not admitted
         yet reads as its initial values."""
-        ids = np.ascontiguousarray(ids, np.int64)
-        if ids.shape[0] < 2 or bool((ids[1:] > ids[:-1]).all()):  # distinct and sorted already (a worker's usual ids)
-            distinct, where = ids, None
-        else:
-            distinct, where = np.unique(ids, return_inverse=True)
+        distinct, where = np.unique(np.ascontiguousarray(ids, np.int64), return_inverse=True)
         out = np.empty((distinct.shape[0], self.dim), np.float32)
         for lo in range(0, distinct.shape[0], self._batch):
             part = distinct[lo : lo + self._batch]
@@ -109,17 +101,7 @@ class TieredTable:
                 block = initial_rows(part, self.dim, self.init)
                 block[stored] = gather_rows(self.hot.values, rows[stored])
                 out[lo : lo + part.shape[0]] = block
-            if part.shape[0] == distinct.shape[0]:  # one batch: a push of these ids may take its rows
-                self._looked_up = (part.copy(), rows, self.hot.generation)
-        return out if where is None else out[where.reshape(-1)]
-
-    def not_in_memory(self, ids: np.ndarray) -> int:
-        """How many distinct ids of `ids` have no row in memory (on disk, or new)."""
-        ids = np.ascontiguousarray(ids, np.int64)
-        missing = ids[self.hot.find(ids) < 0]
-        if missing.shape[0] < 2 or bool((missing[1:] > missing[:-1]).all()):  # distinct already
-            return int(missing.shape[0])
-        return int(np.unique(missing).shape[0])
+        return out[where.reshape(-1)]
 
     def apply(self, ids: np.ndarray, grads: np.ndarray) -> None:
         """One optimizer step on the rows of `ids` (distinct) from `grads` (len(ids) x dim).
@@ -128,7 +110,7 @@ class TieredTable:
         self.steps += 1
         state = self.hot.optimizer_state()
         for lo in range(0, ids.shape[0], self._batch):
-            rows, part = self._looked_up_rows(ids[lo : lo + self._batch]), grads[lo : lo + self._batch]
+            rows, part = self._rows(ids[lo : lo + self._batch], create=False), grads[lo : lo + self._batch]
             stored = rows >= 0
             self.counters["dropped_gradients"] += int((~stored).sum())
             if stored.all():
@@ -139,29 +121,17 @@ class TieredTable:
         if self.policy.evict_every and self.steps % self.policy.evict_every == 0:
             self.evict()
 
-    def _looked_up_rows(self, ids: np.ndarray) -> np.ndarray:
-        """_rows(ids, create=False), taken from the last read when that read these same ids (a
-        worker's step: a lookup, then a push of the same ids) and no id gained or lost its row since."""
-        if self._looked_up is not None:
-            looked_up, rows, generation = self._looked_up
-            self._looked_up = None
-            if generation == self.hot.generation and np.array_equal(looked_up, ids):
-                self._clock += 1
-                self.hot.touched[rows[rows >= 0]] = self._clock
-                return rows
-        return self._rows(ids, create=False)
-
     def _rows(self, ids: np.ndarray, create: bool) -> np.ndarray:
         """Memory rows of `ids` (distinct, at most a batch): read from disk where there, admitted
         by the policy where nowhere (with `create`); -1 where no row."""
         self._clock += 1
-        rows, entries = self.hot.locate(ids)
+        rows = self.hot.find(ids)
         hit = rows >= 0
         self.hot.touched[rows[hit]] = self._clock
         if hit.all():
             return rows
         missing = np.flatnonzero(~hit)
-        on_disk, records, places = self.store.get(ids[missing])
+        on_disk, records = self.store.get(ids[missing])
         fresh = missing[~on_disk]
         if create and fresh.shape[0]:
             admit = self.admission.admit(ids[fresh])
@@ -170,35 +140,34 @@ class TieredTable:
             fresh = fresh[admit]
         else:
             fresh = fresh[:0]
-        self._make_room(records.shape[0] + fresh.shape[0])  # rows of this batch stay where they are
+        if self._make_room(records.shape[0] + fresh.shape[0]):  # memory rows moved
+            rows[hit] = self.hot.find(ids[hit])
         if records.shape[0]:
-            read, rebuilds = missing[on_disk], self.hot.rebuilds
-            rows[read] = self.hot.add(ids[read], entries[read], records, self._clock, places)
-            if self.hot.rebuilds != rebuilds:  # a new index: the entries taken before mean nothing now
-                entries = self.hot.locate(ids)[1]
+            rows[missing[on_disk]] = self.hot.add(ids[missing[on_disk]], records, self._clock, on_disk=True)
         if fresh.shape[0]:
-            rows[fresh] = self.hot.add(ids[fresh], entries[fresh], self._new_rows(ids[fresh]), self._clock)
+            rows[fresh] = self.hot.add(ids[fresh], self._new_records(ids[fresh]), self._clock, on_disk=False)
             self._memory_only += fresh.shape[0]
         return rows
 
-    def _new_rows(self, ids: np.ndarray) -> dict[str, np.ndarray]:
-        """The fields of new rows that do not start at their initial value: values, admission numbers."""
-        fields = {"values": initial_rows(ids, self.dim, self.init)}
+    def _new_records(self, ids: np.ndarray) -> np.ndarray:
+        records = self.record.from_arrays(ids.shape[0], {"values": initial_rows(ids, self.dim, self.init)})
         if self.tracks_use:
-            fields["born"] = np.arange(self._born, self._born + ids.shape[0])
+            records["born"] = np.arange(self._born, self._born + ids.shape[0])
         self._born += ids.shape[0]
-        return fields
+        return records
 
-    def _make_room(self, needed: int) -> None:
-        """Spill rows if `needed` more do not fit (never rows touched by the batch in hand)."""
+    def _make_room(self, needed: int) -> bool:
+        """Spill rows if `needed` more do not fit; returns whether it did (memory rows moved)."""
         excess = self.hot.size + needed - self.hot.capacity
-        if excess > 0:
-            self._spill(self.hot.least_recent(max(excess, self.hot.capacity // _EVICT_FRACTION), self._clock))
+        if excess <= 0:
+            return False
+        self._spill(self.hot.least_recent(max(excess, self.hot.capacity // _EVICT_FRACTION), self._clock))
+        return True
 
     def _spill(self, rows: np.ndarray) -> None:
         """Move these memory rows to disk: written if changed, else only dropped from memory."""
         changed = rows[self.hot.dirty[rows]]
-        self.store.put(self.hot.ids[changed], self.hot.records(changed), self.hot.place[changed])
+        self.store.put(self.hot.ids[changed], self.hot.records(changed))
         new_on_disk = int((~self.hot.on_disk[rows]).sum())
         self._spilled += new_on_disk
         self._memory_only -= new_on_disk
@@ -223,8 +192,7 @@ class TieredTable:
                 self.store.delete(ids[drop])
                 self._spilled -= int(drop.sum())
                 evicted += int(drop.sum())
-        live = self.hot.live()
-        drop = live[~keep(self._hot_fields(live))]
+        drop = np.flatnonzero(~keep(self._hot_fields()))
         if drop.shape[0]:
             on_disk = self.hot.on_disk[drop]
             self.store.delete(self.hot.ids[drop[on_disk]])
@@ -235,11 +203,11 @@ class TieredTable:
         self.counters["evicted"] += evicted
         return evicted
 
-    def _hot_fields(self, live: np.ndarray) -> dict[str, np.ndarray]:
-        return {name: array[live] for name, array in self.hot.fields.items()}
+    def _hot_fields(self) -> dict[str, np.ndarray]:
+        return {name: array[: self.hot.size] for name, array in self.hot.fields.items()}
 
     def _use_chunks(self) -> Iterator[dict[str, np.ndarray] | np.ndarray]:
-        yield self._hot_fields(self.hot.live())
+        yield self._hot_fields()
         for _, records in self._cold_chunks(_SCAN):
             yield records
 
@@ -264,9 +232,9 @@ class TieredTable:
     def row_chunks(self, chunk_rows: int) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
         """(first row, {array name: rows}) for consecutive chunks of `chunk_rows` rows (the last
         may have fewer), every array of `layout()` in each, as EmbeddingTable gives them: the rows
-        on disk (in the store's page order, read `chunk_rows` at a time), then those in memory.
-        `size` rows in all, in an order that holds while the caller keeps the table still (holds
-        the store's lock) until it is done with them; memory holds about two chunks at a time."""
+        on disk (in id order, read `chunk_rows` at a time), then those in memory. `size` rows in
+        all, in an order that holds while the caller keeps the table still (holds the store's
+        lock) until it is done with them; memory holds about two chunks at a time."""
         first = 0
         for chunk in _rechunked(self._saved_pieces(chunk_rows), chunk_rows):
             yield first, chunk
@@ -284,10 +252,9 @@ class TieredTable:
         names = [name for name in self.layout() if name != "ids"]
         for ids, records in self._cold_chunks(chunk_rows):
             yield {"ids": ids, **{name: np.ascontiguousarray(records[name]) for name in names}}
-        live = self.hot.live()
-        for lo in range(0, live.shape[0], chunk_rows):
-            rows = live[lo : lo + chunk_rows]
-            yield {"ids": self.hot.ids[rows], **{name: self.hot.fields[name][rows] for name in names}}
+        for lo in range(0, self.hot.size, chunk_rows):
+            hi = min(lo + chunk_rows, self.hot.size)
+            yield {"ids": self.hot.ids[lo:hi], **{name: self.hot.fields[name][lo:hi] for name in names}}
 
     def load_rows(self, ids: np.ndarray, arrays: dict[str, np.ndarray]) -> None:
         """Add saved rows (a restore, one chunk at a time), as EmbeddingTable.load_rows: into memory
@@ -303,7 +270,7 @@ class TieredTable:
                 records["born"] = np.arange(self._born, self._born + part.shape[0])
             self._born += part.shape[0]
             room = min(self.hot.free, part.shape[0])
-            self.hot.add(part[:room], self.hot.locate(part[:room])[1], records[:room], self._clock)
+            self.hot.add(part[:room], records[:room], self._clock, on_disk=False)
             self.store.put(part[room:], records[room:])
             self._memory_only += room
             self._spilled += part.shape[0] - room

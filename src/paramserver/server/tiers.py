@@ -6,9 +6,9 @@ and split again when a table is registered (the others then move their least rec
 to disk until they fit their new share). A table's share holds its rows' fields, ids, touch times,
 flags and hash index (hot_rows.capacity_for); a share too small for 64 rows gets 64. What a share
 does not use is not lent to another table; shrinking a full memory tier copies what it keeps (a
-transient, at registration only). On top of the budget: each disk tier's directory and
-fingerprints (spill_store.py: about 2-2.5 bytes a row on disk), a batch's working arrays, and the
-page cache that holds the spill files' pages (RssFile, reclaimable).
+transient, at registration only). On top of the budget: the RocksDB stores' memory
+(a block cache and memtables shared by all tables, `StoreMemory`: each a sixteenth of the budget,
+64 MiB at most; index and filter blocks, about 2 bytes a row on disk), and a batch's working arrays.
 Thread-safety: the owning TableStore calls under its lock.
 """
 
@@ -21,6 +21,7 @@ from .hot_rows import capacity_for
 from .row_record import RowRecord
 from .sparse_optimizers import SparseOptimizer
 from .spill_space import SpillSpace
+from .spill_store import StoreMemory
 from .tiered_table import TieredTable
 
 log = logging.getLogger(__name__)
@@ -29,9 +30,10 @@ log = logging.getLogger(__name__)
 class Tiers:
     """The tiered tables of one PS, their memory budget and its spill space."""
 
-    def __init__(self, budget: int, space: SpillSpace) -> None:
+    def __init__(self, budget: int, space: SpillSpace, memory: StoreMemory | None = None) -> None:
         self.budget = budget
         self.space = space
+        self.memory = memory or StoreMemory.for_budget(budget)
         self.tables: list[TieredTable] = []
 
     @classmethod
@@ -46,7 +48,7 @@ class Tiers:
         share = self.budget // (len(self.tables) + 1)
         tracks_use = bool(policy.ttl_steps or policy.min_count or policy.max_rows)
         capacity = capacity_for(share, RowRecord(dim, optimizer, tracks_use))
-        table = TieredTable(name, dim, optimizer, init, spec, policy, capacity, self.space.table_dir())
+        table = TieredTable(name, dim, optimizer, init, spec, policy, capacity, self.space.table_dir(), self.memory)
         for other in self.tables:
             other.set_capacity(capacity_for(share, other.record))
         self.tables.append(table)
