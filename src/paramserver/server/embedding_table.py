@@ -33,6 +33,7 @@ from ..base.errors import InvalidArgumentError
 from ..base.hashing import mix64
 from . import reserved
 from .hash_index import HashIndex
+from .row_admission import Admission
 from .row_snapshot import RowSnapshot
 from .sparse_optimizers import SparseOptimizer
 
@@ -147,10 +148,8 @@ class EmbeddingTable:
         self.seen = np.zeros(0, np.int64)  # lookups of each row
         self.state: dict[str, np.ndarray] = {}
         self._allocate(capacity)
-        self.candidates = HashIndex(64)  # ids looked up but not admitted yet, with their counts
-        self.candidate_counts = np.zeros(64, np.int64)
+        self.admission = Admission(self.policy)
         self.counters = {"admitted": 0, "not_admitted_lookups": 0, "dropped_gradients": 0, "evicted": 0}
-        self._rng = np.random.default_rng(0)
         self.steps = 0
         self.snapshot: RowSnapshot | None = None  # a checkpoint's view of the rows, while one is written
 
@@ -181,7 +180,7 @@ class EmbeddingTable:
         missing = np.flatnonzero(rows < 0)
         if create and missing.size:
             candidates, where = np.unique(ids[missing], return_inverse=True)  # a batch may name a new id twice
-            admit = self._admit(candidates)
+            admit = self.admission.admit(candidates)
             new_ids = candidates[admit]
             self._make_room(self.size + new_ids.shape[0])
             lo = self.size
@@ -279,23 +278,6 @@ class EmbeddingTable:
             self.optimizer.update(self.values, rows[stored], grads[stored], self.state, self.steps)
         if self.policy.evict_every and self.steps % self.policy.evict_every == 0:
             self.evict()
-
-    def _admit(self, ids: np.ndarray) -> np.ndarray:
-        """Which of these new ids get a row now (bool per id)."""
-        policy = self.policy
-        admit = np.ones(ids.shape[0], bool)
-        if policy.admit_after > 1:
-            slots = self.candidates.find(ids)
-            fresh = slots < 0
-            if fresh.any():
-                slots[fresh] = self.candidates.insert(ids[fresh])
-                if self.candidates.size > self.candidate_counts.shape[0]:
-                    self.candidate_counts = _grown(self.candidate_counts, 2 * self.candidates.size)
-            self.candidate_counts[slots] += 1
-            admit &= self.candidate_counts[slots] >= policy.admit_after
-        if policy.admit_probability < 1:
-            admit |= self._rng.random(ids.shape[0]) < policy.admit_probability
-        return admit
 
     def evict(self) -> int:
         """Drop rows by the policy (ttl, min_count, max_rows); returns how many. Compacts the arrays."""
@@ -411,9 +393,3 @@ def gather_rows(values: np.ndarray, rows: np.ndarray) -> np.ndarray:
         kernels.ptr(values), kernels.ptr(rows), rows.shape[0], values.shape[1], kernels.ptr(out)
     )
     return out
-
-
-def _grown(array: np.ndarray, capacity: int) -> np.ndarray:
-    grown = np.zeros((capacity,) + array.shape[1:], array.dtype)
-    grown[: array.shape[0]] = array
-    return grown

@@ -1,17 +1,21 @@
-"""Which new ids of a tiered table get a row: RowPolicy's admit_after and admit_probability.
+"""Which new ids of a table get a row: RowPolicy's admit_after and admit_probability.
 
-The same rule, counts and random draws as EmbeddingTable's admission (one generator seeded 0, one
-draw per candidate in the order given), so that a tiered table admits exactly the ids an in-memory
-one does when offered the same candidates in the same order. Ids looked up but not admitted yet
+One rule for EmbeddingTable and TieredTable: the same counts and random draws (one generator seeded
+0, one draw per candidate in the order given), so that a tiered table admits exactly the ids an
+in-memory one does when offered the same candidates in the same order. Ids looked up but not admitted yet
 are counted in memory, as EmbeddingTable counts them. Not thread-safe: the owning table serializes calls.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
-from .embedding_table import RowPolicy
 from .hash_index import HashIndex
+
+if TYPE_CHECKING:  # embedding_table imports this module
+    from .embedding_table import RowPolicy
 
 
 class Admission:
