@@ -7,14 +7,16 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+import torch
 
 from paramserver import load_export
-import torch
 
 from paramserver.checkpoint.restore import RestoreSource
 from paramserver.checkpoint.store import CheckpointStore
 from tests.conftest import ROOT
+from tests.unit.test_checkpoint_trust import rewrite
 
 pytestmark = pytest.mark.cluster  # several short clusters: ~60 s
 
@@ -56,6 +58,29 @@ def test_a_resumed_run_ends_where_an_uninterrupted_run_ends(procs, tmp_path, wri
     same_end(resumed, whole)  # dense values, Adam state, step counts and table rows all came back
     fresh = run(procs, resumed_on, steps=20)
     same_end(fresh, whole)  # (and the number of PS does not change the math)
+    assert procs.leftovers() == []
+
+
+def _set_nan(arrays: dict) -> None:
+    name = next(key for key in sorted(arrays) if key.startswith("dense/") and arrays[key].size)
+    arrays[name].reshape(-1)[0] = np.nan
+
+
+@pytest.mark.parametrize("meta, tensors, reason", [
+    (lambda d: d.pop("groups"), None, "groups: Field required"),
+    (lambda d: d.update(positions={"0": "5"}), None, "positions.0"),
+    (None, _set_nan, "holds NaN or infinite values"),
+], ids=["groups-missing", "position-a-string", "nan"])
+def test_resume_falls_back_from_a_crafted_checkpoint_to_the_one_before(procs, tmp_path, meta, tensors, reason):
+    directory = tmp_path / "ckpt"
+    whole = run(procs, 2, "--checkpoint-dir", str(directory), "--checkpoint-every", "10", "--keep", "5", steps=30)
+    rewrite(directory, 0, meta, tensors, name="ckpt-000000030")  # its manifest matches: only the check refuses it
+    listed = {row["name"]: row["status"] for row in map(json.loads, cli("list", str(directory)).stdout.splitlines())}
+    assert listed["ckpt-000000020"] == "ok" and reason in listed["ckpt-000000030"], listed
+    resumed = run(procs, 2, "--checkpoint-dir", str(directory), "--resume", steps=30)
+    assert resumed["resumed_from"] == 20 and "cannot resume from ckpt-000000030" in resumed["log"]
+    assert reason in resumed["log"]
+    same_end(resumed, whole)  # every PS chose the same checkpoint, and it was restored whole
     assert procs.leftovers() == []
 
 

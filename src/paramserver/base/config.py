@@ -121,6 +121,7 @@ class Options:
     checkpoint_every_seconds: float = 0.0  # seconds (the chief's clock) between checkpoints; 0: none
     checkpoint_keep: int = 3  # complete checkpoints kept; older ones are deleted
     resume: bool = False  # start from the latest complete checkpoint in checkpoint_dir (if any)
+    restore_non_finite: bool = False  # resume from a checkpoint holding NaN or infinite values (refused otherwise)
     # communication (docs/performance.md)
     compression: str = ""  # gradient compression rules, e.g. "fp16" or "mlp.*=int8,emb=bf16"; "": none
     dense_sync: str = "ps"  # dense variables: "ps" (pushed to the PS) or "allreduce" (among workers, gloo)

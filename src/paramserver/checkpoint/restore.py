@@ -9,8 +9,11 @@ at a time; with the shard count the checkpoint was written with, a shard reads i
 otherwise every file's ids and the rows that hash to it: ``mix64(id) % num_shards``).
 
 Dense variables are reassembled from their parts (a part named ``var[lo:hi]`` holds rows lo..hi
-of axis 0). Nothing read is trusted: malformed headers, shapes that do not fit, an id twice and
-non-finite values are CheckpointErrors naming the file.
+of axis 0). Nothing read is trusted: a file that is not a regular file in the checkpoint's
+directory, a malformed header, metadata that fails its schema (shard_meta.py), parts that do not
+tile their variable, shapes that do not fit, an id twice and non-finite values (unless
+`allow_non_finite`) are CheckpointErrors naming the file. Every check that needs no model runs
+when the source is opened, so a damaged checkpoint is skipped for the one before it (`latest`).
 
 Thread-safety: any method may be called from several threads (each read opens its own handle).
 """
@@ -18,7 +21,7 @@ Thread-safety: any method may be called from several threads (each read opens it
 from __future__ import annotations
 
 import contextlib
-import json
+import hashlib
 import logging
 import re
 import threading
@@ -31,8 +34,9 @@ import numpy as np
 from ..base import kernels
 from ..base.errors import InvalidArgumentError
 from ..base.hashing import shard_of
+from . import shard_meta, tensor_file
 from .shard_file import META_KEY
-from .store import CheckpointError, CheckpointStore, ShardFile
+from .store import MANIFEST, CheckpointError, CheckpointStore, ShardFile, os_reason
 from .tensor_file import TensorReader, TensorSpec
 
 log = logging.getLogger(__name__)
@@ -82,10 +86,18 @@ class RestoreSource:
     """A checkpoint to restore from (see the module docstring). `verify`: the shard files hashed
     now (None: all); the others are hashed on first read."""
 
-    def __init__(self, store: CheckpointStore, name: str, verify: Iterable[int] | None = None) -> None:
-        self.store, self.name = store, name
+    def __init__(
+        self,
+        store: CheckpointStore,
+        name: str,
+        verify: Iterable[int] | None = None,
+        allow_non_finite: bool = False,
+    ) -> None:
+        self.store, self.name, self.allow_non_finite = store, name, allow_non_finite
         self.manifest = store.manifest(name)
-        self.step = int(self.manifest.get("step", 0))
+        self.step = self.manifest.get("step", 0)
+        if type(self.step) is not int or self.step < 0:
+            raise CheckpointError(f"checkpoint {name}: {MANIFEST} has step {str(self.step)[:40]!r}, not a count")
         entries = store.shard_files(name, self.manifest)
         self.num_shards = len(entries)
         wanted = {entry.index for entry in entries} if verify is None else set(verify)
@@ -93,27 +105,26 @@ class RestoreSource:
         self._lock = threading.Lock()
         self._files: dict[int, _SavedFile] = {}
         for entry in entries:
-            if entry.index in wanted:
-                store.verify_file(name, entry)
-                self._verified.add(entry.index)
-            else:
-                store.check_size(name, entry)
+            store.check_size(name, entry)
             self._files[entry.index] = self._header(entry)
+            if entry.index in wanted:
+                self._scan(self._files[entry.index])
+                self._verified.add(entry.index)
         self.positions: dict[int, int] = {}  # each worker's steps at the checkpoint
         for saved in self._files.values():
             for worker, position in saved.meta["positions"].items():
-                self.positions[int(worker)] = max(self.positions.get(int(worker), 0), int(position))
+                self.positions[int(worker)] = max(self.positions.get(int(worker), 0), position)
         self._groups, self._pieces = self._dense_index()
         self.tables = self._table_index()  # table -> meta (counters summed, steps the most)
 
     @classmethod
-    def latest(cls, store: CheckpointStore) -> RestoreSource | None:
-        """The newest checkpoint whose every file reads back whole (hashed a chunk at a time: every
-        PS of a cluster must choose the same one, so each checks them all); a damaged one is
-        skipped (and logged)."""
+    def latest(cls, store: CheckpointStore, allow_non_finite: bool = False) -> RestoreSource | None:
+        """The newest checkpoint whose every file reads back whole and well-formed (hashed and
+        checked a chunk at a time: every PS of a cluster must choose the same one, so each checks
+        them all); a damaged one is skipped, and logged with what is wrong."""
         for name in reversed(store.complete()):
             try:
-                return cls(store, name)
+                return cls(store, name, allow_non_finite=allow_non_finite)
             except CheckpointError as exc:
                 log.warning("cannot resume from %s, trying the one before: %s", name, exc)
         return None
@@ -127,26 +138,44 @@ class RestoreSource:
         return f"checkpoint {self.name}: {entry.file}"
 
     def _header(self, entry: ShardFile) -> _SavedFile:
-        with self.store.open_shard(self.name, entry) as handle:
-            reader = TensorReader(handle, entry.bytes, self._where(entry))
         try:
-            meta = json.loads(reader.metadata[META_KEY])
-            if not all(isinstance(meta.get(key), dict) for key in ("groups", "tables", "positions")):
-                raise ValueError("groups, tables or positions missing")
-        except (KeyError, ValueError, TypeError, AttributeError) as exc:
-            raise CheckpointError(f"{self._where(entry)}: not a paramserver shard file ({exc})") from None
+            with self.store.open_shard(self.name, entry) as handle:
+                reader = TensorReader(handle, entry.bytes, self._where(entry))
+            meta = shard_meta.parse(reader.metadata.get(META_KEY), reader.tensors, self._where(entry))
+        except CheckpointError:
+            self.store.verify_file(self.name, entry)  # a file changed since it was written says so first
+            raise
         return _SavedFile(entry, meta, reader.tensors)
+
+    def _scan(self, saved: _SavedFile) -> None:
+        """One pass over a file: its SHA-256 against the manifest, and every floating-point
+        value finite (unless allowed otherwise)."""
+        entry, where = saved.entry, self._where(saved.entry)
+        digest, size, non_finite = hashlib.sha256(), 0, None
+        with self.store.open_shard(self.name, entry) as handle:
+            try:
+                for tensor, data in tensor_file.scan(handle, entry.bytes, saved.tensors, SLICE_BYTES, where):
+                    digest.update(data)
+                    size += len(data)
+                    dtype = saved.tensors[tensor].dtype if tensor is not None else None
+                    if dtype is not None and dtype.kind == "f" and non_finite is None and not self.allow_non_finite:
+                        non_finite = None if kernels.all_finite(np.frombuffer(data, dtype)) else tensor
+            except OSError as exc:
+                raise CheckpointError(f"{where}: cannot read it: {os_reason(exc)}") from exc
+        self.store.check_digest(self.name, entry, size, digest.hexdigest())
+        if non_finite is not None:
+            raise CheckpointError(f"{where}: tensor {non_finite!r} holds NaN or infinite values")
 
     @contextlib.contextmanager
     def reader(self, index: int) -> Iterator[TensorReader]:
-        """A reader of shard file `index`, hashed first if it was not yet."""
-        entry = self._files[index].entry
+        """A reader of shard file `index`, checked first (`_scan`) if it was not yet."""
+        saved = self._files[index]
         with self._lock:
             if index not in self._verified:
-                self.store.verify_file(self.name, entry)
+                self._scan(saved)
                 self._verified.add(index)
-        with self.store.open_shard(self.name, entry) as handle:
-            yield TensorReader(handle, entry.bytes, self._where(entry))
+        with self.store.open_shard(self.name, saved.entry) as handle:
+            yield TensorReader(handle, saved.entry.bytes, self._where(saved.entry))
 
     # ---- dense variables ------------------------------------------------------------------------
     def _dense_index(self) -> tuple[dict[str, dict], dict[tuple[str, str], list[_Piece]]]:
@@ -154,18 +183,40 @@ class RestoreSource:
         pieces: dict[tuple[str, str], list[_Piece]] = {}
         for index, saved in sorted(self._files.items()):
             for group, info in saved.meta["groups"].items():
-                try:
-                    groups.setdefault(group, {"spec": info["spec"]})
-                    for part, steps in info["steps"].items():
-                        var, lo, _ = part_rows(part)
-                        spec = saved.tensors[f"dense/{group}/{part}"]
-                        rows = spec.shape[0] if spec.shape else 1
-                        pieces.setdefault((group, var), []).append(_Piece(index, part, lo or 0, rows, int(steps)))
-                except (KeyError, TypeError, ValueError, AttributeError) as exc:
-                    raise CheckpointError(f"{self._where(saved.entry)}: group {group!r} is malformed ({exc})") from None
-        for var_pieces in pieces.values():
+                if groups.setdefault(group, {"spec": info["spec"]})["spec"] != info["spec"]:
+                    raise CheckpointError(f"{self._where(saved.entry)}: group {group!r} has another optimizer there")
+                for part, steps in info["steps"].items():
+                    var, lo, _ = part_rows(part)
+                    spec = saved.tensors[f"dense/{group}/{part}"]
+                    rows = spec.shape[0] if spec.shape else 1
+                    pieces.setdefault((group, var), []).append(_Piece(index, part, lo or 0, rows, steps))
+        for (group, var), var_pieces in pieces.items():
             var_pieces.sort(key=lambda piece: piece.lo)
+            self._check_tiling(group, var, var_pieces)
         return groups, pieces
+
+    def _check_tiling(self, group: str, var: str, pieces: list[_Piece]) -> None:
+        """The parts of a variable cover it once: rows 0.. in order, no gap, no overlap, one row
+        shape and one set of optimizer states (a whole variable is one part)."""
+        first = self._files[pieces[0].index].tensors
+        prefix = f"dense/{group}/{pieces[0].part}"
+        shape, states = first[prefix].shape[1:], _state_names(first, prefix)
+        at = 0
+        for piece in pieces:
+            name = f"dense/{group}/{piece.part}"
+            tensors = self._files[piece.index].tensors
+            whole = part_rows(piece.part)[1] is None
+            if piece.lo != at or (whole and len(pieces) > 1):
+                raise CheckpointError(
+                    f"checkpoint {self.name}: the parts of variable {var!r} of group {group!r} do not tile it "
+                    f"({piece.part!r} in {self._files[piece.index].entry.file} starts at row {piece.lo}, not {at})"
+                )
+            if tensors[name].shape[1:] != shape or _state_names(tensors, name) != states:
+                raise CheckpointError(
+                    f"checkpoint {self.name}: part {piece.part!r} of group {group!r} differs in shape or "
+                    f"optimizer state from the variable's other parts"
+                )
+            at += piece.rows
 
     def dense_part(self, group: str, spec: dict, part: str, shape: tuple[int, ...]) -> DenseVariable:
         """Values, optimizer state and step count of one part under the new placement."""
@@ -229,9 +280,7 @@ class RestoreSource:
         """Each dense variable's (group, shape, steps, state names), from the headers alone."""
         shapes = {}
         for (group, var), pieces in self._pieces.items():
-            tensors = self._files[pieces[0].index].tensors
-            prefix = f"dense/{group}/{pieces[0].part}/"
-            states = sorted(key[len(prefix) :] for key in tensors if key.startswith(prefix))
+            states = _state_names(self._files[pieces[0].index].tensors, f"dense/{group}/{pieces[0].part}")
             shapes[var] = (group, self._shape(group, pieces), max(p.steps for p in pieces), states)
         return shapes
 
@@ -240,18 +289,15 @@ class RestoreSource:
         tables: dict[str, dict] = {}
         for saved in self._files.values():
             for table, info in saved.meta["tables"].items():
-                try:
-                    if f"table/{table}/ids" not in saved.tensors or not isinstance(info["counters"], dict):
-                        raise ValueError("no ids")
-                    merged = tables.setdefault(table, {**info, "counters": {}, "steps": 0, "rows": 0})
-                    if (merged["dim"], merged["spec"]) != (info["dim"], info["spec"]):
-                        raise ValueError("dim or optimizer differs from another shard's")
-                    merged["steps"] = max(merged["steps"], int(info["steps"]))
-                    for key, count in info["counters"].items():
-                        merged["counters"][key] = merged["counters"].get(key, 0) + int(count)
-                    merged["rows"] += saved.tensors[f"table/{table}/ids"].shape[0]
-                except (KeyError, TypeError, ValueError) as exc:
-                    raise CheckpointError(f"{self._where(saved.entry)}: table {table!r} is malformed ({exc})") from None
+                merged = tables.setdefault(table, {**info, "counters": {}, "steps": 0, "rows": 0})
+                if (merged["dim"], merged["spec"]) != (info["dim"], info["spec"]):
+                    raise CheckpointError(
+                        f"{self._where(saved.entry)}: table {table!r} has another dim or optimizer than in another file"
+                    )
+                merged["steps"] = max(merged["steps"], info["steps"])
+                for key, count in info["counters"].items():
+                    merged["counters"][key] = merged["counters"].get(key, 0) + count
+                merged["rows"] += saved.tensors[f"table/{table}/ids"].shape[0]
         return tables
 
     def tensor_bytes(self, prefix: str) -> int:
@@ -271,7 +317,7 @@ class RestoreSource:
         self, table: str, index: int, names: Iterable[str], shard: int = 0, num_shards: int = 1
     ) -> Iterator[tuple[np.ndarray, dict[str, np.ndarray]]]:
         """(ids, {array name: rows}) of the rows of `table` in shard file `index` that belong to
-        `shard` of `num_shards`, a slice at a time; each array is checked (shape, finite)."""
+        `shard` of `num_shards`, a slice at a time (the file was checked whole first: `_scan`)."""
         with self.reader(index) as reader:
             ids_spec = reader.tensors[f"table/{table}/ids"]
             if ids_spec.dtype != np.int64 or len(ids_spec.shape) != 1:
@@ -284,11 +330,7 @@ class RestoreSource:
                 mine = shard_of(ids, num_shards) == shard if num_shards > 1 else np.ones(ids.shape[0], bool)
                 if not mine.any():
                     continue
-                arrays = {name: reader.read(f"table/{table}/{name}", lo, lo + step)[mine] for name in specs}
-                for name, array in arrays.items():
-                    if array.dtype.kind == "f" and not kernels.all_finite(array):
-                        raise CheckpointError(f"{reader.where}: table {table!r} {name} holds NaN or infinite values")
-                yield ids[mine], arrays
+                yield ids[mine], {name: reader.read(f"table/{table}/{name}", lo, lo + step)[mine] for name in specs}
 
     @staticmethod
     def _row_spec(reader: TensorReader, table: str, name: str, rows: int) -> TensorSpec:
@@ -349,3 +391,7 @@ class RestoreSource:
                 values[at : at + chunk_ids.shape[0]] = arrays["values"]
                 at += chunk_ids.shape[0]
         return SavedTable(meta, ids, {"values": values})
+
+
+def _state_names(tensors: dict[str, TensorSpec], part: str) -> list[str]:
+    return sorted(key[len(part) + 1 :] for key in tensors if key.startswith(part + "/"))

@@ -33,6 +33,7 @@ import logging
 import os
 import posixpath
 import re
+import stat
 import tempfile
 import time
 import uuid
@@ -53,6 +54,7 @@ _PREFIX = "ckpt-"
 _NAME = re.compile(r"^ckpt-\d{9}$")
 _TEMPORARY = re.compile(r"^(?P<target>.+)\.tmp-[0-9a-f]+$")  # `<file>.tmp-<hex>`: a write in progress or dead
 _CHUNK = 8 << 20  # bytes hashed at a time when a file is verified
+MAX_MANIFEST_BYTES = 16 << 20  # a manifest names one small entry per shard: far below this
 
 
 class CheckpointError(FailedPreconditionError):
@@ -397,8 +399,10 @@ class CheckpointStore:
     def manifest(self, name: str) -> dict[str, Any]:
         path = self.path(name, MANIFEST)
         try:
+            if self._regular_size(name, path) > MAX_MANIFEST_BYTES:
+                raise CheckpointError(f"checkpoint {name}: {MANIFEST} is larger than {MAX_MANIFEST_BYTES} bytes")
             with self.fs.open(path, "rb") as handle:
-                manifest = json.loads(handle.read())
+                manifest = json.loads(handle.read(MAX_MANIFEST_BYTES + 1))
         except FileNotFoundError:
             raise CheckpointError(f"checkpoint {name}: no {MANIFEST} (incomplete checkpoint)") from None
         except ValueError as exc:
@@ -446,13 +450,15 @@ class CheckpointStore:
         return manifest
 
     def verify_file(self, name: str, entry: ShardFile) -> None:
-        """Check one shard file's size and SHA-256 against its manifest entry (a chunk at a time)."""
+        """Check one shard file's size and SHA-256 against its manifest entry (the size first,
+        then the bytes a chunk at a time)."""
+        self._check_size(name, entry)
         digest, size = hashlib.sha256(), 0
         with self.open_shard(name, entry) as handle, self._os("read", self.path(name, entry.file), name):
-            while chunk := handle.read(_CHUNK):
+            while chunk := handle.read(min(_CHUNK, entry.bytes + 1 - size)):
                 digest.update(chunk)
                 size += len(chunk)
-        self._check(name, entry, size, digest.hexdigest())
+        self.check_digest(name, entry, size, digest.hexdigest())
 
     def check_size(self, name: str, entry: ShardFile) -> None:
         """Check one shard file's size against its manifest entry (no read)."""
@@ -460,9 +466,11 @@ class CheckpointStore:
 
     @contextlib.contextmanager
     def open_shard(self, name: str, entry: ShardFile) -> Iterator[Any]:
-        """An open binary handle (seek, read) of one shard file; OSErrors as CheckpointErrors."""
+        """An open binary handle (seek, read) of one shard file, a regular file inside the
+        checkpoint's directory; OSErrors as CheckpointErrors."""
         path = self.path(name, entry.file)
         try:
+            self._regular_size(name, path)
             handle = self.fs.open(path, "rb")
         except FileNotFoundError:
             raise CheckpointError(
@@ -476,17 +484,31 @@ class CheckpointStore:
     def _check_size(self, name: str, entry: ShardFile) -> None:
         path = self.path(name, entry.file)
         try:
-            size = self.fs.size(path)
+            size = self._regular_size(name, path)
         except FileNotFoundError:
             raise CheckpointError(
                 f"checkpoint {name}: shard file {entry.file} named by the manifest is missing"
             ) from None
         except OSError as exc:
             raise CheckpointError(f"checkpoint {name}: cannot read {path}: {os_reason(exc)}") from exc
-        self._check(name, entry, size, None)
+        self.check_digest(name, entry, size, None)
+
+    def _regular_size(self, name: str, path: str) -> int:
+        """The size of `path`, which must be a regular file inside checkpoint `name`'s directory:
+        locally, a link to elsewhere (another directory, /dev/zero) is refused before any read."""
+        if not self.local:
+            return int(self.fs.size(path))
+        real = os.path.realpath(path)
+        status = os.stat(real)
+        if os.path.dirname(real) != os.path.realpath(self.path(name)) or not stat.S_ISREG(status.st_mode):
+            raise CheckpointError(
+                f"checkpoint {name}: {posixpath.basename(path)} is not a regular file in the checkpoint's directory"
+            )
+        return status.st_size
 
     @staticmethod
-    def _check(name: str, entry: ShardFile, size: int, sha256: str | None) -> None:
+    def check_digest(name: str, entry: ShardFile, size: int, sha256: str | None) -> None:
+        """Raise unless a file read back as `size` bytes (and `sha256`, when given) is `entry`."""
         if size != entry.bytes:
             raise CheckpointError(
                 f"checkpoint {name}: shard file {entry.file} has {size} bytes, the manifest "

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import IO, Any
 
@@ -24,6 +25,7 @@ from .store import CheckpointError
 
 DTYPES = {"F32": np.float32, "F64": np.float64, "F16": np.float16, "I64": np.int64, "I32": np.int32, "U8": np.uint8}
 _CODES = {np.dtype(dtype): code for code, dtype in DTYPES.items()}
+_U8 = np.dtype(np.uint8)
 MAX_HEADER = 64 << 20  # header bytes a reader accepts: far above any real checkpoint's
 
 
@@ -136,7 +138,40 @@ def _parse_header(handle: IO[bytes], size: int, where: str) -> tuple[dict[str, s
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise TensorFileError(f"{where}: __metadata__ is not a map of strings")
     data_size = size - 8 - length
-    return metadata, {name: _spec(name, entry, 8 + length, data_size, where) for name, entry in header.items()}
+    tensors = {name: _spec(name, entry, 8 + length, data_size, where) for name, entry in header.items()}
+    end = 8 + length
+    for name, spec in sorted(tensors.items(), key=lambda item: item[1].start):
+        if spec.start < end:  # two tensors sharing bytes: a writer of ours never makes that
+            raise TensorFileError(f"{where}: tensor {name!r} overlaps the one before it")
+        end = spec.start + spec.nbytes
+    return metadata, tensors
+
+
+def scan(
+    handle: IO[bytes], size: int, tensors: dict[str, TensorSpec], chunk: int, where: str
+) -> Iterator[tuple[str | None, bytes]]:
+    """The whole file from its first byte to `size`, in order, as (tensor name or None, bytes):
+    each tensor's bytes in pieces of whole elements (at most `chunk` bytes), None for the header
+    and any gaps. For one pass that hashes a file and checks its values. Raises TensorFileError
+    when the file ends early."""
+    handle.seek(0)
+    at = 0
+    ordered = sorted(tensors.items(), key=lambda item: item[1].start)
+    for name, spec in [*ordered, (None, TensorSpec(_U8, (0,), size, 0))]:
+        if spec.start > at:
+            yield None, _read_exactly(handle, spec.start - at, f"{where}: ends before {name or 'its size'}")
+            at = spec.start
+        step = max(spec.dtype.itemsize, chunk - chunk % spec.dtype.itemsize)
+        for lo in range(0, spec.nbytes, step):
+            yield name, _read_exactly(handle, min(step, spec.nbytes - lo), f"{where}: ends inside tensor {name!r}")
+        at += spec.nbytes
+
+
+def _read_exactly(handle: IO[bytes], n: int, problem: str) -> bytes:
+    data = handle.read(n)
+    if len(data) != n:
+        raise TensorFileError(problem)
+    return data
 
 
 def _spec(name: str, entry: Any, data_start: int, data_size: int, where: str) -> TensorSpec:

@@ -35,8 +35,9 @@ EMBEDDINGS = "embeddings"  # tensor names of a table: embeddings/<table>/ids and
 
 
 def list_checkpoints(url: str) -> list[dict]:
-    """One row per complete checkpoint (oldest first), each file checked against the manifest:
-    ``"status": "ok"``, or ``"damaged: <what is wrong>"`` (a damaged one is never resumed from).
+    """One row per complete checkpoint (oldest first), each checked as a resume checks it (every
+    file's size and SHA-256, its header and metadata, its values finite): ``"status": "ok"``, or
+    ``"damaged: <what is wrong>"`` (a damaged one is never resumed from, nor evaluated).
     A directory that does not exist is a CheckpointError naming it."""
     store = CheckpointStore(url)
     store.require()
@@ -56,7 +57,7 @@ def list_checkpoints(url: str) -> list[dict]:
         except (CheckpointError, KeyError, TypeError, ValueError):
             pass  # verify() says what is wrong with the manifest
         try:
-            store.verify(name)
+            RestoreSource(store, name)  # every file hashed and checked, as resume checks it
             row["status"] = "ok"
         except CheckpointError as exc:
             row["status"] = "damaged: " + str(exc).removeprefix(f"checkpoint {name}: ")

@@ -273,6 +273,12 @@ def _add_mode_flags(parser: argparse.ArgumentParser) -> None:
         help="start from the latest complete checkpoint in --checkpoint-dir (fresh if none)",
     )
     parser.add_argument(
+        "--restore-non-finite",
+        action="store_true",
+        default=None,
+        help="resume from a checkpoint holding NaN or infinite values (by default it counts as damaged)",
+    )
+    parser.add_argument(
         "--heartbeat-timeout",
         type=float,
         help=f"seconds of silence after which a worker counts as dead (default "
@@ -319,6 +325,7 @@ def mode_options(args: argparse.Namespace) -> dict:
     """The options given on the command line (unset ones left out)."""
     given = {option: getattr(args, flag, None) for flag, option in _FLAG_OPTIONS.items()}
     given["resume"] = True if args.resume else None
+    given["restore_non_finite"] = True if getattr(args, "restore_non_finite", None) else None
     return {key: value for key, value in given.items() if value is not None}
 
 

@@ -177,7 +177,7 @@ def _restore_source(options: Options, guard: Guard):
     from ..checkpoint.store import CheckpointStore
 
     started = time.monotonic()
-    source = RestoreSource.latest(CheckpointStore(options.checkpoint_dir))
+    source = RestoreSource.latest(CheckpointStore(options.checkpoint_dir), options.restore_non_finite)
     if source is None:
         log.info("no complete checkpoint in %s: starting fresh", options.checkpoint_dir)
     else:
