@@ -306,3 +306,66 @@ def test_the_new_refusals_come_back_as_their_own_types():
 
     assert isinstance(error_for_status(grpc.StatusCode.RESOURCE_EXHAUSTED, "x"), ResourceExhaustedError)
     assert isinstance(error_for_status(grpc.StatusCode.ALREADY_EXISTS, "x"), AlreadyExistsError)
+
+
+# ---- names, optimizer arguments, gradient magnitudes and dense memory from the wire ---------------------
+ONE = [("v", np.ones(2, np.float32))]
+TABLE = {"dim": 2, "optimizer": ROWS, "init": {"kind": "zeros"}}
+
+
+@pytest.mark.parametrize("method, meta, tensors, match", [
+    ("Register", {"group": "\ud800", "optimizer": SGD}, ONE, "lone surrogate"),
+    ("RegisterTable", {"table": "t\udfff", **TABLE}, (), "lone surrogate"),
+    ("Register", {"group": "a\nb", "optimizer": SGD}, ONE, "control characters"),
+    ("RegisterTable", {"table": "x" * 257, **TABLE}, (), "1 to 256 characters"),
+    ("RegisterTable", {"table": "", **TABLE}, (), "1 to 256 characters"),
+])
+def test_a_name_that_is_not_printable_utf8_is_malformed_and_changes_nothing(method, meta, tensors, match):
+    refused(make_service(), method, meta, tensors, MalformedFrameError, match)
+
+
+@pytest.mark.parametrize("optimizer, match", [
+    ({"name": "adam", "hyper": [1, 2]}, "hyper must be an object"),
+    ({"name": "adam", "hyper": "lr"}, "hyper must be an object"),
+    ({"name": "sgd", "hyper": {"lr": "0.1"}}, "'lr' must be a number"),
+    ({"name": "adam", "hyper": {"betas": "ab"}}, "'betas' must be a pair of numbers"),
+    ({"name": "adam", "hyper": {"amsgrad": [True]}}, "'amsgrad' must be true or false"),
+])
+@pytest.mark.parametrize("method", ["Register", "RegisterTable"])
+def test_optimizer_arguments_of_the_wrong_kind_are_invalid_never_internal(method, optimizer, match):
+    if method == "Register":
+        meta, tensors = {"group": "h", "optimizer": optimizer}, ONE
+    else:
+        meta, tensors = {"table": "u", **TABLE, "optimizer": optimizer}, ()
+    if method == "RegisterTable" and "amsgrad" in str(optimizer):
+        match = "unknown arguments"  # a table's Adam has no amsgrad at all
+    refused(make_service(), method, meta, tensors, InvalidArgumentError, match)
+
+
+@pytest.mark.parametrize("bound", [None, 10.0])
+def test_a_gradient_above_the_bound_is_refused_like_nan_dense_and_rows(bound):
+    limits = TableLimits() if bound is None else TableLimits(max_gradient=bound)
+    service = make_service(limits=limits)
+    big = 1e30 if bound is None else 11.0
+    refused(service, "PushPull", {"worker": 0}, [("w", np.array([0, big, 0, 0], np.float32))], InvalidArgumentError,
+            "values above")
+    ids = np.arange(3, dtype=np.int64)
+    service.call("Lookup", codec.encode({"table": "t"}, [("ids", ids)]))
+    rows = service.shard.tables.lookup("t", ids).copy()
+    refused(service, "PushPull", {"worker": 0, "rows": [["t", "ids", "g"]]},
+            [("ids", ids), ("g", np.full((3, 4), -big, np.float32))], InvalidArgumentError, "values above")
+    np.testing.assert_array_equal(service.shard.tables.lookup("t", ids), rows)
+    ok = 1e14 if bound is None else 9.0  # under the bound: accepted
+    group = service.shard._groups["g"]
+    assert group.gradient("w", np.array([0, -ok, 0, 0], np.float32), limits.max_gradient)[1] == -ok
+    assert service.shard.tables.check_push("t", ids, np.full((3, 4), ok, np.float32)).grads[0, 0] == ok
+
+
+def test_a_dense_registration_past_the_memory_limit_is_refused_before_it_takes_memory():
+    service = make_service(limits=TableLimits(max_bytes=1 << 20))
+    adam = {"name": "adam", "hyper": {"lr": 0.1}}  # values + 2 states: 3 x 128 KiB x 3 > 1 MiB
+    big = [(f"v{i}", np.zeros(32768, np.float32)) for i in range(3)]
+    refused(service, "Register", {"group": "big", "optimizer": adam}, big, ResourceExhaustedError,
+            "max_table_memory_bytes")
+    service.call("Register", codec.encode({"group": "small", "optimizer": adam}, big[:1]))
+    assert "small" in service.shard._groups

@@ -110,6 +110,7 @@ BAD = [
     ("eval_timeout_s", -1, {}), ("eval_timeout_s", float("inf"), {}), ("eval_timeout_s", "5", {}),
     ("max_table_rows", 0, {}), ("max_table_memory_bytes", 0, {}), ("max_table_memory_bytes", 1.5, {}),
     ("max_tiered_table_rows", 0, {}), ("max_tiered_table_rows", "1", {}),
+    ("max_gradient_magnitude", 0, {}), ("max_gradient_magnitude", float("inf"), {}),
     ("table_memory_budget", -1, {}), ("table_memory_budget", 1000, {"spill_dir": "/s"}),
     ("table_memory_budget", 1 << 20, {}), ("table_memory_budget", "4GiB", {"spill_dir": "/s"}),
     ("table_memory_budget", 32 << 30, {"spill_dir": "/s"}),

@@ -417,6 +417,17 @@ int64_t ps_parse_criteo(const char *text, int64_t length, int64_t lines, float *
 
 /* 1 when none of x[0..n) is NaN or infinite (an exponent of all ones), else 0. Reads the array once
  * and allocates nothing: the check every pushed gradient passes before anything is applied. */
+/* Whether every |x[i]| is at most the float whose bits are `limit` (NaN and infinities are not):
+ * for non-negative floats, the order of their bits is the order of their values. */
+int ps_all_within(const float *x, int64_t n, uint32_t limit) {
+    const uint32_t *bits = (const uint32_t *)x;
+    uint32_t bad = 0;
+    for (int64_t i = 0; i < n; i++) {
+        bad |= (uint32_t)((bits[i] & 0x7fffffffu) > limit);
+    }
+    return bad == 0;
+}
+
 int ps_all_finite(const float *x, int64_t n) {
     const uint32_t *bits = (const uint32_t *)x;
     uint32_t bad = 0;

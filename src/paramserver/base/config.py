@@ -128,8 +128,9 @@ class Options:
     eval_timeout_s: float = 0.0  # an evaluator ends after this long without a new checkpoint; 0: at the final one
     # limits a PS enforces before it takes memory (docs/security.md)
     max_table_rows: int = 1 << 27  # most rows one table may hold on one PS (capacity asked, or rows created)
-    max_table_memory_bytes: int = 16 << 30  # most bytes all tables of one PS may hold (values + optimizer state)
+    max_table_memory_bytes: int = 16 << 30  # most bytes all tables (and new dense groups) of one PS may hold
     max_tiered_table_rows: int = 1 << 34  # most rows one tiered table may hold on one PS, memory and disk
+    max_gradient_magnitude: float = 1e15  # a pushed gradient value larger than this in magnitude is refused, like NaN
     # tables bigger than memory (docs/scaling.md#tiered-tables)
     table_memory_budget: int = 0  # bytes of table rows one PS keeps in memory, the rest in spill_dir; 0: all in memory
     spill_dir: str = ""  # local directory a PS with a table_memory_budget keeps the other rows in
@@ -195,7 +196,7 @@ class Options:
         def needs(name: str, *others: str) -> bool:  # may a check of `name` that reads `others` run?
             return not skip.intersection((name, *others))
 
-        for name in ("rpc_timeout_s", "connect_timeout_s", "heartbeat_s"):
+        for name in ("rpc_timeout_s", "connect_timeout_s", "heartbeat_s", "max_gradient_magnitude"):
             need(name, lambda v: v > 0, "positive")
         need("max_message_bytes", lambda v: 1024 <= v <= _GRPC_MAX_MESSAGE, f"between 1024 and {_GRPC_MAX_MESSAGE}")
         if needs("max_payload_bytes", "max_message_bytes"):

@@ -47,6 +47,8 @@ def _load() -> ctypes.CDLL | None:
         getattr(lib, name).argtypes = [p, i64, p]
     lib.ps_all_finite.argtypes = [p, i64]
     lib.ps_all_finite.restype = i
+    lib.ps_all_within.argtypes = [p, i64, ctypes.c_uint32]
+    lib.ps_all_within.restype = i
     lib.ps_parse_criteo.argtypes = [ctypes.c_char_p, i64, i64, p, p, p]
     lib.ps_parse_criteo.restype = i64
     return lib
@@ -60,6 +62,16 @@ def all_finite(array: np.ndarray) -> bool:
     if KERNELS is not None and array.dtype == np.float32 and array.flags.c_contiguous:
         return bool(KERNELS.ps_all_finite(array.ctypes.data, array.size))
     return bool(np.isfinite(array).all())
+
+
+def all_within(array: np.ndarray, bound: float) -> bool:
+    """Whether every value of `array` is finite and at most `bound` in magnitude; for float32, one
+    pass that allocates nothing."""
+    if KERNELS is not None and array.dtype == np.float32 and array.flags.c_contiguous:
+        limit = np.float32(min(bound, float(np.finfo(np.float32).max))).view(np.uint32)
+        return bool(KERNELS.ps_all_within(array.ctypes.data, array.size, int(limit)))
+    with np.errstate(invalid="ignore"):
+        return bool(np.isfinite(array).all() and (np.abs(array) <= bound).all())
 
 
 def ptr(array: np.ndarray | None) -> int | None:

@@ -200,6 +200,12 @@ def _add_limit_flags(parser: argparse.ArgumentParser) -> None:
         f"(default {Options.max_tiered_table_rows})",
     )
     group.add_argument(
+        "--max-gradient-magnitude",
+        type=float,
+        help=f"refuse a pushed gradient holding a value larger than this in magnitude, like NaN "
+        f"(default {Options.max_gradient_magnitude:g})",
+    )
+    group.add_argument(
         "--max-message-bytes",
         type=int,
         help=f"largest message sent or received "
@@ -301,6 +307,7 @@ _FLAG_OPTIONS = {
     "table_memory_budget": "table_memory_budget",
     "spill_dir": "spill_dir",
     "max_tiered_table_rows": "max_tiered_table_rows",
+    "max_gradient_magnitude": "max_gradient_magnitude",
     "max_message_bytes": "max_message_bytes",
     "max_payload_bytes": "max_payload_bytes",
     "idle_timeout": "idle_timeout_s",

@@ -61,7 +61,12 @@ class PSNode(Lifecycle):
         except BaseException:
             self.guard.close()
             raise
-        limits = TableLimits(options.max_table_rows, options.max_table_memory_bytes, options.max_tiered_table_rows)
+        limits = TableLimits(
+            options.max_table_rows,
+            options.max_table_memory_bytes,
+            options.max_tiered_table_rows,
+            options.max_gradient_magnitude,
+        )
         try:  # with a budget, tables spill to a directory of this PS's own; stale ones go first
             budget = options.table_memory_budget
             tiers = Tiers.create(budget, options.spill_dir, index) if budget else None

@@ -93,9 +93,10 @@ class DenseGroup:
             buffer = self._wire_buffers[var_name] = np.empty(slot.shape, WIRE_DTYPES[slot.wire])
         return to_wire(self.view(var_name), slot.wire, buffer)
 
-    def gradient(self, var_name: str, grad: np.ndarray) -> np.ndarray:
-        """A pushed gradient checked against the variable (dtype as registered, shape, finite) and
-        upcast to float32; raises InvalidArgumentError naming what is wrong."""
+    def gradient(self, var_name: str, grad: np.ndarray, bound: float = math.inf) -> np.ndarray:
+        """A pushed gradient checked against the variable (dtype as registered, shape, finite and
+        at most `bound` in magnitude) and upcast to float32; raises InvalidArgumentError naming
+        what is wrong."""
         slot = self.slots[var_name]
         expected = WIRE_DTYPES[slot.wire]
         if grad.dtype != expected:
@@ -107,8 +108,11 @@ class DenseGroup:
         if tuple(grad.shape) != slot.shape:
             raise InvalidArgumentError(f"gradient of {var_name!r} has shape {tuple(grad.shape)}, expected {slot.shape}")
         grad = from_wire(grad, slot.wire)
-        if not kernels.all_finite(grad):  # a float16 gradient that overflowed is infinite: refused too
-            raise InvalidArgumentError(f"gradient of {var_name!r} holds NaN or infinite values")
+        if not kernels.all_within(grad, bound):  # a float16 gradient that overflowed is infinite: refused too
+            raise InvalidArgumentError(
+                f"gradient of {var_name!r} holds NaN or infinite values (or values above {bound:g} "
+                f"in magnitude: max_gradient_magnitude)"
+            )
         return grad
 
     def apply(self, grads: dict[str, np.ndarray]) -> None:

@@ -35,12 +35,15 @@ _INDEX_BYTES_PER_ROW = 2 * 2 * 8
 
 @dataclass(frozen=True)
 class TableLimits:
-    """`max_rows`: rows one table may hold on this PS; `max_bytes`: bytes all its tables may hold;
-    `max_tiered_rows`: rows one tiered table may hold on this PS (memory and disk)."""
+    """`max_rows`: rows one table may hold on this PS; `max_bytes`: bytes all its tables may hold
+    (and, at registration, its dense variables with their optimizer state); `max_tiered_rows`: rows
+    one tiered table may hold on this PS (memory and disk); `max_gradient`: the largest magnitude
+    a pushed gradient value may have (larger ones are refused like NaN)."""
 
     max_rows: int = 1 << 27
     max_bytes: int = 16 << 30
     max_tiered_rows: int = 1 << 34
+    max_gradient: float = 1e15
 
 
 def row_bytes(dim: int, float_states: int, per_row_step: bool, tracks_use: bool) -> int:

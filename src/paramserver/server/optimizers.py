@@ -20,6 +20,7 @@ import numpy as np
 from ..base import kernels
 from ..base.errors import InvalidArgumentError
 from ..base.kernels import ptr as _ptr
+from .hyper import hyper_arguments
 
 log = logging.getLogger(__name__)
 _CHUNK = 65536  # elements per pass: 256 KiB of float32, fits in L2 with the scratch buffers
@@ -255,7 +256,7 @@ def build_optimizer(spec: dict[str, Any]) -> Optimizer:
             f"unknown optimizer {spec.get('name') if isinstance(spec, dict) else spec!r}; known: {sorted(OPTIMIZERS)}"
         )
     cls = OPTIMIZERS[spec["name"]]
-    hyper = dict(spec.get("hyper", {}))
+    hyper = hyper_arguments(cls.name, spec, cls.defaults)
     check_implementation(cls.name, hyper)
     hyper = {
         k: v for k, v in hyper.items() if k not in _IGNORED_IMPLEMENTATION_ARGS | set(_REFUSED_IMPLEMENTATION_ARGS)

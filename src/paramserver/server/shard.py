@@ -25,6 +25,7 @@ from ..base.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
+    ResourceExhaustedError,
     RollbackError,
     UnavailableError,
 )
@@ -152,6 +153,7 @@ class Shard:
                 clash = sorted(set(initial) & set(self._group_of))
                 if clash:
                     raise FailedPreconditionError(f"variables {clash} already belong to another group")
+                self._check_dense_memory(group, optimizer, initial)
                 created = DenseGroup(group, optimizer, optimizer_spec, initial, wire)
                 if self.restore is not None:
                     for part, value in initial.items():  # every check first: a misfit changes nothing
@@ -173,6 +175,19 @@ class Shard:
             if worker is not None:
                 self._quorum.registered(worker)
             return self.version
+
+    def _check_dense_memory(self, group: str, optimizer, initial: dict[str, np.ndarray]) -> None:
+        """Refuse a new group whose values and optimizer state would take the PS past its memory
+        limit (max_table_memory_bytes, counting the tables and the groups held): before any is taken."""
+        wanted = sum(value.nbytes for value in initial.values()) * (1 + len(optimizer.init_state(0)))
+        held = sum(g.values.nbytes + sum(a.nbytes for a in g.state.values()) for g in self._groups.values())
+        tables = self.tables.held_bytes()
+        limit = self.tables.limits.max_bytes
+        if wanted + held + tables > limit:
+            raise ResourceExhaustedError(
+                f"group {group!r}: {wanted} bytes of variables and optimizer state would take this PS past "
+                f"max_table_memory_bytes ({limit}); it holds {held} bytes of variables and {tables} of tables"
+            )
 
     @staticmethod
     def _check_initial(group: str, initial: dict[str, np.ndarray], wire: dict[str, str]) -> None:
@@ -567,7 +582,8 @@ class Shard:
         grads = {}
         for name, grad in push.grads.items():
             group = self._lookup(name)
-            grads[name] = by_group.setdefault(group, {})[name] = group.gradient(name, grad)
+            checked = group.gradient(name, grad, self.tables.limits.max_gradient)
+            grads[name] = by_group.setdefault(group, {})[name] = checked
         for group_name, lr in push.lrs.items():
             if group_name not in self._groups:
                 raise NotFoundError(f"shard {self.index} holds no group {group_name!r}")

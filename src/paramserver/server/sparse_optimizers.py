@@ -22,6 +22,7 @@ import numpy as np
 from ..base import kernels
 from ..base.errors import InvalidArgumentError
 from ..base.kernels import ptr
+from .hyper import hyper_arguments
 
 
 def _fits(values: np.ndarray, rows: np.ndarray, grads: np.ndarray) -> bool:
@@ -167,4 +168,5 @@ def build_sparse_optimizer(spec: dict) -> SparseOptimizer:
     name = spec.get("name") if isinstance(spec, dict) else None
     if name not in SPARSE_OPTIMIZERS:
         raise InvalidArgumentError(f"unknown sparse optimizer {name!r}; known: {sorted(SPARSE_OPTIMIZERS)}")
-    return SPARSE_OPTIMIZERS[name](**dict(spec.get("hyper", {})))
+    cls = SPARSE_OPTIMIZERS[name]
+    return cls(**hyper_arguments(f"sparse {name}", spec, cls.defaults))

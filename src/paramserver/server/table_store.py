@@ -131,8 +131,11 @@ class TableStore:
                 f"{' (as uint16 bits)' if wire == 'bfloat16' else ''}"
             )
         grads = from_wire(grads, wire)
-        if not kernels.all_finite(grads):
-            raise InvalidArgumentError(f"table {name!r}: gradient holds NaN or infinite values")
+        if not kernels.all_within(grads, self.limits.max_gradient):
+            raise InvalidArgumentError(
+                f"table {name!r}: gradient holds NaN or infinite values (or values above "
+                f"{self.limits.max_gradient:g} in magnitude: max_gradient_magnitude)"
+            )
         return CheckedPush(table, ids, grads)
 
     def lookup_checked(self, lookups: list[CheckedLookup]) -> list[np.ndarray]:
@@ -249,6 +252,11 @@ class TableStore:
         with self._lock:
             if self.tiers is not None:
                 self.tiers.close()
+
+    def held_bytes(self) -> int:
+        """Bytes all tables hold now."""
+        with self._lock:
+            return self._bytes()
 
     def _bytes(self) -> int:
         """Bytes all tables hold now (call under the lock)."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -136,14 +137,22 @@ def _header(payload) -> tuple[dict, list, int]:
         raise MalformedFrameError(f"header length {header_len} runs past the frame's {len(payload)} bytes")
     try:
         # NaN and Infinity are not JSON: refused like any other bad header
-        header = json.loads(bytes(payload[_PREFIX.size : header_end]), parse_constant=_no_constant)
+        text = bytes(payload[_PREFIX.size : header_end])
+        header = json.loads(text, parse_constant=_no_constant)
         meta, entries = header["meta"], header["tensors"]
+        if _SURROGATE_ESCAPE.search(text):  # names reach files, logs and labels: they must be UTF-8
+            json.dumps(header, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise MalformedFrameError("frame header holds a lone surrogate (\\ud800-\\udfff): not UTF-8 text") from None
     except (ValueError, KeyError, TypeError, RecursionError) as exc:
         why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)[:200]
         raise MalformedFrameError(f"frame header is not valid: {why}") from None
     if not isinstance(meta, dict) or not isinstance(entries, list):
         raise MalformedFrameError("frame header must hold a 'meta' object and a 'tensors' list")
     return meta, entries, header_end
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # a JSON escape of a surrogate, paired or not
 
 
 def _no_constant(name: str) -> Any:

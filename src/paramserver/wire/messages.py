@@ -22,6 +22,13 @@ from .message_fields import Message, doc_field, message
 _NON_EMPTY = lambda value: None if value else "must not be empty"
 
 
+def _name(value: str) -> str | None:
+    """Why a group or table name is not one: names reach files, log lines and metric labels."""
+    if not 0 < len(value) <= 256:
+        return "must be 1 to 256 characters"
+    return "must not hold control characters" if any(ord(c) < 32 or ord(c) == 127 for c in value) else None
+
+
 class RowPush(NamedTuple):
     """A row push of a step: the table and the names of its two tensors (ids, gradients)."""
 
@@ -74,7 +81,7 @@ class HelloReply(Message):
 class RegisterRequest(Message):
     """Register a group of variables; the first registration wins, later ones adopt its values."""
 
-    group: str = doc_field("the optimizer param group's name")
+    group: str = doc_field("the optimizer param group's name (1-256 characters, no control characters)", check=_name)
     optimizer: dict[str, Any] = doc_field('{"name", "hyper"}: the optimizer and its hyper-parameters')
     consistency: dict[str, Any] | None = doc_field(
         '{"mode", "workers", "backups", "staleness"}: a mode other than the shard\'s is refused', default=None
@@ -165,7 +172,7 @@ class LeaveReply(SetModeReply):
 class RegisterTableRequest(Message):
     """Create an embedding table's part on this shard."""
 
-    table: str = doc_field("the table's name")
+    table: str = doc_field("the table's name (1-256 characters, no control characters)", check=_name)
     dim: int = doc_field("values per row")
     optimizer: dict[str, Any] = doc_field('{"name", "hyper"}: the row-wise optimizer')
     init: dict[str, Any] = doc_field('{"kind", ...}: the rows\' initializer')
