@@ -94,6 +94,16 @@ def shut(sock: socket.socket) -> None:
     sock.close()
 
 
+def wake(sock: socket.socket) -> None:
+    """Shut a socket down both ways without closing it: a thread blocked reading it wakes (and closes
+    it). Closing it here instead would free its descriptor while that thread may still poll it, and
+    the next accept could reuse the number."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:  # not connected, or closed already
+        pass
+
+
 def tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):

@@ -55,6 +55,7 @@ from .stream import (
     send_parts,
     shut,
     tune,
+    wake,
 )
 from .stream_slots import HANDSHAKE_S, AcceptFailures, Connection, Slots
 
@@ -131,7 +132,7 @@ class StreamServer(Lifecycle):
         connections = self.slots.close()  # no connection is taken from now on
         shut(self._listener)  # wakes the accepting thread (a plain close does not, on Linux)
         for connection in connections:
-            shut(connection.sock)  # wakes a thread blocked reading it
+            wake(connection.sock)  # its thread wakes and closes it
         deadline = time.monotonic() + grace
         threads = [self._acceptor, *(c.thread for c in connections if c.thread is not None)]
         for thread in threads:
@@ -165,7 +166,7 @@ class StreamServer(Lifecycle):
         )
         taken, evicted = self.slots.arrive(connection)
         if evicted is not None:
-            shut(evicted.sock)  # its thread wakes, audits and ends
+            wake(evicted.sock)  # its thread wakes, audits, closes it and ends
         if not taken:
             if self.slots.closed:
                 conn.close()
