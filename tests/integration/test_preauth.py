@@ -132,3 +132,56 @@ def test_slow_unauthenticated_streams_do_not_stall_hello_or_health(secured):
         for call in calls:
             call.cancel()
         channel.close()
+
+
+def stream_refusal(port, kind, size, body=b"", wait_close=True):
+    """Send one stream message (its prefix declaring `size`, then `body`) on a fresh connection; the
+    reply's (status, message), and whether the PS then closed the connection."""
+    import socket
+    import struct
+
+    prefix = struct.Struct("<4sBBHQ")
+    with socket.create_connection(("127.0.0.1", port), timeout=BOUND_S) as sock:
+        sock.sendall(prefix.pack(b"PSTS", kind, 0, 2, size) + body)  # method 2: PushPull
+        data = b""
+        while len(data) < prefix.size or len(data) < prefix.size + prefix.unpack(data[:prefix.size])[4]:
+            chunk = sock.recv(1 << 16)
+            assert chunk, "closed without a reply"
+            data += chunk
+        _, _, status, _, length = prefix.unpack(data[:prefix.size])
+        message = data[prefix.size:prefix.size + length].decode()
+        sock.settimeout(5 if wait_close else 0.01)
+        try:
+            closed = sock.recv(1) == b""
+        except TimeoutError:
+            closed = False
+        except ConnectionResetError:
+            closed = True
+    return status, message, closed
+
+
+def test_stream_refusals_before_a_token_are_audited(secured):
+    _, address, tokens, audit = secured
+    channel = raw_channel(address)
+    admin = (tokens / "admin.token").read_text().strip()
+    hello = channel.unary_unary("/paramserver.Shard/Hello")
+    reply = hello(codec.encode({}), timeout=BOUND_S, metadata=(("authorization", f"Bearer {admin}"),))
+    port = codec.decode(reply).meta["stream_port"]
+    channel.close()
+    unauthenticated = grpc.StatusCode.UNAUTHENTICATED.value[0]
+    # a 10 MiB request before a token: refused unread, the connection closed
+    assert stream_refusal(port, 0, 10 << 20)[::2] == (unauthenticated, True)
+    # an attach before a token: refused (the connection stays, pending)
+    status, message, _ = stream_refusal(port, 4, 2, b"{}", wait_close=False)
+    assert status == unauthenticated and "shared memory" in message
+    # an auth message of 8 KiB: not a token, not read, the connection closed
+    status, message, closed = stream_refusal(port, 5, 8192)
+    assert (status, closed) == (unauthenticated, True) and "not a token" in message
+    # a message past max_message_bytes (1 GiB)
+    status, message, closed = stream_refusal(port, 0, 2 << 30)
+    assert (status, closed) == (grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], True)
+    records = [json.loads(line) for line in audit.read_text().splitlines()]
+    refusals = [(r["what"], r["who"], r["outcome"]) for r in records]
+    for expected in [("PushPull", "anonymous", "UNAUTHENTICATED"), ("StreamAttach", "anonymous", "UNAUTHENTICATED"),
+                     ("StreamAuth", "anonymous", "UNAUTHENTICATED"), ("StreamFrame", "anonymous", "RESOURCE_EXHAUSTED")]:
+        assert expected in refusals, (expected, refusals)

@@ -7,6 +7,9 @@ included) and holds none of the `max_connections` slots admitted connections tak
 `max_pending` connections are pending at once, and a new one closes the oldest (an idle peer cannot
 keep a worker out: it is the first to go). So peers that never prove themselves, however many,
 cannot take the slots workers need, and give up whatever they hold within seconds.
+
+`AcceptFailures` paces the accepting thread when accept fails (out of file descriptors): it pauses
+and retries, and never gives the port up.
 """
 
 from __future__ import annotations
