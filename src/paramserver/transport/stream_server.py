@@ -212,6 +212,8 @@ class StreamServer(Lifecycle):
                 self._refuse_pending(connection, ResourceExhaustedError(self._unproven("before newer connections")))
             elif not self._stopping.is_set():
                 log.info("tensor stream from %s closed: %s", peer, exc)
+                if isinstance(exc, MalformedFrameError):  # e.g. not a tensor stream at all
+                    turned_away(self.service, "StreamFrame", str(peer), exc)
         except Exception:
             log.exception("tensor stream from %s failed", peer)
         finally:
@@ -241,7 +243,7 @@ class StreamServer(Lifecycle):
         return False
 
     def _refuse(self, conn: socket.socket, peer, what: str, method_id: int, error: ParamServerError) -> None:
-        """Answer a message refused before it was read (audited as `what`); the connection closes."""
+        """Answer a message refused before it was read (audited as `what`)."""
         log.warning("tensor stream from %s: %s refused: %s", peer, what, error)
         turned_away(self.service, what, str(peer), error)
         send_error(conn, error.code, method_id, str(error))
