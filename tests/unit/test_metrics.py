@@ -133,6 +133,7 @@ def test_the_metrics_endpoint_listens_on_localhost_and_idle_connections_cost_a_b
     import socket
     import threading
     import time
+    import urllib.error
     import urllib.request
 
     from paramserver.base import metrics_http
@@ -161,9 +162,14 @@ def test_the_metrics_endpoint_listens_on_localhost_and_idle_connections_cost_a_b
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as reply:
                     assert b"process_resident_memory_bytes" in reply.read()
                 break
+            except urllib.error.HTTPError:
+                raise
             except OSError:
                 assert time.monotonic() < deadline, "no scrape answered after the idle connections timed out"
                 time.sleep(0.2)
+        with pytest.raises(urllib.error.HTTPError) as elsewhere:  # only /metrics is served
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=30)
+        assert elsewhere.value.code == 404
     finally:
         for sock in idle:
             sock.close()
