@@ -117,6 +117,8 @@ def test_refused_calls_are_audited_and_change_nothing(secured):
     with pytest.raises((UnauthenticatedError, UnavailableError)):
         codec.decode(stream.call("PushPull", codec.encode(PUSH[0], big), 10).wait(10))
     stream.close()
+    # both refusals made before a token are audited too: the attach, and the message not read
+    refusals += [("StreamAttach", "anonymous", "UNAUTHENTICATED"), ("PushPull", "anonymous", "UNAUTHENTICATED")]
     wrong = raw_stream(secured, "not-a-known-token")
     with pytest.raises(UnauthenticatedError, match="not known"):
         wrong.call("PushPull", codec.encode(*PUSH), 10).wait(10)

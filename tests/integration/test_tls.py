@@ -254,3 +254,28 @@ def test_payloads_past_the_message_limit_travel_in_parts_over_tls(pki):
     finally:
         client.close()
         server.stop(BOUND_S)
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("port", ["grpc", "stream"])
+def test_tls_1_2_offers_only_aead_suites_on_every_port(pki, tls_ps, port):
+    """A TLS 1.2 peer offering only CBC suites fails the handshake; one offering AES-GCM passes it."""
+    address, stream_port, _ = tls_ps
+    target = int(address.rsplit(":", 1)[1]) if port == "grpc" else stream_port
+    client = pki / "cluster"
+
+    def handshake(ciphers):
+        context = ssl.create_default_context(cafile=str(client / "ca.crt"))
+        context.load_cert_chain(client / "client.crt", client / "client.key")
+        context.maximum_version = ssl.TLSVersion.TLSv1_2
+        context.set_ciphers(ciphers)
+        if port == "grpc":
+            context.set_alpn_protocols(["h2"])
+        with socket.create_connection(("127.0.0.1", target), timeout=BOUND_S) as sock:
+            with context.wrap_socket(sock, server_hostname="127.0.0.1") as secure:
+                return secure.version(), secure.cipher()[0]
+
+    assert handshake("ECDHE+AESGCM") == ("TLSv1.2", "ECDHE-ECDSA-AES256-GCM-SHA384")
+    for cbc in ("ECDHE-ECDSA-AES128-SHA", "ECDHE-ECDSA-AES256-SHA384", "ECDHE-ECDSA-AES128-SHA256"):
+        with pytest.raises((ssl.SSLError, ConnectionError)):
+            handshake(cbc)

@@ -23,6 +23,7 @@ from paramserver.wire import codec
 from paramserver.transport import stream as stream_mod
 from paramserver.transport import stream_server
 from paramserver.transport.shared_memory import Segment
+from paramserver.transport.stream_slots import Connection
 
 SGD = {"name": "sgd", "hyper": {"lr": 0.5}}
 ROWS = {"name": "adagrad", "hyper": {"lr": 0.1}}
@@ -288,7 +289,8 @@ def test_a_request_in_shared_memory_is_copied_out_before_the_service_sees_it():
     ours, theirs = socket.socketpair()
     try:
         theirs.sendall(struct.pack("<4sBBHQ", b"PSTS", stream_mod.REQUEST_SHM, 0, 0, len(request)))
-        state = stream_server._Connection()
+        state = Connection(ours, "test", 10.0)
+        server.slots.arrive(state)  # accepted, pending until its first message
         state.segment = segment
         assert server._serve_one(ours, "test", stream_mod.Inbox(), state)
         assert recorder.in_segment == [False]

@@ -117,6 +117,7 @@ BAD = [
     ("spill_dir", "/s", {}), ("spill_dir", 3, {"table_memory_budget": 1 << 20}),
     ("idle_timeout_s", 0, {}), ("max_connections", 0, {}),
     ("metrics_port", -2, {}), ("metrics_port", 65536, {}),
+    ("metrics_bind", "", {}), ("metrics_bind", "host:9100", {}), ("metrics_bind", "a b", {}),
     ("log_format", "xml", {}), ("logdir", 3, {}), ("summary_every", 0, {}),
     ("audit_log", 1, {}), ("drain_grace_s", -1, {}),
     ("tls_cert", "/c.pem", {}), ("tls_key", "/k.pem", {}), ("tls_ca", "/ca.pem", {}),

@@ -373,3 +373,12 @@ def test_the_tfjob_pods_train_under_the_operators_tf_config(dynamic, procs, tmp_
 def test_health_of_a_node_that_does_not_answer_is_a_failing_probe(capsys):
     assert cli.main(["health", f"127.0.0.1:{free_port()}", "--timeout", "0.5"]) == 1
     assert capsys.readouterr().out.strip() == "UNREACHABLE"
+
+
+@pytest.mark.parametrize("given, bind", [({"metrics_port": 9100}, "0.0.0.0"), ({}, None),
+                                         ({"metrics_port": 9100, "metrics_bind": "10.1.2.3"}, "10.1.2.3")])
+def test_a_metrics_port_listens_on_the_pods_interfaces(given, bind):
+    """Outside Kubernetes the endpoint listens on 127.0.0.1; Prometheus scrapes a pod's IP, so the
+    manifests open it on every interface (unless the flags name a host)."""
+    options = json.loads(named(manifests(deployment(options=given)), "ConfigMap", "ctr-cluster")["data"]["cluster.json"])
+    assert options["options"].get("metrics_bind") == bind

@@ -125,3 +125,52 @@ def test_run_refuses_one_fixed_metrics_port_for_nodes_that_share_a_host(capsys):
 
     assert cli.main(["run", "--metrics-port", "9100", "no_such_script.py"]) == 2
     assert "--metrics-port 0" in capsys.readouterr().err
+
+
+def test_the_metrics_endpoint_listens_on_localhost_and_idle_connections_cost_a_bounded_pool():
+    """300 idle connections hold at most HELD of them and THREADS threads; once they time out (or are
+    closed at once, past HELD), a scrape is answered."""
+    import socket
+    import threading
+    import time
+    import urllib.error
+    import urllib.request
+
+    from paramserver.base import metrics_http
+    from paramserver.base.metrics import MetricsEndpoint
+
+    endpoint = MetricsEndpoint(NodeMetrics().registry, 0, what="test")
+    port = endpoint.start()
+    idle = []
+    try:
+        assert endpoint.host == "127.0.0.1" and endpoint._server.server_address[0] == "127.0.0.1"
+        before = threading.active_count()
+        idle = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(300)]
+        time.sleep(0.5)  # the server took them (or closed them)
+        assert threading.active_count() - before <= metrics_http.THREADS
+        closed = 0
+        for sock in idle:
+            sock.settimeout(0.01)
+            try:
+                closed += sock.recv(1) == b""
+            except TimeoutError:
+                pass
+        assert closed >= len(idle) - metrics_http.HELD  # the rest were closed at once, unanswered
+        deadline = time.monotonic() + 4 * metrics_http.REQUEST_TIMEOUT_S
+        while True:  # the held ones time out: then a scrape is answered
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as reply:
+                    assert b"process_resident_memory_bytes" in reply.read()
+                break
+            except urllib.error.HTTPError:
+                raise
+            except OSError:
+                assert time.monotonic() < deadline, "no scrape answered after the idle connections timed out"
+                time.sleep(0.2)
+        with pytest.raises(urllib.error.HTTPError) as elsewhere:  # only /metrics is served
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=30)
+        assert elsewhere.value.code == 404
+    finally:
+        for sock in idle:
+            sock.close()
+        endpoint.stop()

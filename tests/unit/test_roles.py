@@ -149,3 +149,39 @@ def test_the_in_process_twin_checks_tokens_when_its_service_has_a_guard():
         good.call("PushPull", pull, 1).wait(1)
     good.call("Register", register, 1).wait(1)
     assert codec.decode(good.call("PushPull", pull, 1).wait(1)).tensors["b"].tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("method, token, allowed", [
+    ("Leave", "t-w1", True), ("Shutdown", "t-chief", True),  # a Forget / a Restart: the request says which
+    ("Shutdown", "t-w1", False), ("Checkpoint", "t-w1", False), ("PushPull", "t-ps", False),
+    ("Hello", "t-ps", True), ("Explode", "t-ps", True)])  # a method not in the table: the transport's to refuse
+def test_the_method_is_checked_before_the_request_is_read(method, token, allowed):
+    """Guard.permit_method: what the gRPC gate checks from a call's metadata alone (the least role of
+    any form of the method)."""
+    guard = Guard(SHARD_ACTIONS, Authorizer(STORE, SHARD_ACTIONS))
+    principal = guard.authenticate(token)
+    if allowed:
+        guard.permit_method(principal, method)
+    else:
+        with pytest.raises(PermissionDeniedError):
+            guard.permit_method(principal, method)
+
+
+@pytest.mark.parametrize("peer, checks, told", [
+    ("ipv4:10.0.0.9:5000", False, False), ("('10.0.0.9', 5000)", False, False),
+    ("ipv4:127.0.0.1:5000", False, True), ("ipv6:[::1]:5000", False, True), ("('127.0.0.1', 5000)", False, True),
+    ("ipv4:10.0.0.9:5000", True, True)])  # with a token the store knows
+def test_a_hello_without_a_token_from_another_host_says_nothing_of_the_process(peer, checks, told):
+    import socket
+
+    from paramserver.transport.dispatch import answer
+    from paramserver.transport.stream import host_id
+
+    service = ShardService(Shard(0))
+    service.guard = Guard(SHARD_ACTIONS, Authorizer(STORE, SHARD_ACTIONS) if checks else None)
+    service.announce.update(host_id=host_id(), stream_port=1234)
+    result = answer(service, "Hello", codec.encode({"process": True}), peer, token="t-ps" if checks else None)
+    meta = codec.decode(result.reply).meta
+    assert (meta.get("rss_bytes") is not None) == told
+    assert meta["stream_port"] == 1234 and re.fullmatch(r"[0-9a-f]{32}", meta["host_id"])
+    assert socket.gethostname() not in meta["host_id"]

@@ -12,9 +12,11 @@ Nothing below this module reads the environment.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import math
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -31,6 +33,7 @@ LEGACY_CHIEF = "master"  # TF1's name for the chief, still written by Kubeflow's
 OPTIONS_ENV = "PARAMSERVER_OPTIONS"
 TF_CONFIG_ENV = "TF_CONFIG"
 CLUSTER_ENV = "PARAMSERVER_CLUSTER"  # a whole cluster spec (JSON), as in a cluster file
+_HOST_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]{0,252})")
 
 
 @dataclass(frozen=True)
@@ -138,6 +141,7 @@ class Options:
     max_connections: int = 256  # tensor-stream connections one PS serves at once
     # operations (docs/operations.md)
     metrics_port: int = -1  # Prometheus endpoint of this node; -1: none, 0: a free port (logged)
+    metrics_bind: str = "127.0.0.1"  # host the metrics endpoint listens on (paramserver k8s sets 0.0.0.0)
     log_format: str = "text"  # "text" (human lines) or "json" (JSON lines)
     logdir: str = ""  # TensorBoard event files, written by the chief; "" turns them off
     summary_every: int = 100  # steps between TensorBoard summaries
@@ -224,6 +228,7 @@ class Options:
         for name in ("idle_timeout_s", "drain_grace_s"):
             need(name, lambda v: v > 0, "positive")
         need("metrics_port", lambda v: -1 <= v <= 65535, "-1 (none), 0 (a free port) or a port number")
+        need("metrics_bind", _is_host, "a host name or IP address to listen on, e.g. 127.0.0.1, 0.0.0.0 or ::")
         need("log_format", lambda v: v in ("text", "json"), "'text' or 'json'")
         need("dense_sync", lambda v: v in ("ps", "allreduce"), "'ps' or 'allreduce'")
         if "compression" not in skip:
@@ -501,3 +506,12 @@ def config_from_environ(
     if cluster is None and environ.get(CLUSTER_ENV):
         cluster = cluster_from_text(environ[CLUSTER_ENV], CLUSTER_ENV)
     return parse_tf_config(text, options or options_from_environ(environ), cluster)
+
+
+def _is_host(value: str) -> bool:
+    """An IP address, or a host name (letters, digits, '-', '.'): what a server may listen on."""
+    try:
+        ipaddress.ip_address(value)
+        return True
+    except ValueError:
+        return bool(_HOST_NAME.fullmatch(value))

@@ -17,13 +17,14 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import psutil
-from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
 
 from .errors import UnavailableError
 from .lifecycle import Lifecycle, ReadyFlag
+from .metrics_http import serve_metrics
 
 if TYPE_CHECKING:
-    from wsgiref.simple_server import WSGIServer
+    from .metrics_http import PooledWSGIServer
 
 log = logging.getLogger(__name__)
 # latency buckets in seconds: a pull on one host is ~1 ms, a sync step may wait for the slowest worker
@@ -140,31 +141,31 @@ class NodeMetrics:
 
 
 class MetricsEndpoint(Lifecycle):
-    """Serves a registry at http://HOST:PORT/metrics (Prometheus text format).
+    """Serves a registry at http://HOST:PORT/metrics (Prometheus text format), on a bounded pool of
+    threads (metrics_http.py). HOST: Options.metrics_bind (127.0.0.1 unless set).
 
     Lifecycle (base/lifecycle.py): `start()` binds and returns the port (`port` 0: a free one, logged);
     `wait_ready(timeout)`; `stop(grace)` shuts the server down and joins its thread "metrics-http"
     (a scrape in progress gets `grace` seconds).
     """
 
-    def __init__(self, registry: CollectorRegistry, port: int, host: str = "0.0.0.0", what: str = "node") -> None:
+    def __init__(self, registry: CollectorRegistry, port: int, host: str = "127.0.0.1", what: str = "node") -> None:
         self.registry = registry
         self.host = host
         self.port = port
         self.what = what
         self.ready = ReadyFlag(f"metrics endpoint of {what}")
-        self._server: WSGIServer | None = None
+        self._server: PooledWSGIServer | None = None
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()
 
     def start(self) -> int:
         try:
-            self._server, self._thread = start_http_server(self.port, self.host, self.registry)
+            self._server, self._thread = serve_metrics(self.registry, self.host, self.port)
         except OSError as exc:
             error = UnavailableError(f"metrics endpoint of {self.what}: cannot bind {self.host}:{self.port}: {exc}")
             self.ready.fail(error)
             raise error from exc
-        self._thread.name = "metrics-http"
         self.port = self._server.server_port
         log.info("%s: Prometheus metrics on http://%s:%d/metrics", self.what, self.host, self.port)
         self.ready.set()

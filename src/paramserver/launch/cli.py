@@ -240,6 +240,10 @@ def _add_limit_flags(parser: argparse.ArgumentParser) -> None:
 def _add_ops_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("operations (docs/operations.md)")
     group.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (0: a free one)")
+    group.add_argument(
+        "--metrics-bind",
+        help=f"host the metrics endpoint listens on (default {Options.metrics_bind}; 0.0.0.0: every interface)",
+    )
     group.add_argument("--log-format", choices=["text", "json"], help="log lines: text (default) or json")
     group.add_argument("--logdir", help="the chief writes TensorBoard summaries here")
     group.add_argument(
@@ -315,6 +319,7 @@ _FLAG_OPTIONS = {
     "compression": "compression",
     "dense_sync": "dense_sync",
     "metrics_port": "metrics_port",
+    "metrics_bind": "metrics_bind",
     "log_format": "log_format",
     "logdir": "logdir",
     "summary_every": "summary_every",

@@ -108,7 +108,7 @@ class Deployment:
 
     @property
     def all_options(self) -> dict:
-        return {**self.options, **pods.shared_options(self.port)}
+        return {**self.options, **pods.shared_options(self.port, self.options)}
 
     def labels(self, role: str | None = None) -> dict[str, str]:
         found = {"app.kubernetes.io/name": "paramserver", "app.kubernetes.io/instance": self.name}

@@ -59,10 +59,15 @@ def node_options(role: str, certs: bool, tokens: bool) -> dict:
     return options
 
 
-def shared_options(port: int) -> dict:
+def shared_options(port: int, given: dict) -> dict:
     """Options every node of the deployment shares: a fixed stream port next to the gRPC port, so a
-    Service and a NetworkPolicy can name it (0, a free port, could not be declared)."""
-    return {"stream_port": port + 1}
+    Service and a NetworkPolicy can name it (0, a free port, could not be declared); and with a
+    metrics port, the metrics endpoint on every interface (Prometheus scrapes the pod's IP) unless
+    `given` (the options asked for) names a metrics_bind."""
+    shared: dict = {"stream_port": port + 1}
+    if given.get("metrics_port", -1) >= 0 and "metrics_bind" not in given:
+        shared["metrics_bind"] = "0.0.0.0"
+    return shared
 
 
 def probes(role: str, port: int, tls: bool) -> dict:

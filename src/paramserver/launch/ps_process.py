@@ -8,6 +8,7 @@ PS serves and on which port (it binds port 0).
 from __future__ import annotations
 
 import logging
+import resource
 import signal
 import sys
 import threading
@@ -27,6 +28,7 @@ def run_ps_node(bind: str, index: int, options: Options, ready_timeout: float = 
 
     Once `wait_ready` passed, prints the ready line (module docstring): the one readiness signal a
     PS process gives the process that started it."""
+    raise_open_file_limit()
     stopping, restart = threading.Event(), []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stopping.set())
@@ -47,3 +49,19 @@ def run_ps_node(bind: str, index: int, options: Options, ready_timeout: float = 
         log.info("ps %d: exiting with %d for its restart loop (a roll-back)", index, RESTART_EXIT_CODE)
         return RESTART_EXIT_CODE
     return 0
+
+
+def raise_open_file_limit() -> None:
+    """Raise this process's soft limit of open files to its hard limit: every tensor-stream and gRPC
+    connection holds a descriptor, and the soft default (often 1024) is easily reached by a PS that
+    many workers, or many idle peers, connect to. Whatever the limit, running out only pauses the
+    accepting of connections (transport/stream_slots.py)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == hard:
+        return
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ValueError, OSError) as exc:  # a hard limit of "unlimited" past the kernel's nr_open
+        log.warning("cannot raise the open-file limit from %d to %d: %s", soft, hard, exc)
+        return
+    log.info("open-file limit raised from %d to %d", soft, hard)

@@ -107,7 +107,7 @@ class PSNode(Lifecycle):
             options.max_payload_bytes,
         )
         self.endpoint = (
-            MetricsEndpoint(self.metrics.registry, options.metrics_port, host or "0.0.0.0", f"ps {index}")
+            MetricsEndpoint(self.metrics.registry, options.metrics_port, options.metrics_bind, f"ps {index}")
             if options.metrics_port >= 0
             else None
         )

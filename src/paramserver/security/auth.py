@@ -60,6 +60,7 @@ class Action:
     role: str  # the least role that may call it
     audited: bool = False  # an accepted call goes to the audit log too (refusals always do)
     any_worker: bool = False  # its caller may name a worker other than its own (the chief forgetting a dead one)
+    form_of: str = ""  # the method this action is a form of (Forget: a Leave), "" for a method itself
 
 
 @dataclass(frozen=True)
@@ -82,13 +83,13 @@ SHARD_ACTIONS: dict[str, Action] = {
     "RegisterTable": _WORKER,
     "Lookup": _WORKER,
     "Leave": _WORKER,
-    "Forget": Action("chief", audited=True, any_worker=True),
+    "Forget": Action("chief", audited=True, any_worker=True, form_of="Leave"),
     "SetMode": _CHIEF,
     "Checkpoint": _CHIEF,
     "Assign": _CHIEF,
     "Shutdown": Action("admin", audited=True),
-    "Restart": Action("chief", audited=True),
-}  # a Shutdown with `restart`: the chief's roll-back
+    "Restart": Action("chief", audited=True, form_of="Shutdown"),  # a Shutdown with `restart`: the chief's roll-back
+}
 COORDINATOR_ACTIONS: dict[str, Action] = {
     "Hello": Action("ps"),
     "Join": Action("worker", audited=True),
@@ -247,6 +248,17 @@ class Authorizer:
                 f"{principal.name} may act only as worker {principal.worker}, not as worker {claimed_worker}"
             )
 
+    def permit_method(self, principal: Principal, method: str) -> None:
+        """Whether `principal`'s role may call `method` in any of its forms (a Leave that is a Forget,
+        a Shutdown that is a Restart): what can be known before the request is read. A method outside
+        the role table passes: the transport answers it UNIMPLEMENTED."""
+        roles = [rule.role for name, rule in self.actions.items() if method in (name, rule.form_of)]
+        if roles and not any(principal.has(role) for role in roles):
+            least = min(roles, key=ROLES.index)
+            raise PermissionDeniedError(
+                f"{principal.name} (role {principal.role}) may not call {method}: it needs role {least}"
+            )
+
     def authorize(self, method: str, token: str | None, claimed_worker: int | None = None) -> Principal:
         """The caller's Principal, if `token` may call `method` acting as `claimed_worker`."""
         principal = self.authenticate(token)
@@ -280,6 +292,11 @@ class Guard:
 
     def authenticate(self, token: str | None) -> Principal:
         return ANONYMOUS if self.authorizer is None else self.authorizer.authenticate(token)
+
+    def permit_method(self, principal: Principal, method: str) -> None:
+        """What can be checked before a request is read: may `principal` call `method` in some form?"""
+        if self.authorizer is not None:
+            self.authorizer.permit_method(principal, method)
 
     def needs_claim(self, method: str) -> bool:
         """Whether the request must be read before it is served (to authorize it, or to audit it)."""

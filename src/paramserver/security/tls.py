@@ -9,6 +9,10 @@ Host names: a client checks that the server's certificate names the host it dial
 of the cluster address, e.g. ``127.0.0.1`` or ``ps-0.train.svc``), on gRPC and on the stream alike;
 `paramserver certs` puts localhost, 127.0.0.1, the node's name and every `--hosts` entry in each
 node's certificate. Servers check only that a client's certificate chains to the CA.
+
+Protocols: TLS 1.2 and 1.3 only; over TLS 1.2 both ports offer only ECDHE key exchange with AEAD
+ciphers (AES-GCM, ChaCha20-Poly1305): the stream's contexts are set to TLS12_CIPHERS, and gRPC's
+own defaults are the same set. A peer that offers only CBC suites fails the handshake.
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ import grpc
 
 from ..base.config import Options
 from ..base.errors import ConfigError
+
+# TLS 1.2 suites of the tensor stream: forward-secret and AEAD only (no CBC), as gRPC's port offers
+TLS12_CIPHERS = "ECDHE+AESGCM:ECDHE+CHACHA20"
 
 
 @dataclass(frozen=True)
@@ -88,6 +95,7 @@ def _read(path: str, option: str) -> bytes:
 def _context(protocol: int, cert_path: str, key_path: str, ca: bytes | None) -> ssl.SSLContext:
     context = ssl.SSLContext(protocol)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.set_ciphers(TLS12_CIPHERS)  # TLS 1.3's suites are all AEAD already
     try:
         context.load_cert_chain(cert_path, key_path)
     except (ssl.SSLError, OSError) as exc:

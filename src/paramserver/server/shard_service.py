@@ -16,6 +16,7 @@ everything else is the Shard's. Thread-safe.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -94,6 +95,13 @@ class ShardService:
         if isinstance(message, msg.ShutdownRequest):
             return Claim("Restart" if message.restart else method, worker, {"reason": message.reason})
         return Claim(method, worker)
+
+    def for_anonymous(self, request: Request) -> Request:
+        """What a caller no token names, from another host, may ask (transport/dispatch.py): a Hello
+        says nothing of the serving process (its memory); the rest is what a client needs to connect."""
+        if isinstance(request.message, msg.HelloRequest) and request.message.process:
+            return dataclasses.replace(request, message=dataclasses.replace(request.message, process=False))
+        return request
 
     def hello(self, request: msg.HelloRequest, tensors: dict, sink: Sink) -> Any:
         reply = msg.HelloReply(

@@ -8,11 +8,14 @@ else it raises is a bug, logged here and answered INTERNAL, and the transport ke
 
 A service may carry a `guard` (security/auth.Guard): the caller's token is then checked before the
 request is decoded, and its claim against the caller's role before it is served, so a refused call
-changes nothing, and refusals and audited calls go to the audit log.
+changes nothing, and refusals and audited calls go to the audit log. A caller no token names (a node
+without a token store) from another host gets what the service's `for_anonymous(request)` leaves of
+its request (a shard's Hello: nothing about the process).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import time
 from collections.abc import Callable
@@ -78,6 +81,8 @@ def _answer(service, method: str, payload, peer: str, sink: Callable[[list], Any
         if guard is not None:
             principal = guard.authenticate(token)
         request = service.decode(method, payload)
+        if guard is not None and principal is ANONYMOUS and not loopback(peer):
+            request = getattr(service, "for_anonymous", lambda request: request)(request)
         if guard is not None and guard.needs_claim(method):
             claim = service.claim(request)
             assert principal is not None  # authenticated above: there is a guard
@@ -94,6 +99,23 @@ def _answer(service, method: str, payload, peer: str, sink: Callable[[list], Any
     if guard is not None:
         guard.record(method, claim, principal or ANONYMOUS, peer, error)
     return result
+
+
+def loopback(peer: str) -> bool:
+    """Whether a peer, as a transport names it (gRPC "ipv4:127.0.0.1:5000", "ipv6:[::1]:5000",
+    "unix:...", the stream "('127.0.0.1', 5000)"), is on this host's loopback interface."""
+    if peer.startswith("unix:"):
+        return True
+    if peer.startswith(("ipv4:", "ipv6:")):
+        host = peer.split(":", 1)[1].rsplit(":", 1)[0].strip("[]")
+    elif peer.startswith("("):
+        host = peer[1:].split(",", 1)[0].strip("'\"")
+    else:
+        return False
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def introduce(service, token: str, peer: str) -> UnauthenticatedError | None:

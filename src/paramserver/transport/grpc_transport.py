@@ -30,6 +30,7 @@ from ..wire import codec
 from ..wire.codec import split_parts
 from .channel import CallHandle, FutureCall
 from .dispatch import answer
+from .grpc_gate import TokenGate
 from .health import Health
 from .stream import METHODS as STREAM_METHODS
 from .stream import host_id
@@ -91,9 +92,12 @@ class GrpcServer(Lifecycle):
             thread_name_prefix=f"{_PEER_KINDS.get(service_name, 'ps')}-rpc",
             initializer=lambda: self._threads.append(threading.current_thread()),
         )
-        # no SO_REUSEPORT: a second server on a port in use fails at start instead of sharing it
+        # no SO_REUSEPORT: a second server on a port in use fails at start instead of sharing it;
+        # the gate checks tokens from a call's metadata before its request is read (grpc_gate.py)
         self._server = grpc.server(
-            self._executor, options=[*channel_options(max_message_bytes), ("grpc.so_reuseport", 0)]
+            self._executor,
+            interceptors=[TokenGate(service, service_name)],
+            options=[*channel_options(max_message_bytes), ("grpc.so_reuseport", 0)],
         )
         handlers = {}
         for name in service.methods:

@@ -19,13 +19,15 @@ next one overwrites it. A single message declaring more than `max_message_bytes`
 any memory is taken for it, and a receive buffer grows with the bytes that arrive, never ahead of them; a
 connection without a request for `idle_timeout_s` is closed (the client notices before its
 next call and reconnects); at most `max_connections` connections are served at once, a
-further one is answered RESOURCE_EXHAUSTED and closed.
+further one is answered RESOURCE_EXHAUSTED and closed. A new connection has seconds to prove
+itself (its auth message, or without tokens its first prefix) before it takes one of those
+(stream_slots.py).
 
 Message = 16-byte prefix ``<4sBBHQ``: magic b"PSTS", kind, status (a gRPC status code
 value, 0 = OK), method id (index in METHODS), payload length; then the payload, unless the
 kind says it lies in shared memory. Kinds: 0 request, 1 reply, 2 request in shared
 memory, 3 reply in shared memory, 4 attach (payload: JSON {"pid", "fd", "capacity"}), 5 auth (payload:
-the client's token, UTF-8; sent once, first, on a connection to a PS that checks tokens: until it
+the client's token, UTF-8, at most 4 KiB; sent once, first, on a connection to a PS that checks tokens: until it
 is accepted, every request is refused UNAUTHENTICATED, nothing over 64 KiB is read and no segment
 is attached; a refused token closes the connection), 6 acknowledgement of a part in shared memory
 (no payload). A failed reply's payload is the UTF-8 error message.
@@ -39,6 +41,7 @@ inside the authenticated connection.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 import ssl
@@ -64,7 +67,8 @@ _TLS_COALESCE_BYTES = 64 * 1024  # TLS: parts up to this size share records (eac
 
 def host_id() -> str:
     """Says who may share memory with whom: equal ids, same kernel (boot), same hostname, and the same
-    PID and network namespaces.
+    PID and network namespaces. An opaque digest of those: it travels in Hello replies, and equality
+    is all a peer needs (not the host's name, boot id or namespaces).
 
     The PID namespace because the PS opens the worker's segment as /proc/<its pid>/fd/<n>, a path
     that names another process (or none) in another PID namespace. The network namespace because
@@ -74,7 +78,8 @@ def host_id() -> str:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
         boot = "unknown-boot"
-    return "/".join([socket.gethostname(), boot, *(_namespace(kind) for kind in ("pid", "net"))])
+    where = "/".join([socket.gethostname(), boot, *(_namespace(kind) for kind in ("pid", "net"))])
+    return hashlib.sha256(where.encode()).hexdigest()[:32]
 
 
 def _namespace(kind: str) -> str:
@@ -92,6 +97,16 @@ def shut(sock: socket.socket) -> None:
     except OSError:  # not connected, or already closed
         pass
     sock.close()
+
+
+def wake(sock: socket.socket) -> None:
+    """Shut a socket down both ways without closing it: a thread blocked reading it wakes (and closes
+    it). Closing it here instead would free its descriptor while that thread may still poll it, and
+    the next accept could reuse the number."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:  # not connected, or closed already
+        pass
 
 
 def tune(sock: socket.socket) -> None:

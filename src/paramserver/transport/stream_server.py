@@ -4,8 +4,13 @@ answered through dispatch.answer like a gRPC call.
 Limits (Options): a single message longer than `max_message_bytes` is refused before any memory is
 taken for it (longer requests come in parts, bounded in all by `max_payload_bytes`); a connection
 without a request for `idle_timeout_s` is closed; at most `max_connections` connections are served
-at once. With TLS, each connection's thread runs the handshake first; with a token store, nothing
-large is read and no segment attached before the connection's token.
+at once. A connection takes one of those slots only once it proved itself (stream_slots.py): with
+a token store, by an accepted auth message (at most 4 KiB) within seconds of its accept; without,
+by a well-formed first message. With TLS, each connection's thread runs the handshake first; with a
+token store, nothing large is read and no segment attached before the connection's token. Every
+refusal made here (not by the service) is audited: an oversized or malformed message, a large
+message or an attach before a token, an oversized auth message, a failed TLS handshake, a
+connection that did not prove itself in time or was displaced, one past max_connections.
 """
 
 from __future__ import annotations
@@ -20,7 +25,15 @@ import time
 import grpc
 
 from ..base.config import Options
-from ..base.errors import MalformedFrameError, ParamServerError, UnauthenticatedError, UnavailableError
+from ..base.errors import (
+    DeadlineExceededError,
+    InvalidArgumentError,
+    MalformedFrameError,
+    ParamServerError,
+    ResourceExhaustedError,
+    UnauthenticatedError,
+    UnavailableError,
+)
 from ..base.lifecycle import Lifecycle, ReadyFlag
 from .dispatch import answer, introduce, needs_token, turned_away
 from .shared_memory import Segment, SegmentError
@@ -42,21 +55,14 @@ from .stream import (
     send_parts,
     shut,
     tune,
+    wake,
 )
+from .stream_slots import HANDSHAKE_S, AcceptFailures, Connection, Slots
 
 log = logging.getLogger(__name__)
 _ANONYMOUS_BYTES = 64 * 1024  # the most a PS that checks tokens reads from a connection before its token
+_AUTH_BYTES = 4096  # the most an auth message may hold (a token is a few dozen bytes)
 _REFUSE_TIMEOUT_S = 1.0  # longest send of a refusal to a connection that is not served
-_HANDSHAKE_TIMEOUT_S = 10.0  # a TLS peer that stalls its handshake gives up its thread after this
-
-
-class _Connection:
-    """What a served connection has established: its attached segment and its accepted token."""
-
-    def __init__(self) -> None:
-        self.segment: Segment | None = None
-        self.token: str | None = None
-        self.outbox = Inbox()  # replies sent inline are joined here, in a buffer reused across requests
 
 
 class StreamServer(Lifecycle):
@@ -66,8 +72,11 @@ class StreamServer(Lifecycle):
     thread ("ps-stream-accept") and returns the port; `wait_ready(timeout)`; `stop(grace)` closes
     the listener and every connection (a call being answered is cut off) and joins the threads
     ("ps-stream-<peer port>"), at most `grace` seconds in all.
-    With `tls` (a server SSLContext), each connection's thread first runs the TLS handshake;
-    `refused` counts the peers that failed it.
+    A connection is pending until it proves itself (stream_slots.py): only admitted connections take
+    one of `max_connections` slots. With `tls` (a server SSLContext), each connection's thread first
+    runs the TLS handshake; `refused` counts the peers that failed it.
+    The accepting thread never ends before `stop`: an accept that fails for want of file descriptors
+    is logged and retried after a pause.
     """
 
     def __init__(
@@ -80,6 +89,7 @@ class StreamServer(Lifecycle):
         max_connections: int = 256,
         tls: ssl.SSLContext | None = None,
         max_payload_bytes: int = Options.max_payload_bytes,
+        handshake_s: float = HANDSHAKE_S,
     ) -> None:
         self.service = service
         self.max_message_bytes = max_message_bytes
@@ -87,15 +97,16 @@ class StreamServer(Lifecycle):
         self.max_payload_bytes = max(max_payload_bytes, max_message_bytes)
         self.idle_timeout_s = idle_timeout_s
         self.max_connections = max_connections
+        self.handshake_s = handshake_s
         self.tls = tls
         self.refused = 0
         try:  # no SO_REUSEPORT: a port in use is an error here, never a second server sharing it
-            self._listener = socket.create_server((host, port), backlog=64)
+            self._listener = socket.create_server((host, port), backlog=128)
         except OSError as exc:
             raise UnavailableError(f"tensor stream cannot listen on {host}:{port}: {exc.strerror}") from None
         self.port = self._listener.getsockname()[1]
         self.ready = ReadyFlag(f"tensor stream on port {self.port}")
-        self._connections: dict[socket.socket, threading.Thread] = {}
+        self.slots = Slots(max_connections)
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._acceptor = threading.Thread(target=self._accept, name="ps-stream-accept", daemon=True)
@@ -118,100 +129,149 @@ class StreamServer(Lifecycle):
                 return
             self._stopping.set()
             self.ready.fail(UnavailableError(f"tensor stream on port {self.port} stopped"))
-            connections = dict(self._connections)
+        connections = self.slots.close()  # no connection is taken from now on
         shut(self._listener)  # wakes the accepting thread (a plain close does not, on Linux)
-        for conn in connections:
-            shut(conn)  # wakes a thread blocked reading it
-        deadline = time.monotonic() + grace  # no connection is added from now on (_accept checks, locked)
-        for thread in [self._acceptor, *connections.values()]:
+        for connection in connections:
+            wake(connection.sock)  # its thread wakes and closes it
+        deadline = time.monotonic() + grace
+        threads = [self._acceptor, *(c.thread for c in connections if c.thread is not None)]
+        for thread in threads:
             if thread.ident is not None:  # started
                 thread.join(max(0.0, deadline - time.monotonic()))
 
     def _accept(self) -> None:
+        failing = AcceptFailures(self.port)
         while not self._stopping.is_set():
             try:
                 conn, peer = self._listener.accept()
-            except OSError:
-                return
-            tune(conn)
-            thread = threading.Thread(target=self._serve, args=(conn, peer), name=f"ps-stream-{peer[1]}", daemon=True)
-            with self._lock:
+            except OSError as exc:
                 if self._stopping.is_set():
-                    conn.close()
                     return
-                full = len(self._connections) >= self.max_connections
-                if not full:
-                    self._connections[conn] = thread
-                    thread.start()
-            if full:
+                # out of descriptors (or kernel memory): the next accept may succeed once some close
+                self._stopping.wait(failing.pause(exc))
+                continue
+            failing.recovered()
+            self._take(conn, peer)
+
+    def _take(self, conn: socket.socket, peer) -> None:
+        """Serve an accepted connection as pending, or turn it away when every slot is in use."""
+        try:
+            tune(conn)
+        except OSError:  # reset already
+            conn.close()
+            return
+        connection = Connection(conn, peer, self.handshake_s)
+        connection.thread = threading.Thread(
+            target=self._serve, args=(connection,), name=f"ps-stream-{peer[1]}", daemon=True
+        )
+        taken, evicted = self.slots.arrive(connection)
+        if evicted is not None:
+            wake(evicted.sock)  # its thread wakes, audits, closes it and ends
+        if not taken:
+            if self.slots.closed:
+                conn.close()
+            else:
                 self._turn_away(conn, peer)
+            return
+        connection.thread.start()
 
     def _turn_away(self, conn: socket.socket, peer) -> None:
         """Answer a connection past max_connections with the reason, and close it."""
+        reason = f"the PS serves {self.max_connections} tensor stream connections already (max_connections)"
         log.warning("tensor stream from %s refused: %d connections served already", peer, self.max_connections)
+        turned_away(self.service, "StreamConnect", str(peer), ResourceExhaustedError(reason))
         try:
             conn.settimeout(_REFUSE_TIMEOUT_S)
-            send_error(
-                conn,
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                0,
-                f"the PS serves {self.max_connections} tensor stream connections already (max_connections)",
-            )
+            send_error(conn, grpc.StatusCode.RESOURCE_EXHAUSTED, 0, reason)
             conn.shutdown(socket.SHUT_WR)
         except OSError:
             pass
         finally:
             conn.close()
 
-    def _serve(self, conn: socket.socket, peer) -> None:
-        if self.tls is not None:
-            secure = self._handshake(self.tls, conn, peer)
-            if secure is None:
-                return
-            conn = secure
-        state = _Connection()
-        inbox = Inbox()
-        conn.settimeout(self.idle_timeout_s)  # also bounds a request that stops half-way
+    def _serve(self, connection: Connection) -> None:
+        peer = connection.peer
         try:
-            while self._serve_one(conn, peer, inbox, state):
-                pass
+            if self.tls is not None and not self._handshake(self.tls, connection):
+                return
+            inbox = Inbox()
+            while True:
+                timeout = self.idle_timeout_s if connection.admitted else connection.deadline - time.monotonic()
+                if timeout <= 0:
+                    raise TimeoutError
+                connection.sock.settimeout(timeout)  # also bounds a request that stops half-way
+                if not self._serve_one(connection.sock, peer, inbox, connection):
+                    break
         except TimeoutError:
-            log.info("tensor stream from %s closed: idle for %.0fs (idle_timeout_s)", peer, self.idle_timeout_s)
+            if connection.admitted:
+                log.info("tensor stream from %s closed: idle for %.0fs (idle_timeout_s)", peer, self.idle_timeout_s)
+            else:
+                self._refuse_pending(connection, DeadlineExceededError(self._unproven(f"in {self.handshake_s:.0f}s")))
         except (OSError, ConnectionError, MalformedFrameError) as exc:
-            if not self._stopping.is_set():
+            if connection.evicted:
+                self._refuse_pending(connection, ResourceExhaustedError(self._unproven("before newer connections")))
+            elif not self._stopping.is_set():
                 log.info("tensor stream from %s closed: %s", peer, exc)
+                if isinstance(exc, MalformedFrameError):  # e.g. not a tensor stream at all
+                    turned_away(self.service, "StreamFrame", str(peer), exc)
         except Exception:
             log.exception("tensor stream from %s failed", peer)
         finally:
-            with self._lock:
-                self._connections.pop(conn, None)
-            conn.close()
-            if state.segment is not None:
-                state.segment.close()
+            self.slots.leave(connection)
+            connection.sock.close()
+            if connection.segment is not None:
+                connection.segment.close()
 
-    def _serve_one(self, conn: socket.socket, peer, inbox: Inbox, state: _Connection) -> bool:
+    def _unproven(self, when: str) -> str:
+        proof = "an accepted token" if needs_token(self.service) else "a first message"
+        return f"the connection showed no {proof} {when}; closed"
+
+    def _refuse_pending(self, connection: Connection, error: ParamServerError) -> None:
+        """Log and audit a pending connection closed: its handshake deadline passed, or it was evicted."""
+        log.info("tensor stream from %s closed: %s", connection.peer, error)
+        turned_away(self.service, "StreamHandshake", str(connection.peer), error)
+
+    def _admit(self, conn: socket.socket, method_id: int, state: Connection) -> bool:
+        """Give a connection that proved itself an admitted slot; False (refused) when none is free."""
+        if self.slots.admit(state):
+            return True
+        if state.evicted:
+            return False
+        reason = f"the PS serves {self.max_connections} tensor stream connections already (max_connections)"
+        turned_away(self.service, "StreamConnect", str(state.peer), ResourceExhaustedError(reason))
+        send_error(conn, grpc.StatusCode.RESOURCE_EXHAUSTED, method_id, reason)
+        return False
+
+    def _refuse(self, conn: socket.socket, peer, what: str, method_id: int, error: ParamServerError) -> None:
+        """Answer a message refused before it was read (audited as `what`)."""
+        log.warning("tensor stream from %s: %s refused: %s", peer, what, error)
+        turned_away(self.service, what, str(peer), error)
+        send_error(conn, error.code, method_id, str(error))
+
+    def _serve_one(self, conn: socket.socket, peer, inbox: Inbox, state: Connection) -> bool:
         """Read and answer one message; False when the connection must close."""
         kind, _, method_id, size = read_prefix(conn)
+        error: ParamServerError
+        if not state.admitted and not needs_token(self.service) and not self._admit(conn, method_id, state):
+            return False  # without tokens, a well-formed prefix is all a connection can prove
         if size > self.max_message_bytes:  # refused before a byte of it is read or allocated
-            send_error(
-                conn,
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                method_id,
-                f"message of {size} bytes exceeds max_message_bytes {self.max_message_bytes}",
+            error = ResourceExhaustedError(
+                f"message of {size} bytes exceeds max_message_bytes {self.max_message_bytes}"
             )
+            self._refuse(conn, peer, "StreamFrame", method_id, error)
             return False
         if kind == AUTH:
-            state.token = self._authenticate(conn, size, inbox, peer)
+            state.token = self._authenticate(conn, size, inbox, state)
             return True
         if state.token is None and needs_token(self.service):
             if size > _ANONYMOUS_BYTES:  # not read: a caller without a token gets no memory
-                send_error(
-                    conn, grpc.StatusCode.UNAUTHENTICATED, method_id, "the tensor stream needs an accepted token first"
-                )
+                error = UnauthenticatedError(f"a message of {size} bytes before an accepted token is not read")
+                self._refuse(conn, peer, _method_name(method_id), method_id, error)
                 return False
             if kind == ATTACH:
                 inbox.receive(conn, size)
-                send_error(conn, grpc.StatusCode.UNAUTHENTICATED, 0, "shared memory needs an accepted token first")
+                error = UnauthenticatedError("shared memory needs an accepted token first")
+                self._refuse(conn, peer, "StreamAttach", 0, error)
                 return True
         if kind == ATTACH:
             state.segment = self._attach(conn, inbox.receive(conn, size), state.segment)
@@ -226,12 +286,8 @@ class StreamServer(Lifecycle):
             if payload is None:
                 return False
         else:
-            send_error(
-                conn,
-                grpc.StatusCode.INVALID_ARGUMENT,
-                method_id,
-                f"unexpected tensor stream message kind {kind} of {size} bytes",
-            )
+            error = InvalidArgumentError(f"unexpected tensor stream message kind {kind} of {size} bytes")
+            self._refuse(conn, peer, "StreamFrame", method_id, error)
             return False
         status, reply = self._answer(method_id, payload, peer, segment, state.token, state.outbox)
         if isinstance(reply, int):  # already written into the segment
@@ -242,7 +298,7 @@ class StreamServer(Lifecycle):
             send(conn, REPLY, status, method_id, [reply], len(reply), True)
         return True
 
-    def _receive_parts(self, conn: socket.socket, first: tuple, inbox: Inbox, state: _Connection):
+    def _receive_parts(self, conn: socket.socket, first: tuple, inbox: Inbox, state: Connection):
         """A request sent in parts, put together; None (refused, the connection to close) when the parts
         do not make one request or exceed max_payload_bytes (before a token: 64 KiB in all)."""
         anonymous = state.token is None and needs_token(self.service)
@@ -258,8 +314,7 @@ class StreamServer(Lifecycle):
                 _ANONYMOUS_BYTES if anonymous else self.max_payload_bytes,
             )
         except ParamServerError as exc:  # MalformedFrameError, ResourceExhaustedError: nothing was dispatched
-            log.warning("tensor stream request refused: %s", exc)
-            send_error(conn, exc.code, first[2], str(exc))
+            self._refuse(conn, state.peer, "StreamFrame", first[2], exc)
             return None
 
     def _send_parts(
@@ -285,34 +340,31 @@ class StreamServer(Lifecycle):
             lambda: await_ack(conn, inbox, self.max_message_bytes),
         )
 
-    def _handshake(self, tls: ssl.SSLContext, conn: socket.socket, peer) -> ssl.SSLSocket | None:
-        """The connection over TLS; None (logged, counted, closed) when the peer fails the handshake."""
-        previous = conn.gettimeout()
-        conn.settimeout(_HANDSHAKE_TIMEOUT_S)
-        secure = None
+    def _handshake(self, tls: ssl.SSLContext, connection: Connection) -> bool:
+        """Run the TLS handshake (within the connection's deadline); False (logged, counted, audited,
+        closed) when the peer fails it or the connection was closed meanwhile."""
         try:
-            secure = tls.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+            secure = tls.wrap_socket(connection.sock, server_side=True, do_handshake_on_connect=False)
+        except (OSError, ValueError) as exc:  # reset before the handshake began
+            log.info("tensor stream from %s closed before its TLS handshake: %s", connection.peer, exc)
+            return False
+        if not self.slots.swap(connection, secure):  # stop() or eviction shut the plain socket meanwhile
+            secure.close()
+            return False
+        try:
+            secure.settimeout(max(0.001, connection.deadline - time.monotonic()))
             secure.do_handshake()
-        except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+        except (OSError, ValueError) as exc:  # ssl.SSLError and TimeoutError are OSErrors
+            if connection.evicted:
+                raise
             with self._lock:  # counted before the peer sees its connection end (stop() cuts handshakes too)
-                self._connections.pop(conn, None)
                 if not self._stopping.is_set():
                     self.refused += 1
-                    log.warning("tensor stream from %s refused: TLS handshake failed: %s", peer, exc)
-                    turned_away(
-                        self.service, "StreamTLS", str(peer), UnauthenticatedError(f"TLS handshake failed: {exc}")
-                    )
-            (conn if secure is None else secure).close()
-            return None
-        secure.settimeout(previous)
-        with self._lock:  # from now on stop() must shut the TLS socket: the plain one was handed over to it
-            thread = self._connections.pop(conn, None)
-            if self._stopping.is_set():
-                secure.close()
-                return None
-            if thread is not None:  # always: _accept registered the connection before starting its thread
-                self._connections[secure] = thread
-        return secure
+                    log.warning("tensor stream from %s refused: TLS handshake failed: %s", connection.peer, exc)
+                    error = UnauthenticatedError(f"TLS handshake failed: {exc}")
+                    turned_away(self.service, "StreamTLS", str(connection.peer), error)
+            return False
+        return True
 
     def _attach(self, conn: socket.socket, request: memoryview, old: Segment | None) -> Segment | None:
         try:
@@ -328,16 +380,21 @@ class StreamServer(Lifecycle):
         send(conn, REPLY, 0, 0, [], 0, True)
         return segment
 
-    def _authenticate(self, conn: socket.socket, size: int, inbox: Inbox, peer) -> str:
-        """The connection's token, once the service accepted it; a refused one closes the connection."""
-        if size > _ANONYMOUS_BYTES:
-            send_error(conn, grpc.StatusCode.UNAUTHENTICATED, 0, f"a token of {size} bytes is not a token")
+    def _authenticate(self, conn: socket.socket, size: int, inbox: Inbox, state: Connection) -> str:
+        """The connection's token, once the service accepted it (the connection is then admitted); a
+        refused one, or no free slot, closes the connection."""
+        if size > _AUTH_BYTES:  # not read
+            self._refuse(
+                conn, state.peer, "StreamAuth", 0, UnauthenticatedError(f"a token of {size} bytes is not a token")
+            )
             raise ConnectionError("an oversized auth message")
         token = bytes(inbox.receive(conn, size)).decode(errors="replace")
-        refused = introduce(self.service, token, str(peer))
+        refused = introduce(self.service, token, str(state.peer))
         if refused is not None:
             send_error(conn, refused.code, 0, str(refused))
             raise ConnectionError(f"token refused: {refused}")
+        if not state.admitted and not self._admit(conn, 0, state):
+            raise ConnectionError("no free connection slot")
         send(conn, REPLY, 0, 0, [], 0, True)
         return token
 
@@ -355,3 +412,7 @@ class StreamServer(Lifecycle):
             return grpc.StatusCode.INVALID_ARGUMENT.value[0], message.encode()
         result = answer(self.service, METHODS[method_id], payload, str(peer), sink, token)
         return (0, result.reply) if result.ok else (result.code.value[0], result.reply.encode())
+
+
+def _method_name(method_id: int) -> str:
+    return METHODS[method_id] if method_id < len(METHODS) else "StreamFrame"

@@ -67,13 +67,17 @@ class HelloReply(Message):
     staleness_mean: float = doc_field("mean staleness of the pushes")
     tables: dict[str, dict[str, Any]] = doc_field("by table: rows, dim, updates, admission counters, bytes")
     stream_port: int | None = doc_field("the tensor stream's TCP port (a PS node)", default=None)
-    host_id: str | None = doc_field("hostname, boot id, PID and network namespace: equal where shm works", default=None)
+    host_id: str | None = doc_field(
+        "digest of hostname, boot id, PID and network namespace: equal where shm works", default=None
+    )
     incarnation: str | None = doc_field("random id of this PS process: a new one after every restart", default=None)
     groups: int = doc_field(
         "dense groups registered (0 for a PS that no worker registered with since it started)", default=0
     )
     rss_bytes: int | None = doc_field(
-        "the serving process's resident memory, in bytes (asked with `process`)", default=None
+        "the serving process's resident memory, in bytes (asked with `process`; not told to a caller "
+        "without a token from another host)",
+        default=None,
     )
 
 

@@ -52,9 +52,7 @@ class WorkerOps(Lifecycle):
         self.health_server = health_server(self.health, bind, tls) if health is None else None
         port = config.options.metrics_port
         self.endpoint = (
-            MetricsEndpoint(metrics.registry, port, bind.rsplit(":", 1)[0].strip("[]"), self.name)
-            if port >= 0
-            else None
+            MetricsEndpoint(metrics.registry, port, config.options.metrics_bind, self.name) if port >= 0 else None
         )
         self.ready = ReadyFlag(f"{self.name}'s health and metrics")
 
