@@ -112,7 +112,9 @@ class Trainer:
     def _split(self, batch: Any) -> tuple[list, dict, Any]:
         """(positional inputs, inputs by name, target) of one batch; see the class docstring."""
         if not isinstance(batch, (tuple, list)) or len(batch) < 2:
-            shown = f"a {type(batch).__name__} of {len(batch)}" if isinstance(batch, (tuple, list)) else type(batch).__name__
+            shown = type(batch).__name__
+            if isinstance(batch, (tuple, list)):
+                shown = f"a {shown} of {len(batch)}"
             raise InvalidArgumentError(
                 f"Trainer takes batches of (inputs..., target): a tuple or list of at least 2 elements, got {shown}"
             )
