@@ -42,6 +42,9 @@ class SavedRows:
         out[found] = values[order[at[found]]]
         return out
 
+    def lookup_many(self, lookups: list[tuple[str, np.ndarray]]) -> list[np.ndarray]:
+        return [self.lookup(table, ids) for table, ids in lookups]
+
 
 def _sorted(saved: SavedTable) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict]:
     order = np.argsort(saved.ids, kind="stable")
