@@ -13,6 +13,7 @@ Not thread-safe: use from the training thread.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, cast
 
@@ -113,6 +114,8 @@ class HashEmbedding(nn.Module):
         self._tables: RowSource | None = None
         # rows held in the module itself, with no PS (worker/served_rows.py; `paramserver.serving.load`)
         self.served: ServedRows | None = None
+        # the module whose input the pipeline prefetches for this table (a collection's), if not this one
+        self.prefetch_unit: Callable[[], nn.Module | None] | None = None
         # (distinct ids, their rows) of each training forward since the last step; the ids array is the one
         # the lookup was placed with, so the push reuses its placement (client/table_client.py)
         self._pending: list[tuple[np.ndarray, torch.Tensor]] = []
