@@ -32,6 +32,13 @@ def is_keyed_jagged(value: Any) -> bool:
     return all(callable(getattr(value, name, None)) for name in ("keys", "values", "offsets", "weights_or_none"))
 
 
+def _check_offsets(offsets: torch.Tensor, count: int) -> None:
+    if offsets.shape[0] and (offsets[0] != 0 or bool((offsets[1:] < offsets[:-1]).any())):
+        raise InvalidArgumentError("offsets must start at 0 and never decrease")
+    if offsets.shape[0] and offsets[-1] > count:
+        raise InvalidArgumentError(f"offsets go to {int(offsets[-1])}, past the {count} ids")
+
+
 class HashEmbeddingBag(HashEmbedding):
     """Bags of ids -> (batch, dim): the sum, mean or max of each bag's embeddings (an empty bag: zeros).
 
@@ -89,10 +96,8 @@ class HashEmbeddingBag(HashEmbedding):
             offsets = as_ids(offsets)
             if offsets.dim() != 1 or (last and offsets.shape[0] < 1):
                 raise InvalidArgumentError(f"offsets must be 1-D, got shape {tuple(offsets.shape)}")
-            if offsets.shape[0] and (offsets[0] != 0 or bool((offsets[1:] < offsets[:-1]).any())):
-                raise InvalidArgumentError("offsets must start at 0 and never decrease")
-            if offsets.shape[0] and offsets[-1] > ids.shape[0]:
-                raise InvalidArgumentError(f"offsets go to {int(offsets[-1])}, past the {ids.shape[0]} ids")
+            if not torch.compiler.is_compiling():  # values unknown while torch.export traces
+                _check_offsets(offsets, ids.shape[0])
         else:
             raise InvalidArgumentError(
                 f"HashEmbeddingBag takes ids of shape (batch, bag) or (n,), got {tuple(ids.shape)}"
