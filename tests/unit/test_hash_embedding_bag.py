@@ -152,3 +152,22 @@ def test_per_sample_weights_need_sum_mode(fresh_context):
         bag(torch.tensor([1, 2]), torch.tensor([0]), torch.ones(2))
     with pytest.raises(ps.InvalidArgumentError, match="'sum', 'mean' or 'max'"):
         ps.nn.HashEmbeddingBag(DIM, mode="median")
+
+
+def test_trainer_prefetches_a_keyed_jagged_tensor_bag_with_the_step(fresh_context):
+    """The pipeline finds the KeyedJaggedTensor in the batch and prefetches its values: after the
+    first batch, no lookup of its own."""
+    from test_hash_embedding import record_calls
+
+    ctx = ps.init(num_ps=2)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(ps.nn.HashEmbeddingBag(DIM, std=0.1), torch.nn.Linear(DIM, 1), torch.nn.Flatten(0))
+    opt = ps.optim.SGD(model.parameters(), lr=0.1)
+    data = []
+    for seed in range(4):
+        ids, offsets = jagged(seed=seed)
+        data.append((KJT(["f"], ids, torch.cat([offsets, torch.tensor([ids.shape[0]])])), torch.randn(6)))
+    methods = record_calls(ctx)
+    history = ps.Trainer(model, opt, F.mse_loss, verbose=False).fit(data)
+    assert history[0].steps == 4
+    assert methods.count("Lookup") == 2 and methods.count("PushPull") == 4 * 2  # the first batch's lookup only
