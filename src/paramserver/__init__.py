@@ -7,6 +7,7 @@ Public API::
     paramserver.Trainer(model, opt, loss_fn).fit(loader, epochs=5)
     for batch in ctx.resumable(loader): ...        # or a loop: resumes, and prefetches embedding rows
     if ctx.is_evaluator: ctx.evaluate(model, fn)    # an evaluator task: follow the run's checkpoints
+    paramserver.serving.load(model, "model.safetensors")  # serve what was trained, with no cluster
 
 Torch-dependent names load on first use, so a PS process never imports torch.
 """
@@ -50,6 +51,7 @@ _LAZY = {
     "load_export": ("paramserver.checkpoint.tools", "load_export"),
     "optim": ("paramserver.optim", None),
     "nn": ("paramserver.nn", None),
+    "serving": ("paramserver.serving", None),
 }
 
 __all__ = [
@@ -66,6 +68,7 @@ __all__ = [
     "load_export",
     "optim",
     "nn",
+    "serving",
     "ClusterSpec",
     "NodeConfig",
     "Options",

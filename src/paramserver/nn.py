@@ -1,5 +1,7 @@
 """`paramserver.nn`: modules whose weights live on the PS."""
 
-from .worker.hash_embedding import HashEmbedding, HashEmbeddingBag
+from .worker.embedding_collection import HashEmbeddingBagCollection, TableConfig
+from .worker.hash_embedding import HashEmbedding
+from .worker.hash_embedding_bag import HashEmbeddingBag
 
-__all__ = ["HashEmbedding", "HashEmbeddingBag"]
+__all__ = ["HashEmbedding", "HashEmbeddingBag", "HashEmbeddingBagCollection", "TableConfig"]

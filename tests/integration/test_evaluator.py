@@ -57,7 +57,7 @@ def torch_metrics(directory: str, data_path: str, out) -> dict:
     """The held-out metrics of the exported final checkpoint, computed by plain torch."""
     saved = load_export(tools.export(directory, None, str(out)))
     data, state = torch.load(data_path), saved["state_dict"]
-    table = saved["embeddings"]["opt0.emb"]
+    table = saved["embeddings"]["emb"]  # the module's path, as dense names: no optimizer prefix
     where = {int(i): row for row, i in enumerate(table["ids"])}
     rows = table["weight"][[where[int(i)] for i in data["ids"]]]
     hidden = F.relu(F.linear(torch.cat([rows, data["x"]], 1), state["fc1.weight"], state["fc1.bias"]))

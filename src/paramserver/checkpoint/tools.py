@@ -2,7 +2,10 @@
 
 export writes one safetensors file, a slice of rows at a time (bounded memory whatever the
 tables' size): each dense variable under its parameter name, and each table as
-``embeddings/<table>/ids`` (int64) and ``embeddings/<table>/weight`` (float32, one row per id);
+``embeddings/<table>/ids`` (int64) and ``embeddings/<table>/weight`` (float32, one row per id),
+<table> named as the parameters are: without the optimizer's ``optK.`` prefix, so the module's
+path (``user`` for the HashEmbedding whose state_dict key is ``user.placeholder``), or the
+module's own ``name=``;
 its metadata holds ``format`` ("paramserver-export"), ``step`` and ``checkpoint``.
 ``safetensors.torch.load_file(path)`` reads it, and `load_export(path)` gives ``{"state_dict":
 {parameter name: tensor}, "embeddings": {table: {"ids": ..., "weight": ...}}, "step": n,
@@ -30,6 +33,7 @@ from .restore import RestoreSource
 from .store import CheckpointError, CheckpointStore
 
 _POSITIONAL = re.compile(r"^(?:opt\d+\.)?param\d+$")
+_OPTIMIZER_PREFIX = re.compile(r"^opt\d+\.")
 EXPORT_FORMAT = "paramserver-export"
 EMBEDDINGS = "embeddings"  # tensor names of a table: embeddings/<table>/ids and embeddings/<table>/weight
 
@@ -65,7 +69,8 @@ def list_checkpoints(url: str) -> list[dict]:
     return rows
 
 
-def _source(url: str, name: str | None) -> RestoreSource:
+def open_source(url: str, name: str | None) -> RestoreSource:
+    """Checkpoint `name` of `url` (default: the newest complete one), every file checked as a resume checks it."""
     store = CheckpointStore(url)
     store.require()
     if name is None:
@@ -79,7 +84,7 @@ def _source(url: str, name: str | None) -> RestoreSource:
 def inspect(url: str, name: str | None = None) -> dict:
     """Variables (shape, optimizer state, steps) and tables (rows, dim, optimizer) of one checkpoint,
     from the manifest and the files' headers (every file checked against the manifest)."""
-    source = _source(url, name)
+    source = open_source(url, name)
     variables = {
         var: {
             "group": group,
@@ -126,6 +131,15 @@ def export_names(variables: list[str]) -> dict[str, str]:
     return {var: var if split[var][0] in clashing else split[var][1] for var in sorted(variables, key=_natural)}
 
 
+def table_export_names(tables: list[str]) -> dict[str, str]:
+    """Each table's name in the exported file, by the dense names' convention: without its
+    optimizer's prefix ("opt0.user" -> "user", the module's path); a table given its own name
+    keeps it; tables whose names would meet keep their full names."""
+    short = {table: _OPTIMIZER_PREFIX.sub("", table, count=1) for table in tables}
+    taken = Counter(short.values())
+    return {table: name if taken[name] == 1 else table for table, name in short.items()}
+
+
 def positional_note(names: list[str], path: str) -> str | None:
     """What to tell the user when some exported names are positional (None when there are none)."""
     positional = [name for name in names if _POSITIONAL.match(name)]
@@ -164,15 +178,16 @@ def export(url: str, name: str | None, out: str | None, note=None) -> str:
     """Write the checkpoint's dense values and embedding tables as one safetensors file (see
     `load_export`), streaming the tables a slice at a time; returns its path. `note(text)` is
     told when the parameter names are positional (see `positional_note`)."""
-    source = _source(url, name)
+    source = open_source(url, name)
     values = {var: v.value for info in source.dense_variables().values() for var, v in info["vars"].items()}
     names = export_names(list(values))
     shapes: dict[str, tuple[np.dtype, tuple[int, ...]]] = {
         exported: (values[var].dtype, values[var].shape) for var, exported in names.items()
     }
+    tables = table_export_names(list(source.tables))
     for table, meta in source.tables.items():
-        shapes[f"{EMBEDDINGS}/{table}/ids"] = (np.dtype(np.int64), (meta["rows"],))
-        shapes[f"{EMBEDDINGS}/{table}/weight"] = (np.dtype(np.float32), (meta["rows"], meta["dim"]))
+        shapes[f"{EMBEDDINGS}/{tables[table]}/ids"] = (np.dtype(np.int64), (meta["rows"],))
+        shapes[f"{EMBEDDINGS}/{tables[table]}/weight"] = (np.dtype(np.float32), (meta["rows"], meta["dim"]))
     metadata = {"format": EXPORT_FORMAT, "step": str(source.step), "checkpoint": source.name}
     layout = tensor_file.plan(shapes, metadata)
     path = out or f"{source.name}.safetensors"
@@ -183,7 +198,7 @@ def export(url: str, name: str | None, out: str | None, note=None) -> str:
             for var, exported in names.items():
                 tensor_file.write_rows(handle, layout, exported, 0, values[var])
             for table in source.tables:
-                _copy_table(source, table, handle, layout)
+                _copy_table(source, table, tables[table], handle, layout)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -194,12 +209,12 @@ def export(url: str, name: str | None, out: str | None, note=None) -> str:
     return path
 
 
-def _copy_table(source: RestoreSource, table: str, handle, layout: tensor_file.TensorPlan) -> None:
+def _copy_table(source: RestoreSource, table: str, exported: str, handle, layout: tensor_file.TensorPlan) -> None:
     at = 0
     for index in source.table_files(table):
         for ids, arrays in source.table_slices(table, index, ["values"]):
-            tensor_file.write_rows(handle, layout, f"{EMBEDDINGS}/{table}/ids", at, ids)
-            tensor_file.write_rows(handle, layout, f"{EMBEDDINGS}/{table}/weight", at, arrays["values"])
+            tensor_file.write_rows(handle, layout, f"{EMBEDDINGS}/{exported}/ids", at, ids)
+            tensor_file.write_rows(handle, layout, f"{EMBEDDINGS}/{exported}/weight", at, arrays["values"])
             at += ids.shape[0]
 
 

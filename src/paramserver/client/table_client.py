@@ -195,6 +195,24 @@ class TableClient:
         ]
         return RowsHandle(calls, ids.shape[0], self.rpc_timeout_s)
 
+    def lookup_many(self, lookups: list[tuple[str, np.ndarray]]) -> list[np.ndarray]:
+        """The rows of several (table, distinct ids) lookups, in their order: one PushPull per shard
+        involved, carrying every table's lookup and nothing else (no push, no step marker: a sync
+        step waits for no one), so that a collection of tables costs one round trip."""
+        if len(lookups) == 1:
+            return [self.lookup(*lookups[0])]
+        riders = self.riders()
+        for table, ids in lookups:
+            riders.lookup(table, ids)
+        calls = []
+        for shard in range(len(self.channels)):
+            rows = riders.on(shard)
+            if rows.lookups:
+                request = msg.PushPullRequest(pull=[], worker=self.worker, lookups=rows.lookups)
+                calls.append((shard, self.stubs[shard].push_pull(request, self.rpc_timeout_s, rows.tensors)))
+        replies = gather([call for _, call in calls], self.rpc_timeout_s)
+        return riders.rows({shard: tensors for (shard, _), (_, tensors) in zip(calls, replies)})
+
     def riders(self) -> StepRiders:
         """An empty set of row pushes and lookups to send with a step's PushPull."""
         return StepRiders(self._split, len(self.channels), self.codecs, self.compressor)

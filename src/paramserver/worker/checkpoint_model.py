@@ -42,6 +42,9 @@ class SavedRows:
         out[found] = values[order[at[found]]]
         return out
 
+    def lookup_many(self, lookups: list[tuple[str, np.ndarray]]) -> list[np.ndarray]:
+        return [self.lookup(table, ids) for table, ids in lookups]
+
 
 def _sorted(saved: SavedTable) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict]:
     order = np.argsort(saved.ids, kind="stable")
@@ -60,23 +63,30 @@ def load_into(model: torch.nn.Module, source: RestoreSource) -> None:
 def dense_state(model: torch.nn.Module, source: RestoreSource) -> dict[str, torch.Tensor]:
     """The checkpoint's dense values under the model's parameter names, shapes checked."""
     values = {var: v.value for info in source.dense_variables().values() for var, v in info["vars"].items()}
+    exported = {name: torch.from_numpy(np.array(values[var])) for var, name in export_names(list(values)).items()}
+    return named_state(model, exported, f"checkpoint {source.name}")
+
+
+def named_state(model: torch.nn.Module, exported: dict[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:
+    """Values by their exported names (`paramserver checkpoint export`'s) under the model's own names,
+    every name and shape checked (CheckpointError naming them; `where` names their source)."""
     names = [name for name, _ in model.named_parameters()]
     own = model.state_dict()
     state, unknown = {}, []
-    for var, exported in export_names(list(values)).items():
-        name = _model_name(exported, names)
+    for key, value in exported.items():
+        name = _model_name(key, names)
         if name not in own:
-            unknown.append(exported)
+            unknown.append(key)
             continue
-        if tuple(own[name].shape) != tuple(values[var].shape):
+        if tuple(own[name].shape) != tuple(value.shape):
             raise CheckpointError(
-                f"checkpoint {source.name}: variable {exported!r} has shape "
-                f"{tuple(values[var].shape)}, the model's {name!r} {tuple(own[name].shape)}"
+                f"{where}: variable {key!r} has shape {tuple(value.shape)}, "
+                f"the model's {name!r} {tuple(own[name].shape)}"
             )
-        state[name] = torch.from_numpy(np.array(values[var]))
+        state[name] = value
     if unknown:
         raise CheckpointError(
-            f"checkpoint {source.name}: the model has no parameter {', '.join(unknown[:5])}"
+            f"{where}: the model has no parameter {', '.join(unknown[:5])}"
             f"{' ...' if len(unknown) > 5 else ''} (a checkpoint of another model?)"
         )
     return state
@@ -93,32 +103,37 @@ def _model_name(exported: str, names: list[str]) -> str:
 def attach_tables(model: torch.nn.Module, tables: dict[str, SavedTable], checkpoint: str) -> None:
     """Point every HashEmbedding of `model` at its table's saved rows; each saved table must
     belong to one of them."""
-    modules = [(path, module) for path, module in model.named_modules() if isinstance(module, HashEmbedding)]
-    positions = {id(param): index for index, param in enumerate(model.parameters())}
-    rows, matched = SavedRows(tables), {}
-    for path, module in modules:
-        table = _table_of(module, path, positions.get(id(module.placeholder)), tables)
-        if table is None:
-            raise CheckpointError(
-                f"checkpoint {checkpoint} has no table for the model's HashEmbedding {path!r} "
-                f"(it holds {sorted(tables)})"
-            )
-        if tables[table].meta["dim"] != module.dim:
-            raise CheckpointError(
-                f"checkpoint {checkpoint}: table {table!r} has dim {tables[table].meta['dim']}, "
-                f"the model's {path!r} {module.dim}"
-            )
-        matched[path] = (module, table)
-    unused = sorted(set(tables) - {table for _, table in matched.values()})
-    if unused:
-        raise CheckpointError(f"checkpoint {checkpoint}: table(s) {unused} match no HashEmbedding of the model")
-    for module, table in matched.values():
+    rows = SavedRows(tables)
+    dims = {name: saved.meta["dim"] for name, saved in tables.items()}
+    for module, table in match_tables(model, dims, f"checkpoint {checkpoint}"):
         module.attach(rows, table)
 
 
+def match_tables(model: torch.nn.Module, dims: dict[str, int], where: str) -> list[tuple[HashEmbedding, str]]:
+    """(module, table) for every HashEmbedding of `model`, from the saved tables' dims by name: each
+    module must find its table, of its dim, and each table its module (CheckpointError otherwise)."""
+    modules = [(path, module) for path, module in model.named_modules() if isinstance(module, HashEmbedding)]
+    positions = {id(param): index for index, param in enumerate(model.parameters())}
+    matched = {}
+    for path, module in modules:
+        table = _table_of(module, path, positions.get(id(module.placeholder)), dims)
+        if table is None:
+            raise CheckpointError(
+                f"{where} has no table for the model's HashEmbedding {path!r} (it holds {sorted(dims)})"
+            )
+        if dims[table] != module.dim:
+            raise CheckpointError(f"{where}: table {table!r} has dim {dims[table]}, the model's {path!r} {module.dim}")
+        matched[path] = (module, table)
+    unused = sorted(set(dims) - {table for _, table in matched.values()})
+    if unused:
+        raise CheckpointError(f"{where}: table(s) {unused} match no HashEmbedding of the model")
+    return list(matched.values())
+
+
 def _table_of(module: HashEmbedding, path: str, position: int | None, tables: dict) -> str | None:
-    """The saved table of `module`: its own `name=`, else the one the optimizer named after its
-    path (`optK.<path>`) or its position among the model's parameters (`optK.paramN`)."""
+    """The saved table of `module`: its own `name=`, else the one named after its path (`<path>` as
+    exported, `optK.<path>` as the optimizer named it) or its position among the model's parameters
+    (`paramN`, `optK.paramN`)."""
     if module.table_name in tables:
         return module.table_name
     wanted = {path, f"param{position}"} if position is not None else {path}

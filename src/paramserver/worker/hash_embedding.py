@@ -1,4 +1,5 @@
-"""`HashEmbedding` and `HashEmbeddingBag`: embedding modules whose rows live on the PS.
+"""`HashEmbedding`: an embedding module whose rows live on the PS (`HashEmbeddingBag`,
+worker/hash_embedding_bag.py, pools bags of them).
 
 Rows are keyed by any int64 id (no vocabulary size) and created on first touch. A forward
 pulls only the batch's distinct ids; the backward leaves one gradient row per distinct id,
@@ -12,6 +13,7 @@ Not thread-safe: use from the training thread.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, cast
 
@@ -21,6 +23,7 @@ from torch import nn
 
 from ..base.errors import InvalidArgumentError, NotInitializedError
 from .distinct_ids import SpreadRows, distinct, sum_rows
+from .served_rows import ServedRows
 from .wire_dtype import WIRE_OF, wire_array
 
 _INT64_MAX = np.iinfo(np.int64).max
@@ -32,6 +35,10 @@ class RowSource(Protocol):
 
     def lookup(self, table: str, ids: np.ndarray) -> np.ndarray:
         """Rows (len(ids) x dim) of distinct int64 `ids`, in their order."""
+        ...
+
+    def lookup_many(self, lookups: list[tuple[str, np.ndarray]]) -> list[np.ndarray]:
+        """`lookup` of several (table, ids) at once (the PS's: one request per shard for all of them)."""
         ...
 
 
@@ -105,10 +112,14 @@ class HashEmbedding(nn.Module):
         # how the PS optimizer recognizes this table (tensors take attributes; torch's stubs declare none)
         self.placeholder._ps_embedding = self  # type: ignore[attr-defined]
         self._tables: RowSource | None = None
+        # rows held in the module itself, with no PS (worker/served_rows.py; `paramserver.serving.load`)
+        self.served: ServedRows | None = None
+        # the module whose input the pipeline prefetches for this table (a collection's), if not this one
+        self.prefetch_unit: Callable[[], nn.Module | None] | None = None
         # (distinct ids, their rows) of each training forward since the last step; the ids array is the one
         # the lookup was placed with, so the push reuses its placement (client/table_client.py)
         self._pending: list[tuple[np.ndarray, torch.Tensor]] = []
-        self._prefetches: list[_Prefetch] = []  # oldest first: rows delivered or in flight, then waiting
+        self._prefetches: list[PlannedRows] = []  # oldest first: rows delivered or in flight, then waiting
 
     @property
     def dtype(self) -> torch.dtype:
@@ -118,10 +129,11 @@ class HashEmbedding(nn.Module):
         """Called by the optimizer once the table exists on the PS (registered in this module's dtype)."""
         self._tables, self.table_name, self._wire = tables, table_name, self.dtype
 
-    def prefetch(self, ids) -> None:
+    def prefetch(self, ids, values=None) -> None:
         """Have the rows of `ids` come back with the optimizer's next `step()` (one request per
         shard carries the gradients and the lookup); the forward given that same ids object uses
-        them, with no request of its own.
+        them, with no request of its own. `values`: the ids themselves, when `ids` is only the
+        object a forward will be given (a KeyedJaggedTensor, a collection's input).
 
         The shard reads the rows after that step's update. A step's reply is read by the step
         itself, so call this with the next batch's ids; with an optimizer created with
@@ -130,13 +142,13 @@ class HashEmbedding(nn.Module):
         come back yet looks them up at once.
         """
         self._check_attached()
-        shape, unique, inverse = self._distinct(ids)
+        shape, unique, inverse = self._distinct(self._values_of(ids) if values is None else values)
         # at most one earlier prefetch can still be used: the one riding the step in flight; one
         # still waiting for a step is replaced (asked twice before a step: the later ids win)
         riding = [p for p in self._prefetches if p.sent][-1:]
-        self._prefetches = riding + [_Prefetch(ids, shape, unique, inverse)]
+        self._prefetches = riding + [PlannedRows(ids, shape, unique, inverse)]
 
-    def ride_lookup(self) -> _Prefetch | None:
+    def ride_lookup(self) -> PlannedRows | None:
         """The prefetch waiting to ride along a step, marked as sent; None if there is none.
         Called by the optimizer, which hands it its rows (`deliver`) when it reads the step's reply."""
         waiting = self._prefetches[-1] if self._prefetches else None
@@ -146,23 +158,40 @@ class HashEmbedding(nn.Module):
         return waiting
 
     def lookup(self, ids) -> torch.Tensor:
-        tables = self._check_attached()
+        """`ids` of any shape -> `ids.shape + (dim,)`: each id's row."""
+        if self.served is not None:
+            return self.served(as_ids(ids))
+        plan = self.plan_lookup(ids)
+        rows = self.rows_of(plan)
+        return SpreadRows.apply(rows, plan.inverse).view(*plan.shape, self.dim)
+
+    def plan_lookup(self, ids, values=None) -> PlannedRows:
+        """What a forward given `ids` needs: its distinct ids, where each id is among them, and their
+        rows if a prefetch brought them (`values`: the ids, when `ids` is only the prefetch's key)."""
+        self._check_attached()
         prefetched = next((p for p in self._prefetches if p.ids is ids), None)
         # rows that came back for other ids are dropped; those still on their way are kept
         self._prefetches = [p for p in self._prefetches if p is not prefetched and p.rows is None]
         if prefetched is not None:
-            shape, unique, inverse = prefetched.shape, prefetched.unique, prefetched.inverse
-        else:
-            shape, unique, inverse = self._distinct(ids)
-        if prefetched is not None and prefetched.rows is not None:
-            rows = self._tensor(prefetched.rows)
-        else:  # not prefetched, or its step's reply not read yet
-            # `attach` set the table's name with the tables
-            rows = self._tensor(tables.lookup(cast(str, self.table_name), unique))
+            return prefetched
+        return PlannedRows(ids, *self._distinct(self._values_of(ids) if values is None else values))
+
+    def rows_of(self, plan: PlannedRows, rows: np.ndarray | None = None) -> torch.Tensor:
+        """The rows of a plan's distinct ids as a tensor, whose gradient the next step pushes: `rows`
+        as given (a collection's lookup of all its tables), the prefetched ones, or looked up now."""
+        if rows is None:
+            rows = plan.rows
+        if rows is None:  # not prefetched, or its step's reply not read yet
+            rows = self._check_attached().lookup(cast(str, self.table_name), plan.unique)
+        tensor = self._tensor(rows)
         if torch.is_grad_enabled() and self.training:
-            rows.requires_grad_(True)
-            self._pending.append((unique, rows))
-        return SpreadRows.apply(rows, inverse).view(*shape, self.dim)
+            tensor.requires_grad_(True)
+            self._pending.append((plan.unique, tensor))
+        return tensor
+
+    def _values_of(self, ids):
+        """The ids of what a forward is given (a HashEmbeddingBag takes jagged inputs too)."""
+        return ids
 
     def _tensor(self, rows: np.ndarray) -> torch.Tensor:
         """Rows as they came (the table's wire dtype; float32 from a checkpoint) as a tensor of this dtype."""
@@ -204,10 +233,12 @@ class HashEmbedding(nn.Module):
 
 
 @dataclass
-class _Prefetch:
-    """A lookup that rides along a step: its rows arrive when the optimizer reads that step's reply."""
+class PlannedRows:
+    """A forward's lookup, planned: its distinct ids, where each id of the input is among them, and
+    their rows once known. A prefetch is one that rides along a step: its rows arrive when the
+    optimizer reads that step's reply."""
 
-    ids: object  # the ids object as given: only a forward given this same object uses the rows
+    ids: object  # the ids object as given: only a forward given this same object uses prefetched rows
     shape: torch.Size
     unique: np.ndarray
     inverse: torch.Tensor
@@ -216,33 +247,6 @@ class _Prefetch:
 
     def deliver(self, rows: np.ndarray) -> None:
         self.rows = rows
-
-
-class HashEmbeddingBag(HashEmbedding):
-    """`ids` of shape (batch, bag) -> (batch, dim): the sum or mean of each bag's embeddings.
-
-    `mask` (same shape as ids, optional) marks the real entries of padded bags.
-    """
-
-    def __init__(self, dim: int, mode: str = "sum", **kwargs) -> None:
-        if mode not in ("sum", "mean"):
-            raise InvalidArgumentError(f"HashEmbeddingBag mode must be 'sum' or 'mean', got {mode!r}")
-        super().__init__(dim, **kwargs)
-        self.mode = mode
-
-    def forward(self, ids, mask: torch.Tensor | None = None) -> torch.Tensor:
-        embedded = self.lookup(ids)
-        if embedded.dim() != 3:
-            raise InvalidArgumentError(
-                f"HashEmbeddingBag takes ids of shape (batch, bag), got {tuple(embedded.shape[:-1])}"
-            )
-        if mask is not None:
-            embedded = embedded * mask.unsqueeze(-1).to(embedded.dtype)
-        total = embedded.sum(dim=1)
-        if self.mode == "mean":
-            count = mask.sum(dim=1, keepdim=True).clamp(min=1) if mask is not None else embedded.shape[1]
-            total = total / count
-        return total
 
 
 # Options of a dense optimizer that its row-wise counterpart cannot apply, with torch's reason.

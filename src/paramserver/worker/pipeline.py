@@ -146,9 +146,11 @@ class RowPipeline:
 
 def for_context(batches: Iterable, context) -> RowPipeline:
     """`batches` pipelined for the tables and optimizers of `context`."""
-    modules = [
-        (module, 2 if optimizer.overlap else 1)
-        for optimizer in context.optimizers
-        for module in getattr(optimizer, "_embeddings", ())
-    ]
-    return RowPipeline(batches, modules, context.optimizers)
+    ahead: dict[Any, int] = {}
+    for optimizer in context.optimizers:
+        for module in getattr(optimizer, "_embeddings", ()):
+            unit = module.prefetch_unit() if module.prefetch_unit is not None else None
+            if unit is None or not any(m is module for m in unit.modules()):  # gone, or a copy's tables
+                unit = module  # a collection's tables are prefetched by the collection, others on their own
+            ahead[unit] = max(ahead.get(unit, 0), 2 if optimizer.overlap else 1)
+    return RowPipeline(batches, list(ahead.items()), context.optimizers)

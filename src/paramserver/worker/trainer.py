@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from ..base.errors import InvalidArgumentError
 from .context import Context
 from .current import current_context
 from .ps_optimizers import PSOptimizer
@@ -35,6 +36,14 @@ class EpochMetrics:
 
 class Trainer:
     """Runs the training loop of one worker. Not thread-safe; call `fit` from the training thread.
+
+    Each batch is a tuple or list whose last element is the target and whose others are the model's
+    inputs (docs/embeddings.md, "Batches Trainer takes"):
+
+    - `(x, y)`: `model(x)`;
+    - `(dense, ids, ..., y)`: `model(dense, ids, ...)`;
+    - `((dense, ids), y)`: `model(dense, ids)` (a tuple or list of inputs is spread);
+    - `({"dense": d, "ids": i}, y)`: `model(dense=d, ids=i)` (a dict of inputs is passed by name).
 
     A bfloat16 or float16 model gets its floating-point inputs in its own dtype (a loader's float32
     batches are cast), so that the same loop trains a model of any precision."""
@@ -88,16 +97,33 @@ class Trainer:
         started = time.perf_counter()
         steps = examples = 0
         loss_sum = 0.0
-        for x, y in batches:
+        for batch in batches:
+            args, kwargs, y = self._split(batch)
             self.optimizer.zero_grad()
-            loss = self.loss_fn(self.model(self._input(x)), y)
+            loss = self.loss_fn(self.model(*args, **kwargs), y)
             loss.backward()
             self.optimizer.step()
             value = loss.item()
-            steps, examples, loss_sum = steps + 1, examples + len(x), loss_sum + value
-            self.context.report(examples=len(x), loss=value)
+            steps, examples, loss_sum = steps + 1, examples + len(y), loss_sum + value
+            self.context.report(examples=len(y), loss=value)
         self.steps += steps
         return EpochMetrics(epoch, steps, examples, loss_sum / max(steps, 1), time.perf_counter() - started)
+
+    def _split(self, batch: Any) -> tuple[list, dict, Any]:
+        """(positional inputs, inputs by name, target) of one batch; see the class docstring."""
+        if not isinstance(batch, (tuple, list)) or len(batch) < 2:
+            shown = type(batch).__name__
+            if isinstance(batch, (tuple, list)):
+                shown = f"a {shown} of {len(batch)}"
+            raise InvalidArgumentError(
+                f"Trainer takes batches of (inputs..., target): a tuple or list of at least 2 elements, got {shown}"
+            )
+        *inputs, y = batch
+        if len(inputs) == 1 and isinstance(inputs[0], dict):
+            return [], {key: self._input(value) for key, value in inputs[0].items()}, y
+        if len(inputs) == 1 and isinstance(inputs[0], (tuple, list)):
+            inputs = list(inputs[0])
+        return [self._input(x) for x in inputs], {}, y
 
     def _input(self, x: Any) -> Any:
         if self.input_dtype is not None and isinstance(x, torch.Tensor) and x.is_floating_point():
@@ -112,11 +138,12 @@ class Trainer:
         self.model.eval()
         total = correct = 0
         loss_sum = 0.0
-        for x, y in loader:
-            out = self.model(self._input(x))
-            loss_sum += self.loss_fn(out, y).item() * len(x)
+        for batch in loader:
+            args, kwargs, y = self._split(batch)
+            out = self.model(*args, **kwargs)
+            loss_sum += self.loss_fn(out, y).item() * len(y)
             if out.dim() == 2 and y.dim() == 1:
                 correct += (out.argmax(dim=1) == y).sum().item()
-            total += len(x)
+            total += len(y)
         self.model.train()
         return {"loss": loss_sum / max(total, 1), "accuracy": correct / max(total, 1), "examples": total}

@@ -1,0 +1,14 @@
+"""`paramserver.serving`: run a trained model with no cluster.
+
+    model = MyModel()                                    # the class that was trained
+    paramserver.serving.load(model, "model.safetensors") # `paramserver checkpoint export`'s file, or a checkpoint dir
+    model.eval()
+    scores = model(dense, ids)                           # embedding rows looked up in the model itself
+    program = torch.export.export(model, (dense, ids))   # for a serving stack
+
+See docs/embeddings.md, "Serving what was trained".
+"""
+
+from .worker.serving import load
+
+__all__ = ["load"]
