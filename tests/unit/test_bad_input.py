@@ -159,7 +159,11 @@ def test_a_burst_of_checkpoint_requests_is_one_pending_request():
         coordinator.request_checkpoint(1)
     assert coordinator.view()["checkpoints_requested"] == 1
     for worker in (0, 1):
-        coordinator.barrier("checkpoint#1", worker, 0.0)  # the workers met for it: the next one may come
+        coordinator.barrier("checkpoint#1", worker, 0.0)  # the workers met for it...
+    coordinator.request_checkpoint(0)
+    assert coordinator.view()["checkpoints_requested"] == 1  # ...but it is not written yet: the same state
+    for worker in (0, 1):
+        coordinator.barrier("checkpoint#1:written", worker, 0.0)  # written: the next one may come
     coordinator.request_checkpoint(0)
     coordinator.request_checkpoint(0)
     assert coordinator.view()["checkpoints_requested"] == 2
