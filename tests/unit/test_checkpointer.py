@@ -360,3 +360,13 @@ def test_export_keeps_the_optimizer_prefix_where_two_optimizers_hold_the_same_na
     note = tools.positional_note(list(names.values()), "m.pt")
     assert note.startswith("note: 5 of the 6 parameter names in m.pt are positional") and "optK.paramN" in note
     assert tools.positional_note(["fc.weight", "fc.bias"], "m.pt") is None
+
+
+def test_the_chief_deletes_incomplete_checkpoints_named_after_the_one_it_committed(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    store.write_shard("ckpt-999999999", 0, b"stray")  # a Checkpoint call far ahead of any step, never committed
+    store.write_shard("ckpt-000000001", 0, b"old")  # an older incomplete one: prune's business, not this
+    chief, _, _ = checkpointer(tmp_path, 0, Coordinator(), every=5)
+    chief.on_step(5, 1.0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-000000001", "ckpt-000000005"]
+    assert store.complete() == ["ckpt-000000005"]

@@ -286,7 +286,7 @@ class Checkpointer:
         self.written += 1
         self._report()
         try:
-            removed = store.prune(self.keep, protect=name)
+            removed = store.prune(self.keep, protect=name) + self._discard_strays(name)
         except (CheckpointError, OSError) as exc:
             removed = []
             log.warning("%s %s: committed, but older checkpoints could not be deleted: %s", what, name, exc)
@@ -320,6 +320,16 @@ class Checkpointer:
             store.remove_temporary()
         except CheckpointError as exc:
             log.warning("cannot remove the temporary files of earlier writes: %s", exc)
+
+    def _discard_strays(self, name: str) -> list[str]:
+        """Delete the incomplete checkpoints newer than `name`, just committed: no prune would reach them."""
+        store = self._writable_store()
+        strays = store.strays_after(name)
+        for stray in strays:
+            store.discard(stray)
+        if strays:
+            log.warning("checkpoint %s: deleted incomplete checkpoints named after it: %s", name, ", ".join(strays))
+        return strays
 
     def _discard(self, name: str) -> None:
         """Delete what a failed checkpoint wrote (shard files without a manifest)."""
