@@ -120,6 +120,27 @@ def test_a_step_count_and_a_clock_that_coincide_are_one_checkpoint(tmp_path):
     assert barriers == ["checkpoint#1", "checkpoint#1:written"] and membership.view()["checkpoints_requested"] == 1
 
 
+def membership_client(membership, worker):
+    """A worker's coordinator client on `membership` (an in-process coordinator): its view is its latest reply."""
+    client = type("Client", (), {"view": {}})()
+    client.request_checkpoint = lambda: client.view.update(membership.request_checkpoint(worker))
+    return client
+
+
+def test_workers_training_in_step_each_ask_at_the_same_step_and_meet_at_one_checkpoint(tmp_path):
+    from paramserver.coordinator.membership import Coordinator as Membership
+
+    membership = Membership(2)
+    other = Checkpointer(Client(None, str(tmp_path)), CheckpointStore(str(tmp_path)), 5, 3, 1, lambda *a: None, 0.0,
+                         membership_client(membership, 1), in_step=True)
+    chief = Checkpointer(Client(None, str(tmp_path)), CheckpointStore(str(tmp_path)), 5, 3, 0, lambda *a: None, 0.0,
+                         membership_client(membership, 0), in_step=True)
+    assert [step for step in range(1, 5) if other.due(step) or chief.due(step)] == []
+    assert other.due(5) and chief.due(5)  # the first to get there asks, the other's request merges into it
+    assert other._barrier_after == chief._barrier_after == {5: "checkpoint#1"}
+    assert membership.view()["checkpoints_requested"] == 1
+
+
 def test_a_worker_waiting_at_another_barrier_meets_an_announced_checkpoint_from_there(tmp_path):
     coordinator = Coordinator()
     other, barriers, _ = checkpointer(tmp_path, 1, coordinator, every=5)

@@ -63,14 +63,19 @@ class Checkpointer:
         coordinator=None,
         clock: Callable[[], float] = time.monotonic,
         report: Callable[[dict[str, Any]], None] | None = None,
+        in_step: bool = False,
     ) -> None:
         """`report(values)`: where the chief hands its counts (default: this process's Context's
-        `report_result`, which puts them in `paramserver run`'s closing JSON line)."""
+        `report_result`, which puts them in `paramserver run`'s closing JSON line). `in_step`: the
+        workers train in step (dense_sync "allreduce": every step is an all-reduce of them all), so
+        each must pause at the same step: every worker asks at its own `every`-th steps, which are
+        the chief's, and the coordinator merges their requests into one."""
         self.client = client
         self.store = store
         self.every = every if store is not None else 0
         self.every_seconds = every_seconds if store is not None and coordinator is not None else 0.0
         self.keep = keep
+        self.in_step = in_step
         self.worker_index = worker_index
         self.barrier = barrier
         self.coordinator = coordinator
@@ -106,7 +111,7 @@ class Checkpointer:
             if self.every > 0 and step > 0 and step % self.every == 0:
                 self._barrier_after[step] = f"checkpoint@{step}"
             return step in self._barrier_after
-        if self.worker_index == 0 and self._chief_wants(step):
+        if self._wants(step):
             self.coordinator.request_checkpoint()  # the reply names the checkpoint (a new one, or one under way)
         announced = self._announced()
         if announced > self._met:
@@ -114,10 +119,14 @@ class Checkpointer:
             self._barrier_after[step] = checkpoint_barrier(announced)
         return step in self._barrier_after
 
-    def _chief_wants(self, step: int) -> bool:
+    def _wants(self, step: int) -> bool:
+        """Whether this worker asks for a checkpoint after `step`: the chief by its step count and
+        clock; the others by their step count when the workers train in step."""
+        if self.worker_index != 0 and not self.in_step:
+            return False
         if self.every > 0 and step > 0 and step % self.every == 0:
             return True
-        return bool(self.every_seconds) and self._clock() - self._last >= self.every_seconds
+        return self.worker_index == 0 and bool(self.every_seconds) and self._clock() - self._last >= self.every_seconds
 
     def meet_announced(self, timeout: float) -> bool:
         """Meet the others at a checkpoint announced while this worker waits at another barrier (it

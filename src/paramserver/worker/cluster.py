@@ -197,5 +197,6 @@ def _pauses(config: NodeConfig, client: PSClient, coordinator: CoordinatorClient
             meet,
             options.checkpoint_every_seconds,
             coordinator,
+            in_step=options.dense_sync == "allreduce",
         )
     return checkpointer, meet
