@@ -217,14 +217,14 @@ def test_a_barrier_waiting_for_a_training_worker_says_where_it_is_and_goes_on_wa
     coordinator, clock = make(2, timeout=10)
     coordinator.join(0)
     coordinator.join(1)
-    with caplog.at_level(logging.WARNING, logger="paramserver.coordinator.membership"):
-        for now in range(0, 40):
+    with caplog.at_level(logging.INFO, logger="paramserver.coordinator.membership"):
+        for now in range(0, 80):
             clock.now = now
             coordinator.heartbeat(1, 100 + now)
             assert not coordinator.barrier("b", 0, wait_s=0)["open"]
-    warnings = [r.getMessage() for r in caplog.records]
-    assert len(warnings) == 7  # every half timeout, from the 5th second on
-    assert "barrier 'b': arrived [0]; missing: worker 1 (training at step 105, heard from 0s ago), after 5s" in warnings[0]
+    said = [r.getMessage() for r in caplog.records if "barrier 'b'" in r.getMessage()]
+    assert [s.rsplit(" ", 1)[-1] for s in said] == ["5s", "15s", "35s", "75s"]  # half the timeout, then doubling
+    assert "barrier 'b': arrived [0]; missing: worker 1 (training at step 105, heard from 0s ago), after 5s" in said[0]
 
 
 def test_a_checkpoint_announced_ends_the_poll_of_a_worker_waiting_elsewhere_and_requests_merge_until_written():
@@ -243,3 +243,23 @@ def test_a_checkpoint_announced_ends_the_poll_of_a_worker_waiting_elsewhere_and_
         coordinator.barrier(barrier, 0, wait_s=0, training_only=True)
         assert coordinator.barrier(barrier, 1, wait_s=0, training_only=True)["open"]
     assert coordinator.request_checkpoint(1)["checkpoints_requested"] == 2
+
+
+def test_barriers_that_come_to_wait_for_each_other_late_fail_within_half_the_heartbeat_timeout():
+    coordinator, clock = make(2, timeout=10)
+    coordinator.join(0)
+    coordinator.join(1)
+    for now in range(0, 30):  # worker 1 trains for 30 s while worker 0 waits: nothing fails
+        clock.now = now
+        coordinator.heartbeat(0, 7)
+        coordinator.heartbeat(1, now)
+        assert not coordinator.barrier("eval", 0, wait_s=0)["open"]
+    for now in range(30, 35):  # then it waits at another barrier, which waits for worker 0
+        clock.now = now
+        coordinator.heartbeat(0, 7)
+        coordinator.heartbeat(1, 30)
+        assert not coordinator.barrier("mode@100", 1, wait_s=0, training_only=True)["open"]
+        assert not coordinator.barrier("eval", 0, wait_s=0)["open"]
+    clock.now = 35
+    with pytest.raises(FailedPreconditionError, match=r"worker 1 \(waits at 'mode@100' for 5s\)"):
+        coordinator.barrier("eval", 0, wait_s=0)

@@ -1,8 +1,9 @@
 """The coordinator's barriers: who arrived where, which opened, and where each worker waits now.
 
 A barrier that does not open says why. Once it has waited `patience` seconds (half the heartbeat
-timeout) the coordinator logs who arrived and, for each missing worker, where it is: waiting at
-another barrier (and since when), or training at its last reported step. When the missing
+timeout), and again after twice as long each time, the coordinator logs who arrived and, for each
+missing worker, where it is: waiting at another barrier (and since when), or training at its last
+reported step. When the missing
 workers wait at other barriers that themselves wait, in turn, only for workers waiting at
 barriers, nobody can arrive anywhere: every barrier of that cycle is failed, naming who waits
 where, so that each worker's wait ends with the reason instead of lasting for ever.
@@ -35,7 +36,7 @@ class Barriers:
         self.started: dict[str, float] = {}  # first arrival
         self.at: dict[int, Waiting] = {}  # where each worker waits now
         self.failed: dict[str, str] = {}  # barriers that cannot open, with why
-        self._reported: dict[str, float] = {}  # when a barrier's wait was last logged
+        self._reported: dict[str, tuple[float, float]] = {}  # a barrier's last report: when, and the wait to the next
 
     def arrive(self, name: str, worker: int, training_only: bool, now: float, until: float) -> None:
         self.arrived.setdefault(name, set()).add(worker)
@@ -62,10 +63,13 @@ class Barriers:
         return waiting
 
     def due_report(self, name: str, now: float, patience: float) -> bool:
-        """Whether barrier `name` has waited `patience` seconds since it started or was last reported."""
-        if now - max(self.started.get(name, now), self._reported.get(name, float("-inf"))) < patience:
+        """Whether barrier `name` is to be reported now: `patience` seconds after it started, then
+        after twice as long as the time before (a worker with more data is waited for, and said so
+        a few times, not every few seconds)."""
+        last, gap = self._reported.get(name, (self.started.get(name, now), patience))
+        if now - last < gap:
             return False
-        self._reported[name] = now
+        self._reported[name] = (now, 2 * gap)
         return True
 
     def cycle(

@@ -14,8 +14,8 @@ A barrier opens once every member that is not exited has arrived (not finished e
 pauses that only training workers reach: checkpoints and mode switches). Waits are long polls of at
 most `wait_s` each, so that no call's deadline fails a peer that is alive and merely slow. A
 barrier that has not opened after half the heartbeat timeout is logged with who arrived and where
-each missing worker is; one that can never open (its missing workers wait at barriers that wait
-for it) fails, naming them (coordinator/barriers.py).
+each missing worker is (again after twice as long each time); one that can never open (its missing
+workers wait at barriers that wait for it) fails, naming them (coordinator/barriers.py).
 
 Checkpoints are decided here, whatever asked for them (the chief's step count or clock, or a
 RequestCheckpoint call): `request_checkpoint` announces checkpoint number k in every view
@@ -251,28 +251,29 @@ class Coordinator:
                 raise UnavailableError(f"barrier {name!r}: worker {worker} is gone ({self._why_dead(member)})")
 
     def _fail_if_stuck(self, name: str, training_only: bool) -> None:
-        """Say why barrier `name` has not opened for half the heartbeat timeout (a warning, again every
-        half timeout); fail it, and every barrier it waits on, when none of them can ever open."""
+        """Fail barrier `name`, and every barrier it waits on, once none of them can ever open (within
+        half the heartbeat timeout); else say why it has not opened, after half the heartbeat timeout
+        and again after twice as long each time."""
         if name in self._barriers.failed:
             raise FailedPreconditionError(self._barriers.failed[name])
         now, patience = self._clock(), self.heartbeat_timeout_s / 2
-        if not self._barriers.due_report(name, now, patience):
+        if now - self._barriers.started[name] < patience:
             return
         cycle = self._barriers.cycle(name, self._missing, now, patience)
-        if cycle is None:
-            log.warning(
+        if cycle is not None:
+            why = "; ".join(self._barriers.describe(b, missing, self._whereabouts) for b, missing in cycle.items())
+            message = f"barriers that can never open (each waits for workers waiting at another): {why}"
+            log.error("coordinator: %s", message)
+            for barrier in cycle:
+                self._barriers.failed[barrier] = message
+            self._cond.notify_all()
+            raise FailedPreconditionError(message)
+        if self._barriers.due_report(name, now, patience):
+            log.info(
                 "coordinator: %s, after %.0fs",
                 self._barriers.describe(name, self._missing(name, training_only), self._whereabouts),
                 now - self._barriers.started[name],
             )
-            return
-        why = "; ".join(self._barriers.describe(b, missing, self._whereabouts) for b, missing in cycle.items())
-        message = f"barriers that can never open (each waits for workers waiting at another): {why}"
-        log.error("coordinator: %s", message)
-        for barrier in cycle:
-            self._barriers.failed[barrier] = message
-        self._cond.notify_all()
-        raise FailedPreconditionError(message)
 
     def _whereabouts(self, worker: int) -> str:
         """Where `worker` is: at a barrier (since when), or what it does."""
