@@ -32,8 +32,7 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 UNREACHABLE = "UNREACHABLE"  # what `check` says of a node that did not answer
 SERVICE_UNKNOWN = "SERVICE_UNKNOWN"  # what `check` says of a service the node does not serve
-
-
+SERVICE_UNKNOWN_STATUS = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN  # what Watch says of one
 _TELL_S = 0.5  # how long a drain lets the Watch streams be told NOT_SERVING before it cancels them
 
 
@@ -102,9 +101,6 @@ class _Servicer(health_pb2_grpc.HealthServicer):
             if draining:
                 self._streams.clear()
         return streams
-
-
-SERVICE_UNKNOWN_STATUS = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
 
 
 class Health:
