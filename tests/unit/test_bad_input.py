@@ -86,6 +86,42 @@ def test_a_committed_checkpoint_is_never_overwritten(tmp_path):
     assert snapshots == [] and {p.name: p.read_bytes() for p in (tmp_path / "ckpt-000000001").iterdir()} == files
 
 
+def checkpoint_call(service, name):
+    return service.call("Checkpoint", codec.encode({"name": name}))
+
+
+def test_far_future_checkpoint_names_cost_one_file_which_the_next_checkpoint_removes(tmp_path):
+    service = make_service(str(tmp_path))
+    for step in range(999_999_980, 1_000_000_000):  # 20 names far ahead of any step, as fast as they come
+        checkpoint_call(service, f"ckpt-{step:09d}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-999999999"]  # each replaced the one before
+    checkpoint_call(service, "ckpt-000000010")  # the chief's real one: the stray never committed goes
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-000000010"]
+
+
+def test_a_checkpoint_name_behind_the_sequence_is_refused_audited_and_changes_nothing(tmp_path):
+    from paramserver.security.auth import SHARD_ACTIONS, Guard
+    from paramserver.base.config import Options
+    from paramserver.transport.dispatch import answer as dispatch
+
+    audit = tmp_path / "audit.jsonl"
+    directory = tmp_path / "ckpt"
+    service = make_service(str(directory))
+    service.guard = Guard.from_options(Options(audit_log=str(audit)), "ps-0", SHARD_ACTIONS)
+    store = CheckpointStore(str(directory))
+    entry = msg.CheckpointReply.from_meta(codec.decode(checkpoint_call(service, "ckpt-000000020")).meta).to_meta()
+    store.commit("ckpt-000000020", {"step": 20, "num_shards": 1, "shards": [entry]})
+    checkpoint_call(service, "ckpt-000000030")  # the next one (not committed yet)
+    before, files = state(service), sorted(str(p.relative_to(directory)) for p in directory.rglob("*"))
+    answer = dispatch(service, "Checkpoint", codec.encode({"name": "ckpt-000000015"}), "ipv4:127.0.0.1:9")
+    assert answer.code.name == "FAILED_PRECONDITION" and "behind the sequence" in answer.reply
+    assert state(service) == before and sorted(str(p.relative_to(directory)) for p in directory.rglob("*")) == files
+    service.guard.close()
+    records = [json.loads(line) for line in audit.read_text().splitlines()]
+    assert [(r["what"], r["outcome"]) for r in records if r["what"] == "Checkpoint"][-1] == (
+        "Checkpoint", "FAILED_PRECONDITION")
+
+
 def test_a_ps_without_a_checkpoint_dir_refuses_checkpoints():
     refused(make_service(""), "Checkpoint", {"name": "ckpt-000000001"}, error=FailedPreconditionError,
             match="checkpoint_dir")
@@ -160,7 +196,11 @@ def test_a_burst_of_checkpoint_requests_is_one_pending_request():
         coordinator.request_checkpoint(1)
     assert coordinator.view()["checkpoints_requested"] == 1
     for worker in (0, 1):
-        coordinator.barrier("checkpoint#1", worker, 0.0)  # the workers met for it: the next one may come
+        coordinator.barrier("checkpoint#1", worker, 0.0)  # the workers met for it...
+    coordinator.request_checkpoint(0)
+    assert coordinator.view()["checkpoints_requested"] == 1  # ...but it is not written yet: the same state
+    for worker in (0, 1):
+        coordinator.barrier("checkpoint#1:written", worker, 0.0)  # written: the next one may come
     coordinator.request_checkpoint(0)
     coordinator.request_checkpoint(0)
     assert coordinator.view()["checkpoints_requested"] == 2

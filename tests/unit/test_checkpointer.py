@@ -90,11 +90,65 @@ def test_the_chiefs_clock_asks_and_every_worker_meets_after_its_next_step(tmp_pa
     assert not chief.due(3) and not other.due(10)  # 10 s from the last checkpoint, not from the start
 
 
-def test_step_checkpoints_meet_at_every_nth_step_only(tmp_path):
-    chief, barriers, client = checkpointer(tmp_path, 0, Coordinator(), every=5)
-    assert [step for step in range(1, 16) if chief.due(step)] == [5, 10, 15]
+def test_the_chiefs_step_count_asks_and_every_worker_meets_at_the_same_barrier(tmp_path):
+    coordinator = Coordinator()
+    chief, barriers, client = checkpointer(tmp_path, 0, coordinator, every=5)
+    other, other_barriers, _ = checkpointer(tmp_path, 1, coordinator, every=5)
+    assert [step for step in range(1, 9) if other.due(step)] == []  # the other worker's count decides nothing
+    assert [step for step in range(1, 5) if chief.due(step)] == []
+    assert chief.due(5) and coordinator.view["checkpoints_requested"] == 1
     chief.on_step(5, 1.0)
-    assert barriers == ["checkpoint@5", "checkpoint@5:written"] and client.saved == ["ckpt-000000005"]
+    assert barriers == ["checkpoint#1", "checkpoint#1:written"] and client.saved == ["ckpt-000000005"]
+    assert other.due(9)  # it learns of it from its next reply: the same barrier, whatever its step
+    other.on_step(9, 1.0)
+    assert other_barriers == ["checkpoint#1", "checkpoint#1:written"]
+    assert [step for step in range(6, 16) if chief.due(step)] == [10, 15]
+
+
+def test_a_step_count_and_a_clock_that_coincide_are_one_checkpoint(tmp_path):
+    from paramserver.coordinator.membership import Coordinator as Membership
+
+    membership, clock = Membership(2), [0.0]
+    coordinator = type("Client", (), {"view": {}})()
+    coordinator.request_checkpoint = lambda: coordinator.view.update(membership.request_checkpoint(0))
+    chief, barriers, _ = checkpointer(tmp_path, 0, coordinator, clock, every=5, every_seconds=10)
+    clock[0] = 11
+    assert chief.due(5)  # both say so at step 5
+    membership.request_checkpoint(1)  # and a request from the wire: all one checkpoint
+    coordinator.view.update(membership.view())
+    chief.on_step(5, 1.0)
+    assert barriers == ["checkpoint#1", "checkpoint#1:written"] and membership.view()["checkpoints_requested"] == 1
+
+
+def membership_client(membership, worker):
+    """A worker's coordinator client on `membership` (an in-process coordinator): its view is its latest reply."""
+    client = type("Client", (), {"view": {}})()
+    client.request_checkpoint = lambda: client.view.update(membership.request_checkpoint(worker))
+    return client
+
+
+def test_workers_training_in_step_each_ask_at_the_same_step_and_meet_at_one_checkpoint(tmp_path):
+    from paramserver.coordinator.membership import Coordinator as Membership
+
+    membership = Membership(2)
+    other = Checkpointer(Client(None, str(tmp_path)), CheckpointStore(str(tmp_path)), 5, 3, 1, lambda *a: None, 0.0,
+                         membership_client(membership, 1), in_step=True)
+    chief = Checkpointer(Client(None, str(tmp_path)), CheckpointStore(str(tmp_path)), 5, 3, 0, lambda *a: None, 0.0,
+                         membership_client(membership, 0), in_step=True)
+    assert [step for step in range(1, 5) if other.due(step) or chief.due(step)] == []
+    assert other.due(5) and chief.due(5)  # the first to get there asks, the other's request merges into it
+    assert other._barrier_after == chief._barrier_after == {5: "checkpoint#1"}
+    assert membership.view()["checkpoints_requested"] == 1
+
+
+def test_a_worker_waiting_at_another_barrier_meets_an_announced_checkpoint_from_there(tmp_path):
+    coordinator = Coordinator()
+    other, barriers, _ = checkpointer(tmp_path, 1, coordinator, every=5)
+    other.due(3)
+    assert not other.meet_announced(1.0) and barriers == []
+    coordinator.request_checkpoint()
+    assert other.meet_announced(1.0) and barriers == ["checkpoint#1", "checkpoint#1:written"]
+    assert not other.meet_announced(1.0) and not other.due(4)  # met once
 
 
 def test_without_a_period_nothing_is_written_while_training_but_the_final_checkpoint_is(tmp_path):
@@ -120,7 +174,7 @@ def test_the_final_checkpoint_is_not_written_twice_unless_the_shards_changed(tmp
     chief.on_step(20, 1.0)
     assert chief.save_final(20, 1.0) == "ckpt-000000020"  # the checkpoint at step 20 holds it already
     assert client.saved == ["ckpt-000000020"]
-    assert barriers == ["checkpoint@20", "checkpoint@20:written", "checkpoint:final", "checkpoint:final:written"]
+    assert barriers == ["checkpoint#1", "checkpoint#1:written", "checkpoint:final", "checkpoint:final:written"]
     client.pushes = 27  # another (async) worker trained on after the chief's last step
     assert chief.save_final(20, 1.0) == "ckpt-000000020"
     assert client.saved == ["ckpt-000000020", "ckpt-000000020"]  # written again, with the later state
@@ -140,7 +194,7 @@ def test_a_full_disk_is_logged_counted_cleaned_up_and_the_next_checkpoint_tries_
     chief, barriers, client = checkpointer(tmp_path, 0, Coordinator(), every=5, fs=disk, report=reports.append)
     with caplog.at_level(logging.ERROR, logger="paramserver.worker.checkpoints"):
         chief.on_step(5, 1.0)  # no exception: training goes on
-    assert barriers == ["checkpoint@5", "checkpoint@5:written"]
+    assert barriers == ["checkpoint#1", "checkpoint#1:written"]
     [error] = errors(caplog)
     assert "checkpoint ckpt-000000005 failed" in error and "the next checkpoint tries again" in error
     assert re.search(r"cannot write \S+/ckpt-000000005/shard-0\.safetensors\.tmp-[0-9a-f]{8}: "
@@ -173,7 +227,7 @@ def test_a_read_only_directory_fails_every_checkpoint_and_training_goes_on(tmp_p
         with caplog.at_level(logging.ERROR, logger="paramserver.worker.checkpoints"):
             chief.on_step(5, 1.0)
             assert chief.save_final(7, 1.0) is None
-    assert barriers == ["checkpoint@5", "checkpoint@5:written", "checkpoint:final", "checkpoint:final:written"]
+    assert barriers == ["checkpoint#1", "checkpoint#1:written", "checkpoint:final", "checkpoint:final:written"]
     assert len(errors(caplog)) == 2
     assert reports[-1]["checkpoints_written"] == 0 and reports[-1]["checkpoints_failed"] == 2
     assert re.search(r"checkpoint ckpt-000000007: cannot create directory \S+/ckpt/ckpt-000000007: "
@@ -327,3 +381,13 @@ def test_export_keeps_the_optimizer_prefix_where_two_optimizers_hold_the_same_na
     note = tools.positional_note(list(names.values()), "m.pt")
     assert note.startswith("note: 5 of the 6 parameter names in m.pt are positional") and "optK.paramN" in note
     assert tools.positional_note(["fc.weight", "fc.bias"], "m.pt") is None
+
+
+def test_the_chief_deletes_incomplete_checkpoints_named_after_the_one_it_committed(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    store.write_shard("ckpt-999999999", 0, b"stray")  # a Checkpoint call far ahead of any step, never committed
+    store.write_shard("ckpt-000000001", 0, b"old")  # an older incomplete one: prune's business, not this
+    chief, _, _ = checkpointer(tmp_path, 0, Coordinator(), every=5)
+    chief.on_step(5, 1.0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-000000001", "ckpt-000000005"]
+    assert store.complete() == ["ckpt-000000005"]

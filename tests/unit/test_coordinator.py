@@ -3,13 +3,14 @@
 A fake clock decides who is silent; barriers are polled with wait_s=0, so no verdict depends on
 how fast this machine is."""
 
+import logging
 import threading
 
 import pytest
 
-from paramserver.base.errors import InvalidArgumentError, UnavailableError
+from paramserver.base.errors import FailedPreconditionError, InvalidArgumentError, UnavailableError
 from paramserver.coordinator.membership import Coordinator
-from tests.wait import finished
+from tests.wait import finished, wait_until
 
 
 class Clock:
@@ -188,3 +189,77 @@ def test_what_the_host_publishes_reaches_every_worker_through_the_wire():
     coordinator.publish("dense_sync", "127.0.0.1:4242")
     finished(reader, "the client's read of the published address")
     assert found == ["127.0.0.1:4242"] and coordinator.view()["published"] == {"dense_sync": "127.0.0.1:4242"}
+
+
+def test_barriers_that_wait_for_each_other_fail_within_the_heartbeat_timeout_naming_who_waits_where(caplog):
+    coordinator, clock = make(3, timeout=10)
+    for worker in range(3):
+        coordinator.join(worker)
+    coordinator.barrier("checkpoint#1", 0, wait_s=0, training_only=True)
+    coordinator.barrier("mode@100", 1, wait_s=0, training_only=True)
+    coordinator.barrier("mode@100", 2, wait_s=0, training_only=True)
+    for now in range(1, 5):  # everyone alive and polling, nobody can arrive anywhere: not yet half the timeout
+        clock.now = now
+        for worker, barrier in ((0, "checkpoint#1"), (1, "mode@100"), (2, "mode@100")):
+            coordinator.heartbeat(worker, 7)
+            assert not coordinator.barrier(barrier, worker, wait_s=0, training_only=True)["open"]
+    clock.now = 5
+    with pytest.raises(FailedPreconditionError) as failed:
+        coordinator.barrier("checkpoint#1", 0, wait_s=0, training_only=True)
+    why = str(failed.value)
+    assert "barrier 'checkpoint#1': arrived [0]; missing: worker 1 (waits at 'mode@100' for 5s), worker 2" in why
+    assert "barrier 'mode@100': arrived [1, 2]; missing: worker 0 (waits at 'checkpoint#1' for 5s)" in why
+    with pytest.raises(FailedPreconditionError, match="can never open"):  # the others hear it at their next poll
+        coordinator.barrier("mode@100", 1, wait_s=0, training_only=True)
+
+
+def test_a_barrier_waiting_for_a_training_worker_says_where_it_is_and_goes_on_waiting(caplog):
+    coordinator, clock = make(2, timeout=10)
+    coordinator.join(0)
+    coordinator.join(1)
+    with caplog.at_level(logging.INFO, logger="paramserver.coordinator.membership"):
+        for now in range(0, 80):
+            clock.now = now
+            coordinator.heartbeat(1, 100 + now)
+            assert not coordinator.barrier("b", 0, wait_s=0)["open"]
+    said = [r.getMessage() for r in caplog.records if "barrier 'b'" in r.getMessage()]
+    assert [s.rsplit(" ", 1)[-1] for s in said] == ["5s", "15s", "35s", "75s"]  # half the timeout, then doubling
+    assert "barrier 'b': arrived [0]; missing: worker 1 (training at step 105, heard from 0s ago), after 5s" in said[0]
+
+
+def test_a_checkpoint_announced_ends_the_poll_of_a_worker_waiting_elsewhere_and_requests_merge_until_written():
+    coordinator, _ = make(2)
+    coordinator.join(0)
+    coordinator.join(1)
+    polled = []
+    thread = threading.Thread(target=lambda: polled.append(coordinator.barrier("mode@10", 1, wait_s=60)), daemon=True)
+    thread.start()
+    wait_until(lambda: 1 in coordinator._barriers.arrived.get("mode@10", ()), "worker 1 waiting at mode@10")
+    view = coordinator.request_checkpoint(0)
+    thread.join(30)
+    assert not thread.is_alive() and polled[0]["open"] is False and polled[0]["checkpoints_requested"] == 1
+    assert view["checkpoints_requested"] == coordinator.request_checkpoint(1)["checkpoints_requested"] == 1
+    for barrier in ("checkpoint#1", "checkpoint#1:written"):
+        coordinator.barrier(barrier, 0, wait_s=0, training_only=True)
+        assert coordinator.barrier(barrier, 1, wait_s=0, training_only=True)["open"]
+    assert coordinator.request_checkpoint(1)["checkpoints_requested"] == 2
+
+
+def test_barriers_that_come_to_wait_for_each_other_late_fail_within_half_the_heartbeat_timeout():
+    coordinator, clock = make(2, timeout=10)
+    coordinator.join(0)
+    coordinator.join(1)
+    for now in range(0, 30):  # worker 1 trains for 30 s while worker 0 waits: nothing fails
+        clock.now = now
+        coordinator.heartbeat(0, 7)
+        coordinator.heartbeat(1, now)
+        assert not coordinator.barrier("eval", 0, wait_s=0)["open"]
+    for now in range(30, 35):  # then it waits at another barrier, which waits for worker 0
+        clock.now = now
+        coordinator.heartbeat(0, 7)
+        coordinator.heartbeat(1, 30)
+        assert not coordinator.barrier("mode@100", 1, wait_s=0, training_only=True)["open"]
+        assert not coordinator.barrier("eval", 0, wait_s=0)["open"]
+    clock.now = 35
+    with pytest.raises(FailedPreconditionError, match=r"worker 1 \(waits at 'mode@100' for 5s\)"):
+        coordinator.barrier("eval", 0, wait_s=0)

@@ -158,22 +158,11 @@ def test_a_worker_learns_from_any_reply_that_the_coordinator_restarted():
     assert "restarted" in client.restarted()
 
 
-def test_a_worker_resumed_behind_the_others_passes_the_pause_they_passed_before_the_chief_restarted():
-    coordinator = Coordinator(3)
+def test_workers_resumed_at_different_steps_meet_at_the_one_checkpoint_the_coordinator_announced():
+    coordinator = Coordinator(3)  # the chief restarted: a new coordinator, workers resumed at steps 45, 40, 45
     for worker in range(3):
         coordinator.join(worker)
-    for worker in (0, 2):  # they resumed at 45 and wait at their next pause
-        assert not coordinator.barrier("checkpoint@60", worker, 0.0, training_only=True)["open"]
-    assert coordinator.barrier("checkpoint@45", 1, 0.0, training_only=True)["open"]  # resumed at 40
-    assert coordinator.barrier("checkpoint@45:written", 1, 0.0, training_only=True)["open"]
-    assert not coordinator.barrier("checkpoint@60", 0, 0.0, training_only=True)["open"]  # still waits for it
-    assert coordinator.barrier("checkpoint@60", 1, 0.0, training_only=True)["open"]
-
-
-def test_a_pause_still_waits_for_a_worker_that_trains_or_waits_at_an_earlier_one():
-    coordinator = Coordinator(3)
-    for worker in range(3):
-        coordinator.join(worker)
-    assert not coordinator.barrier("checkpoint@45", 0, 0.0, training_only=True)["open"]  # 1 and 2 train on
-    assert not coordinator.barrier("checkpoint@30", 1, 0.0, training_only=True)["open"]  # 2 trains on
-    assert not coordinator.barrier("timed#3", 2, 0.0, training_only=True)["open"]  # not a step's pause
+    number = coordinator.request_checkpoint(0)["checkpoints_requested"]
+    for worker in (0, 2):
+        assert not coordinator.barrier(f"checkpoint#{number}", worker, 0.0, training_only=True)["open"]
+    assert coordinator.barrier(f"checkpoint#{number}", 1, 0.0, training_only=True)["open"]

@@ -248,8 +248,8 @@ class Options:
                 f"more than twice heartbeat_s ({self.heartbeat_s})",
             )
         if needs("dense_sync") and self.dense_sync == "allreduce":
-            # timed checkpoints pause each worker after whichever step it learns of them, and backup
-            # workers leave steps behind: the workers' all-reduces must meet at the same steps
+            # a timed checkpoint pauses each worker after whichever step it learns of it (a step count's
+            # pauses all at that step), and backup workers leave steps behind: the all-reduces must meet
             if needs("checkpoint_every_seconds") and self.checkpoint_every_seconds:
                 found.append(
                     "option 'checkpoint_every_seconds' needs dense_sync 'ps' (with 'allreduce' the "

@@ -234,6 +234,12 @@ class CheckpointStore:
                 self.fs.rm(self.path(name), recursive=True)
         return doomed
 
+    def strays_after(self, name: str) -> list[str]:
+        """Incomplete checkpoints newer than `name`: after the chief committed `name`, what no write of
+        its own left (its names only grow) but a Checkpoint call with a name ahead of its step did."""
+        complete = set(self.complete())
+        return [other for other in self._all() if other > name and other not in complete]
+
     def _counts(self, name: str) -> bool:
         """Whether checkpoint `name` counts for retention: complete and verified. A checkpoint this
         store committed, or one hashed whole before, is checked by its files' sizes; any other is

@@ -30,6 +30,6 @@ class CoordinatorCollector(Collector):
         step = GaugeMetricFamily("paramserver_global_step", "Sum of the workers' reported steps")
         step.add_metric([], view["global_step"])
         yield step
-        requested = CounterMetricFamily("paramserver_checkpoints_requested", "Timed checkpoints the chief asked for")
+        requested = CounterMetricFamily("paramserver_checkpoints_requested", "Checkpoints the coordinator announced")
         requested.add_metric([], view["checkpoints_requested"])
         yield requested

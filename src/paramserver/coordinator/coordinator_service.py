@@ -175,16 +175,27 @@ class CoordinatorClient(Lifecycle):
         self._call("Join")
         self._joined = True
 
-    def barrier(self, name: str, timeout: float | None = None, training_only: bool = False) -> dict:
+    def barrier(
+        self,
+        name: str,
+        timeout: float | None = None,
+        training_only: bool = False,
+        between: Callable[[], object] | None = None,
+    ) -> dict:
         """Wait until every worker that has not exited (with `training_only`: nor finished its data)
         reached barrier `name`: as long as they are alive (polls of `poll_s`), or at most `timeout`
-        seconds when given. Fails at once with UnavailableError when one it needs is dead."""
+        seconds when given. Fails at once with UnavailableError when one it needs is dead, and with
+        FailedPreconditionError, naming who waits where, when the coordinator finds it can never
+        open. `between()` runs after each poll that found it closed (e.g. to meet the others for a
+        checkpoint announced meanwhile: a poll ends early when one is)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             wait = self.poll_s if deadline is None else max(0.0, min(self.poll_s, deadline - time.monotonic()))
             view = self._call("Barrier", wait + self.rpc_timeout_s, name=name, wait=wait, training_only=training_only)
             if view.get("open"):
                 return view
+            if between is not None:
+                between()
             if deadline is not None and time.monotonic() >= deadline:
                 raise DeadlineExceededError(
                     f"barrier {name!r}: workers {view.get('waiting')} did not arrive in {timeout:.0f}s"
@@ -199,7 +210,8 @@ class CoordinatorClient(Lifecycle):
         return self._call("Join")
 
     def request_checkpoint(self) -> dict:
-        """Ask every worker for a checkpoint after its current step (the chief's timer)."""
+        """Ask the coordinator for a checkpoint (the chief's step count or clock): the reply names the
+        one every worker meets for, after its current step (a new one, or one under way)."""
         return self._call("RequestCheckpoint")
 
     def _beat(self) -> None:

@@ -12,20 +12,30 @@ Every worker of the cluster is a member, in one of these states:
 
 A barrier opens once every member that is not exited has arrived (not finished either, for the
 pauses that only training workers reach: checkpoints and mode switches). Waits are long polls of at
-most `wait_s` each, so that no call's deadline fails a peer that is alive and merely slow.
+most `wait_s` each, so that no call's deadline fails a peer that is alive and merely slow. A
+barrier that has not opened after half the heartbeat timeout is logged with who arrived and where
+each missing worker is (again after twice as long each time); one that can never open (its missing
+workers wait at barriers that wait for it) fails, naming them (coordinator/barriers.py).
+
+Checkpoints are decided here, whatever asked for them (the chief's step count or clock, or a
+RequestCheckpoint call): `request_checkpoint` announces checkpoint number k in every view
+("checkpoints_requested"), and every worker meets at the same barrier, "checkpoint#k", after the
+step at which it learns of it. A request while checkpoint k is announced and not yet written
+(its "checkpoint#k:written" barrier has not opened) merges into it: no worker has trained a step
+since its barrier, so it would write the same state.
 The global step is the sum of the members' reported steps. Thread-safe.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 import secrets
 import threading
 import time
 from dataclasses import dataclass
 
-from ..base.errors import InvalidArgumentError, UnavailableError
+from ..base.errors import FailedPreconditionError, InvalidArgumentError, UnavailableError
+from .barriers import Barriers
 
 log = logging.getLogger(__name__)
 _INT64 = 1 << 63
@@ -33,7 +43,6 @@ _INT64 = 1 << 63
 # caller hold one of the coordinator's few request threads
 MAX_BARRIER_WAIT_S = 60
 STATES = ("joining", "training", "finished", "exited", "dead")
-_STEP_PAUSE = re.compile(r"^checkpoint@(\d+)(:written)?$")  # the pauses of checkpoint_every
 
 
 @dataclass
@@ -47,9 +56,9 @@ class Member:
     reported_gone: bool = False  # `newly_gone` told the caller already
 
 
-def timed_checkpoint_barrier(request: int) -> str:
-    """The barrier where the workers meet for the chief's `request`-th timed checkpoint."""
-    return f"checkpoint#{request}"
+def checkpoint_barrier(number: int) -> str:
+    """The barrier where every worker meets for the `number`-th checkpoint the coordinator announced."""
+    return f"checkpoint#{number}"
 
 
 class Coordinator:
@@ -60,9 +69,8 @@ class Coordinator:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self._clock = clock
         self._members = {worker: Member(worker) for worker in range(num_workers)}
-        self._barriers: dict[str, set[int]] = {}
-        self._opened: set[str] = set()
-        self._checkpoints_requested = 0  # timed checkpoints asked for by the chief so far
+        self._barriers = Barriers()
+        self._checkpoints_requested = 0  # checkpoints announced so far (the last one may be under way)
         self._published: dict[str, str] = {}  # what the hosting worker tells the others (rendezvous addresses)
         self._started = clock()
         self._cond = threading.Condition()
@@ -77,6 +85,7 @@ class Coordinator:
             again = member.joined
             member.joined, member.finished, member.exited, member.reported_gone = True, False, False, False
             member.last_seen = self._clock()
+            self._barriers.forget(worker)  # a restarted worker waits nowhere yet
             log.info("coordinator: worker %d %s", worker, "joined again" if again else "joined")
             self._cond.notify_all()
             return self._view()
@@ -113,6 +122,7 @@ class Coordinator:
         self._check(worker)
         with self._cond:
             self._members[worker].exited = True
+            self._barriers.forget(worker)
             self._cond.notify_all()
             return self._view()
 
@@ -122,36 +132,43 @@ class Coordinator:
 
         A barrier waits for every member that has not exited; a `training_only` one (the pauses
         for checkpoints and mode switches, which a worker past its data never reaches) does not
-        wait for finished members. Raises UnavailableError at once when a worker it needs is dead.
+        wait for finished members. Raises UnavailableError at once when a worker it needs is dead,
+        and FailedPreconditionError, naming who waits where, when it can never open.
         """
         self._check(worker)
         if not 0 <= wait_s <= MAX_BARRIER_WAIT_S:  # also refuses NaN
             raise InvalidArgumentError(f"barrier wait must be between 0 and {MAX_BARRIER_WAIT_S} s, got {wait_s!r}")
         with self._cond:
-            self._barriers.setdefault(name, set()).add(worker)
+            now = self._clock()
+            deadline = now + wait_s
+            self._barriers.arrive(name, worker, training_only, now, deadline)
             self._cond.notify_all()
-            deadline = self._clock() + wait_s
+            announced = self._checkpoints_requested
             while not self._barrier_open(name, training_only):
                 self._fail_if_dead(name, training_only)
+                self._fail_if_stuck(name, training_only)
                 left = deadline - self._clock()
-                if left <= 0:
+                # a checkpoint announced meanwhile: a worker waiting elsewhere hears of it now, to meet it
+                interrupted = announced != self._checkpoints_requested and not name.startswith("checkpoint")
+                if left <= 0 or interrupted:
                     return {**self._view(), "open": False, "waiting": self._missing(name, training_only)}
                 self._cond.wait(min(1.0, left))  # re-checked each second: a silent member dies
             return {**self._view(), "open": True}
 
     def request_checkpoint(self, worker: int) -> dict:
-        """Ask every worker to meet for a checkpoint after its current step (they learn it from the view).
+        """Announce a checkpoint: every worker meets at its barrier after the step at which it learns
+        of it (from any reply). Returns the view, which names it ("checkpoints_requested").
 
-        Requests coalesce: while the last one's barrier has not opened, another changes nothing (the
-        workers meet once for both), so a burst cannot make workers wait at different barriers."""
+        Requests merge: while the last checkpoint is announced and not yet written, another changes
+        nothing (the workers meet once for both), so neither a burst nor two triggers at once
+        (the chief's step count and its clock) can make workers wait at different barriers."""
         self._check(worker)
         with self._cond:
-            pending = (
-                self._checkpoints_requested
-                and timed_checkpoint_barrier(self._checkpoints_requested) not in self._opened
-            )
-            if not pending:
+            if not self._checkpoint_pending():
                 self._checkpoints_requested += 1
+                log.info(
+                    "coordinator: checkpoint #%d announced (asked by worker %d)", self._checkpoints_requested, worker
+                )
             self._cond.notify_all()
             return self._view()
 
@@ -208,40 +225,66 @@ class Coordinator:
     def _why_dead(self, member: Member) -> str:
         return f"no heartbeat for {self._clock() - member.last_seen:.0f}s, and it has not joined again"
 
-    def _missing(self, name: str, training_only: bool) -> list[int]:
-        arrived = self._barriers.get(name, set())
+    def _checkpoint_pending(self) -> bool:
+        number = self._checkpoints_requested
+        return number > 0 and f"{checkpoint_barrier(number)}:written" not in self._barriers.opened
+
+    def _missing(self, name: str, training_only: bool | None = None) -> list[int]:
+        if training_only is None:
+            training_only = self._barriers.training_only.get(name, False)
+        arrived = self._barriers.arrived.get(name, set())
         skipped = ("exited", "finished") if training_only else ("exited",)
         return [m.worker for m in self._members.values() if m.worker not in arrived and self._state(m) not in skipped]
 
     def _barrier_open(self, name: str, training_only: bool) -> bool:
-        missing = self._missing(name, training_only)
-        if name in self._opened or not missing or training_only and self._passed_by(name, missing):
-            self._opened.add(name)
+        if name in self._barriers.opened:
             return True
-        return False
-
-    def _passed_by(self, name: str, missing: list[int]) -> bool:
-        """Whether every missing worker waits at a later step's checkpoint pause: this one's checkpoint
-        was written before this coordinator started (its chief restarted), and a worker that resumed
-        behind the others reaches it alone. It goes on, to meet them at theirs."""
-        match = _STEP_PAUSE.match(name)
-        if match is None:
+        if self._missing(name, training_only):
             return False
-        later = {
-            worker
-            for barrier, arrived in self._barriers.items()
-            if barrier not in self._opened
-            and (other := _STEP_PAUSE.match(barrier))
-            and int(other.group(1)) > int(match.group(1))
-            for worker in arrived
-        }
-        return all(worker in later for worker in missing)
+        self._barriers.open(name)
+        return True
 
     def _fail_if_dead(self, name: str, training_only: bool) -> None:
         for worker in self._missing(name, training_only):
             member = self._members[worker]
             if self._state(member) == "dead":
                 raise UnavailableError(f"barrier {name!r}: worker {worker} is gone ({self._why_dead(member)})")
+
+    def _fail_if_stuck(self, name: str, training_only: bool) -> None:
+        """Fail barrier `name`, and every barrier it waits on, once none of them can ever open (within
+        half the heartbeat timeout); else say why it has not opened, after half the heartbeat timeout
+        and again after twice as long each time."""
+        if name in self._barriers.failed:
+            raise FailedPreconditionError(self._barriers.failed[name])
+        now, patience = self._clock(), self.heartbeat_timeout_s / 2
+        if now - self._barriers.started[name] < patience:
+            return
+        cycle = self._barriers.cycle(name, self._missing, now, patience)
+        if cycle is not None:
+            why = "; ".join(self._barriers.describe(b, missing, self._whereabouts) for b, missing in cycle.items())
+            message = f"barriers that can never open (each waits for workers waiting at another): {why}"
+            log.error("coordinator: %s", message)
+            for barrier in cycle:
+                self._barriers.failed[barrier] = message
+            self._cond.notify_all()
+            raise FailedPreconditionError(message)
+        if self._barriers.due_report(name, now, patience):
+            log.info(
+                "coordinator: %s, after %.0fs",
+                self._barriers.describe(name, self._missing(name, training_only), self._whereabouts),
+                now - self._barriers.started[name],
+            )
+
+    def _whereabouts(self, worker: int) -> str:
+        """Where `worker` is: at a barrier (since when), or what it does."""
+        member, now = self._members[worker], self._clock()
+        waiting = self._barriers.waiting_at(worker, now)
+        if waiting is not None:
+            return f"waits at {waiting.barrier!r} for {now - waiting.since:.0f}s"
+        state = self._state(member)
+        if state == "joining":
+            return "has not joined"
+        return f"{state} at step {member.step}, heard from {now - member.last_seen:.0f}s ago"
 
     def _live(self) -> list[int]:
         return [m.worker for m in self._members.values() if self._state(m) in ("training", "finished")]

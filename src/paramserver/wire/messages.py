@@ -285,7 +285,10 @@ class CoordinatorReply(Message):
     live: list[int] = doc_field("workers training or finished")
     workers: int = doc_field("workers in the cluster")
     states: dict[str, str] = doc_field("by worker: joining, training, finished, exited or dead")
-    checkpoints_requested: int = doc_field("timed checkpoints the chief asked for so far")
+    checkpoints_requested: int = doc_field(
+        "checkpoints announced so far: every worker meets at barrier checkpoint#<this> after the step at "
+        "which it learns of a new one"
+    )
     steps: dict[str, int] | None = doc_field("by worker: its step, as its latest heartbeat said", default=None)
     open: bool | None = doc_field("Barrier only: whether it opened", default=None)
     waiting: list[int] | None = doc_field("Barrier only, not open: the workers it waits for", default=None)
@@ -339,7 +342,7 @@ class CoordinatorLeaveRequest(JoinRequest):
 
 @message("coordinator RequestCheckpoint request")
 class RequestCheckpointRequest(JoinRequest):
-    """The chief's timer asks every worker for a checkpoint."""
+    """The chief asks for a checkpoint: one is announced, unless the last one is not written yet."""
 
 
 COORDINATOR_METHODS: dict[str, tuple[type[Message], type[Message]]] = {

@@ -1,14 +1,21 @@
 """Checkpoints from the workers' side: periodic ones (pause at a step, let every shard write,
 commit) and the final one at a clean end of training.
 
-Every `every` steps (each worker's own count), or every `every_seconds` by the chief's clock
-(the chief asks through the coordinator; the others learn it from their next heartbeat reply
-and stop after their current step), all workers meet at a barrier, so no push is in
-flight and every shard holds the same set of applied pushes (pause-apply-snapshot: a cut that is
-consistent across shards in async mode too, at the price of one pause per checkpoint). The chief
-then has every shard write its file, writes the manifest (the commit), prunes old checkpoints,
-and a second barrier lets everyone go on. With `every` and `every_seconds` both 0 nothing is
-written while training runs.
+Every `every` steps of the chief's count, or every `every_seconds` by the chief's clock, the
+chief asks the coordinator for a checkpoint; so may anyone with the chief's role (a
+RequestCheckpoint call). The coordinator decides: it announces checkpoint number k (requests
+while one is under way merge into it), the chief learns it from its request's reply and the
+others from their next reply (a heartbeat, within about a second), and every worker stops after
+its current step at the one barrier "checkpoint#k". So no push is in flight and every shard holds
+the same set of applied pushes (pause-apply-snapshot: a cut that is consistent across shards in
+async mode too, at the price of one pause per checkpoint). The chief then has every shard write
+its file, writes the manifest (the commit), prunes old checkpoints, and "checkpoint#k:written"
+lets everyone go on. With `every` and `every_seconds` both 0 nothing is written while training
+runs, unless someone asks.
+
+A worker that waits at another barrier (a mode switch, a barrier of the script) when a checkpoint
+is announced meets the others for it from there (`meet_announced`): it is at a step boundary with
+nothing in flight, and the others could not reach its barrier before the checkpoint is written.
 
 When its training is over, every worker calls `save_final` once: the workers meet at
 "checkpoint:final", the chief writes a checkpoint at its own step (unless the latest one it
@@ -35,7 +42,7 @@ from typing import Any
 from ..base.errors import FailedPreconditionError, ParamServerError, RollbackError
 from ..base.metrics import CheckpointMetrics
 from ..checkpoint.store import CheckpointError, CheckpointStore, checkpoint_name, os_reason
-from ..coordinator.membership import timed_checkpoint_barrier
+from ..coordinator.membership import checkpoint_barrier
 from . import current
 from .rollback import restarted_shard
 
@@ -56,20 +63,28 @@ class Checkpointer:
         coordinator=None,
         clock: Callable[[], float] = time.monotonic,
         report: Callable[[dict[str, Any]], None] | None = None,
+        in_step: bool = False,
     ) -> None:
         """`report(values)`: where the chief hands its counts (default: this process's Context's
-        `report_result`, which puts them in `paramserver run`'s closing JSON line)."""
+        `report_result`, which puts them in `paramserver run`'s closing JSON line). `in_step`: the
+        workers train in step (dense_sync "allreduce": every step is an all-reduce of them all), so
+        each must pause at the same step: every worker asks at its own `every`-th steps, which are
+        the chief's, and the coordinator merges their requests into one."""
         self.client = client
         self.store = store
         self.every = every if store is not None else 0
         self.every_seconds = every_seconds if store is not None and coordinator is not None else 0.0
         self.keep = keep
+        self.in_step = in_step
         self.worker_index = worker_index
         self.barrier = barrier
         self.coordinator = coordinator
         self._clock = clock
         self._last = clock()
-        self._timed_done = self._requested()  # timed checkpoints met (or asked for before this worker started)
+        # the last checkpoint this worker met: none yet, so a worker (re)started while the others wait at an
+        # announced checkpoint meets them there (one already written opens at once)
+        self._met = 0
+        self._step = 0  # the latest step `due` was asked about: where this worker is
         self._barrier_after: dict[int, str] = {}  # step -> the barrier `due` decided on for it
         # (name, the shards' counters just before it was written) of the last checkpoint this chief
         # committed: the final checkpoint is not written again when nothing changed since
@@ -86,22 +101,43 @@ class Checkpointer:
 
     def due(self, step: int) -> bool:
         """Whether the workers meet after `step`; decided here, once, so that the optimizer can
-        make sure nothing of this worker is in flight before `on_step(step)` meets them."""
+        make sure nothing of this worker is in flight before `on_step(step)` meets them. The
+        chief asks the coordinator for a checkpoint when its step count or clock says so; every
+        worker meets at the checkpoint the coordinator announced last, if it has not met it yet."""
+        self._step = step
         if step in self._barrier_after:
             return True
-        if (
-            self.every_seconds
-            and self.worker_index == 0
-            and self._requested() <= self._timed_done
-            and self._clock() - self._last >= self.every_seconds
-        ):
-            self.coordinator.request_checkpoint()
-        if self._requested() > self._timed_done:
-            self._timed_done = self._requested()
-            self._barrier_after[step] = timed_checkpoint_barrier(self._timed_done)
-        elif self.every > 0 and step > 0 and step % self.every == 0:
-            self._barrier_after[step] = f"checkpoint@{step}"
+        if self.coordinator is None:  # a worker alone: nobody to meet, its own count decides
+            if self.every > 0 and step > 0 and step % self.every == 0:
+                self._barrier_after[step] = f"checkpoint@{step}"
+            return step in self._barrier_after
+        if self._wants(step):
+            self.coordinator.request_checkpoint()  # the reply names the checkpoint (a new one, or one under way)
+        announced = self._announced()
+        if announced > self._met:
+            self._met = announced
+            self._barrier_after[step] = checkpoint_barrier(announced)
         return step in self._barrier_after
+
+    def _wants(self, step: int) -> bool:
+        """Whether this worker asks for a checkpoint after `step`: the chief by its step count and
+        clock; the others by their step count when the workers train in step."""
+        if self.worker_index != 0 and not self.in_step:
+            return False
+        if self.every > 0 and step > 0 and step % self.every == 0:
+            return True
+        return self.worker_index == 0 and bool(self.every_seconds) and self._clock() - self._last >= self.every_seconds
+
+    def meet_announced(self, timeout: float) -> bool:
+        """Meet the others at a checkpoint announced while this worker waits at another barrier (it
+        is at a step boundary, nothing in flight); returns whether it did."""
+        announced = self._announced()
+        if self.coordinator is None or announced <= self._met:
+            return False
+        self._met = announced
+        log.info("checkpoint #%d announced while waiting at a barrier: meeting the others for it", announced)
+        self._meet(checkpoint_barrier(announced), self._step, timeout)
+        return True
 
     def _writable_store(self) -> CheckpointStore:
         """The store checkpoints go to; a Checkpointer made without one never writes."""
@@ -109,7 +145,8 @@ class Checkpointer:
             raise FailedPreconditionError("this Checkpointer has no checkpoint store (no checkpoint_dir)")
         return self.store
 
-    def _requested(self) -> int:
+    def _announced(self) -> int:
+        """The number of the coordinator's latest checkpoint, as its latest reply said."""
         return int(self.coordinator.view.get("checkpoints_requested", 0)) if self.coordinator is not None else 0
 
     def on_step(self, step: int, timeout: float) -> None:
@@ -258,7 +295,7 @@ class Checkpointer:
         self.written += 1
         self._report()
         try:
-            removed = store.prune(self.keep, protect=name)
+            removed = store.prune(self.keep, protect=name) + self._discard_strays(name)
         except (CheckpointError, OSError) as exc:
             removed = []
             log.warning("%s %s: committed, but older checkpoints could not be deleted: %s", what, name, exc)
@@ -292,6 +329,16 @@ class Checkpointer:
             store.remove_temporary()
         except CheckpointError as exc:
             log.warning("cannot remove the temporary files of earlier writes: %s", exc)
+
+    def _discard_strays(self, name: str) -> list[str]:
+        """Delete the incomplete checkpoints newer than `name`, just committed: no prune would reach them."""
+        store = self._writable_store()
+        strays = store.strays_after(name)
+        for stray in strays:
+            store.discard(stray)
+        if strays:
+            log.warning("checkpoint %s: deleted incomplete checkpoints named after it: %s", name, ", ".join(strays))
+        return strays
 
     def _discard(self, name: str) -> None:
         """Delete what a failed checkpoint wrote (shard files without a manifest)."""

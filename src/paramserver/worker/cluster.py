@@ -174,7 +174,14 @@ def _pauses(config: NodeConfig, client: PSClient, coordinator: CoordinatorClient
         pause without waiting for those already there); then wait on membership, not on a
         deadline. Only the final checkpoint's waits for workers past their data too."""
         client.leave(options.rpc_timeout_s, barrier=name)
-        coordinator.barrier(name, training_only=not (final and name.startswith(final)))
+        between = None
+        if checkpointer is not None and not name.startswith("checkpoint"):  # a mode switch's pause
+
+            def between() -> None:
+                if checkpointer.meet_announced(options.rpc_timeout_s):
+                    client.leave(options.rpc_timeout_s, barrier=name)  # back at this one
+
+        coordinator.barrier(name, training_only=not (final and name.startswith(final)), between=between)
 
     if options.checkpoint_dir:  # imported here: a worker that never checkpoints never loads fsspec
         from ..checkpoint.store import CheckpointStore
@@ -190,5 +197,6 @@ def _pauses(config: NodeConfig, client: PSClient, coordinator: CoordinatorClient
             meet,
             options.checkpoint_every_seconds,
             coordinator,
+            in_step=options.dense_sync == "allreduce",
         )
     return checkpointer, meet

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -186,7 +187,20 @@ class Context:
             optimizer.synchronize()
         self.client.leave(self.options.rpc_timeout_s, barrier=name)
         self._step_out(always=True)
-        self.coordinator.barrier(name, timeout)
+        self.coordinator.barrier(name, timeout, between=self._meet_announced_checkpoint(name))
+
+    def _meet_announced_checkpoint(self, barrier: str) -> Callable[[], None] | None:
+        """What a worker waiting at `barrier` does when a checkpoint is announced: it meets the others
+        for it (they cannot reach `barrier` before it is written), then waits at `barrier` again."""
+        checkpointer = self.checkpointer
+        if checkpointer is None:
+            return None
+
+        def between() -> None:
+            if checkpointer.meet_announced(self.options.rpc_timeout_s):
+                self.client.leave(self.options.rpc_timeout_s, barrier=barrier)
+
+        return between
 
     def cluster_view(self) -> dict:
         """The coordinator's latest word: global step (all workers' steps), live workers, worker count."""

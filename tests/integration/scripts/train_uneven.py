@@ -1,6 +1,8 @@
 """Async workers with different amounts of data: worker i trains --steps + i * --extra steps of
 a small named model (SGD), then reports its step count and, on the last worker, a checksum of
-the PS's final values (it finishes last, so nothing changes them after it)."""
+the PS's final values. Every worker meets the others after its first --steps steps, so the last
+worker's extra steps come after every other worker's last one: nothing changes the values after
+its checksum."""
 
 import argparse
 
@@ -26,6 +28,8 @@ for step in range(ctx.resume_step, steps):
     opt.zero_grad()
     F.mse_loss(model(x), y).backward()
     opt.step()
+    if step + 1 == args.steps:
+        ctx.barrier("common-steps-done")
 result = {f"worker{ctx.worker_index}_steps": steps}
 if ctx.worker_index == ctx.num_workers - 1:
     opt.pull()

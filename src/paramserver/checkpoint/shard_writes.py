@@ -1,0 +1,80 @@
+"""The checkpoint files a PS writes when the wire asks (a Checkpoint call): names in sequence only.
+
+The chief names a checkpoint by its step and takes it in two moves: every shard writes its file,
+then the chief commits the manifest (or deletes what was written, when a shard failed). Its steps
+only grow, so on one PS the names it asks for only grow, and each is committed (or deleted)
+before the next is asked for. What a PS accepts follows from that:
+
+- A name older than the checkpoint this PS started from, or than one it wrote that was
+  committed since, is behind the sequence: refused (FAILED_PRECONDITION), before anything is
+  read or written.
+- A PS holds at most one checkpoint of its own that is not committed: before it writes another
+  name it deletes what it wrote last if nobody committed it. A name far ahead of the chief's step
+  (the chief's role suffices to ask) therefore costs one file, gone at the next checkpoint, never
+  a disk filled with names that no prune reaches (incomplete checkpoints newer than the latest
+  are never pruned, and are never resumed from).
+
+Refusals raise before any snapshot or lock (the dispatcher audits them like every refusal).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from typing import Any
+
+from ..base.errors import FailedPreconditionError
+from . import shard_file
+from .store import MANIFEST, CheckpointError, CheckpointStore
+
+log = logging.getLogger(__name__)
+
+
+class ShardWrites:
+    """The Checkpoint calls of one PS, writing under its own `directory`. Thread-safe: one write at a time."""
+
+    def __init__(self, directory: str) -> None:
+        self.store = CheckpointStore(directory)
+        self._lock = threading.Lock()
+        self._last: str | None = None  # the name this PS wrote last
+        self._committed: str | None = None  # the newest of its names known to be committed
+
+    def __call__(self, name: str, shard: Any) -> dict[str, Any]:
+        """Write `shard`'s file of checkpoint `name`; returns its manifest entry."""
+        self.store.check_new(name)  # a checkpoint name, not a committed checkpoint
+        with self._lock:
+            self._check_in_sequence(name, shard)
+            self._drop_uncommitted(name)
+            entry = shard_file.write(self.store, name, shard, shard.tables)
+            self._last = name
+        return dataclasses.asdict(entry)
+
+    def _check_in_sequence(self, name: str, shard: Any) -> None:
+        if self._last is not None and self._last != name and self._is_committed(self._last):
+            self._committed = max(self._committed or self._last, self._last)
+        restored = shard.restore.name if shard.restore is not None else None
+        floor = max((n for n in (restored, self._committed) if n is not None), default=None)
+        if floor is not None and name < floor:
+            raise FailedPreconditionError(
+                f"checkpoint {name} is behind the sequence: this PS {'started from' if floor == restored else 'wrote'} "
+                f"{floor}, and checkpoint names only grow"
+            )
+
+    def _drop_uncommitted(self, name: str) -> None:
+        """Delete the checkpoint this PS wrote last if nobody committed it (a failed or a stray one)."""
+        last = self._last
+        if last is None or last == name:
+            return
+        try:
+            if self.store.discard(last):
+                log.warning("checkpoint %s: never committed; deleted before %s is written", last, name)
+        except CheckpointError as exc:
+            log.warning("checkpoint %s: never committed, and cannot be deleted: %s", last, exc)
+
+    def _is_committed(self, name: str) -> bool:
+        path = self.store.path(name, MANIFEST)
+        try:
+            return bool(self.store.fs.exists(path))
+        except OSError:
+            return False
