@@ -280,3 +280,23 @@ def test_the_memory_tier_drops_rows_by_moving_its_last_rows_into_their_places(bo
         assert (rows >= 0).all() and (rows < hot.size).all()  # rows stay 0..size-1
         np.testing.assert_array_equal(hot.values[rows], np.array([expected[k] for k in kept.tolist()]))
         np.testing.assert_array_equal(hot.ids[rows], kept)
+
+
+@pytest.mark.parametrize("spread", [50, 10**9])  # counted per touch time, or partitioned
+def test_the_memory_tier_picks_its_least_recently_touched_rows_to_drop(spread):
+    from paramserver.server.hot_rows import HotRows
+    from paramserver.server.row_record import RowRecord
+
+    hot = HotRows(RowRecord(4, build_sparse_optimizer(OPTIMIZERS["sgd"]), tracks_use=False), 1000)
+    rng = np.random.default_rng(6)
+    hot.add(np.arange(1000, dtype=np.int64), hot.record.empty(1000), clock=0, on_disk=False)
+    clock = spread
+    hot.touched[:] = rng.integers(0, clock + 1, 1000)
+    for count in (0, 1, 300, 999, 2000):
+        picked = hot.least_recent(count, clock)
+        idle = np.flatnonzero(hot.touched < clock)
+        assert picked.shape[0] == min(count, idle.shape[0]) == np.unique(picked).shape[0]
+        assert (hot.touched[picked] < clock).all()
+        rest = np.setdiff1d(idle, picked)
+        if picked.shape[0] and rest.shape[0]:
+            assert hot.touched[picked].max() <= hot.touched[rest].min()

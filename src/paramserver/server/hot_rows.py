@@ -103,10 +103,20 @@ class HotRows:
 
     def least_recent(self, count: int, clock: int) -> np.ndarray:
         """Up to `count` rows least recently touched, of those not touched at `clock` (in use now)."""
-        idle = np.flatnonzero(self.touched[: self.size] < clock)
-        if idle.shape[0] <= count:
-            return idle
-        return idle[np.argpartition(self.touched[idle], count - 1)[:count]]
+        touched = self.touched[: self.size]
+        oldest = int(touched.min()) if touched.shape[0] else clock
+        if clock - oldest > 4 * max(touched.shape[0], 1):  # touch times too spread for a count of each
+            idle = np.flatnonzero(touched < clock)
+            if idle.shape[0] <= count:
+                return idle
+            return idle[np.argpartition(touched[idle], count - 1)[:count]]
+        # a count of rows per touch time finds the cutoff: every row older, then enough of those at it
+        older_than = np.cumsum(np.bincount(touched - oldest, minlength=clock - oldest))
+        cutoff = oldest + min(int(np.searchsorted(older_than, count)), clock - oldest)
+        older = np.flatnonzero(touched < cutoff)
+        if cutoff == clock or older.shape[0] >= count:
+            return older[:count]
+        return np.concatenate([older, np.flatnonzero(touched == cutoff)[: count - older.shape[0]]])
 
     def remove(self, rows: np.ndarray) -> None:
         """Drop these rows (distinct). The last rows move into the places they free, so rows stay

@@ -18,13 +18,16 @@ with 16 KiB blocks, measured): gets go 4096 keys at a time, with 4 KiB blocks. W
 
 The spill is a cache of the training state, rebuilt from a checkpoint on restart: no write-ahead
 log, no fsync, and a store is never reopened (SpillSpace deletes what a dead PS left).
-Not thread-safe: the owning table serializes calls (TableStore's lock).
+Not thread-safe: the owning table serializes calls (TableStore's lock). A get spreads its
+multi-gets over READERS threads of the store's own ("spill-read"), and waits for them.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import cast
 
 import numpy as np
@@ -35,6 +38,7 @@ from .row_record import RowRecord
 
 GET_BATCH = 4096  # keys per multi-get: each may hold a block (4 KiB) until the batch is served
 PUT_BATCH = 65536  # rows per write batch
+READERS = 2  # threads of a store that serve a get's multi-gets side by side (a PS has few cores)
 _SIGN = np.uint64(1 << 63)  # big-endian keys with the sign bit flipped: byte order = signed id order
 
 
@@ -121,20 +125,23 @@ class SpillStore:
         reads.fill_cache(False)  # type: ignore[call-arg]
         self._db.set_read_options(reads)
         self.reads = self.writes = 0  # rows read from and written to disk
+        self._readers = ThreadPoolExecutor(READERS, thread_name_prefix="spill-read")
 
     def get(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(found, records): whether each id has a record here, and the records of those found, in order."""
-        found = np.zeros(ids.shape[0], bool)
-        parts = []
-        for lo in range(0, ids.shape[0], GET_BATCH):
-            with _failing_as_spill_error(self.path, "read rows"):
-                got = cast(list, self._db.get(keys_of(ids[lo : lo + GET_BATCH])))
-            hits = [value for value in got if value is not None]
-            found[lo : lo + len(got)] = [value is not None for value in got]
-            parts.append(b"".join(hits))
-        records = np.frombuffer(b"".join(parts), self.record.dtype).copy()
+        """(found, records): whether each id has a record here, and the records of those found, in order.
+        Multi-gets of GET_BATCH keys run READERS at a time (RocksDB reads without holding the GIL)."""
+        chunks = [ids[lo : lo + GET_BATCH] for lo in range(0, ids.shape[0], GET_BATCH)]
+        answers = list(self._readers.map(self._multi_get, chunks) if len(chunks) > 1 else map(self._multi_get, chunks))
+        found = np.concatenate([hits for hits, _ in answers]) if answers else np.zeros(0, bool)
+        records = np.frombuffer(b"".join(packed for _, packed in answers), self.record.dtype).copy()
         self.reads += records.shape[0]
         return found, records
+
+    def _multi_get(self, ids: np.ndarray) -> tuple[np.ndarray, bytes]:
+        """(found, the records found, packed) of one chunk of ids."""
+        with _failing_as_spill_error(self.path, "read rows"):
+            got = cast(list, self._db.get(keys_of(ids)))
+        return np.array([value is not None for value in got], bool), b"".join(filter(None, got))
 
     def contains(self, ids: np.ndarray) -> np.ndarray:
         return self.get(ids)[0]
@@ -143,8 +150,8 @@ class SpillStore:
         """Write (or overwrite) the records of `ids`."""
         for lo in range(0, ids.shape[0], PUT_BATCH):
             batch = rocksdict.WriteBatch(raw_mode=True)
-            for key, value in zip(keys_of(ids[lo : lo + PUT_BATCH]), values_of(records[lo : lo + PUT_BATCH])):
-                batch.put(key, value)
+            puts = map(batch.put, keys_of(ids[lo : lo + PUT_BATCH]), values_of(records[lo : lo + PUT_BATCH]))
+            collections.deque(puts, maxlen=0)  # runs them without a Python loop per row
             with _failing_as_spill_error(self.path, "write rows"):
                 self._db.write(batch, self._write)
         self.writes += ids.shape[0]
@@ -187,5 +194,6 @@ class SpillStore:
 
     def close(self) -> None:
         """Close and delete the store's files."""
+        self._readers.shutdown()
         self._db.close()
         rocksdict.Rdict.destroy(self.path, self._options)
