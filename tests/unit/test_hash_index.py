@@ -131,3 +131,34 @@ def test_an_index_holding_a_known_batch_takes_it_without_growing():
         index = HashIndex.holding(n)
         index.insert(np.arange(n, dtype=np.int64))
         assert not index.growing and index.capacity <= max(16, 6 * n)  # a power of two under twice n / (3/8)
+
+
+def test_removed_ids_are_forgotten_and_the_others_keep_their_rows():
+    rng = np.random.default_rng(3)
+    ids = np.unique(rng.integers(-(2**63), 2**63 - 1, 5_000, dtype=np.int64))
+    index = HashIndex.holding(ids.size)
+    rows = index.insert(ids)
+    reference = dict(zip(ids.tolist(), rows.tolist()))
+    for _ in range(20):  # removals interleaved with insertions: probe runs broken and refilled
+        gone = rng.choice(np.array(list(reference), np.int64), 200, replace=False)
+        index.remove(np.concatenate([gone, np.array([12345], np.int64)]))  # an absent id is skipped
+        for key in gone.tolist():
+            del reference[key]
+        back = gone[:100]
+        index.place(back, np.arange(100, dtype=np.int64) + 10_000)
+        reference.update(zip(back.tolist(), range(10_000, 10_100)))
+        keys = np.array(list(reference), np.int64)
+        np.testing.assert_array_equal(index.find(keys), [reference[k] for k in keys.tolist()])
+        np.testing.assert_array_equal(index.find(gone[100:]), -1)
+        assert index.size == len(reference)
+
+
+def test_colliding_ids_removed_from_the_middle_of_a_probe_run_leave_the_rest_findable():
+    index = HashIndex(16)
+    ids = np.arange(0, 8 * 4096, 4096, dtype=np.int64)  # one home: one run of 8 slots
+    index.insert(ids)
+    index.remove(ids[[1, 4]])
+    kept = ids[[0, 2, 3, 5, 6, 7]]
+    np.testing.assert_array_equal(index.find(kept), [0, 2, 3, 5, 6, 7])
+    np.testing.assert_array_equal(index.find(ids[[1, 4]]), [-1, -1])
+    assert index.size == 6

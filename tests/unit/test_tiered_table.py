@@ -256,3 +256,47 @@ def test_a_ps_removes_only_its_own_stale_spill_directories(tmp_path):
     finally:
         os.close(lock)
     assert [p.name for p in remove_stale(tmp_path, 0)] == ["shard-0-live"]  # its PS is gone now
+
+
+def test_the_memory_tier_drops_rows_by_moving_its_last_rows_into_their_places(both_kernel_paths):
+    from paramserver.server.hot_rows import HotRows
+    from paramserver.server.row_record import RowRecord
+
+    record = RowRecord(4, build_sparse_optimizer(OPTIMIZERS["adagrad"]), tracks_use=False)
+    hot = HotRows(record, 1000)
+    rng = np.random.default_rng(5)
+    ids = rng.permutation(np.arange(-500, 500, dtype=np.int64) * 7919)
+    records = record.from_arrays(1000, {"values": rng.standard_normal((1000, 4)).astype(np.float32)})
+    hot.add(ids, records, clock=1, on_disk=False)
+    expected = dict(zip(ids.tolist(), records["values"]))
+    for _ in range(5):
+        dropped = rng.choice(hot.size, 120, replace=False)
+        for key in hot.ids[dropped].tolist():
+            del expected[key]
+        hot.remove(dropped)
+        assert hot.size == len(expected)
+        kept = np.array(list(expected), np.int64)
+        rows = hot.find(kept)
+        assert (rows >= 0).all() and (rows < hot.size).all()  # rows stay 0..size-1
+        np.testing.assert_array_equal(hot.values[rows], np.array([expected[k] for k in kept.tolist()]))
+        np.testing.assert_array_equal(hot.ids[rows], kept)
+
+
+@pytest.mark.parametrize("spread", [50, 10**9])  # counted per touch time, or partitioned
+def test_the_memory_tier_picks_its_least_recently_touched_rows_to_drop(spread):
+    from paramserver.server.hot_rows import HotRows
+    from paramserver.server.row_record import RowRecord
+
+    hot = HotRows(RowRecord(4, build_sparse_optimizer(OPTIMIZERS["sgd"]), tracks_use=False), 1000)
+    rng = np.random.default_rng(6)
+    hot.add(np.arange(1000, dtype=np.int64), hot.record.empty(1000), clock=0, on_disk=False)
+    clock = spread
+    hot.touched[:] = rng.integers(0, clock + 1, 1000)
+    for count in (0, 1, 300, 999, 2000):
+        picked = hot.least_recent(count, clock)
+        idle = np.flatnonzero(hot.touched < clock)
+        assert picked.shape[0] == min(count, idle.shape[0]) == np.unique(picked).shape[0]
+        assert (hot.touched[picked] < clock).all()
+        rest = np.setdiff1d(idle, picked)
+        if picked.shape[0] and rest.shape[0]:
+            assert hot.touched[picked].max() <= hot.touched[rest].min()

@@ -92,6 +92,33 @@ void ps_index_place(int64_t *slots, int64_t capacity, const int64_t *ids, const 
     }
 }
 
+/* Remove ids (absent ones are skipped) from an index that is not growing; returns how many were
+ * there. Backward-shift deletion: the slots after a freed one that probed past it move back into
+ * it, so every probe run stays unbroken and no tombstones are left to slow later probes. */
+int64_t ps_index_remove(int64_t *slots, int64_t capacity, const int64_t *ids, int64_t n) {
+    uint64_t mask = (uint64_t)capacity - 1;
+    int64_t removed = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (i + AHEAD < n) __builtin_prefetch(&slots[2 * slot_of(ids[i + AHEAD], mask)], 1);
+        uint64_t s = slot_of(ids[i], mask);
+        while (slots[2 * s + 1] != 0 && slots[2 * s] != ids[i]) s = (s + 1) & mask;
+        if (slots[2 * s + 1] == 0) continue;
+        removed++;
+        uint64_t hole = s;
+        for (uint64_t j = (s + 1) & mask; slots[2 * j + 1] != 0; j = (j + 1) & mask) {
+            uint64_t home = slot_of(slots[2 * j], mask);
+            if (((j - home) & mask) >= ((j - hole) & mask)) { /* its probe passes the hole: it may sit there */
+                slots[2 * hole] = slots[2 * j];
+                slots[2 * hole + 1] = slots[2 * j + 1];
+                hole = j;
+            }
+        }
+        slots[2 * hole] = 0;
+        slots[2 * hole + 1] = 0;
+    }
+    return removed;
+}
+
 /* ---- A growing index (server/hash_index.py): ids move from `old` to `slots` (twice its size),
  * old slot by old slot from `start` on. An id whose home in `old`, counted from `start`, lies
  * below `moved` lives in `slots`; any other in `old`, unless a probe of `old` for it runs into

@@ -34,6 +34,8 @@ def _load() -> ctypes.CDLL | None:
     lib.ps_index_find.argtypes = [p, i64, p, i64, p]
     lib.ps_index_place.argtypes = [p, i64, p, p, i64]
     lib.ps_index_move.argtypes = [p, i64, i64, p, i64]
+    lib.ps_index_remove.argtypes = [p, i64, p, i64]
+    lib.ps_index_remove.restype = i64
     lib.ps_index_find_growing.argtypes = [p, i64, i64, i64, p, i64, p, i64, p]
     lib.ps_index_place_growing.argtypes = [p, i64, i64, i64, p, i64, p, p, i64]
     lib.ps_gather_rows.argtypes = [p, p, i64, i64, p]

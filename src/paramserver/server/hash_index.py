@@ -105,17 +105,40 @@ class HashIndex:
 
     def insert(self, ids: np.ndarray) -> np.ndarray:
         """Store ids that are absent and distinct; returns their new rows (size, size+1, ...)."""
-        ids = np.ascontiguousarray(ids, np.int64)
+        new_rows = np.arange(self.size, self.size + np.shape(ids)[0], dtype=np.int64)
+        self.place(ids, new_rows)
+        return new_rows
+
+    def place(self, ids: np.ndarray, rows: np.ndarray) -> None:
+        """Store ids that are absent and distinct with the given rows (the caller keeps rows unique:
+        a table that renumbers rows after `remove`)."""
+        ids, rows = np.ascontiguousarray(ids, np.int64), np.ascontiguousarray(rows, np.int64)
         self._grow_share(ids.shape[0])
         if self.size + ids.shape[0] > _MAX_LOAD * self._slots.shape[0]:
             self._grow_now(self.size + ids.shape[0])
-        new_rows = np.arange(self.size, self.size + ids.shape[0], dtype=np.int64)
         if self._next is None:
-            _place(self._slots, ids, new_rows)
+            _place(self._slots, ids, rows)
         else:
-            _place_growing(self._slots, self._start, self._moved, self._next, ids, new_rows)
+            _place_growing(self._slots, self._start, self._moved, self._next, ids, rows)
         self.size += ids.shape[0]
-        return new_rows
+
+    def remove(self, ids: np.ndarray) -> None:
+        """Forget these ids (absent ones are skipped); the rows of the others do not change. A growth
+        under way is finished first. Without the C kernels the index is rebuilt without them."""
+        ids = np.ascontiguousarray(ids, np.int64)
+        if self._next is not None:
+            self._advance(self._slots.shape[0])
+        if kernels.KERNELS is not None:
+            removed = kernels.KERNELS.ps_index_remove(
+                kernels.ptr(self._slots), self._slots.shape[0], kernels.ptr(ids), ids.shape[0]
+            )
+            self.size -= removed
+            return
+        keys, rows = self.items()
+        kept = ~np.isin(keys, ids)
+        self._slots[:] = 0
+        _place(self._slots, np.ascontiguousarray(keys[kept]), np.ascontiguousarray(rows[kept]))
+        self.size = int(kept.sum())
 
     def items(self) -> tuple[np.ndarray, np.ndarray]:
         """All stored (ids, rows), ordered by row."""

@@ -5,8 +5,9 @@ C-contiguous array of `capacity` rows, taken once at that size: zeros from fresh
 rows not filled yet cost no resident memory. Per row the tier also keeps its id, when it was last
 touched (the table's touch clock: the least recently touched rows go first), whether a copy of it
 is on disk, and whether it changed since it was read from there (dirty). Rows are 0..size-1: new
-ones are appended; removing rows compacts the rest in place (in chunks: no whole copy) and
-rebuilds the index (the old one freed first), so memory never holds two of anything.
+ones are appended; removing rows moves the last rows into the places freed (as many rows copied
+as removed, in chunks) and the index forgets or renumbers just those ids (HashIndex.remove), so
+memory never holds two of anything and a drop costs in proportion to what it drops.
 Not thread-safe: the owning table serializes calls.
 """
 
@@ -56,6 +57,7 @@ class HotRows:
         self.on_disk = np.zeros(capacity, bool)  # a copy is on disk (stale when dirty)
         self.dirty = np.zeros(capacity, bool)  # changed since read from disk (or never written there)
         self.index = HashIndex.holding(capacity)
+        self._row_items = {name: _row_items(array) for name, array in self.fields.items()}
 
     @property
     def size(self) -> int:
@@ -101,24 +103,40 @@ class HotRows:
 
     def least_recent(self, count: int, clock: int) -> np.ndarray:
         """Up to `count` rows least recently touched, of those not touched at `clock` (in use now)."""
-        idle = np.flatnonzero(self.touched[: self.size] < clock)
-        if idle.shape[0] <= count:
-            return idle
-        return idle[np.argpartition(self.touched[idle], count - 1)[:count]]
+        touched = self.touched[: self.size]
+        oldest = int(touched.min()) if touched.shape[0] else clock
+        if clock - oldest > 4 * max(touched.shape[0], 1):  # touch times too spread for a count of each
+            idle = np.flatnonzero(touched < clock)
+            if idle.shape[0] <= count:
+                return idle
+            return idle[np.argpartition(touched[idle], count - 1)[:count]]
+        # a count of rows per touch time finds the cutoff: every row older, then enough of those at it
+        older_than = np.cumsum(np.bincount(touched - oldest, minlength=clock - oldest))
+        cutoff = oldest + min(int(np.searchsorted(older_than, count)), clock - oldest)
+        older = np.flatnonzero(touched < cutoff)
+        if cutoff == clock or older.shape[0] >= count:
+            return older[:count]
+        return np.concatenate([older, np.flatnonzero(touched == cutoff)[: count - older.shape[0]]])
 
     def remove(self, rows: np.ndarray) -> None:
-        """Drop these rows; the others keep their order."""
+        """Drop these rows (distinct). The last rows move into the places they free, so rows stay
+        0..size-1 and a drop costs a copy of as many rows as it drops, not of the whole tier, and
+        no index rebuild: the index forgets the dropped ids and renumbers the moved ones."""
         if not rows.shape[0]:
             return
-        keep = np.ones(self.size, bool)
-        keep[rows] = False
-        kept = np.flatnonzero(keep)
-        first = int(rows.min())  # rows before it stay where they are
-        for array in (*self.fields.values(), self.ids, self.touched, self.on_disk, self.dirty):
-            for lo in range(first, kept.shape[0], _MOVE_ROWS):
-                hi = min(lo + _MOVE_ROWS, kept.shape[0])
-                array[lo:hi] = array[kept[lo:hi]]  # its sources lie at lo or after: not overwritten yet
-        self._reindex(kept.shape[0])
+        left = self.size - rows.shape[0]
+        in_tail = np.zeros(rows.shape[0], bool)  # which of the last rows.shape[0] rows are dropped
+        in_tail[rows[rows >= left] - left] = True
+        movers = left + np.flatnonzero(~in_tail)
+        holes = np.sort(rows[rows < left])  # as many as movers
+        self.index.remove(self.ids[rows])
+        if not movers.shape[0]:
+            return
+        self.index.remove(self.ids[movers])
+        for array in (*self._row_items.values(), self.ids, self.touched, self.on_disk, self.dirty):
+            for lo in range(0, movers.shape[0], _MOVE_ROWS):
+                array[holes[lo : lo + _MOVE_ROWS]] = array[movers[lo : lo + _MOVE_ROWS]]
+        self.index.place(self.ids[holes], holes)
 
     def _reindex(self, size: int) -> None:
         del self.index  # freed before the new one is made
@@ -136,6 +154,13 @@ class HotRows:
         del self.index
         moved._reindex(size)
         self.__dict__.update(moved.__dict__)
+
+
+def _row_items(array: np.ndarray) -> np.ndarray:
+    """`array` (rows first, C-contiguous) seen as one opaque item per row: a fancy index of it copies
+    each row with one memcpy (a field of several columns is otherwise copied column by column)."""
+    width = array.dtype.itemsize * int(np.prod(array.shape[1:], dtype=np.int64))
+    return array.reshape(array.shape[0], -1).view(np.dtype((np.void, width))).reshape(array.shape[0])
 
 
 def _zeros(capacity: int, field: np.dtype) -> np.ndarray:

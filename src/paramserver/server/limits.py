@@ -117,6 +117,8 @@ def check_new_rows(limits: TableLimits, table: Table, ids: np.ndarray, used: int
 def _check_tiered_rows(limits: TableLimits, table: TieredTable, ids: np.ndarray) -> None:
     """A tiered table's lookup: its new rows go to disk when memory is full, so only rows count,
     every id not in memory as a new one."""
+    if table.size + ids.shape[0] <= limits.max_tiered_rows:  # fits even if every id is new: no look-up
+        return
     missing = int(np.unique(ids[table.hot.find(ids) < 0]).shape[0]) if ids.shape[0] else 0
     if missing and table.size + missing > limits.max_tiered_rows:
         raise ResourceExhaustedError(

@@ -12,12 +12,13 @@ together, as one record (row_record.py).
 Which rows stay in memory: the least recently touched go first. Every read or update of a batch
 (every 64k distinct ids of it) advances a touch clock and stamps the rows it touches; when new rows
 need room, the memory tier drops an eighth of its capacity (at least what is needed), least
-recently stamped first, never rows of the batch in hand. An eviction batch compacts the arrays
-and rebuilds the index: dropping in batches spreads that cost over many rows.
+recently stamped first, never rows of the batch in hand (HotRows.remove: a drop costs in
+proportion to the rows dropped, whatever the tier's size).
 
 The table keeps no index of its rows on disk (that is RocksDB's): memory holds the hot rows, the
 ids looked up but not admitted yet (as EmbeddingTable does) and counts. Not thread-safe:
-TableStore's lock serializes every call, row_chunks' iteration included.
+TableStore's lock serializes every call, row_chunks' iteration included (the store's reader
+threads only serve the get in hand).
 """
 
 from __future__ import annotations
