@@ -25,12 +25,12 @@ class Cluster:
     """`num_ps` shards of table t, each writing its incremental files (ShardWrites) into `chain`
     and, at the same points, whole files into `whole`."""
 
-    def __init__(self, tmp_path, num_ps=1, seed=0):
+    def __init__(self, tmp_path, num_ps=1, seed=0, policy=POLICY):
         self.num_ps = num_ps
         self.shards = []
         for index in range(num_ps):
             tables = TableStore(index)
-            tables.register("t", 4, ADAGRAD, INIT, policy=POLICY, num_shards=num_ps)
+            tables.register("t", 4, ADAGRAD, INIT, policy=policy, num_shards=num_ps)
             self.shards.append(Shard(index, tables=tables))
         self.writes = [ShardWrites(str(tmp_path / "chain")) for _ in range(num_ps)]
         self.chain = self.writes[0].store
@@ -204,3 +204,54 @@ def test_a_missing_base_makes_the_chain_unusable(tmp_path):
     with pytest.raises(CheckpointError, match="ckpt-000000001"):
         RestoreSource(cluster.chain, checkpoint_name(3))
     assert RestoreSource.latest(cluster.chain) is None
+
+
+class ChainClient:
+    """The chief's view of a Cluster: its Checkpoint calls go to the shards' ShardWrites."""
+
+    channels = [object()]
+    incarnations = [None]
+    consistency = type("Spec", (), {"to_dict": lambda self: {"mode": "async"}})()
+
+    def __init__(self, cluster):
+        self.cluster = cluster
+        self.asked = []  # the parent each checkpoint was asked on
+
+    def checkpoint(self, name, timeout, parent=""):
+        self.asked.append(parent)
+        return [w(name, s, parent=parent) for w, s in zip(self.cluster.writes, self.cluster.shards)]
+
+    def shard_stats(self):
+        return None
+
+
+def test_the_chief_writes_a_base_every_k_checkpoints_and_deltas_between(tmp_path):
+    from paramserver.worker.checkpoints import Checkpointer
+
+    cluster = Cluster(tmp_path, policy={})
+    cluster.train(1, universe=3000, batch=2000)
+    client = ChainClient(cluster)
+    chief = Checkpointer(client, cluster.chain, 0, 2, 0, lambda name, timeout: None, report=lambda values: None,
+                         base_every=3)
+    for step in range(1, 8):
+        cluster.train(1, batch=5)
+        chief.save(step, 10.0, counters=[])
+    names = [checkpoint_name(step) for step in range(1, 8)]
+    assert client.asked == ["", names[0], names[1], "", names[3], names[4], ""]
+    manifest = cluster.chain.manifest(names[5])
+    assert (manifest["parent"], manifest["base"]) == (names[4], names[3])
+    # keep=2 keeps 6 and 7 (a base) and what 6 needs: 4 and 5
+    assert cluster.chain.complete() == names[3:]
+
+
+def test_a_chain_past_its_share_of_the_base_starts_a_new_base(tmp_path):
+    from paramserver.worker.checkpoints import Checkpointer
+
+    cluster = Cluster(tmp_path)
+    client = ChainClient(cluster)
+    chief = Checkpointer(client, cluster.chain, 0, 5, 0, lambda name, timeout: None, report=lambda values: None,
+                         base_every=100)
+    for step in range(1, 6):
+        cluster.train(3, universe=200, batch=150)  # most rows change: each delta is most of a base
+        chief.save(step, 10.0, counters=[])
+    assert client.asked[:3] == ["", checkpoint_name(1), ""]
