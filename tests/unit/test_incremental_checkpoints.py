@@ -25,14 +25,14 @@ class Cluster:
     """`num_ps` shards of table t, each writing its incremental files (ShardWrites) into `chain`
     and, at the same points, whole files into `whole`."""
 
-    def __init__(self, tmp_path, num_ps=1, seed=0, policy=POLICY):
+    def __init__(self, tmp_path, num_ps=1, seed=0, policy=POLICY, chain_url=None):
         self.num_ps = num_ps
         self.shards = []
         for index in range(num_ps):
             tables = TableStore(index)
             tables.register("t", 4, ADAGRAD, INIT, policy=policy, num_shards=num_ps)
             self.shards.append(Shard(index, tables=tables))
-        self.writes = [ShardWrites(str(tmp_path / "chain")) for _ in range(num_ps)]
+        self.writes = [ShardWrites(chain_url or str(tmp_path / "chain")) for _ in range(num_ps)]
         self.chain = self.writes[0].store
         self.whole = CheckpointStore(str(tmp_path / "whole"))
         self.rng = np.random.default_rng(seed)

@@ -88,18 +88,35 @@ class RowSnapshot:
             return None
         lo = self.cursor
         hi = min(lo + self.slice_rows, self.size)
+        aside = self._aside.pop(lo // self.slice_rows, [])
+        self.kept_bytes -= sum(array.nbytes for _, saved in aside for array in saved.values())
+        self.cursor = hi
+        at = self._written
+        if self.since is not None:
+            arrays = self._changed_rows(lo, hi, aside)
+            self._written += len(arrays["ids"])
+            return at, arrays
         arrays = {name: self._array(name)[lo:hi].copy() for name in self._names}
-        for rows, saved in self._aside.pop(lo // self.slice_rows, []):
+        for rows, saved in aside:
             for name, array in arrays.items():
                 array[rows - lo] = saved[name]
-            self.kept_bytes -= sum(array.nbytes for array in saved.values())
-        self.cursor = hi
-        if self.since is not None:
-            changed = arrays.pop("changed") > self.since
-            arrays = {name: array[changed] for name, array in arrays.items()}
-        at = self._written
-        self._written += hi - lo if self.since is None else int(changed.sum())
+        self._written += hi - lo
         return at, arrays
+
+    def _changed_rows(self, lo: int, hi: int, aside: list) -> dict[str, np.ndarray]:
+        """A delta's slice: the rows of lo..hi whose epoch at the start is after `since` (the
+        stamps are read first, so only those rows are copied)."""
+        stamps = self._array("changed")[lo:hi].copy()
+        for rows, saved in aside:
+            stamps[rows - lo] = saved["changed"]
+        picked = np.flatnonzero(stamps > self.since)
+        arrays = {name: self._array(name)[lo + picked] for name in self.layout}
+        for rows, saved in aside:  # rows changed since the start: their contents as at the start
+            at = np.minimum(np.searchsorted(picked, rows - lo), max(picked.shape[0] - 1, 0))
+            hit = (picked[at] == rows - lo) if picked.shape[0] else np.zeros(rows.shape[0], bool)
+            for name, array in arrays.items():
+                array[at[hit]] = saved[name][hit]
+        return arrays
 
 
 def _count_changed(changed: np.ndarray, size: int, since: int, block: int) -> int:
