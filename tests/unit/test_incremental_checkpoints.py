@@ -255,3 +255,27 @@ def test_a_chain_past_its_share_of_the_base_starts_a_new_base(tmp_path):
         cluster.train(3, universe=200, batch=150)  # most rows change: each delta is most of a base
         chief.save(step, 10.0, counters=[])
     assert client.asked[:3] == ["", checkpoint_name(1), ""]
+
+
+def test_list_inspect_and_export_read_chains(tmp_path):
+    from safetensors.numpy import load_file
+
+    from paramserver.checkpoint import tools
+
+    cluster = Cluster(tmp_path, num_ps=2)
+    for step in range(1, 4):
+        cluster.train(3)
+        cluster.checkpoint(step, delta=step > 1)
+    rows = tools.list_checkpoints(cluster.chain.url)
+    assert [(row["kind"], row["status"]) for row in rows] == [("base", "ok"), ("delta", "ok"), ("delta", "ok")]
+    assert rows[-1]["chain"] == [checkpoint_name(step) for step in range(1, 4)]
+    chain, whole = tools.inspect(cluster.chain.url), tools.inspect(cluster.whole.url)
+    assert chain["chain"] == rows[-1]["chain"] and whole["chain"] == [checkpoint_name(3)]
+    assert chain["tables"]["t"]["rows"] == whole["tables"]["t"]["rows"]
+    exported = [load_file(tools.export(store.url, None, str(tmp_path / f"{kind}.safetensors")))
+                for kind, store in (("chain", cluster.chain), ("whole", cluster.whole))]
+    (ids, weight), (expected_ids, expected_weight) = [
+        (found["embeddings/t/ids"], found["embeddings/t/weight"]) for found in exported]
+    order, expected_order = np.argsort(ids), np.argsort(expected_ids)
+    assert ids[order].tobytes() == expected_ids[expected_order].tobytes()
+    assert weight[order].tobytes() == expected_weight[expected_order].tobytes()
