@@ -18,7 +18,8 @@ device (ENOSPC)``).
 
 Retention (`prune`) counts verified checkpoints only: complete, and every file of the size and
 SHA-256 its manifest names. A damaged checkpoint never counts toward `keep`, so a damaged newer
-one never makes a good one go.
+one never makes a good one go. An incremental checkpoint (a delta: its manifest's shard entries
+name a ``parent``) counts when its whole chain does, and keeps its chain (`chain`) from deletion.
 
 Thread-safety: a store may be used from several threads for different files.
 """
