@@ -58,6 +58,20 @@ class Cluster:
         return entries
 
 
+def test_a_shard_that_lost_its_snapshots_writes_a_whole_file_and_the_checkpoint_restores_exactly(tmp_path):
+    cluster = Cluster(tmp_path, num_ps=2)
+    for step in range(1, 5):
+        cluster.train(3)
+        if step == 3:  # shard 1 restarted its writer: it has no snapshot of checkpoint 2
+            cluster.writes[1] = ShardWrites(cluster.chain.url)
+        entries = cluster.checkpoint(step, delta=step > 1)
+        if step == 3:
+            assert entries[0]["parent"] == checkpoint_name(2) and "parent" not in entries[1]
+    for name in (checkpoint_name(3), checkpoint_name(4)):
+        assert_same(restored(cluster.chain, name, 2), restored(cluster.whole, name, 2))
+        assert_same(restored(cluster.chain, name, 3), restored(cluster.whole, name, 3))
+
+
 def restored(store, name, num_ps):
     """Every shard's table t restored from checkpoint `name` onto `num_ps` shards: its arrays."""
     source = RestoreSource(store, name)
@@ -81,8 +95,10 @@ def assert_same(chain, whole):
             assert arrays[key].tobytes() == expected[key].tobytes(), key
 
 
-def test_a_chain_restores_what_a_whole_checkpoint_restores_at_every_point(tmp_path):
-    cluster = Cluster(tmp_path)
+@pytest.mark.parametrize("policy", [POLICY, {"max_rows": 150, "evict_every": 2}, {"min_count": 2, "evict_every": 3}],
+                         ids=["ttl", "max-rows", "min-count"])
+def test_a_chain_restores_what_a_whole_checkpoint_restores_at_every_point(tmp_path, policy):
+    cluster = Cluster(tmp_path, policy=policy)
     names = []
     for step in range(1, 9):
         cluster.train(3)
