@@ -295,3 +295,27 @@ def test_list_inspect_and_export_read_chains(tmp_path):
     order, expected_order = np.argsort(ids), np.argsort(expected_ids)
     assert ids[order].tobytes() == expected_ids[expected_order].tobytes()
     assert weight[order].tobytes() == expected_weight[expected_order].tobytes()
+
+
+def test_a_tiered_table_restores_the_rows_of_a_chain(tmp_path):
+    from paramserver.server.tiers import Tiers
+
+    cluster = Cluster(tmp_path)
+    for step in range(1, 5):
+        cluster.train(3)
+        cluster.checkpoint(step, delta=step > 1)
+
+    def rows_by_id(store, where):
+        tiers = Tiers.create(1 << 16, str(tmp_path / where), 0)  # a small budget: most rows on disk
+        tables = TableStore(0, restore=RestoreSource(store, checkpoint_name(4)), tiers=tiers)
+        tables.register("t", 4, ADAGRAD, INIT, policy=POLICY)
+        chunks = [arrays for _, arrays in tables._tables["t"].row_chunks(64)]
+        arrays = {key: np.concatenate([chunk[key] for chunk in chunks]) for key in chunks[0]}
+        order = np.argsort(arrays["ids"])
+        tiers.close()
+        return {key: array[order] for key, array in arrays.items()}
+
+    got, expected = rows_by_id(cluster.chain, "a"), rows_by_id(cluster.whole, "b")
+    assert got.keys() == expected.keys() and got["ids"].shape[0] > 0
+    for key in expected:
+        assert got[key].tobytes() == expected[key].tobytes(), key
