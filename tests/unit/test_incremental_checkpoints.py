@@ -319,3 +319,40 @@ def test_a_tiered_table_restores_the_rows_of_a_chain(tmp_path):
     assert got.keys() == expected.keys() and got["ids"].shape[0] > 0
     for key in expected:
         assert got[key].tobytes() == expected[key].tobytes(), key
+
+
+@pytest.mark.parametrize("meta, manifest, reason", [
+    (lambda d: d.update(parent="../ckpt-000000001"), None, "parent: String should match pattern"),
+    # a file made whole: its rows disagree with its ids (or else it disagrees with its manifest entry)
+    (lambda d: d.update(parent=None), None, "rows and holds|delta on nothing, its manifest entry says ckpt-000000001"),
+    (None, {"parent": "ckpt-000000009"}, "not an earlier checkpoint"),
+    (lambda d: d["tables"]["t"].update(rows=d["tables"]["t"]["rows"] + 1), None, None),  # a delta's rows: any count
+], ids=["parent-a-path", "file-without-parent", "parent-later", "delta-rows"])
+def test_a_crafted_delta_is_refused_naming_it(tmp_path, meta, manifest, reason):
+    from tests.unit.test_checkpoint_trust import manifest_entry, rewrite
+
+    cluster = Cluster(tmp_path)
+    for step in (1, 2):
+        cluster.train(2)
+        cluster.checkpoint(step, delta=step > 1)
+    root = tmp_path / "chain"
+    if meta is not None:
+        rewrite(root, 0, meta=meta, name=checkpoint_name(2))
+    if manifest is not None:
+        manifest_entry(root, 0, name=checkpoint_name(2), **manifest)
+    if reason is None:
+        RestoreSource(cluster.chain, checkpoint_name(2))
+        return
+    with pytest.raises(CheckpointError, match=reason):
+        RestoreSource(CheckpointStore(str(root)), checkpoint_name(2))
+
+
+def test_a_whole_file_whose_rows_disagree_with_its_ids_is_refused(tmp_path):
+    from tests.unit.test_checkpoint_trust import rewrite
+
+    cluster = Cluster(tmp_path)
+    cluster.train(2)
+    cluster.checkpoint(1, delta=False)
+    rewrite(tmp_path / "chain", 0, meta=lambda d: d["tables"]["t"].update(rows=1), name=checkpoint_name(1))
+    with pytest.raises(CheckpointError, match="table 't' says 1 rows and holds"):
+        RestoreSource(CheckpointStore(str(tmp_path / "chain")), checkpoint_name(1))

@@ -215,12 +215,16 @@ def export(url: str, name: str | None, out: str | None, note=None) -> str:
 
 
 def _copy_table(source: RestoreSource, table: str, exported: str, handle, layout: tensor_file.TensorPlan) -> None:
-    at = 0
+    at, rows = 0, layout.tensors[f"{EMBEDDINGS}/{exported}/ids"].shape[0]
     for index in source.table_files(table):
         for ids, arrays in source.table_slices(table, index, ["values"]):
+            if at + ids.shape[0] > rows:  # the rows a chain's metadata says, against those it holds
+                raise CheckpointError(f"checkpoint {source.name}: table {table!r} holds more than its {rows} rows")
             tensor_file.write_rows(handle, layout, f"{EMBEDDINGS}/{exported}/ids", at, ids)
             tensor_file.write_rows(handle, layout, f"{EMBEDDINGS}/{exported}/weight", at, arrays["values"])
             at += ids.shape[0]
+    if at != rows:
+        raise CheckpointError(f"checkpoint {source.name}: table {table!r} holds {at} rows, it says {rows}")
 
 
 def load_export(path: str) -> dict:
