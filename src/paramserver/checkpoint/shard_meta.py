@@ -72,12 +72,12 @@ def parse(text: str | None, tensors: dict[str, TensorSpec], where: str) -> dict[
     for group, info in meta.groups.items():
         for part in info.steps:
             _check_part(tensors, f"dense/{group}/{part}", part, where)
-    for table, info in meta.tables.items():
+    for table, table_meta in meta.tables.items():
         ids = tensors.get(f"table/{table}/ids")
         if ids is None or ids.dtype != np.int64 or len(ids.shape) != 1:
             raise CheckpointError(f"{where}: table {table!r} has no 1-D int64 ids tensor")
-        if meta.parent is None and info.rows is not None and info.rows != ids.shape[0]:
-            raise CheckpointError(f"{where}: table {table!r} says {info.rows} rows and holds {ids.shape[0]}")
+        if meta.parent is None and table_meta.rows is not None and table_meta.rows != ids.shape[0]:
+            raise CheckpointError(f"{where}: table {table!r} says {table_meta.rows} rows and holds {ids.shape[0]}")
         deleted = tensors.get(f"table/{table}/deleted")
         if meta.parent is not None and (deleted is None or deleted.dtype != np.int64 or len(deleted.shape) != 1):
             raise CheckpointError(f"{where}: table {table!r} of a delta has no 1-D int64 deleted tensor")
