@@ -61,6 +61,21 @@ def test_a_resumed_run_ends_where_an_uninterrupted_run_ends(procs, tmp_path, wri
     assert procs.leftovers() == []
 
 
+def test_a_run_resumed_from_a_chain_of_deltas_on_other_ps_ends_where_an_uninterrupted_run_ends(procs, tmp_path):
+    directory = str(tmp_path / "ckpt")
+    whole = run(procs, 2, "--checkpoint-dir", directory, "--checkpoint-every", "5", "--keep", "10")
+    listed = [json.loads(line) for line in cli("list", directory).stdout.splitlines()]
+    # (a small model whose rows all change: its deltas are as large as a base, so a new base follows)
+    assert [(row["step"], row["kind"], row["status"]) for row in listed][:2] == [(5, "base", "ok"), (10, "delta", "ok")]
+    for step in (15, 20):  # as if the job had died after step 10's checkpoint
+        shutil.rmtree(tmp_path / "ckpt" / f"ckpt-0000000{step}")
+    resumed = run(procs, 3, "--checkpoint-dir", directory, "--resume")
+    assert resumed["resumed_from"] == 10
+    assert "a chain of ckpt-000000005 + ckpt-000000010" in resumed["log"]
+    same_end(resumed, whole)  # dense values, optimizer state, step counts and table rows all came back
+    assert procs.leftovers() == []
+
+
 def _set_nan(arrays: dict) -> None:
     name = next(key for key in sorted(arrays) if key.startswith("dense/") and arrays[key].size)
     arrays[name].reshape(-1)[0] = np.nan

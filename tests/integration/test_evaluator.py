@@ -90,7 +90,9 @@ def test_the_evaluator_follows_the_runs_checkpoints_and_ends_after_the_final_one
     done = evaluations(out)
     steps = [r["step"] for r in done]
     assert steps == sorted(set(steps)) and steps[-1] == STEPS and len(steps) >= 2, out  # some while training ran
-    assert CheckpointStore(directory).manifest("ckpt-000000030")["final"] is True
+    store = CheckpointStore(directory)
+    assert store.manifest("ckpt-000000030")["final"] is True
+    assert any(store.parent(name) for name in store.complete())  # incremental ones among them: chains are read
     expected = torch_metrics(directory, data, tmp_path / "final.pt")
     assert done[-1]["metrics"]["loss"] == pytest.approx(expected["loss"], rel=1e-5)
     assert done[-1]["metrics"]["accuracy"] == pytest.approx(expected["accuracy"], abs=1e-6)

@@ -139,3 +139,22 @@ def test_a_store_sees_checkpoints_other_processes_commit_after_it_listed(s3):
         writer.commit(name, {"step": step, "num_shards": 1, "shards": [dataclasses.asdict(entry)]})
         assert reader.complete()[-1] == name  # a cached listing (s3fs's default) would still say the one before
         assert reader.verify(name)["step"] == step
+
+
+@pytest.mark.timeout(120)
+def test_a_chain_in_s3_restores_what_a_whole_checkpoint_restores_and_retention_keeps_it(s3, tmp_path):
+    from paramserver.checkpoint.restore import RestoreSource
+    from paramserver.checkpoint.store import checkpoint_name
+    from tests.unit.test_incremental_checkpoints import Cluster, assert_same, restored
+
+    s3()
+    cluster = Cluster(tmp_path, num_ps=2, chain_url=URL)
+    for step in range(1, 5):
+        cluster.train(3)
+        cluster.checkpoint(step, delta=step > 1)
+    name = checkpoint_name(4)
+    reader = CheckpointStore(URL)  # another store: what it lists and reads comes from the server
+    assert RestoreSource.latest(reader).links == [checkpoint_name(step) for step in range(1, 5)]
+    assert_same(restored(reader, name, 3), restored(cluster.whole, name, 3))
+    assert reader.prune(keep=1) == []  # 4 needs 1..3
+    assert [row for row in listed(URL) if row[1] != "ok"] == []

@@ -96,3 +96,30 @@ def test_changes_wait_while_the_rows_kept_aside_pass_their_budget_and_go_on_when
     finished(waiter, "the held push to go on once the writer passed the rows kept aside")
     assert snapshot.kept_bytes == 0 and snapshot.peak_kept_bytes > 1000
     tables.end_snapshot()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_delta_holds_the_rows_changed_since_its_parent_as_they_were_while_updates_come_in(monkeypatch, seed):
+    monkeypatch.setattr(table_store_module, "SNAPSHOT_SLICE_BYTES", 4000)  # many slices
+    rng = np.random.default_rng(seed)
+    tables = store_with_rows(policy={"ttl_steps": 1000})  # a lookup changes a row (its use counts)
+    tables.begin_snapshot()  # the parent
+    tables.end_snapshot()
+    parent = tables.snapshot_epoch
+    ids = np.arange(5000, dtype=np.int64) * 3
+    changed = np.sort(rng.choice(ids, 300, replace=False))
+    push(tables, changed)
+    tables.lookup("t", changed[:20])
+    expected = rows_now(tables)
+    (_, snapshot), = tables.begin_snapshot(since=parent).values()
+    assert snapshot.rows == 300
+    first = tables.next_slice("t")
+    for _ in range(5):  # changes while it streams, to rows in the delta and to others, and new rows
+        push(tables, np.sort(rng.choice(ids, 200, replace=False)), value=rng.normal())
+        tables.lookup("t", np.arange(5) * 3 + 1 + 100000 * _)
+    got = drain(tables)
+    tables.end_snapshot()
+    got = {key: np.concatenate([first[1][key], got.get(key, first[1][key][:0])]) for key in first[1]}
+    picked = np.isin(expected["ids"], changed)
+    for key in expected:
+        assert got[key].tobytes() == expected[key][picked].tobytes(), key

@@ -122,7 +122,8 @@ class Options:
     checkpoint_dir: str = ""  # where checkpoints go: a path or fsspec URL; "" turns them off
     checkpoint_every: int = 0  # steps (each worker's own count) between checkpoints; 0: none
     checkpoint_every_seconds: float = 0.0  # seconds (the chief's clock) between checkpoints; 0: none
-    checkpoint_keep: int = 3  # complete checkpoints kept; older ones are deleted
+    checkpoint_keep: int = 3  # complete checkpoints kept (with the base and deltas they need); older ones are deleted
+    checkpoint_base_every: int = 8  # a whole (base) checkpoint every K, deltas between; 1: every one whole
     resume: bool = False  # start from the latest complete checkpoint in checkpoint_dir (if any)
     restore_non_finite: bool = False  # resume from a checkpoint holding NaN or infinite values (refused otherwise)
     # communication (docs/performance.md)
@@ -219,6 +220,7 @@ class Options:
         need("checkpoint_every", lambda v: v >= 0, "0 (none) or more")
         need("checkpoint_every_seconds", lambda v: v >= 0, "0 (none) or more")
         need("checkpoint_keep", lambda v: v >= 1, "at least 1")
+        need("checkpoint_base_every", lambda v: v >= 1, "at least 1 (1: every checkpoint whole)")
         need("eval_timeout_s", lambda v: v >= 0, "0 (wait for the final checkpoint) or more")
         for name in ("max_table_rows", "max_table_memory_bytes", "max_tiered_table_rows"):
             need(name, lambda v: v >= 1, "at least 1")

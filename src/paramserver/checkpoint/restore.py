@@ -15,33 +15,35 @@ tile their variable, shapes that do not fit, an id twice and non-finite values (
 `allow_non_finite`) are CheckpointErrors naming the file. Every check that needs no model runs
 when the source is opened, so a damaged checkpoint is skipped for the one before it (`latest`).
 
+An incremental checkpoint is read with its chain (chain.py): every checkpoint its files are
+deltas on is opened and checked as it is; dense variables, counters and positions come from the
+checkpoint itself, table rows from its chain (`fill_table` applies base then deltas; the other
+readers stream the rows current at the checkpoint). A damaged link makes the checkpoint damaged,
+so `latest` falls back to the newest good point of the chain (links opened once, by name).
+
 Thread-safety: any method may be called from several threads (each read opens its own handle).
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import re
-import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from ..base import kernels
 from ..base.errors import InvalidArgumentError
-from ..base.hashing import shard_of
-from . import shard_meta, tensor_file
-from .shard_file import META_KEY
-from .store import MANIFEST, CheckpointError, CheckpointStore, ShardFile, os_reason
+from . import chain
+from .chain import Link, SavedFile
+from .store import CheckpointError, CheckpointStore
 from .tensor_file import TensorReader, TensorSpec
 
 log = logging.getLogger(__name__)
 _SPLIT = re.compile(r"^(.*)\[(\d+):(\d+)\]$")
-SLICE_BYTES = 8 << 20  # bytes of rows read at a time
+SLICE_BYTES = chain.SLICE_BYTES  # bytes of rows read at a time
 
 
 def part_rows(part: str) -> tuple[str, int | None, int | None]:
@@ -75,13 +77,6 @@ class _Piece:
     steps: int
 
 
-@dataclass
-class _SavedFile:
-    entry: ShardFile
-    meta: dict[str, Any]
-    tensors: dict[str, TensorSpec]
-
-
 class RestoreSource:
     """A checkpoint to restore from (see the module docstring). `verify`: the shard files hashed
     now (None: all); the others are hashed on first read."""
@@ -92,24 +87,18 @@ class RestoreSource:
         name: str,
         verify: Iterable[int] | None = None,
         allow_non_finite: bool = False,
+        links: dict[str, Link | CheckpointError] | None = None,
     ) -> None:
+        """`links`: checkpoints opened before (or the error that opening one raised), by name:
+        shared by the tries of `latest`, so that no file of a chain is checked twice."""
         self.store, self.name, self.allow_non_finite = store, name, allow_non_finite
-        self.manifest = store.manifest(name)
-        self.step = self.manifest.get("step", 0)
-        if type(self.step) is not int or self.step < 0:
-            raise CheckpointError(f"checkpoint {name}: {MANIFEST} has step {str(self.step)[:40]!r}, not a count")
-        entries = store.shard_files(name, self.manifest)
-        self.num_shards = len(entries)
-        wanted = {entry.index for entry in entries} if verify is None else set(verify)
-        self._verified: set[int] = set()
-        self._lock = threading.Lock()
-        self._files: dict[int, _SavedFile] = {}
-        for entry in entries:
-            store.check_size(name, entry)
-            self._files[entry.index] = self._header(entry)
-            if entry.index in wanted:
-                self._scan(self._files[entry.index])
-                self._verified.add(entry.index)
+        self._verify = None if verify is None else set(verify)
+        self._links = links if links is not None else {}
+        newest = self._link(name)
+        self.manifest, self.step, self.num_shards = newest.manifest, newest.step, newest.num_shards
+        self._files: dict[int, SavedFile] = newest.files
+        self._chains = {index: chain.file_chain(newest, index, self._link) for index in self._files}
+        self.links = sorted({saved.link.name for files in self._chains.values() for saved in files})
         self.positions: dict[int, int] = {}  # each worker's steps at the checkpoint
         for saved in self._files.values():
             for worker, position in saved.meta["positions"].items():
@@ -122,60 +111,44 @@ class RestoreSource:
         """The newest checkpoint whose every file reads back whole and well-formed (hashed and
         checked a chunk at a time: every PS of a cluster must choose the same one, so each checks
         them all); a damaged one is skipped, and logged with what is wrong."""
+        links: dict[str, Link | CheckpointError] = {}
         for name in reversed(store.complete()):
             try:
-                return cls(store, name, allow_non_finite=allow_non_finite)
+                source = cls(store, name, allow_non_finite=allow_non_finite, links=links)
             except CheckpointError as exc:
                 log.warning("cannot resume from %s, trying the one before: %s", name, exc)
+                continue
+            if len(source.links) > 1:
+                log.info("checkpoint %s: a chain of %s", name, " + ".join(source.links))
+            return source
         return None
+
+    def _link(self, name: str) -> Link:
+        """Checkpoint `name` opened and checked (once: see `links`)."""
+        found = self._links.get(name)
+        if found is None:
+            try:
+                found = Link(self.store, name, self._verify, self.allow_non_finite)
+            except CheckpointError as exc:
+                found = exc
+            self._links[name] = found
+        if isinstance(found, CheckpointError):
+            raise found
+        return found
 
     def position(self, worker: int | None) -> int:
         """Steps `worker` had trained at this checkpoint (the checkpoint's step if not recorded)."""
         return self.positions.get(worker, self.step) if worker is not None else self.step
 
     # ---- reading files ------------------------------------------------------------------------
-    def _where(self, entry: ShardFile) -> str:
-        return f"checkpoint {self.name}: {entry.file}"
-
-    def _header(self, entry: ShardFile) -> _SavedFile:
-        try:
-            with self.store.open_shard(self.name, entry) as handle:
-                reader = TensorReader(handle, entry.bytes, self._where(entry))
-            meta = shard_meta.parse(reader.metadata.get(META_KEY), reader.tensors, self._where(entry))
-        except CheckpointError:
-            self.store.verify_file(self.name, entry)  # a file changed since it was written says so first
-            raise
-        return _SavedFile(entry, meta, reader.tensors)
-
-    def _scan(self, saved: _SavedFile) -> None:
-        """One pass over a file: its SHA-256 against the manifest, and every floating-point
-        value finite (unless allowed otherwise)."""
-        entry, where = saved.entry, self._where(saved.entry)
-        digest, size, non_finite = hashlib.sha256(), 0, None
-        with self.store.open_shard(self.name, entry) as handle:
-            try:
-                for tensor, data in tensor_file.scan(handle, entry.bytes, saved.tensors, SLICE_BYTES, where):
-                    digest.update(data)
-                    size += len(data)
-                    dtype = saved.tensors[tensor].dtype if tensor is not None else None
-                    if dtype is not None and dtype.kind == "f" and non_finite is None and not self.allow_non_finite:
-                        non_finite = None if kernels.all_finite(np.frombuffer(data, dtype)) else tensor
-            except OSError as exc:
-                raise CheckpointError(f"{where}: cannot read it: {os_reason(exc)}") from exc
-        self.store.check_digest(self.name, entry, size, digest.hexdigest())
-        if non_finite is not None:
-            raise CheckpointError(f"{where}: tensor {non_finite!r} holds NaN or infinite values")
+    def _where(self, index: int) -> str:
+        return self._files[index].where
 
     @contextlib.contextmanager
     def reader(self, index: int) -> Iterator[TensorReader]:
-        """A reader of shard file `index`, checked first (`_scan`) if it was not yet."""
-        saved = self._files[index]
-        with self._lock:
-            if index not in self._verified:
-                self._scan(saved)
-                self._verified.add(index)
-        with self.store.open_shard(self.name, saved.entry) as handle:
-            yield TensorReader(handle, saved.entry.bytes, self._where(saved.entry))
+        """A reader of this checkpoint's shard file `index`, checked first if it was not yet."""
+        with self._files[index].reader() as reader:
+            yield reader
 
     # ---- dense variables ------------------------------------------------------------------------
     def _dense_index(self) -> tuple[dict[str, dict], dict[tuple[str, str], list[_Piece]]]:
@@ -184,7 +157,7 @@ class RestoreSource:
         for index, saved in sorted(self._files.items()):
             for group, info in saved.meta["groups"].items():
                 if groups.setdefault(group, {"spec": info["spec"]})["spec"] != info["spec"]:
-                    raise CheckpointError(f"{self._where(saved.entry)}: group {group!r} has another optimizer there")
+                    raise CheckpointError(f"{saved.where}: group {group!r} has another optimizer there")
                 for part, steps in info["steps"].items():
                     var, lo, _ = part_rows(part)
                     spec = saved.tensors[f"dense/{group}/{part}"]
@@ -292,16 +265,18 @@ class RestoreSource:
                 merged = tables.setdefault(table, {**info, "counters": {}, "steps": 0, "rows": 0})
                 if (merged["dim"], merged["spec"]) != (info["dim"], info["spec"]):
                     raise CheckpointError(
-                        f"{self._where(saved.entry)}: table {table!r} has another dim or optimizer than in another file"
+                        f"{saved.where}: table {table!r} has another dim or optimizer than in another file"
                     )
                 merged["steps"] = max(merged["steps"], info["steps"])
                 for key, count in info["counters"].items():
                     merged["counters"][key] = merged["counters"].get(key, 0) + count
-                merged["rows"] += saved.tensors[f"table/{table}/ids"].shape[0]
+                rows = info.get("rows")  # a delta's file holds the changed rows only; its metadata says how many
+                merged["rows"] += rows if rows is not None else saved.tensors[f"table/{table}/ids"].shape[0]
         return tables
 
     def tensor_bytes(self, prefix: str) -> int:
-        """Bytes of every saved tensor whose name starts with `prefix`, from the headers."""
+        """Bytes of every tensor whose name starts with `prefix` in this checkpoint's own files
+        (a delta's: what it wrote), from the headers."""
         return sum(
             spec.nbytes
             for saved in self._files.values()
@@ -316,32 +291,15 @@ class RestoreSource:
     def table_slices(
         self, table: str, index: int, names: Iterable[str], shard: int = 0, num_shards: int = 1
     ) -> Iterator[tuple[np.ndarray, dict[str, np.ndarray]]]:
-        """(ids, {array name: rows}) of the rows of `table` in shard file `index` that belong to
-        `shard` of `num_shards`, a slice at a time (the file was checked whole first: `_scan`)."""
-        with self.reader(index) as reader:
-            ids_spec = reader.tensors[f"table/{table}/ids"]
-            if ids_spec.dtype != np.int64 or len(ids_spec.shape) != 1:
-                raise CheckpointError(f"{reader.where}: table {table!r} ids are not a 1-D int64 tensor")
-            rows = ids_spec.shape[0]
-            specs = {name: self._row_spec(reader, table, name, rows) for name in names}
-            step = max(1, SLICE_BYTES // max(1, 8 + sum(spec.row_bytes for spec in specs.values())))
-            for lo in range(0, rows, step):
-                ids = reader.read(f"table/{table}/ids", lo, lo + step)
-                mine = shard_of(ids, num_shards) == shard if num_shards > 1 else np.ones(ids.shape[0], bool)
-                if not mine.any():
-                    continue
-                yield ids[mine], {name: reader.read(f"table/{table}/{name}", lo, lo + step)[mine] for name in specs}
-
-    @staticmethod
-    def _row_spec(reader: TensorReader, table: str, name: str, rows: int) -> TensorSpec:
-        spec = reader.tensors.get(f"table/{table}/{name}")
-        if spec is None or not spec.shape or spec.shape[0] != rows:
-            raise CheckpointError(f"{reader.where}: table {table!r} has no {name} for each of its {rows} rows")
-        return spec
+        """(ids, {array name: rows}) of the rows of `table` in shard file `index` (with its chain:
+        the rows current at this checkpoint) that belong to `shard` of `num_shards`, a slice at a
+        time (every file checked whole first)."""
+        yield from chain.current_slices(self._chains[index], table, list(names), shard, num_shards)
 
     def fill_table(self, table, shard: int, num_shards: int) -> bool:
         """Load the saved rows of `table` that belong to `shard` of `num_shards` into it (an empty
-        table with `layout`/`load_rows`/`restore_meta`); False if the checkpoint has no such table."""
+        table with `layout`/`load_rows`/`restore_meta`; with `delete_ids` too, a chain is applied
+        link by link, else its current rows are loaded); False if the checkpoint has no such table."""
         meta = self.tables.get(table.name)
         if meta is None:
             return False
@@ -357,26 +315,32 @@ class RestoreSource:
         for index in files:
             saved = self._files[index].tensors
             names = [n for n in layout if n != "ids" and f"table/{table.name}/{n}" in saved]
-            self._check_layout(index, table.name, names, layout)
-            for ids, arrays in self.table_slices(table.name, index, names, shard, num_shards):
-                try:
-                    table.load_rows(ids, arrays)
-                except InvalidArgumentError as exc:
-                    raise CheckpointError(f"{self._where(self._files[index].entry)}: {exc}") from None
+            for link in self._chains[index]:
+                self._check_layout(link, table.name, names, layout)
+            try:
+                if hasattr(table, "delete_ids"):
+                    chain.apply_chain(self._chains[index], table, names, shard, num_shards)
+                else:
+                    for ids, arrays in self.table_slices(table.name, index, names, shard, num_shards):
+                        table.load_rows(ids, arrays)
+            except InvalidArgumentError as exc:
+                raise CheckpointError(f"{self._where(index)}: {exc}") from None
         table.restore_meta(meta["counters"], meta["steps"])
         return True
 
-    def _check_layout(self, index: int, table: str, names: list[str], layout: dict) -> None:
-        tensors = self._files[index].tensors
+    @staticmethod
+    def _check_layout(saved: SavedFile, table: str, names: list[str], layout: dict) -> None:
+        if table not in saved.meta["tables"]:
+            return
         if "values" not in names:
-            raise CheckpointError(f"{self._where(self._files[index].entry)}: table {table!r} has no values")
+            raise CheckpointError(f"{saved.where}: table {table!r} has no values")
         for name in names:
-            spec = tensors[f"table/{table}/{name}"]
+            spec = saved.tensors.get(f"table/{table}/{name}")
             dtype, row_shape = layout[name]
-            if spec.dtype != dtype or tuple(spec.shape[1:]) != tuple(row_shape):
+            if spec is None or spec.dtype != dtype or tuple(spec.shape[1:]) != tuple(row_shape):
+                found = f"{spec.dtype} rows of {spec.shape[1:]}" if spec is not None else "missing"
                 raise CheckpointError(
-                    f"{self._where(self._files[index].entry)}: table {table!r} {name} is "
-                    f"{spec.dtype} rows of {spec.shape[1:]}, not {np.dtype(dtype)} rows of {row_shape}"
+                    f"{saved.where}: table {table!r} {name} is {found}, not {np.dtype(dtype)} rows of {row_shape}"
                 )
 
     def saved_table(self, table: str) -> SavedTable:
@@ -387,9 +351,13 @@ class RestoreSource:
         at = 0
         for index in self.table_files(table):
             for chunk_ids, arrays in self.table_slices(table, index, ["values"]):
+                if at + chunk_ids.shape[0] > meta["rows"]:
+                    raise CheckpointError(f"checkpoint {self.name}: table {table!r} holds more rows than it says")
                 ids[at : at + chunk_ids.shape[0]] = chunk_ids
                 values[at : at + chunk_ids.shape[0]] = arrays["values"]
                 at += chunk_ids.shape[0]
+        if at != meta["rows"]:
+            raise CheckpointError(f"checkpoint {self.name}: table {table!r} holds {at} rows, it says {meta['rows']}")
         return SavedTable(meta, ids, {"values": values})
 
 

@@ -4,7 +4,12 @@ Tensor names: ``dense/<group>/<part>`` (values, shaped like the part), ``dense/<
 (each optimizer state), ``table/<table>/ids|values|<state>|row_step|last_seen|seen`` (one row per
 stored id, in row order). The file's metadata key ``paramserver`` holds JSON: the shard index,
 its version and sync step, each group's optimizer spec and per-part step counts, and each
-table's dim, optimizer, initializer, row policy, counters and update count.
+table's dim, optimizer, initializer, row policy, counters, update count and rows.
+
+A delta (incremental checkpoint, docs/checkpoints.md) has the same tensors, but a table's holds
+only the rows changed since the snapshot of checkpoint ``parent`` (named in the metadata), plus
+``table/<table>/deleted``: the ids evicted since (int64). Dense variables, counters and positions
+are always whole.
 
 Consistency without a copy of the tables: the dense variables are copied (they are small) and
 every table's snapshot begins while no push can change them, at one step; the table rows are
@@ -14,6 +19,7 @@ dense copy, one slice, and the rows changed during the write (bounded; see Table
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -33,12 +39,22 @@ META_KEY = "paramserver"
 _ONE_AT_A_TIME = threading.Lock()  # a process writes one checkpoint file at a time
 
 
-def write(store: CheckpointStore, name: str, shard: Shard, tables: TableStore) -> ShardFile:
-    """Write `shard`'s file of checkpoint `name`: its state at one step, streamed."""
+def write(
+    store: CheckpointStore,
+    name: str,
+    shard: Shard,
+    tables: TableStore,
+    parent: tuple[str, int] | None = None,
+    forget: int | None = None,
+) -> ShardFile:
+    """Write `shard`'s file of checkpoint `name`: its state at one step, streamed. `parent`: (name,
+    snapshot epoch) of an earlier checkpoint of this shard to write a delta on (whole when the
+    tables cannot: tiered ones). `forget`: see TableStore.begin_snapshot. Returns the manifest
+    entry; its `parent` names the checkpoint the file is a delta on ("": whole)."""
     started = time.monotonic()
     with _ONE_AT_A_TIME:
         dense, meta, snapshots = shard.snapshot(
-            lambda groups, version, sync_step: _begin(shard, tables, groups, version, sync_step)
+            lambda groups, version, sync_step: _begin(shard, tables, groups, version, sync_step, parent, forget)
         )
         try:
             entry = store.write_shard_with(
@@ -47,17 +63,26 @@ def write(store: CheckpointStore, name: str, shard: Shard, tables: TableStore) -
         finally:
             kept = tables.end_snapshot()
     log.info(
-        "checkpoint %s: shard %d wrote %d bytes in %.2fs (rows kept aside for it: %d bytes at most)",
+        "checkpoint %s: shard %d wrote %d bytes in %.2fs (%s; rows kept aside for it: %d bytes at most)",
         name,
         shard.index,
         entry.bytes,
         time.monotonic() - started,
+        f"a delta on {meta['parent']}" if meta.get("parent") else "whole",
         max(kept.values(), default=0),
     )
-    return entry
+    return dataclasses.replace(entry, parent=meta.get("parent", ""))
 
 
-def _begin(shard: Shard, tables: TableStore, groups: dict[str, DenseGroup], version: int, sync_step: int):
+def _begin(
+    shard: Shard,
+    tables: TableStore,
+    groups: dict[str, DenseGroup],
+    version: int,
+    sync_step: int,
+    parent: tuple[str, int] | None,
+    forget: int | None,
+):
     """Under the shard's lock: copy the dense variables and begin the tables' snapshots."""
     dense: dict[str, np.ndarray] = {}
     meta: dict[str, Any] = {
@@ -74,9 +99,11 @@ def _begin(shard: Shard, tables: TableStore, groups: dict[str, DenseGroup], vers
             dense[f"dense/{group_name}/{part}"] = group.view(part).copy()
             for key, array in group.state.items():
                 dense[f"dense/{group_name}/{part}/{key}"] = array[slot.start : slot.stop].reshape(slot.shape).copy()
-    snapshots = tables.begin_snapshot()
+    snapshots = tables.begin_snapshot(since=parent[1] if parent else None, forget=forget)
     for table_name, (table_meta, _) in snapshots.items():
         meta["tables"][table_name] = table_meta
+    if parent is not None and all(snapshot.since is not None for _, snapshot in snapshots.values()):
+        meta["parent"] = parent[0]
     return dense, meta, snapshots
 
 
@@ -85,7 +112,10 @@ def _fill(handle: IO[bytes], dense: dict[str, np.ndarray], meta: dict, snapshots
     shapes: dict[str, tuple[np.dtype, tuple[int, ...]]] = {key: (a.dtype, a.shape) for key, a in dense.items()}
     for table_name, (_, snapshot) in snapshots.items():
         for key, (dtype, row_shape) in snapshot.layout.items():
-            shapes[f"table/{table_name}/{key}"] = (dtype, (snapshot.size, *row_shape))
+            shapes[f"table/{table_name}/{key}"] = (dtype, (snapshot.rows, *row_shape))
+        if meta.get("parent"):
+            shapes[f"table/{table_name}/deleted"] = (np.dtype(np.int64), snapshot.deleted.shape)
+            dense[f"table/{table_name}/deleted"] = snapshot.deleted
     layout = tensor_file.plan(shapes, {META_KEY: json.dumps(meta)})
     handle.write(layout.header)
     for key, array in dense.items():

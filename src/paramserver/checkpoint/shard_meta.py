@@ -27,6 +27,7 @@ from .tensor_file import TensorSpec
 _PRINTABLE = r"^[^\x00-\x1f\x7f\ud800-\udfff]+$"
 Name = Annotated[str, Text(min_length=1, max_length=256, pattern=_PRINTABLE)]
 WorkerKey = Annotated[str, Text(pattern=r"^\d{1,9}$")]
+CheckpointName = Annotated[str, Text(pattern=r"^ckpt-\d{9}$")]
 _PART = re.compile(r"^(.*)\[(\d+):(\d+)\]$")
 
 
@@ -46,6 +47,7 @@ class TableMeta(_Strict):
     steps: NonNegativeInt
     init: dict[str, Any] = Field(default_factory=dict)
     policy: dict[str, Any] = Field(default_factory=dict)
+    rows: NonNegativeInt | None = None  # rows the table held (a delta's file holds fewer); absent in older files
 
 
 class ShardMeta(_Strict):
@@ -55,6 +57,7 @@ class ShardMeta(_Strict):
     groups: dict[Name, GroupMeta]
     tables: dict[Name, TableMeta]
     positions: dict[WorkerKey, NonNegativeInt]  # worker -> steps it had trained
+    parent: CheckpointName | None = None  # a delta: the checkpoint whose rows it changes
 
 
 def parse(text: str | None, tensors: dict[str, TensorSpec], where: str) -> dict[str, Any]:
@@ -69,10 +72,15 @@ def parse(text: str | None, tensors: dict[str, TensorSpec], where: str) -> dict[
     for group, info in meta.groups.items():
         for part in info.steps:
             _check_part(tensors, f"dense/{group}/{part}", part, where)
-    for table in meta.tables:
+    for table, table_meta in meta.tables.items():
         ids = tensors.get(f"table/{table}/ids")
         if ids is None or ids.dtype != np.int64 or len(ids.shape) != 1:
             raise CheckpointError(f"{where}: table {table!r} has no 1-D int64 ids tensor")
+        if meta.parent is None and table_meta.rows is not None and table_meta.rows != ids.shape[0]:
+            raise CheckpointError(f"{where}: table {table!r} says {table_meta.rows} rows and holds {ids.shape[0]}")
+        deleted = tensors.get(f"table/{table}/deleted")
+        if meta.parent is not None and (deleted is None or deleted.dtype != np.int64 or len(deleted.shape) != 1):
+            raise CheckpointError(f"{where}: table {table!r} of a delta has no 1-D int64 deleted tensor")
     return meta.model_dump()
 
 

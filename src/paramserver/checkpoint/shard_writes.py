@@ -14,6 +14,11 @@ before the next is asked for. What a PS accepts follows from that:
   a disk filled with names that no prune reaches (incomplete checkpoints newer than the latest
   are never pruned, and are never resumed from).
 
+A delta (an incremental checkpoint: `parent` names an earlier checkpoint) is written on the
+snapshot this PS took for that checkpoint: the rows changed since (server/row_snapshot.py). A
+PS that did not write `parent` itself (it restarted since) writes a whole file, and its entry
+says so (no ``parent``). The parent must be older than the name (names only grow).
+
 Refusals raise before any snapshot or lock (the dispatcher audits them like every refusal).
 """
 
@@ -24,11 +29,12 @@ import logging
 import threading
 from typing import Any
 
-from ..base.errors import FailedPreconditionError
+from ..base.errors import FailedPreconditionError, InvalidArgumentError
 from . import shard_file
-from .store import MANIFEST, CheckpointError, CheckpointStore
+from .store import MANIFEST, CheckpointError, CheckpointStore, is_checkpoint_name
 
 log = logging.getLogger(__name__)
+_EPOCHS_KEPT = 8  # snapshot epochs remembered, of the names written last (a delta's parent is a recent one)
 
 
 class ShardWrites:
@@ -39,16 +45,30 @@ class ShardWrites:
         self._lock = threading.Lock()
         self._last: str | None = None  # the name this PS wrote last
         self._committed: str | None = None  # the newest of its names known to be committed
+        self._epochs: dict[str, int] = {}  # name -> the snapshot epoch of this PS's file of it
 
-    def __call__(self, name: str, shard: Any) -> dict[str, Any]:
-        """Write `shard`'s file of checkpoint `name`; returns its manifest entry."""
+    def __call__(self, name: str, shard: Any, parent: str = "") -> dict[str, Any]:
+        """Write `shard`'s file of checkpoint `name` (a delta on `parent` when given and this PS
+        wrote it); returns its manifest entry."""
         self.store.check_new(name)  # a checkpoint name, not a committed checkpoint
+        if parent and not (is_checkpoint_name(parent) and parent < name):
+            raise InvalidArgumentError(f"parent {str(parent)[:80]!r} is not a checkpoint name before {name}")
         with self._lock:
             self._check_in_sequence(name, shard)
             self._drop_uncommitted(name)
-            entry = shard_file.write(self.store, name, shard, shard.tables)
+            on = (parent, self._epochs[parent]) if parent in self._epochs else None
+            if parent and on is None:
+                log.info("checkpoint %s: this PS has no snapshot of %s; its file is whole", name, parent)
+            forget = self._epochs.get(parent or self._committed or "")
+            entry = shard_file.write(self.store, name, shard, shard.tables, parent=on, forget=forget)
             self._last = name
-        return dataclasses.asdict(entry)
+            self._epochs[name] = shard.tables.snapshot_epoch
+            for old in sorted(self._epochs)[:-_EPOCHS_KEPT]:
+                del self._epochs[old]
+        described = dataclasses.asdict(entry)
+        if not described["parent"]:
+            del described["parent"]
+        return described
 
     def _check_in_sequence(self, name: str, shard: Any) -> None:
         if self._last is not None and self._last != name and self._is_committed(self._last):

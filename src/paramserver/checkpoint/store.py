@@ -18,7 +18,8 @@ device (ENOSPC)``).
 
 Retention (`prune`) counts verified checkpoints only: complete, and every file of the size and
 SHA-256 its manifest names. A damaged checkpoint never counts toward `keep`, so a damaged newer
-one never makes a good one go.
+one never makes a good one go. An incremental checkpoint (a delta: its manifest's shard entries
+name a ``parent``) counts when its whole chain does, and keeps its chain (`chain`) from deletion.
 
 Thread-safety: a store may be used from several threads for different files.
 """
@@ -54,6 +55,7 @@ _PREFIX = "ckpt-"
 _NAME = re.compile(r"^ckpt-\d{9}$")
 _TEMPORARY = re.compile(r"^(?P<target>.+)\.tmp-[0-9a-f]+$")  # `<file>.tmp-<hex>`: a write in progress or dead
 _CHUNK = 8 << 20  # bytes hashed at a time when a file is verified
+MAX_CHAIN = 256  # checkpoints one chain may hold (base + deltas): far above any --checkpoint-base-every
 MAX_MANIFEST_BYTES = 16 << 20  # a manifest names one small entry per shard: far below this
 
 
@@ -68,10 +70,16 @@ class ShardFile:
     file: str
     bytes: int
     sha256: str
+    parent: str = ""  # the checkpoint this file is a delta on ("": a whole file)
 
 
 def checkpoint_name(step: int) -> str:
     return f"{_PREFIX}{step:09d}"
+
+
+def is_checkpoint_name(text: object) -> bool:
+    """Whether `text` is a checkpoint's name (ckpt-<9 digits>)."""
+    return isinstance(text, str) and _NAME.match(text) is not None
 
 
 def shard_file_name(index: int) -> str:
@@ -216,29 +224,61 @@ class CheckpointStore:
         """Delete what is older than the newest `keep` verified checkpoints: older checkpoints,
         complete or not. Damaged ones do not count (fewer than `keep` verified: nothing is
         deleted), and damaged ones newer than those kept stay (`checkpoint list` flags them).
-        `protect`: a checkpoint never deleted (the one just written). Returns the names deleted."""
+        A delta counts when every checkpoint of its chain does, and those stay while it does (a
+        chain is never broken). `protect`: a checkpoint never deleted (the one just written).
+        Returns the names deleted."""
         if keep < 1:
             return []
         kept: list[str] = []
+        needed: set[str] = set()
         for name in reversed(self.complete()):
             if len(kept) == keep:
                 break
-            if self._counts(name):
+            chain = self._chain_counts(name)
+            if chain:
                 kept.append(name)
+                needed.update(chain)
         if len(kept) < keep:
             return []
-        doomed = [name for name in self._all() if name < kept[-1] and name != protect]
+        doomed = [name for name in self._all() if name < kept[-1] and name != protect and name not in needed]
         for name in doomed:
             self._forget(name)
             with self._os("delete", self.path(name), name):
                 self.fs.rm(self.path(name), recursive=True)
         return doomed
 
+    def parent(self, name: str) -> str | None:
+        """The checkpoint that checkpoint `name`'s delta files are written on (None: a base)."""
+        parents = {entry.parent for entry in self.shard_files(name, self.manifest(name)) if entry.parent}
+        if len(parents) > 1:
+            raise CheckpointError(f"checkpoint {name}: {MANIFEST} names several parents {sorted(parents)}")
+        return parents.pop() if parents else None
+
+    def chain(self, name: str) -> list[str]:
+        """Checkpoint `name` and the ones it needs, newest first: its parent, the parent's, .. its base."""
+        links = [name]
+        while (parent := self.parent(links[-1])) is not None:
+            if len(links) >= MAX_CHAIN:
+                raise CheckpointError(f"checkpoint {name}: a chain of more than {MAX_CHAIN} checkpoints")
+            links.append(parent)
+        return links
+
     def strays_after(self, name: str) -> list[str]:
         """Incomplete checkpoints newer than `name`: after the chief committed `name`, what no write of
         its own left (its names only grow) but a Checkpoint call with a name ahead of its step did."""
         complete = set(self.complete())
         return [other for other in self._all() if other > name and other not in complete]
+
+    def _chain_counts(self, name: str) -> list[str]:
+        """Checkpoint `name`'s chain when every checkpoint of it counts (see `_counts`), else []."""
+        try:
+            chain = self.chain(name)
+        except CheckpointError as exc:
+            if name not in self._damaged:
+                log.warning("%s does not count toward the checkpoints kept: %s", name, exc)
+            self._damaged[name] = str(exc)
+            return []
+        return chain if all(self._counts(link) for link in chain) else []
 
     def _counts(self, name: str) -> bool:
         """Whether checkpoint `name` counts for retention: complete and verified. A checkpoint this
@@ -426,7 +466,7 @@ class CheckpointStore:
     def shard_files(self, name: str, manifest: dict[str, Any]) -> list[ShardFile]:
         try:
             entries = [
-                ShardFile(int(e["index"]), str(e["file"]), int(e["bytes"]), str(e["sha256"]))
+                ShardFile(int(e["index"]), str(e["file"]), int(e["bytes"]), str(e["sha256"]), str(e.get("parent", "")))
                 for e in manifest["shards"]
             ]
         except (KeyError, TypeError, ValueError) as exc:
@@ -436,6 +476,12 @@ class CheckpointStore:
                 raise CheckpointError(
                     f"checkpoint {name}: {MANIFEST} names {entry.file[:80]!r} ({entry.bytes} bytes) for shard "
                     f"{entry.index}, not {shard_file_name(entry.index)}"
+                )
+        for entry in entries:  # a delta's parent is an earlier checkpoint of this directory, by name
+            if entry.parent and not (_NAME.match(entry.parent) and entry.parent < name):
+                raise CheckpointError(
+                    f"checkpoint {name}: {MANIFEST} names {entry.parent[:80]!r} as the parent of {entry.file}, "
+                    "not an earlier checkpoint"
                 )
         if sorted(entry.index for entry in entries) != list(range(len(entries))):
             raise CheckpointError(f"checkpoint {name}: {MANIFEST} does not name shards 0..{len(entries) - 1} once each")

@@ -46,6 +46,7 @@ def list_checkpoints(url: str) -> list[dict]:
     store = CheckpointStore(url)
     store.require()
     rows = []
+    links: dict = {}  # the checkpoints of chains, each opened and checked once
     for name in store.complete():
         row: dict = {"name": name}
         try:
@@ -56,13 +57,16 @@ def list_checkpoints(url: str) -> list[dict]:
                     "shards": manifest.get("num_shards"),
                     "bytes": sum(int(e["bytes"]) for e in manifest["shards"]),
                     "time": manifest.get("time"),
+                    "kind": "delta" if store.parent(name) else "base",
                 }
             )
         except (CheckpointError, KeyError, TypeError, ValueError):
             pass  # verify() says what is wrong with the manifest
         try:
-            RestoreSource(store, name)  # every file hashed and checked, as resume checks it
+            source = RestoreSource(store, name, links=links)  # every file of its chain checked, as resume checks it
             row["status"] = "ok"
+            if len(source.links) > 1:
+                row["chain"] = source.links
         except CheckpointError as exc:
             row["status"] = "damaged: " + str(exc).removeprefix(f"checkpoint {name}: ")
         rows.append(row)
@@ -101,7 +105,7 @@ def inspect(url: str, name: str | None = None) -> dict:
             "dim": meta["dim"],
             "optimizer": meta["spec"],
             "counters": meta["counters"],
-            "bytes": source.tensor_bytes(f"table/{table}/"),
+            "bytes": source.tensor_bytes(f"table/{table}/"),  # in this checkpoint's own files
         }
         for table, meta in source.tables.items()
     }
@@ -110,6 +114,7 @@ def inspect(url: str, name: str | None = None) -> dict:
         "step": source.step,
         "shards": source.manifest.get("num_shards"),
         "mode": source.manifest.get("mode"),
+        "chain": source.links,  # base first; this checkpoint alone when it is a base
         "variables": variables,
         "tables": tables,
     }
@@ -210,12 +215,16 @@ def export(url: str, name: str | None, out: str | None, note=None) -> str:
 
 
 def _copy_table(source: RestoreSource, table: str, exported: str, handle, layout: tensor_file.TensorPlan) -> None:
-    at = 0
+    at, rows = 0, layout.tensors[f"{EMBEDDINGS}/{exported}/ids"].shape[0]
     for index in source.table_files(table):
         for ids, arrays in source.table_slices(table, index, ["values"]):
+            if at + ids.shape[0] > rows:  # the rows a chain's metadata says, against those it holds
+                raise CheckpointError(f"checkpoint {source.name}: table {table!r} holds more than its {rows} rows")
             tensor_file.write_rows(handle, layout, f"{EMBEDDINGS}/{exported}/ids", at, ids)
             tensor_file.write_rows(handle, layout, f"{EMBEDDINGS}/{exported}/weight", at, arrays["values"])
             at += ids.shape[0]
+    if at != rows:
+        raise CheckpointError(f"checkpoint {source.name}: table {table!r} holds {at} rows, it says {rows}")
 
 
 def load_export(path: str) -> dict:

@@ -296,10 +296,11 @@ class PSClient:
             except ParamServerError as exc:
                 log.warning("leave %s: %s", request.to_meta(), exc)
 
-    def checkpoint(self, name: str, timeout: float) -> list[dict]:
+    def checkpoint(self, name: str, timeout: float, parent: str = "") -> list[dict]:
         """Have every shard write its file of checkpoint `name` under its own checkpoint directory,
-        all at once; returns their manifest entries. Call while no push is in flight."""
-        request = msg.CheckpointRequest(name=name)
+        all at once (a delta on checkpoint `parent`, when given); returns their manifest entries.
+        Call while no push is in flight."""
+        request = msg.CheckpointRequest(name=name, parent=parent)
         calls = [stub.checkpoint(request, timeout) for stub in self.stubs]
         deadline = Deadline(timeout)
         entries, errors = [], []

@@ -277,6 +277,12 @@ def _add_mode_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--keep", type=int, help=f"complete checkpoints kept (default {Options.checkpoint_keep})")
     parser.add_argument(
+        "--checkpoint-base-every",
+        type=int,
+        help=f"a whole checkpoint every K, deltas of the changed rows between (default "
+        f"{Options.checkpoint_base_every}; 1: every checkpoint whole)",
+    )
+    parser.add_argument(
         "--resume",
         action="store_true",
         default=None,
@@ -305,6 +311,7 @@ _FLAG_OPTIONS = {
     "checkpoint_every": "checkpoint_every",
     "checkpoint_every_seconds": "checkpoint_every_seconds",
     "keep": "checkpoint_keep",
+    "checkpoint_base_every": "checkpoint_base_every",
     "heartbeat_timeout": "heartbeat_timeout_s",
     "max_table_rows": "max_table_rows",
     "max_table_memory": "max_table_memory_bytes",

@@ -18,6 +18,13 @@ Every array of a row is written when the row is created (`_start_rows`): unwritt
 memory reads as zeros, not as an optimizer's initial state, and the rows an eviction frees
 (their pages handed back) may be taken again by new ids.
 
+What changed since a checkpoint (for incremental ones, checkpoint/chain.py): every row carries
+the epoch it last changed in (`changed`, 4 bytes; written wherever a row's saved arrays are:
+creation, apply, a lookup that counts use, a load), and every id eviction dropped is logged with
+its epoch while a later checkpoint may still need to name it (`deleted_since`). The owning store
+moves the epoch on when a snapshot begins, so the rows a delta on snapshot `p` holds are those
+stamped after `p`.
+
 Not thread-safe: the owning Shard serializes calls.
 """
 
@@ -152,6 +159,8 @@ class EmbeddingTable:
         self.counters = {"admitted": 0, "not_admitted_lookups": 0, "dropped_gradients": 0, "evicted": 0}
         self.steps = 0
         self.snapshot: RowSnapshot | None = None  # a checkpoint's view of the rows, while one is written
+        self.epoch = 1  # stamped on changed rows; the store moves it on at each snapshot
+        self._deleted: list[tuple[int, np.ndarray]] = []  # (epoch, ids) evicted, while a delta may name them
 
     def _row_shapes(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
         """Each row array (by layout() name): the shape of one row, and its dtype."""
@@ -162,6 +171,7 @@ class EmbeddingTable:
             shapes["row_step"] = ((), i64)
         if self.tracks_use:
             shapes.update(last_seen=((), i64), seen=((), i64))
+        shapes["changed"] = ((), np.dtype(np.uint32))  # not saved: the epoch each row last changed in
         return shapes
 
     @property
@@ -210,11 +220,35 @@ class EmbeddingTable:
             hi = min(lo + chunk_rows, self.size)
             yield lo, {name: self.array(name)[lo:hi] for name in names}
 
-    def begin_snapshot(self, slice_rows: int, budget_bytes: int) -> RowSnapshot:
+    def begin_snapshot(self, slice_rows: int, budget_bytes: int, since: int | None = None) -> RowSnapshot:
         """Start a checkpoint's view of the rows as they are now (see RowSnapshot); until
-        `end_snapshot`, changed rows are kept aside for it and eviction waits."""
-        self.snapshot = RowSnapshot(self.size, self.layout(), self.array, slice_rows, budget_bytes)
+        `end_snapshot`, changed rows are kept aside for it and eviction waits. `since`: only the
+        rows changed after snapshot epoch `since` (a delta), with the ids evicted since then."""
+        deleted = self.deleted_since(since) if since is not None else None
+        self.snapshot = RowSnapshot(
+            self.size, self.layout(), self.array, slice_rows, budget_bytes, since=since, deleted=deleted
+        )
         return self.snapshot
+
+    def deleted_since(self, epoch: int) -> np.ndarray:
+        """The ids evicted after snapshot epoch `epoch` (distinct, sorted)."""
+        parts = [ids for at, ids in self._deleted if at > epoch]
+        return np.unique(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
+
+    def forget_deleted(self, epoch: int) -> None:
+        """Drop the evicted ids logged up to epoch `epoch`: no delta will be written on an earlier snapshot."""
+        self._deleted = [(at, ids) for at, ids in self._deleted if at > epoch]
+
+    def delete_ids(self, ids: np.ndarray) -> int:
+        """Remove the rows of `ids` that are stored (a delta's evictions, on restore); returns how many.
+        The rows kept stay in order (as eviction keeps them)."""
+        rows = self.index.find(np.ascontiguousarray(ids, np.int64))
+        rows = rows[rows >= 0]
+        if rows.size:
+            keep = np.ones(self.size, bool)
+            keep[rows] = False
+            self._compact(keep)
+        return int(rows.size)
 
     def end_snapshot(self) -> None:
         self.snapshot = None
@@ -223,20 +257,30 @@ class EmbeddingTable:
         """The live array of one `layout()` name, at its allocated length (growth may replace it)."""
         return self._full[name]
 
-    def load_rows(self, ids: np.ndarray, arrays: dict[str, np.ndarray]) -> None:
+    def load_rows(self, ids: np.ndarray, arrays: dict[str, np.ndarray], overwrite: bool = False) -> None:
         """Add saved rows (a restore, one chunk at a time): `arrays` holds "values", each optimizer
         state, and optionally "row_step", "last_seen", "seen", one row per id. The ids must be
-        distinct and not stored yet (InvalidArgumentError otherwise: a file is not trusted)."""
+        distinct, and not stored yet unless `overwrite` (a delta's rows: stored ones are written in
+        place, new ones added at the end); InvalidArgumentError otherwise (a file is not trusted)."""
         ids = np.ascontiguousarray(ids, np.int64)
-        if ids.shape[0] > 1 and np.unique(ids).shape[0] != ids.shape[0] or (self.index.find(ids) >= 0).any():
+        if ids.shape[0] > 1 and np.unique(ids).shape[0] != ids.shape[0]:
             raise InvalidArgumentError(f"table {self.name!r}: saved rows name an id twice")
-        self._make_room(self.size + ids.shape[0])
+        found = self.index.find(ids)
+        stored = found >= 0
+        if stored.any() and not overwrite:
+            raise InvalidArgumentError(f"table {self.name!r}: saved rows name an id twice")
+        names = sorted(self._shapes.keys() & arrays.keys() - {"ids", "changed"})
+        if stored.any():
+            for name in names:
+                self._full[name][found[stored]] = arrays[name][stored]
+            self.changed[found[stored]] = self.epoch
+        new = ~stored
+        self._make_room(self.size + int(new.sum()))
         lo = self.size
-        self.index.insert(ids)
-        self._start_rows(lo, ids)
-        self.values[lo : self.size] = arrays["values"]
-        for name in sorted(self._shapes.keys() & arrays.keys() - {"ids", "values"}):
-            self._full[name][lo : self.size] = arrays[name]
+        self.index.insert(ids[new])
+        self._start_rows(lo, ids[new])
+        for name in names:
+            self._full[name][lo : self.size] = arrays[name] if new.all() else arrays[name][new]
 
     def restore_meta(self, counters: dict[str, int], steps: int) -> None:
         """Set the counters and update count a checkpoint saved (after its rows are loaded)."""
@@ -255,6 +299,7 @@ class EmbeddingTable:
                 self.snapshot.preserve(rows[stored])
             self.last_seen[rows[stored]] = self.steps
             self.seen[rows[stored]] += 1
+            self.changed[rows[stored]] = self.epoch
         if stored.all():
             return gather_rows(self.values, rows)
         out = initial_rows(ids, self.dim, self.init)
@@ -276,6 +321,7 @@ class EmbeddingTable:
             self.optimizer.update(self.values, rows, grads, self.state, self.steps)
         elif stored.any():
             self.optimizer.update(self.values, rows[stored], grads[stored], self.state, self.steps)
+        self.changed[rows[stored]] = self.epoch
         if self.policy.evict_every and self.steps % self.policy.evict_every == 0:
             self.evict()
 
@@ -295,6 +341,8 @@ class EmbeddingTable:
             keep[order[: policy.max_rows]] = True
         evicted = int(n - keep.sum())
         if evicted:
+            if self.epoch > 1:  # a snapshot was taken: a delta on it names what is gone since
+                self._deleted.append((self.epoch, self.row_ids[:n][~keep].copy()))
             self._compact(keep)
             self.counters["evicted"] += evicted
         return evicted
@@ -328,6 +376,7 @@ class EmbeddingTable:
         an evicted row's, or (reserved) zeros rather than the optimizer's initial state."""
         hi = lo + ids.shape[0]
         self.row_ids[lo:hi] = ids
+        self.changed[lo:hi] = self.epoch
         fill = self.optimizer.state_init()
         for key, array in self.state.items():
             array[lo:hi] = fill.get(key, 0)
@@ -380,6 +429,7 @@ class EmbeddingTable:
         self.row_ids, self.values = views.pop("ids"), views.pop("values")
         if self.tracks_use:
             self.last_seen, self.seen = views.pop("last_seen"), views.pop("seen")
+        self.changed = views.pop("changed")
         self.state.update(views)
 
 

@@ -47,8 +47,9 @@ class TableLimits:
 
 
 def row_bytes(dim: int, float_states: int, per_row_step: bool, tracks_use: bool) -> int:
-    """Bytes one row of capacity costs: values and optimizer state, its id, row step, use counters."""
-    return 4 * dim * (1 + float_states) + 8 + 8 * per_row_step + 16 * tracks_use + _INDEX_BYTES_PER_ROW
+    """Bytes one row of capacity costs: values and optimizer state, its id, row step, use counters,
+    the epoch of its last change (4: incremental checkpoints)."""
+    return 4 * dim * (1 + float_states) + 8 + 8 * per_row_step + 16 * tracks_use + 4 + _INDEX_BYTES_PER_ROW
 
 
 def table_row_bytes(table: EmbeddingTable) -> int:

@@ -12,6 +12,11 @@ Memory: the slice being copied, plus the rows kept aside: at most the rows chang
 write, each once. `over_budget` tells the store when they pass `budget_bytes`, so that it holds
 further changes until the writer has moved on (see TableStore).
 
+A delta (`since`: an earlier snapshot's epoch) holds only the rows stamped after it in the
+table's ``changed`` array (embedding_table.py), which is kept aside with the rest of a row, so
+the rows a slice keeps are those changed as at the start; `rows` (what the file holds) is
+counted when it begins, a block of stamps at a time. `deleted`: the ids evicted since (a delta's).
+
 Not thread-safe: the owning TableStore's lock serializes every call.
 """
 
@@ -34,9 +39,16 @@ class RowSnapshot:
         array: Callable[[str], np.ndarray],
         slice_rows: int,
         budget_bytes: int,
+        since: int | None = None,
+        deleted: np.ndarray | None = None,
     ) -> None:
         self.size, self.layout, self.slice_rows, self.budget_bytes = size, layout, slice_rows, budget_bytes
         self._array = array  # the table's live array of a name (looked up each time: growth replaces arrays)
+        self.since = since
+        self.deleted = deleted if deleted is not None else np.zeros(0, np.int64)
+        self._names = [*layout, "changed"] if since is not None else list(layout)  # what a change keeps aside
+        self.rows = size if since is None else _count_changed(array("changed"), size, since, slice_rows)
+        self._written = 0  # rows of the file handed to the writer
         self.cursor = 0  # rows below were handed to the writer
         self._kept = np.zeros(size, bool)  # rows whose old contents are kept aside
         self._aside: dict[int, list[tuple[np.ndarray, dict[str, np.ndarray]]]] = {}  # by slice number
@@ -64,24 +76,53 @@ class RowSnapshot:
         slices = rows // self.slice_rows
         for number in np.unique(slices):
             mine = rows[slices == number]
-            saved = {name: self._array(name)[mine] for name in self.layout}
+            saved = {name: self._array(name)[mine] for name in self._names}
             self._aside.setdefault(int(number), []).append((mine, saved))
             self.kept_bytes += sum(array.nbytes for array in saved.values())
         self.peak_kept_bytes = max(self.peak_kept_bytes, self.kept_bytes)
 
     def next_slice(self) -> tuple[int, dict[str, np.ndarray]] | None:
-        """(first row, {array name: rows}) of the next slice, as at the start; None when done."""
+        """(first row in the file, {array name: rows}) of the next slice, as at the start (a delta's:
+        the rows changed since, possibly none); None when done."""
         if self.done:
             return None
         lo = self.cursor
         hi = min(lo + self.slice_rows, self.size)
-        arrays = {name: self._array(name)[lo:hi].copy() for name in self.layout}
-        for rows, saved in self._aside.pop(lo // self.slice_rows, []):
+        aside = self._aside.pop(lo // self.slice_rows, [])
+        self.kept_bytes -= sum(array.nbytes for _, saved in aside for array in saved.values())
+        self.cursor = hi
+        at = self._written
+        if self.since is not None:
+            arrays = self._changed_rows(lo, hi, aside)
+            self._written += len(arrays["ids"])
+            return at, arrays
+        arrays = {name: self._array(name)[lo:hi].copy() for name in self._names}
+        for rows, saved in aside:
             for name, array in arrays.items():
                 array[rows - lo] = saved[name]
-            self.kept_bytes -= sum(array.nbytes for array in saved.values())
-        self.cursor = hi
-        return lo, arrays
+        self._written += hi - lo
+        return at, arrays
+
+    def _changed_rows(self, lo: int, hi: int, aside: list) -> dict[str, np.ndarray]:
+        """A delta's slice: the rows of lo..hi whose epoch at the start is after `since` (the
+        stamps are read first, so only those rows are copied)."""
+        stamps = self._array("changed")[lo:hi].copy()
+        for rows, saved in aside:
+            stamps[rows - lo] = saved["changed"]
+        picked = np.flatnonzero(stamps > self.since)
+        arrays = {name: self._array(name)[lo + picked] for name in self.layout}
+        for rows, saved in aside:  # rows changed since the start: their contents as at the start
+            at = np.minimum(np.searchsorted(picked, rows - lo), max(picked.shape[0] - 1, 0))
+            hit = (picked[at] == rows - lo) if picked.shape[0] else np.zeros(rows.shape[0], bool)
+            for name, array in arrays.items():
+                array[at[hit]] = saved[name][hit]
+        return arrays
+
+
+def _count_changed(changed: np.ndarray, size: int, since: int, block: int) -> int:
+    """Rows among 0..size-1 stamped after epoch `since`, a block at a time (no table-sized temporary)."""
+    block = max(block, 1 << 16)
+    return sum(int(np.count_nonzero(changed[lo : min(lo + block, size)] > since)) for lo in range(0, size, block))
 
 
 class FrozenSnapshot:
@@ -93,8 +134,11 @@ class FrozenSnapshot:
     kept_bytes = 0
     peak_kept_bytes = 0
 
+    since = None  # always whole (a tiered table keeps no change stamps)
+    deleted = np.zeros(0, np.int64)
+
     def __init__(self, size: int, layout: dict, slices) -> None:
-        self.size, self.layout = size, layout
+        self.size, self.rows, self.layout = size, size, layout
         self._slices = slices
         self.done = size == 0
 

@@ -41,8 +41,8 @@ Sink = Callable[[list], Any]
 class ShardService:
     """Serves one Shard (and its tables) over any transport."""
 
-    def __init__(self, shard: Shard, save_checkpoint: Callable[[str, Shard], dict] | None = None) -> None:
-        """`save_checkpoint(name, shard)` writes the shard's file of checkpoint `name` under the node's
+    def __init__(self, shard: Shard, save_checkpoint: Callable[..., dict] | None = None) -> None:
+        """`save_checkpoint(name, shard[, parent=])` writes the shard's file of checkpoint `name` under the node's
         own checkpoint directory and returns its description; it checks the name before taking any
         snapshot. Without it (no checkpoint_dir), a Checkpoint request is refused."""
         self.shard = shard
@@ -181,7 +181,10 @@ class ShardService:
     def checkpoint(self, request: msg.CheckpointRequest, tensors: dict, sink: Sink) -> Any:
         if self.save_checkpoint is None:
             raise FailedPreconditionError(f"shard {self.shard.index} was started without a checkpoint_dir")
-        entry = self.save_checkpoint(request.name, self.shard)
+        if request.parent:  # a delta on an earlier checkpoint (incremental checkpoints)
+            entry = self.save_checkpoint(request.name, self.shard, parent=request.parent)
+        else:
+            entry = self.save_checkpoint(request.name, self.shard)
         return _send(sink, msg.CheckpointReply(**entry))
 
     def assign(self, request: msg.AssignRequest, tensors: dict, sink: Sink) -> Any:

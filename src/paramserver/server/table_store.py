@@ -59,6 +59,8 @@ class TableStore:
         self._lock = threading.Lock()
         self._writer_moved = threading.Condition(self._lock)  # a checkpoint's writer took a slice
         self._snapshots: dict[str, RowSnapshot | FrozenSnapshot] = {}  # of the checkpoint being written
+        self.snapshot_epoch = 0  # of the latest snapshot begun (0: none)
+        self.epoch = 1  # of the next snapshot; tables stamp the rows they change with it (incremental checkpoints)
 
     def register(
         self,
@@ -87,6 +89,8 @@ class TableStore:
                 row_policy = RowPolicy.from_dict(policy)
                 self._check_new_table(name, dim, optimizer, row_policy, capacity)
                 table = self._new_table(name, dim, optimizer, init, optimizer_spec, row_policy, capacity)
+                if isinstance(table, EmbeddingTable):
+                    table.epoch = self.epoch
                 if self.restore is not None and self.restore.fill_table(table, self.shard_index, num_shards):
                     log.info("shard %d: table %s restored with %d rows", self.shard_index, name, table.size)
                 self._tables[name], self._wire[name] = table, wire
@@ -173,20 +177,40 @@ class TableStore:
                 pushes[0].table.apply(ids, summed)
 
     # ---- a checkpoint's view of the rows (see RowSnapshot) -----------------------------------
-    def begin_snapshot(self) -> dict[str, tuple[dict, RowSnapshot | FrozenSnapshot]]:
-        """Take every table's rows as they are now: {table: (its meta, its snapshot)}. Until
-        `end_snapshot`, rows are changed as usual; the writer takes them with `next_slice`.
-        One checkpoint at a time (the caller serializes them)."""
+    def begin_snapshot(
+        self, since: int | None = None, forget: int | None = None
+    ) -> dict[str, tuple[dict, RowSnapshot | FrozenSnapshot]]:
+        """Take every table's rows as they are now: {table: (its meta, its snapshot)}; the
+        snapshot's epoch is `snapshot_epoch` from then on. Until `end_snapshot`, rows are changed
+        as usual; the writer takes them with `next_slice`. One checkpoint at a time (the caller
+        serializes them).
+
+        `since`: the epoch of an earlier snapshot to take only the rows changed after (a delta);
+        honoured only when every table keeps change stamps (a tiered one does not: then every
+        snapshot is whole; `snapshot.since` says which). `forget`: no delta will be asked on a
+        snapshot before this epoch (the evicted ids logged up to it are dropped)."""
         with self._lock:
-            taken = {}
+            epoch = self.epoch
+            if not all(isinstance(table, EmbeddingTable) for table in self._tables.values()):
+                since = None  # a tiered table keeps no change stamps: every file is whole
+            taken: dict[str, tuple[dict, RowSnapshot | FrozenSnapshot]] = {}
             for name, table in self._tables.items():
+                if forget is not None and isinstance(table, EmbeddingTable):
+                    table.forget_deleted(forget)
                 one_row = sum(
                     np.dtype(dtype).itemsize * int(np.prod(shape)) for dtype, shape in table.layout().values()
                 )
                 budget = max(SNAPSHOT_MIN_BUDGET, int(SNAPSHOT_BUDGET * table.size * one_row))
-                snapshot = table.begin_snapshot(max(1, SNAPSHOT_SLICE_BYTES // one_row), budget)
+                slice_rows = max(1, SNAPSHOT_SLICE_BYTES // one_row)
+                snapshot: RowSnapshot | FrozenSnapshot
+                if isinstance(table, EmbeddingTable):
+                    snapshot = table.begin_snapshot(slice_rows, budget, since=since)
+                    table.epoch = epoch + 1  # changes from now on belong to the next checkpoint
+                else:
+                    snapshot = table.begin_snapshot(slice_rows, budget)
                 taken[name] = (self._meta(table), snapshot)
                 self._snapshots[name] = snapshot
+            self.epoch, self.snapshot_epoch = epoch + 1, epoch
             return taken
 
     def next_slice(self, name: str) -> tuple[int, dict[str, np.ndarray]] | None:
@@ -241,6 +265,7 @@ class TableStore:
             "policy": asdict(table.policy),
             "counters": dict(table.counters),
             "steps": table.steps,
+            "rows": table.size,
         }
 
     def describe(self) -> dict:

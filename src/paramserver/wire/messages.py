@@ -215,6 +215,11 @@ class CheckpointRequest(Message):
     no path comes from the wire. A name that holds a committed checkpoint is refused (ALREADY_EXISTS)."""
 
     name: str = doc_field("the checkpoint's name (ckpt-<9 digits>)")
+    parent: str = doc_field(
+        "write a delta on this earlier checkpoint: only the rows changed since this PS's file of it "
+        "(a PS without one writes a whole file)",
+        default="",
+    )
 
 
 @message("Checkpoint reply")
@@ -225,6 +230,7 @@ class CheckpointReply(Message):
     file: str = doc_field("the file's name in the checkpoint")
     bytes: int = doc_field("its size")
     sha256: str = doc_field("its SHA-256, hex")
+    parent: str = doc_field("the checkpoint the file is a delta on (absent: a whole file)", default="")
 
 
 @message("Assign request", tensors="the new values, one per part, as in Register")

@@ -30,6 +30,13 @@ its counts to `paramserver run` for the closing JSON line after every checkpoint
 ``{"checkpoints_written": n, "checkpoints_failed": m}``, with ``"checkpoint_error"`` (the latest
 failure) once one failed; the launcher exits non-zero when checkpoints were asked for and none
 was written. Not thread-safe: call from the training thread.
+
+Incremental checkpoints (`base_every` K > 1): the chief's first checkpoint is a base (every
+shard writes its whole file); each later one asks the shards for a delta on the last one it
+committed (the rows changed since, docs/checkpoints.md), until K checkpoints make the chain, or
+the deltas since the base add up to more than CHAIN_SHARE of the base's bytes: then a new base.
+So a restore reads at most a base and K - 1 deltas, and about 1 + CHAIN_SHARE bases' bytes. A
+failed checkpoint leaves the chain as it was; a chief (re)started begins with a base.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from ..base.errors import FailedPreconditionError, ParamServerError, RollbackError
@@ -48,6 +56,18 @@ from .rollback import restarted_shard
 
 log = logging.getLogger(__name__)
 FINAL = "checkpoint:final"
+CHAIN_SHARE = 0.5  # deltas since the base past this share of its bytes: the next checkpoint is a base
+
+
+@dataclass
+class _Chain:
+    """The chain the chief's checkpoints extend: its base, its newest checkpoint, its deltas' count and bytes."""
+
+    base: str
+    base_bytes: int
+    last: str
+    deltas: int = 0
+    delta_bytes: int = 0
 
 
 class Checkpointer:
@@ -64,12 +84,16 @@ class Checkpointer:
         clock: Callable[[], float] = time.monotonic,
         report: Callable[[dict[str, Any]], None] | None = None,
         in_step: bool = False,
+        base_every: int = 1,
     ) -> None:
         """`report(values)`: where the chief hands its counts (default: this process's Context's
         `report_result`, which puts them in `paramserver run`'s closing JSON line). `in_step`: the
         workers train in step (dense_sync "allreduce": every step is an all-reduce of them all), so
         each must pause at the same step: every worker asks at its own `every`-th steps, which are
-        the chief's, and the coordinator merges their requests into one."""
+        the chief's, and the coordinator merges their requests into one. `base_every`: a base
+        checkpoint every this many, deltas between (1: every checkpoint whole)."""
+        self.base_every = base_every
+        self._chain: _Chain | None = None  # what the next delta extends (None: the next is a base)
         self.client = client
         self.store = store
         self.every = every if store is not None else 0
@@ -262,7 +286,12 @@ class Checkpointer:
                 log.info("%s %s: replaces the complete checkpoint of that name", what, name)
             for hook in self.before_save:
                 hook(timeout)
-            entries = self.client.checkpoint(name, timeout)
+            parent = self._parent_for(name)
+            entries = (
+                self.client.checkpoint(name, timeout, parent=parent)
+                if parent
+                else self.client.checkpoint(name, timeout)
+            )
             self._check_same_shards()
             manifest = {
                 "step": step,
@@ -270,6 +299,9 @@ class Checkpointer:
                 "shards": entries,
                 "mode": self.client.consistency.to_dict(),
             }
+            delta = any(entry.get("parent") for entry in entries)
+            if delta and self._chain is not None:
+                manifest.update(parent=parent, base=self._chain.base)
             store.commit(name, {**manifest, "final": True} if final else manifest)
         except (ParamServerError, OSError) as exc:  # a shard's error, a deadline, the store's CheckpointError
             reason = str(exc) if isinstance(exc, ParamServerError) else f"{type(exc).__name__}: {os_reason(exc)}"
@@ -292,6 +324,7 @@ class Checkpointer:
         if self.metrics is not None:
             self.metrics.duration.observe(time.monotonic() - started)
         self._written = (name, counters) if counters is not None else None
+        self._extend_chain(name, delta, sum(e["bytes"] for e in entries))
         self.written += 1
         self._report()
         try:
@@ -301,15 +334,32 @@ class Checkpointer:
             log.warning("%s %s: committed, but older checkpoints could not be deleted: %s", what, name, exc)
         took = time.monotonic() - started
         log.info(
-            "%s %s: committed (%d bytes) in %.2fs%s",
+            "%s %s: committed (%d bytes%s) in %.2fs%s",
             what,
             name,
             sum(e["bytes"] for e in entries),
+            f", a delta on {parent}" if delta else "",
             took,
             f"; removed {', '.join(removed)}" if removed else "",
             extra={"event": "checkpoint_saved", "step": step, "duration_s": round(took, 3)},
         )
         return name
+
+    def _parent_for(self, name: str) -> str | None:
+        """The checkpoint the next one, `name`, is a delta on; None: a base (see the module docstring)."""
+        chain = self._chain
+        if self.base_every <= 1 or chain is None or chain.last >= name:
+            return None
+        if chain.deltas + 1 >= self.base_every or chain.delta_bytes > CHAIN_SHARE * chain.base_bytes:
+            return None
+        return chain.last
+
+    def _extend_chain(self, name: str, delta: bool, written: int) -> None:
+        chain = self._chain
+        if not delta or chain is None:
+            self._chain = _Chain(base=name, base_bytes=written, last=name)
+        else:
+            chain.last, chain.deltas, chain.delta_bytes = name, chain.deltas + 1, chain.delta_bytes + written
 
     def _check_same_shards(self) -> None:
         """A shard that restarted since this worker registered wrote the state it restored, not the cluster's:

@@ -198,5 +198,6 @@ def _pauses(config: NodeConfig, client: PSClient, coordinator: CoordinatorClient
             options.checkpoint_every_seconds,
             coordinator,
             in_step=options.dense_sync == "allreduce",
+            base_every=options.checkpoint_base_every,
         )
     return checkpointer, meet
