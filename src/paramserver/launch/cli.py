@@ -255,6 +255,12 @@ def _add_ops_flags(parser: argparse.ArgumentParser) -> None:
         type=float,
         help=f"SIGTERM: seconds for calls in flight to finish (default {Options.drain_grace_s:.0f})",
     )
+    group.add_argument(
+        "--preempt-grace",
+        type=float,
+        help=f"with --checkpoint-dir, SIGTERM or a first Ctrl-C writes a checkpoint at the next step, then stops: "
+        f"seconds it may take (default {Options.preempt_grace_s:.0f})",
+    )
 
 
 def _add_security_flags(parser: argparse.ArgumentParser) -> None:
@@ -325,6 +331,7 @@ _FLAG_OPTIONS = {
     "summary_every": "summary_every",
     "audit_log": "audit_log",
     "drain_grace": "drain_grace_s",
+    "preempt_grace": "preempt_grace_s",
     "tls_cert": "tls_cert",
     "tls_key": "tls_key",
     "tls_ca": "tls_ca",
@@ -371,9 +378,12 @@ def _run_local(args: argparse.Namespace, script: str, script_args: list[str]) ->
         tokens=args.tokens,
         evaluator=evaluator,
     )
-    code = cluster.run()
-    print(json.dumps(cluster.summary()), flush=True)
-    return code
+    try:
+        return cluster.run()
+    finally:  # the closing line, however the run ended: nothing interrupts it once the nodes are gone
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        print(json.dumps(cluster.summary()), flush=True)
 
 
 def _cert_dir(args: argparse.Namespace, options: Options) -> Path | None:

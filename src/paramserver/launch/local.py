@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -333,21 +334,71 @@ class LocalCluster(Lifecycle):
 
     def run(self, timeout: float = 120.0) -> int:
         """start + wait + stop, turning Ctrl-C into a clean stop (exit code 130); a run that wrote
-        none of the checkpoints it asked for ends with NO_CHECKPOINT (see `checkpoint_verdict`)."""
+        none of the checkpoints it asked for ends with NO_CHECKPOINT (see `checkpoint_verdict`).
+
+        With a checkpoint_dir the first Ctrl-C (or SIGTERM) lets the workers write a checkpoint at
+        their next step first (`preempt`); a second one, even while the nodes stop, kills them at once."""
         try:
-            self.start(timeout)
-            code = self.wait()
-            if code == 0:
-                self._let_evaluator_finish()
-        except KeyboardInterrupt:
-            totals = self.interrupt()
-            self._lines.write(
-                "run", f"interrupted at steps={totals['steps']:,} examples={totals['examples']:,}; stopping every node"
-            )
+            try:
+                self.start(timeout)
+                code = self.wait()
+                if code == 0:
+                    self._let_evaluator_finish()
+            except KeyboardInterrupt:
+                self._interrupted()
+                self.stop()
+                return 130
+            self.stop()
+        except KeyboardInterrupt:  # a second one: while the workers checkpoint, or while the nodes stop
+            self._lines.write("run", "interrupted again: killing every node now")
+            self.kill()
             return 130
         finally:
-            self.stop()
+            self.stop()  # another error's way out (after the above: returns at once)
         return self.checkpoint_verdict(code)
+
+    def _interrupted(self) -> None:
+        """The first interrupt: with checkpoints, a checkpoint at the workers' next step; then the board
+        is frozen (steps taken while the nodes stop are not counted)."""
+        if self.options.checkpoint_dir and self.workers and self._started_at:
+            totals = self.board.totals()
+            self._lines.write(
+                "run",
+                f"interrupted at steps={totals['steps']:,}; a checkpoint at the next step, then every node stops "
+                f"(within {self.options.preempt_grace_s:.0f}s; interrupt again to stop at once)",
+                event="preemption",
+            )
+            self.preempt()
+        totals = self.interrupt()
+        self._lines.write(
+            "run", f"interrupted at steps={totals['steps']:,} examples={totals['examples']:,}; stopping every node"
+        )
+
+    def preempt(self) -> None:
+        """SIGTERM the workers alone (each checkpoints at its next step, worker/preemption.py) and wait
+        for them, at most the preemption grace and a few seconds; the PS keep serving meanwhile."""
+        workers = list(self.workers)
+        for worker in workers:
+            worker.terminate()
+        deadline = time.monotonic() + self.options.preempt_grace_s + 5.0
+        for worker in workers:
+            worker.wait_until(deadline)
+        for index in range(len(workers)):
+            self._drain_progress(index)
+
+    def kill(self) -> None:
+        """SIGKILL every node started and reap it, at once (a second interrupt)."""
+        if threading.current_thread() is threading.main_thread():  # a third Ctrl-C must not cut this short
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        with self._nodes_lock:
+            self._stopped.set()
+            nodes = list(self._spawned)
+        for child in nodes:
+            child.kill()
+        for child in nodes:
+            child.wait_until(time.monotonic() + 5.0)
+        self.wall_s = self.wall_s or (time.monotonic() - self._started_at if self._started_at else 0.0)
 
     def _let_evaluator_finish(self, grace: float = EVALUATOR_GRACE_S) -> None:
         """Give the evaluator, which ends by itself after the final checkpoint, `grace` seconds to

@@ -120,7 +120,7 @@ def run_evaluator(config: NodeConfig, script: str | None, args: list[str]) -> in
 
 def run_script(config: NodeConfig, script: str, args: list[str]) -> int:
     """Run the user's script as __main__ in this process, with `init()` bound to `config`."""
-    from ..worker import current  # here: a PS node never loads the worker side (torch)
+    from ..worker import current, preemption  # here: a PS node never loads the worker side (torch)
 
     path = Path(script)
     if not path.is_file():
@@ -129,10 +129,15 @@ def run_script(config: NodeConfig, script: str, args: list[str]) -> int:
     sys.argv = [str(path), *args]
     sys.path.insert(0, str(path.resolve().parent))
     log.info("%s %d: running %s", config.task.type, config.task.index, path)
+    if config.options.checkpoint_dir and config.task.type != config_mod.EVALUATOR:
+        preemption.install(config.options.preempt_grace_s)  # SIGTERM: a checkpoint at the next step, then stop
     completed = False
     try:
         runpy.run_path(str(path), run_name="__main__")
         completed = True
+    except preemption.Preempted as stopped:
+        log.info("%s %d: %s", config.task.type, config.task.index, stopped)
+        return stopped.exit_code
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         completed = code == 0

@@ -14,7 +14,7 @@ from ..base.consistency_spec import ConsistencySpec
 from ..client.ps_client import PSClient
 from ..client.table_client import TableClient
 from ..coordinator.coordinator_service import CoordinatorClient
-from . import current
+from . import current, preemption
 from .modes import ModeSwitcher
 from .pipeline import for_context
 from .progress import ProgressWriter
@@ -230,6 +230,26 @@ class Context:
             self.coordinator.resume()
             self.progress.undone()
         self.pause(step)
+        if preemption.requested() is not None:
+            self._stop_for_preemption(step)
+
+    def _stop_for_preemption(self, step: int) -> None:
+        """SIGTERM or a first Ctrl-C arrived (worker/preemption.py): the chief has a checkpoint written
+        now, at this step boundary, the others leave; then Preempted ends the script."""
+        signum = preemption.requested()
+        assert signum is not None
+        checkpointer = self.checkpointer
+        if self.is_chief and checkpointer is not None:
+            for optimizer in self.optimizers:  # nothing of this worker in flight while the shards write
+                optimizer.synchronize()
+            written = checkpointer.written
+            self.coordinator.request_checkpoint()
+            checkpointer.meet_announced(self.options.rpc_timeout_s)
+            if checkpointer.written > written:
+                log.info("preemption checkpoint written after step %d; stopping", step, extra={"event": "preempted"})
+            else:
+                log.error("the preemption checkpoint was not written (see above); stopping after step %d", step)
+        raise preemption.Preempted(signum, step)
 
     def pause(self, step: int) -> None:
         """Meet the others at the barriers due after `step`: mode switches, checkpoints."""
