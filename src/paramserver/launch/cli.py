@@ -19,7 +19,9 @@ log = logging.getLogger(__name__)
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="paramserver", description="Parameter-server training for PyTorch.")
+    parser = argparse.ArgumentParser(
+        prog="paramserver", description="Parameter-server training for PyTorch.", allow_abbrev=False
+    )
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default INFO)")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -96,7 +98,19 @@ def _parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="train the digits classifier on a local cluster and print one JSON line")
     _add_cluster_flags(demo, ps=2, workers=2)
     demo.add_argument("--epochs", type=int, default=20, help="training epochs (default 20)")
+    for command in sub.choices.values():  # `--work 2` is no `--workers 2`: only whole flags
+        command.allow_abbrev = False
     return parser
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """The command line; a flag no command knows is refused with that command's usage (exit 2)."""
+    parser = _parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        commands.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
 
 
 def _add_k8s_parser(sub) -> None:
@@ -154,7 +168,9 @@ def _add_cluster_flags(parser: argparse.ArgumentParser, ps: int = 1, workers: in
         "--max-restarts",
         type=int,
         default=3,
-        help="with --checkpoint-dir: roll back and restart after a node is killed, at most this many times (default 3)",
+        help="recoveries from nodes killed by a signal, at most this many (default 3): a worker other than the "
+        "chief restarts alone; a PS or the chief rolls the cluster back to its latest checkpoint (needs "
+        "--checkpoint-dir)",
     )
     parser.add_argument(
         "--certs",
@@ -351,6 +367,10 @@ def mode_options(args: argparse.Namespace) -> dict:
 def _run_local(args: argparse.Namespace, script: str, script_args: list[str]) -> int:
     from .local import LocalCluster, default_torch_threads
 
+    if args.ps < 1 or args.workers < 1:
+        raise ConfigError(f"--ps and --workers must be at least 1, got {args.ps} and {args.workers}")
+    if not Path(script).is_file():
+        raise ConfigError(f"training script {script} does not exist")
     threads = args.torch_threads or default_torch_threads(args.workers)
     options = Options(rpc_timeout_s=args.rpc_timeout, torch_threads=threads, **mode_options(args))
     options.validate(args.workers)  # what needs the cluster's size too, before any process starts
@@ -493,7 +513,7 @@ def _demo_script() -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = _parse(argv)
     _configure_logging(args)
     # SIGTERM stops a launcher as cleanly as Ctrl-C does; SIGINT is set too, since a process started in
     # the background by a shell (or by a job that was) inherits SIGINT ignored, and `kill -INT` must still stop it.

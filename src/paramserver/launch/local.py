@@ -228,16 +228,25 @@ class LocalCluster(Lifecycle):
                 pending = list(self.workers)
                 continue
             if child in self.ps:
-                self._lines.write("run", f"{child.label} exited with code {child.poll()}; stopping the run")
-                return 1
+                self._lines.write("run", f"{child.label} {_ended(child)}; stopping the run{self._advice(child)}")
+                return _shell_code(_exit_code(child)) if _exit_code(child) < 0 else 1
             if child is not None:
                 pending.remove(child)
                 if child.poll() != 0:
-                    self._lines.write("run", f"{child.label} failed with code {child.poll()}; stopping the run")
-                    return child.poll() or 1
+                    why = f"{_ended(child)}; stopping the run{self._advice(child)}"
+                    self._lines.write("run", f"{child.label} failed: {why}")
+                    return _shell_code(_exit_code(child))
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"workers still running after {timeout}s")
         return 0
+
+    def _advice(self, child: Child) -> str:
+        """What would have recovered from `child`, killed by a signal, when nothing did."""
+        if _exit_code(child) >= 0:
+            return ""
+        if not self.options.checkpoint_dir and child not in self.workers[1:]:
+            return " (with --checkpoint-dir the run rolls back to its latest checkpoint and goes on)"
+        return f" (no restart left: --max-restarts {self.max_restarts})"
 
     def _killed_after_done(self, child: Child, pending: list[Child]) -> bool:
         """A worker killed by a signal after it reported that it finished its script: a success,
@@ -537,6 +546,17 @@ def _exit_code(child: Child) -> int:
     if code is None:
         raise FailedPreconditionError(f"{child.label} is still running")
     return code
+
+
+def _ended(child: Child) -> str:
+    """How `child` ended, in words: "was killed (signal 9)" or "exited with code 1"."""
+    code = _exit_code(child)
+    return f"was killed (signal {-code})" if code < 0 else f"exited with code {code}"
+
+
+def _shell_code(code: int) -> int:
+    """A child's exit code as a shell reports it: 128 + the signal that killed it."""
+    return 128 - code if code < 0 else code
 
 
 def _rss(process: psutil.Process) -> int:

@@ -1,0 +1,56 @@
+"""How a `paramserver run` ends: a node killed without a way to recover, a run that trained nothing."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.cluster
+
+SMALL = str(ROOT / "tests" / "integration" / "scripts" / "train_small.py")
+
+
+def paramserver(*args: str) -> list[str]:
+    return [sys.executable, "-m", "paramserver", *args]
+
+
+def _node(launcher: int, role: str) -> psutil.Process:
+    """The launcher's PS 0 ("ps") or worker 0 ("chief")."""
+    for child in psutil.Process(launcher).children():
+        argv, env = child.cmdline(), child.environ()
+        if role == "ps" and "--role" in argv and argv[argv.index("--role") + 1] == "ps":
+            return child
+        if role == "chief" and '"task": {"type": "worker", "index": 0}' in env.get("TF_CONFIG", ""):
+            return child
+    raise AssertionError(f"no {role} under {launcher}")
+
+
+@pytest.mark.parametrize("role", ["chief", "ps"])
+def test_a_killed_chief_or_ps_without_checkpoints_ends_with_128_plus_the_signal_and_says_what_recovers(procs, role):
+    seed = random.randrange(2**32)
+    delay = random.Random(seed).uniform(0.0, 0.5)
+    proc = procs.start(paramserver("run", "--workers", "2", "--progress-every", "0.2", SMALL, "--", "--steps", "0"),
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if line.startswith("[run] steps="):
+            break
+    time.sleep(delay)
+    os.kill(_node(proc.pid, role).pid, signal.SIGKILL)
+    out, _ = proc.communicate(timeout=60)
+    out = "".join(seen) + out
+    assert proc.returncode == 137, f"seed {seed}: {out}"
+    label = "worker0 failed: " if role == "chief" else "ps0 "
+    assert (f"[run] {label}was killed (signal 9); stopping the run (with --checkpoint-dir the run rolls back "
+            f"to its latest checkpoint and goes on)") in out, f"seed {seed}: {out}"
+    assert "steps" in json.loads(out.strip().splitlines()[-1])
+    assert procs.leftovers() == []
