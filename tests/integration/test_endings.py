@@ -54,3 +54,24 @@ def test_a_killed_chief_or_ps_without_checkpoints_ends_with_128_plus_the_signal_
             f"to its latest checkpoint and goes on)") in out, f"seed {seed}: {out}"
     assert "steps" in json.loads(out.strip().splitlines()[-1])
     assert procs.leftovers() == []
+
+
+TORCH_OPTIM = str(ROOT / "tests" / "integration" / "scripts" / "train_torch_optim.py")
+
+
+@pytest.mark.parametrize("torch_worker", [-1, 1], ids=["every-worker", "one-worker"])
+def test_a_torch_optim_optimizer_is_named_when_a_worker_or_the_run_trained_no_step(procs, torch_worker):
+    proc = procs.start(paramserver("run", "--workers", "2", "--progress-every", "0", TORCH_OPTIM, "--",
+                                   "--torch-worker", str(torch_worker)),
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    if torch_worker == -1:
+        assert "[run] no worker trained a step: a cluster trains through paramserver optimizers" in out, out
+        assert "worker 0: the script made no paramserver optimizer" in out
+    else:
+        assert "[run] worker1 trained no step while the others did: a cluster trains through" in out, out
+        assert "worker 1: the script made no paramserver optimizer" in out
+        assert "worker 0: the script made no" not in out
+    assert "torch.optim optimizer trains a private copy" in out
+    assert procs.leftovers() == []

@@ -58,6 +58,11 @@ _MEMORY_EVERY_S = 0.5  # how often the nodes' resident memory is sampled for the
 _TREE_EVERY_S = 2.0  # how often the nodes' child processes (data loaders) are listed again
 _PROGRESS_EOF_S = 5.0  # how long to wait for a dead worker's last progress lines (normally instant)
 NO_CHECKPOINT = 3  # exit code: the run succeeded but wrote none of the checkpoints it asked for
+_PS_OPTIMIZERS = (
+    "a cluster trains through paramserver optimizers (ps.optim.SGD, ps.optim.Adam, ps.Trainer, ...), "
+    "which push each step to the PS; a torch.optim optimizer trains a private copy on each worker, which "
+    "nothing shares or saves"
+)
 EVALUATOR_GRACE_S = 60.0  # after a clean end: how long the evaluator may take over the final checkpoint
 
 
@@ -358,6 +363,8 @@ class LocalCluster(Lifecycle):
                 self.stop()
                 return 130
             self.stop()
+            if code == 0:
+                self.warn_untrained()
         except KeyboardInterrupt:  # a second one: while the workers checkpoint, or while the nodes stop
             self._lines.write("run", "interrupted again: killing every node now")
             self.kill()
@@ -408,6 +415,20 @@ class LocalCluster(Lifecycle):
         for child in nodes:
             child.wait_until(time.monotonic() + 5.0)
         self.wall_s = self.wall_s or (time.monotonic() - self._started_at if self._started_at else 0.0)
+
+    def warn_untrained(self) -> None:
+        """Name the workers that trained no step while others did, or say that none did: the mark of a
+        torch.optim optimizer, which trains a private copy on each worker. Call after `stop()`."""
+        for index in range(len(self.workers)):
+            self._drain_progress(index)
+        steps = self.board.steps_by_worker()
+        idle = [f"worker{i}" for i in range(self.num_workers) if not steps.get(i)]
+        if len(idle) == self.num_workers:
+            self._lines.write("run", f"no worker trained a step: {_PS_OPTIMIZERS}", event="no_steps")
+        elif idle:
+            self._lines.write(
+                "run", f"{', '.join(idle)} trained no step while the others did: {_PS_OPTIMIZERS}", event="no_steps"
+            )
 
     def _let_evaluator_finish(self, grace: float = EVALUATOR_GRACE_S) -> None:
         """Give the evaluator, which ends by itself after the final checkpoint, `grace` seconds to

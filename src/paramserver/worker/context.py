@@ -276,6 +276,13 @@ class Context:
         hosting the coordinator keeps it up while any worker may still need it: until every worker
         exited or died, and those that never joined were given `connect_timeout_s`.
         """
+        if completed and not self.optimizers:
+            log.warning(
+                "worker %d: the script made no paramserver optimizer (ps.optim.*, ps.Trainer): nothing was "
+                "pushed to the PS; a torch.optim optimizer trains a private copy that nothing shares or saves",
+                self.worker_index,
+                extra={"event": "no_steps"},
+            )
         try:
             if completed and self.optimizers:
                 self.finish_training()

@@ -111,6 +111,7 @@ class ProgressBoard:
             "staleness_sum": 0,
             "pushed_bytes": 0,
         }  # totals of workers since restarted
+        self._banked_steps: dict[int, int] = {}  # per worker: the steps of its runs before its restarts
         self._first_t: float | None = None
         self._first_examples = 0  # counted by the first line, so done before _first_t
         self.results: dict[int, dict[str, Any]] = {}
@@ -156,12 +157,22 @@ class ProgressBoard:
         with self._lock:
             for index in [worker] if worker is not None else list(self._latest):
                 record = self._latest.pop(index, {})
+                self._banked_steps[index] = self._banked_steps.get(index, 0) + record.get("steps", 0)
                 for key in self._banked:
                     self._banked[key] += record.get(key, 0)
             if worker is None:
                 self._done.clear()
             else:
                 self._done.discard(worker)
+
+    def steps_by_worker(self) -> dict[int, int]:
+        """Each worker's steps so far, its runs before restarts included (a worker that reported none is absent
+        unless it was restarted)."""
+        with self._lock:
+            steps = dict(self._banked_steps)
+            for worker, record in self._latest.items():
+                steps[worker] = steps.get(worker, 0) + record.get("steps", 0)
+        return steps
 
     def totals(self) -> dict[str, Any]:
         """Summed steps and examples, mean last loss, steps/s and examples/s since the previous call, and
