@@ -64,6 +64,7 @@ _PS_OPTIMIZERS = (
     "nothing shares or saves"
 )
 EVALUATOR_GRACE_S = 60.0  # after a clean end: how long the evaluator may take over the final checkpoint
+EVALUATOR_PROGRESS = -1  # the evaluator's index on the progress board (it reports only a failure)
 
 
 def free_port() -> int:
@@ -170,8 +171,7 @@ class LocalCluster(Lifecycle):
                     "task": {"type": "evaluator", "index": 0},
                 }
             )
-            env = self._env(replace(self.options, progress_fd=-1), config)
-            self.evaluator = self._spawn("evaluator0", self._node_argv(self.script, *self.args), env)
+            self.evaluator = self._spawn_reporting("evaluator0", EVALUATOR_PROGRESS, self.options, config)
 
     def wait_ready(self, timeout: float) -> None:
         """Every PS announced its address and every worker was started (what `start` waits for)."""
@@ -186,19 +186,21 @@ class LocalCluster(Lifecycle):
             return child
 
     def _start_worker(self, index: int) -> Child:
-        read_fd, write_fd = os.pipe()
         options = self._node_options(worker_node_name(index))
-        env = self._env(replace(options, progress_fd=write_fd), self._tf_config(index))
+        return self._spawn_reporting(f"worker{index}", index, options, self._tf_config(index))
+
+    def _spawn_reporting(self, label: str, index: int, options: Options, tf_config: str) -> Child:
+        """Start the script on a node that reports on a progress pipe of its own (a worker, the evaluator)."""
+        read_fd, write_fd = os.pipe()
+        env = self._env(replace(options, progress_fd=write_fd), tf_config)
         try:
-            child = self._spawn(f"worker{index}", self._node_argv(self.script, *self.args), env, pass_fds=(write_fd,))
+            child = self._spawn(label, self._node_argv(self.script, *self.args), env, pass_fds=(write_fd,))
         except BaseException:
             os.close(read_fd)
             raise
         finally:
             os.close(write_fd)
-        reader = threading.Thread(
-            target=self._read_progress, args=(read_fd,), name=f"progress-worker{index}", daemon=True
-        )
+        reader = threading.Thread(target=self._read_progress, args=(read_fd,), name=f"progress-{label}", daemon=True)
         reader.start()
         self._progress_readers[index] = reader
         return child
@@ -474,6 +476,8 @@ class LocalCluster(Lifecycle):
             "wall_s": round(self.wall_s, 2),
             "peak_rss_mb": {role: round(rss / 2**20, 1) for role, rss in self.peak_rss.items()},
         }
+        if self.board.steps_redone:
+            summary["steps_redone"] = self.board.steps_redone  # after a roll-back: not in `steps`
         for worker in sorted(self.board.results, reverse=True):
             summary.update(self.board.results[worker])
         return summary

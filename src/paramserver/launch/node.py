@@ -106,8 +106,9 @@ def run_evaluator(config: NodeConfig, script: str | None, args: list[str]) -> in
     except KeyboardInterrupt:  # SIGTERM too (cli.main): the job is ending
         log.info("evaluator %d: stopped", config.task.index)
         return 0
-    except BaseException:
+    except BaseException as exc:
         log.exception("evaluator %d failed; exiting with 0 (an evaluator never fails the job)", config.task.index)
+        _report_evaluator_failure(config, f"{type(exc).__name__}: {exc}")
         return 0
     if code != 0:
         log.error(
@@ -115,7 +116,19 @@ def run_evaluator(config: NodeConfig, script: str | None, args: list[str]) -> in
             config.task.index,
             code,
         )
+        _report_evaluator_failure(config, f"the script exited with {code}")
     return 0
+
+
+def _report_evaluator_failure(config: NodeConfig, why: str) -> None:
+    """Tell `paramserver run` (its progress pipe, when it gave one) that the evaluator failed, for its closing line."""
+    if config.options.progress_fd < 0:
+        return
+    from ..worker.progress import ProgressWriter
+
+    writer = ProgressWriter(config.options.progress_fd, worker=-1)
+    writer.result({"evaluator_error": why})
+    writer.close(done=False)
 
 
 def run_script(config: NodeConfig, script: str, args: list[str]) -> int:

@@ -253,6 +253,8 @@ class Context:
 
     def pause(self, step: int) -> None:
         """Meet the others at the barriers due after `step`: mode switches, checkpoints."""
+        if self.pauses_at(step):  # the launcher's count at a checkpoint is exact: a roll-back goes back to it
+            self.progress.flush()
         self.modes.on_step(step, self.options.rpc_timeout_s)
         if self.checkpointer is not None:
             self.checkpointer.on_step(step, self.options.rpc_timeout_s)
