@@ -73,7 +73,11 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     status = sub.add_parser("status", help="print every node of a running cluster: health, step, pushes/s, memory")
-    status.add_argument("cluster", nargs="?", help="cluster JSON file, as `node --cluster` takes (default: TF_CONFIG)")
+    status.add_argument(
+        "cluster",
+        nargs="?",
+        help="cluster JSON file, as `node --cluster` takes (default: TF_CONFIG, else the local run)",
+    )
     status.add_argument("--json", action="store_true", help="print one JSON list instead of a table")
     status.add_argument(
         "--interval", type=float, default=1.0, help="seconds between the two samples of pushes/s (default 1)"
@@ -82,13 +86,19 @@ def _parser() -> argparse.ArgumentParser:
     _add_security_flags(status)
 
     stop = sub.add_parser("shutdown", help="drain and stop every PS of a running cluster (an admin call)")
-    stop.add_argument("cluster", nargs="?", help="cluster JSON file, as `node --cluster` takes (default: TF_CONFIG)")
+    stop.add_argument(
+        "cluster",
+        nargs="?",
+        help="cluster JSON file, as `node --cluster` takes (default: TF_CONFIG, else the local run)",
+    )
     stop.add_argument("--reason", default="", help="why, for the PS's log and audit trail")
     stop.add_argument("--timeout", type=float, default=5.0, help="deadline of each call to a PS (default 5)")
     _add_security_flags(stop)
 
     health = sub.add_parser("health", help="one node's health (grpc.health.v1): exit 0 when SERVING")
-    health.add_argument("address", help="HOST:PORT of the node")
+    health.add_argument(
+        "address", nargs="?", help="HOST:PORT of the node (default: every node of TF_CONFIG's cluster or the local run)"
+    )
     health.add_argument("--service", default="", help="a named service, e.g. paramserver.Shard (default: the node)")
     health.add_argument("--timeout", type=float, default=5.0, help="deadline of the call (default 5)")
     _add_security_flags(health)
@@ -454,13 +464,20 @@ def _health(args: argparse.Namespace) -> int:
     """One node's health. Without --tls-* flags, TLS as PARAMSERVER_OPTIONS says: in a node's container
     (a Kubernetes exec probe) the node's own certificate."""
     from ..security.tls import tls_from_options
-    from ..transport.health import check
+    from .status import tls_aware_check
 
     access = _status_access(args)
-    tls = access.tls if args.tls_cert else tls_from_options(options_from_environ(os.environ))
-    status = check(args.address, args.timeout, args.service, tls)
-    print(status, flush=True)
-    return 0 if status == "SERVING" else 1
+    tls = access.tls if args.tls_cert or args.tls_ca else tls_from_options(options_from_environ(os.environ))
+    if args.address:
+        status = tls_aware_check(args.address, args.timeout, args.service, tls)
+        print(status, flush=True)
+        return 0 if status == "SERVING" else 1
+    cluster = _cluster_spec(None)  # every node of the cluster (TF_CONFIG's, or the local run's), one line each
+    addresses = (*cluster.ps, *cluster.chief, *cluster.worker)
+    statuses = [tls_aware_check(address, args.timeout, args.service, tls) for address in addresses]
+    for address, status in zip(addresses, statuses):
+        print(f"{address} {status}", flush=True)
+    return 0 if all(status == "SERVING" for status in statuses) else 1
 
 
 def _make_certs(args: argparse.Namespace) -> int:
@@ -496,12 +513,14 @@ def _status_access(args: argparse.Namespace):
 
 
 def _cluster_spec(path: str | None) -> ClusterSpec:
-    """The cluster of a cluster file, or of TF_CONFIG without one."""
+    """The cluster of a cluster file, else of TF_CONFIG, else of the `paramserver run` on this machine."""
     if path:
         return load_cluster_file(path, "ps", 0).cluster
     config = config_from_environ(os.environ, Options())
     if config is None:
-        raise ConfigError("status needs a cluster file or TF_CONFIG")
+        from .run_files import local_run
+
+        return load_cluster_file(local_run(), "ps", 0).cluster
     return config.cluster
 
 

@@ -51,6 +51,7 @@ from ..worker.progress import ProgressBoard
 from .certs import ps_node_name, with_node_tls, worker_node_name
 from .processes import Child, LineWriter, stop_all, wait_any
 from .ps_process import READY_PREFIX
+from .run_files import remove_run_file, write_run_file
 from .tokens import with_node_token
 
 log = logging.getLogger(__name__)
@@ -140,6 +141,7 @@ class LocalCluster(Lifecycle):
         self._started_at = 0.0
         self.wall_s = 0.0
         self._watcher: threading.Thread | None = None
+        self.run_file: Path | None = None  # this run's cluster file, while it runs
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self, timeout: float = 120.0) -> None:
@@ -162,6 +164,7 @@ class LocalCluster(Lifecycle):
         if self._watcher is None:
             self._watcher = threading.Thread(target=self._watch, name="run-watch", daemon=True)
             self._watcher.start()
+        self._write_run_file()
         for i in range(self.num_workers):
             self.workers.append(self._start_worker(i))
         if self.with_evaluator and self.evaluator is None:
@@ -172,6 +175,18 @@ class LocalCluster(Lifecycle):
                 }
             )
             self.evaluator = self._spawn_reporting("evaluator0", EVALUATOR_PROGRESS, self.options, config)
+
+    def _write_run_file(self) -> None:
+        """Where `paramserver status` (no argument) finds this run (launch/run_files.py); said once."""
+        cluster = {"ps": [a for a in self.ps_addresses if a], "worker": self.worker_addresses}
+        first = self.run_file is None
+        try:
+            self.run_file = write_run_file(cluster)
+        except OSError as exc:
+            self._lines.write("run", f"cannot write the cluster file: {exc}; `paramserver status` needs a cluster file")
+            return
+        if first:
+            self._lines.write("run", f"cluster file: {self.run_file} (`paramserver status` finds it)")
 
     def wait_ready(self, timeout: float) -> None:
         """Every PS announced its address and every worker was started (what `start` waits for)."""
@@ -337,6 +352,8 @@ class LocalCluster(Lifecycle):
             nodes = self.workers + self.ps
             nodes += [child for child in self._spawned if child not in nodes and child.poll() is None]
         self.ready.fail(UnavailableError("the local cluster was stopped"))
+        if self.run_file is not None:
+            remove_run_file(self.run_file)
         self.wall_s = time.monotonic() - self._started_at if self._started_at else 0.0
         stop_all(nodes, max(grace, self.options.drain_grace_s + 1))
         deadline = time.monotonic() + _PROGRESS_EOF_S  # the nodes are gone: their pipes end now
@@ -412,6 +429,8 @@ class LocalCluster(Lifecycle):
         with self._nodes_lock:
             self._stopped.set()
             nodes = list(self._spawned)
+        if self.run_file is not None:
+            remove_run_file(self.run_file)
         for child in nodes:
             child.kill()
         for child in nodes:
