@@ -86,7 +86,8 @@ def run_node(
             if config is None:  # only with an empty --bind: None without a config was refused above
                 raise ConfigError("a PS node needs TF_CONFIG, --cluster, or --bind HOST:PORT")
             bind = bind_address(config.listed_address())
-        return run_ps_node(bind, config.task.index if config else index or 0, options)
+        listed = config.listed_address() if config is not None else None
+        return run_ps_node(bind, config.task.index if config else index or 0, options, cluster_address=listed)
     if config is None:
         raise ConfigError("a worker node needs TF_CONFIG or --cluster FILE --role worker --index I")
     if role == config_mod.EVALUATOR:
