@@ -45,3 +45,10 @@ def test_the_top_level_flags_take_no_abbreviation_either(capsys):
     with pytest.raises(SystemExit):
         cli.main(["--log-l", "DEBUG", "status"])
     assert "paramserver: error:" in capsys.readouterr().err
+
+
+def test_bind_alone_asks_for_the_ps_role(capsys, monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    monkeypatch.delenv("PARAMSERVER_CLUSTER", raising=False)
+    assert cli.main(["node", "--bind", "127.0.0.1:0"]) == 2
+    assert capsys.readouterr().err == "paramserver: error: --bind is where a PS listens: give --role ps too\n"

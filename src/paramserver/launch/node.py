@@ -88,6 +88,8 @@ def run_node(
             bind = bind_address(config.listed_address())
         listed = config.listed_address() if config is not None else None
         return run_ps_node(bind, config.task.index if config else index or 0, options, cluster_address=listed)
+    if config is None and bind and role is None:
+        raise ConfigError("--bind is where a PS listens: give --role ps too")
     if config is None:
         raise ConfigError("a worker node needs TF_CONFIG or --cluster FILE --role worker --index I")
     if role == config_mod.EVALUATOR:
