@@ -379,13 +379,13 @@ def _run_local(args: argparse.Namespace, script: str, script_args: list[str]) ->
 
     if args.ps < 1 or args.workers < 1:
         raise ConfigError(f"--ps and --workers must be at least 1, got {args.ps} and {args.workers}")
-    if not Path(script).is_file():
-        raise ConfigError(f"training script {script} does not exist")
     threads = args.torch_threads or default_torch_threads(args.workers)
     options = Options(rpc_timeout_s=args.rpc_timeout, torch_threads=threads, **mode_options(args))
     options.validate(args.workers)  # what needs the cluster's size too, before any process starts
     if options.metrics_port > 0:
         raise ConfigError("with `run` every node shares this host: --metrics-port 0 gives each a free port of its own")
+    if not Path(script).is_file():
+        raise ConfigError(f"training script {script} does not exist")
     evaluator = getattr(args, "evaluator", False)  # `demo` has none
     if evaluator and not options.checkpoint_dir:
         raise ConfigError("--evaluator evaluates the run's checkpoints: give --checkpoint-dir too")

@@ -79,7 +79,7 @@ class PSNode(Lifecycle):
         self.shard = Shard(index, wait_timeout_s=options.rpc_timeout_s, restore=restore, tables=tables)
         self.metrics = NodeMetrics()
         save = shard_writer(options.checkpoint_dir)  # None without a checkpoint_dir: Checkpoint is refused
-        self.service = ShardService(self.shard, save_checkpoint=save and self.metrics.checkpoints.around(save))
+        self.service = ShardService(self.shard, save_checkpoint=save and self.metrics.checkpoint_metrics().around(save))
         self.service.guard = self.guard
         if options.resume:  # a PS that may restart into a running cluster: pushes only from its own registrants
             self.shard.sessions = set()
