@@ -384,12 +384,12 @@ def _run_local(args: argparse.Namespace, script: str, script_args: list[str]) ->
     options.validate(args.workers)  # what needs the cluster's size too, before any process starts
     if options.metrics_port > 0:
         raise ConfigError("with `run` every node shares this host: --metrics-port 0 gives each a free port of its own")
-    if not Path(script).is_file():
-        raise ConfigError(f"training script {script} does not exist")
     evaluator = getattr(args, "evaluator", False)  # `demo` has none
     if evaluator and not options.checkpoint_dir:
         raise ConfigError("--evaluator evaluates the run's checkpoints: give --checkpoint-dir too")
     certs = _cert_dir(args, options)
+    if not Path(script).is_file():
+        raise ConfigError(f"training script {script} does not exist")
     if args.tokens:
         from .tokens import STORE_FILE, local_nodes, write_tokens
 
