@@ -52,3 +52,15 @@ def test_bind_alone_asks_for_the_ps_role(capsys, monkeypatch):
     monkeypatch.delenv("PARAMSERVER_CLUSTER", raising=False)
     assert cli.main(["node", "--bind", "127.0.0.1:0"]) == 2
     assert capsys.readouterr().err == "paramserver: error: --bind is where a PS listens: give --role ps too\n"
+
+
+def test_every_flag_of_run_is_in_the_run_table_of_docs_cli_md():
+    from tests.conftest import ROOT
+
+    text = (ROOT / "docs" / "cli.md").read_text(encoding="utf-8")
+    table = text[text.index("## `paramserver run"):text.index("## `paramserver demo")]
+    parser = cli._parser()
+    commands = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
+    flags = {flag for action in commands.choices["run"]._actions for flag in action.option_strings
+             if flag.startswith("--") and flag != "--help"}
+    assert sorted(flag for flag in flags if f"`{flag}" not in table) == []
