@@ -75,3 +75,17 @@ def test_a_torch_optim_optimizer_is_named_when_a_worker_or_the_run_trained_no_st
         assert "worker 0: the script made no" not in out
     assert "torch.optim optimizer trains a private copy" in out
     assert procs.leftovers() == []
+
+
+def test_the_default_log_tells_the_runs_story_not_every_join_leave_barrier_and_audit_event(procs, tmp_path):
+    proc = procs.start(paramserver("run", "--workers", "2", "--progress-every", "0", "--checkpoint-dir",
+                                   str(tmp_path / "ckpt"), "--checkpoint-every", "10", SMALL, "--", "--steps", "20"),
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    assert "[worker1] worker 1/2 done: checksum" in out  # the script's own prints
+    assert "serving on" in out and "committed" in out and "drained" in out  # start, checkpoints, end
+    for detail in ("paramserver.audit", "waits at 'checkpoint", "coordinator: worker 1 joined", "worker 0 left",
+                   "registered group"):
+        assert detail not in out, (detail, out)
+    assert procs.leftovers() == []

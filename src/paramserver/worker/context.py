@@ -310,9 +310,9 @@ class Context:
             self.coordinator_host.stop(1.0)  # rolling back: every worker restarts, none needs this coordinator
         elif self.coordinator_host is not None:
             started = time.monotonic()
-            log.info("coordinator: serving until every worker is done")
+            log.debug("coordinator: serving until every worker is done")
             self.coordinator_host.wait_done(self.options.connect_timeout_s)
-            log.info("coordinator: every worker is done after %.2fs; stopping", time.monotonic() - started)
+            log.debug("coordinator: every worker is done after %.2fs; stopping", time.monotonic() - started)
             self.coordinator_host.stop(1.0)
         if self.ops is not None:
             self.ops.stop()
