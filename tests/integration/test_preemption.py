@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from paramserver.checkpoint.store import CheckpointStore
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.cluster
@@ -54,9 +55,11 @@ def test_a_signal_writes_a_checkpoint_at_the_next_step_and_the_resumed_run_goes_
     assert proc.returncode == 130, out
     assert "preemption checkpoint written after step" in out, out
     written = re.search(r"preemption checkpoint written after step (\d+)", out)[1]
-    assert os.listdir(ckpt) == [f"ckpt-{int(written):09d}"], out
+    assert CheckpointStore(ckpt).complete() == [f"ckpt-{int(written):09d}"], out
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["checkpoints_written"] == 1
+    (stopping,) = [line for line in out.splitlines() if line.startswith("[run] interrupted at steps=")]
+    assert f"steps={summary['steps']:,} " in stopping  # the steps up to the checkpoint, all of them counted
     assert procs.leftovers() == []
 
     resumed = _start(procs, "--checkpoint-dir", ckpt, "--resume", RESUME, "--", "--steps", str(int(written) + 3))
@@ -96,7 +99,7 @@ def test_a_second_interrupt_stops_at_once_and_still_prints_the_closing_line(proc
             proc.send_signal(signal.SIGINT)
 
     interrupt()
-    _read_until(proc, r"a checkpoint at the next step", seen)
+    _read_until(proc, r"^\[run\] interrupt: a checkpoint at the workers' next step", seen)
     started = time.monotonic()
     interrupt()
     out, _ = proc.communicate(timeout=30)

@@ -396,10 +396,9 @@ class LocalCluster(Lifecycle):
         """The first interrupt: with checkpoints, a checkpoint at the workers' next step; then the board
         is frozen (steps taken while the nodes stop are not counted)."""
         if self.options.checkpoint_dir and self.workers and self._started_at:
-            totals = self.board.totals()
             self._lines.write(
                 "run",
-                f"interrupted at steps={totals['steps']:,}; a checkpoint at the next step, then every node stops "
+                f"interrupt: a checkpoint at the workers' next step, then every node stops "
                 f"(within {self.options.preempt_grace_s:.0f}s; interrupt again to stop at once)",
                 event="preemption",
             )
