@@ -89,3 +89,28 @@ def test_the_default_log_tells_the_runs_story_not_every_join_leave_barrier_and_a
                    "registered group"):
         assert detail not in out, (detail, out)
     assert procs.leftovers() == []
+
+
+RESUME = str(ROOT / "tests" / "integration" / "scripts" / "train_resume.py")
+
+
+def test_after_a_roll_back_the_closing_line_counts_the_steps_trained_and_every_checkpoint(procs, tmp_path):
+    proc = procs.start(paramserver("run", "--progress-every", "0.1", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                                   "--checkpoint-every", "50", RESUME, "--", "--steps", "200", "--step-sleep", "0.05"),
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = []
+    for line in proc.stdout:  # after checkpoint 50, before 100: the kill undoes some steps
+        seen.append(line)
+        if line.startswith("[run] steps=") and int(line.split()[1].split("=")[1].replace(",", "")) >= 65:
+            break
+    os.kill(_node(proc.pid, "ps").pid, signal.SIGKILL)
+    out, _ = proc.communicate(timeout=120)
+    out = "".join(seen) + out
+    assert proc.returncode == 0, out
+    assert "rolling the whole cluster back" in out
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["resumed_from"] == 50, out
+    assert summary["steps"] == 200, summary  # 50 before the checkpoint, 150 after it: each step once
+    assert 15 <= summary["steps_redone"] < 50, summary
+    assert summary["checkpoints_written"] == 4, summary  # 50 before the roll-back; 100, 150, 200 after
+    assert procs.leftovers() == []
