@@ -148,3 +148,15 @@ def test_run_with_evaluator_starts_one_next_to_the_workers(procs, tmp_path):
     assert "[evaluator0]" in out and "evaluation of ckpt-000000030 (step 30): loss=" in out, out
     assert "evaluated the final checkpoint ckpt-000000030" in out  # as the final one, or marked final after
     assert procs.leftovers() == []
+
+
+def test_run_with_a_failing_evaluator_succeeds_and_its_closing_line_says_the_evaluator_failed(procs, tmp_path):
+    proc = procs.start([sys.executable, "-m", "paramserver", "run", "--workers", "1", "--progress-every", "0",
+                        "--checkpoint-dir", str(tmp_path / "ckpt"), "--evaluator", SCRIPT, "--",
+                        "--heldout", heldout(tmp_path), "--steps", "10", "--fail-evaluator"],
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 0, out
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["evaluator_error"] == "RuntimeError: the evaluator fails on purpose", out
+    assert procs.leftovers() == []

@@ -133,3 +133,21 @@ def test_nodes_started_with_different_modes_are_refused_at_join(procs):
     assert sorted(codes) == [0, 2], outputs  # the one that joined second is refused; the other trains on
     refused = outputs[codes.index(2)]
     assert "joined with mode" in refused and "start every node with the same --mode" in refused, refused
+
+
+def test_a_ps_bound_to_every_interface_logs_where_it_listens_and_its_cluster_address(procs, tmp_path):
+    port = free_port()
+    listed = f"ps-host.example:{port}"  # not this machine's loopback: the PS listens on every interface
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps({"ps": [listed], "worker": [f"localhost:{free_port()}"]}))
+    proc = procs.start([sys.executable, "-m", "paramserver", "node", "--cluster", str(path), "--role", "ps"],
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=procs.env())
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if line.startswith("PARAMSERVER_READY"):
+            break
+    proc.terminate()
+    proc.communicate(timeout=30)
+    said = [line for line in seen if "ps 0 serving on" in line]
+    assert said and f"ps 0 serving on 0.0.0.0:{port}, cluster address {listed} (tensor stream" in said[0], seen

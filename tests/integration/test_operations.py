@@ -2,6 +2,7 @@
 Prometheus endpoint (read with prometheus_client's own parser), and `paramserver status`."""
 
 import json
+import os
 import queue
 import re
 import signal
@@ -267,4 +268,38 @@ def test_a_worker_whose_address_is_taken_trains_on_without_a_health_service():
         with WorkerOps(config, NodeMetrics()) as ops:
             ops.wait_ready(10)
             ops.set_serving()
-            assert scrape(f"127.0.0.1:{ops.endpoint.port}")[("paramserver_checkpoint_failures_total", ())] == 0
+            scraped = scrape(f"127.0.0.1:{ops.endpoint.port}")
+            assert scraped[("process_open_fds", ())] > 0
+            assert ("paramserver_checkpoint_failures_total", ()) not in scraped  # a worker writes no checkpoint
+
+
+@pytest.mark.cluster
+def test_status_health_and_shutdown_without_a_cluster_find_the_local_run(tmp_path, procs):
+    env = procs.env(PARAMSERVER_RUN_DIR=str(tmp_path / "runs"))
+    cli = [sys.executable, "-m", "paramserver"]
+    empty = subprocess.run([*cli, "status"], capture_output=True, text=True, timeout=BOUND_S, env=env)
+    assert empty.returncode == 2 and "start `paramserver run` on this machine" in empty.stderr
+    script = str(ROOT / "tests" / "integration" / "scripts" / "train_small.py")
+    run = procs.start([*cli, "run", "--workers", "2", "--progress-every", "0.2", script, "--", "--steps", "0"],
+                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    path = None
+    for line in run.stdout:
+        found = re.match(r"\[run\] cluster file: (\S+) \(`paramserver status` finds it\)", line)
+        path = found[1] if found else path
+        if line.startswith("[run] steps="):
+            break
+    assert path is not None and path.startswith(str(tmp_path / "runs"))
+    ps_address = json.loads(open(path).read())["cluster"]["ps"][0]
+    status = subprocess.run([*cli, "status", "--json", "--interval", "0.2"], capture_output=True, text=True,
+                            timeout=BOUND_S, env=env)
+    assert status.stdout, status.stderr  # (a worker may still be joining: exit code 1)
+    first = json.loads(status.stdout)[0]
+    assert (first["role"], first["address"], first["health"]) == ("ps", ps_address, "SERVING")
+    health = subprocess.run([*cli, "health"], capture_output=True, text=True, timeout=BOUND_S, env=env)
+    assert f"{ps_address} SERVING" in health.stdout, health.stdout + health.stderr
+    stop = subprocess.run([*cli, "shutdown", "--reason", "test"], capture_output=True, text=True, timeout=BOUND_S,
+                          env=env)
+    assert stop.returncode == 0 and json.loads(stop.stdout)["draining"], stop.stdout + stop.stderr
+    run.communicate(timeout=60)
+    assert not (tmp_path / "runs" / os.path.basename(path)).exists()  # deleted when the run stopped
+    assert procs.leftovers() == []

@@ -279,3 +279,17 @@ def test_tls_1_2_offers_only_aead_suites_on_every_port(pki, tls_ps, port):
     for cbc in ("ECDHE-ECDSA-AES128-SHA", "ECDHE-ECDSA-AES256-SHA384", "ECDHE-ECDSA-AES128-SHA256"):
         with pytest.raises((ssl.SSLError, ConnectionError)):
             handshake(cbc)
+
+
+@pytest.mark.cluster
+def test_health_and_status_without_tls_flags_say_the_node_needs_tls_not_that_it_is_unreachable(tls_ps):
+    from paramserver.launch.status import TLS_REQUIRED, speaks_tls, tls_aware_check
+    from paramserver.transport.health import UNREACHABLE
+
+    address, stream_port, _ = tls_ps
+    assert tls_aware_check(address, 2.0) == TLS_REQUIRED
+    assert speaks_tls(f"127.0.0.1:{stream_port}", 2.0)
+    with socket.socket() as closed:  # a port nobody serves
+        closed.bind(("127.0.0.1", 0))
+        free = closed.getsockname()[1]
+    assert tls_aware_check(f"127.0.0.1:{free}", 1.0) == UNREACHABLE

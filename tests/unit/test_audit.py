@@ -47,10 +47,12 @@ def test_concurrent_records_are_whole_lines(tmp_path):
 
 def test_without_a_path_records_go_to_the_audit_logger(caplog):
     audit = AuditLog.open("", "ps-1")
-    with caplog.at_level(logging.INFO, logger="paramserver.audit"):
+    with caplog.at_level(logging.DEBUG, logger="paramserver.audit"):
         audit.record("Restore", detail={"checkpoint": None})
-    (record,) = [r for r in caplog.records if r.name == "paramserver.audit"]
-    assert json.loads(record.getMessage())["what"] == "Restore"
+        audit.record("Shutdown", "PERMISSION_DENIED", who="worker-0")
+    restore, refused = [r for r in caplog.records if r.name == "paramserver.audit"]
+    assert json.loads(restore.getMessage())["what"] == "Restore"
+    assert (restore.levelno, refused.levelno) == (logging.DEBUG, logging.WARNING)  # refusals stand out at INFO
 
 
 def test_an_unwritable_path_is_a_config_error(tmp_path):

@@ -95,12 +95,16 @@ def test_checkpoint_writes_are_timed_and_failures_counted():
     def fails(*_):
         raise OSError("disk full")
 
-    assert metrics.checkpoints.around(lambda *args: {"bytes": 1})("d", "n") == {"bytes": 1}
+    assert metrics.checkpoint_metrics().around(lambda *args: {"bytes": 1})("d", "n") == {"bytes": 1}
     with pytest.raises(OSError):
-        metrics.checkpoints.around(fails)("d", "n")
+        metrics.checkpoint_metrics().around(fails)("d", "n")
     found = samples(metrics)
     assert found[("paramserver_checkpoint_duration_seconds_count", ())] == 1
     assert found[("paramserver_checkpoint_failures_total", ())] == 1
+
+
+def test_a_node_that_writes_no_checkpoint_exports_no_checkpoint_metrics():
+    assert not any(name.startswith("paramserver_checkpoint") for name, _ in samples(NodeMetrics()))
 
 
 def test_two_nodes_in_one_process_keep_their_own_metrics():

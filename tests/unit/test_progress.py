@@ -92,3 +92,35 @@ def test_a_frozen_board_ignores_the_lines_fed_after_the_freeze():
     assert board.totals()["steps"] == 15 and board.totals()["examples"] == 120
     assert board.results == {}
     assert board.is_done(0)
+
+
+def _feed(board: ProgressBoard, worker: int, **record) -> None:
+    board.feed(json.dumps({"worker": worker, "t": time.time(), **record}))
+
+
+def test_a_roll_back_counts_the_steps_trained_not_those_redone_and_every_checkpoint_of_the_run():
+    board = ProgressBoard()
+    _feed(board, 0, steps=10, examples=80)
+    _feed(board, 1, steps=8, examples=64)
+    _feed(board, 0, result={"checkpoints_written": 1, "checkpoints_failed": 0})  # both paused at it
+    _feed(board, 0, steps=15, examples=120)
+    _feed(board, 1, steps=12, examples=96)
+    board.restart()  # back to the checkpoint: 9 steps are trained again
+    assert board.totals()["steps"] == 18 and board.totals()["examples"] == 144
+    assert board.steps_redone == 9
+    _feed(board, 0, steps=3, examples=24)
+    _feed(board, 1, steps=2, examples=16)
+    _feed(board, 0, result={"checkpoints_written": 1, "checkpoints_failed": 1})  # the restarted chief's own counts
+    assert board.totals()["steps"] == 23
+    assert board.steps_by_worker() == {0: 13, 1: 10}
+    assert board.results[0] == {"checkpoints_written": 2, "checkpoints_failed": 1}
+
+
+def test_a_worker_restarted_alone_keeps_its_steps():
+    board = ProgressBoard()
+    _feed(board, 0, steps=10, examples=80)
+    _feed(board, 1, steps=8, examples=64)
+    board.restart(1)
+    _feed(board, 1, steps=2, examples=16)
+    assert board.totals()["steps"] == 20 and board.steps_redone == 0
+    assert board.steps_by_worker() == {0: 10, 1: 10}

@@ -148,6 +148,9 @@ class Options:
     summary_every: int = 100  # steps between TensorBoard summaries
     audit_log: str = ""  # append-only JSON-lines audit file of a PS / the coordinator; "": the node's log
     drain_grace_s: float = 10.0  # SIGTERM: seconds for calls in flight to finish before the node stops
+    # SIGTERM or a first Ctrl-C on a worker, with a checkpoint_dir: seconds for the checkpoint at the next step
+    # (within Kubernetes' terminationGracePeriodSeconds, 30 by default)
+    preempt_grace_s: float = 20.0
     # security (docs/security.md)
     tls_cert: str = ""  # PEM certificate of this node; with tls_key, every channel uses TLS
     tls_key: str = ""  # PEM private key of tls_cert
@@ -227,7 +230,7 @@ class Options:
         for name in ("max_connections", "summary_every"):
             need(name, lambda v: v >= 1, "at least 1")
         found += self._tier_problems(skip)
-        for name in ("idle_timeout_s", "drain_grace_s"):
+        for name in ("idle_timeout_s", "drain_grace_s", "preempt_grace_s"):
             need(name, lambda v: v > 0, "positive")
         need("metrics_port", lambda v: -1 <= v <= 65535, "-1 (none), 0 (a free port) or a port number")
         need("metrics_bind", _is_host, "a host name or IP address to listen on, e.g. 127.0.0.1, 0.0.0.0 or ::")

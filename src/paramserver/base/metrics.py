@@ -134,7 +134,14 @@ class NodeMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)
-        self.checkpoints = CheckpointMetrics(self.registry)
+        self.checkpoints: CheckpointMetrics | None = None  # see `checkpoint_metrics`
+
+    def checkpoint_metrics(self) -> CheckpointMetrics:
+        """The node's checkpoint metrics, registered on first use: only a node that writes checkpoints (a PS
+        with a checkpoint_dir, the chief) exports them; elsewhere they would read 0 forever."""
+        if self.checkpoints is None:
+            self.checkpoints = CheckpointMetrics(self.registry)
+        return self.checkpoints
 
     def calls(self, service: str, methods: Any) -> CallMetrics:
         return CallMetrics(self.registry, service, methods)

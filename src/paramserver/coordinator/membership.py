@@ -86,7 +86,7 @@ class Coordinator:
             member.joined, member.finished, member.exited, member.reported_gone = True, False, False, False
             member.last_seen = self._clock()
             self._barriers.forget(worker)  # a restarted worker waits nowhere yet
-            log.info("coordinator: worker %d %s", worker, "joined again" if again else "joined")
+            log.debug("coordinator: worker %d %s", worker, "joined again" if again else "joined")
             self._cond.notify_all()
             return self._view()
 
@@ -113,7 +113,7 @@ class Coordinator:
         with self._cond:
             member = self._members[worker]
             member.finished, member.last_seen = True, self._clock()
-            log.info("coordinator: worker %d finished its data", worker)
+            log.debug("coordinator: worker %d finished its data", worker)  # the worker says it at INFO
             self._cond.notify_all()
             return self._view()
 
@@ -166,7 +166,7 @@ class Coordinator:
         with self._cond:
             if not self._checkpoint_pending():
                 self._checkpoints_requested += 1
-                log.info(
+                log.debug(  # the chief says at INFO when it is written
                     "coordinator: checkpoint #%d announced (asked by worker %d)", self._checkpoints_requested, worker
                 )
             self._cond.notify_all()

@@ -19,7 +19,9 @@ log = logging.getLogger(__name__)
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="paramserver", description="Parameter-server training for PyTorch.")
+    parser = argparse.ArgumentParser(
+        prog="paramserver", description="Parameter-server training for PyTorch.", allow_abbrev=False
+    )
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default INFO)")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -71,7 +73,11 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     status = sub.add_parser("status", help="print every node of a running cluster: health, step, pushes/s, memory")
-    status.add_argument("cluster", nargs="?", help="cluster JSON file, as `node --cluster` takes (default: TF_CONFIG)")
+    status.add_argument(
+        "cluster",
+        nargs="?",
+        help="cluster JSON file, as `node --cluster` takes (default: TF_CONFIG, else the local run)",
+    )
     status.add_argument("--json", action="store_true", help="print one JSON list instead of a table")
     status.add_argument(
         "--interval", type=float, default=1.0, help="seconds between the two samples of pushes/s (default 1)"
@@ -80,13 +86,19 @@ def _parser() -> argparse.ArgumentParser:
     _add_security_flags(status)
 
     stop = sub.add_parser("shutdown", help="drain and stop every PS of a running cluster (an admin call)")
-    stop.add_argument("cluster", nargs="?", help="cluster JSON file, as `node --cluster` takes (default: TF_CONFIG)")
+    stop.add_argument(
+        "cluster",
+        nargs="?",
+        help="cluster JSON file, as `node --cluster` takes (default: TF_CONFIG, else the local run)",
+    )
     stop.add_argument("--reason", default="", help="why, for the PS's log and audit trail")
     stop.add_argument("--timeout", type=float, default=5.0, help="deadline of each call to a PS (default 5)")
     _add_security_flags(stop)
 
     health = sub.add_parser("health", help="one node's health (grpc.health.v1): exit 0 when SERVING")
-    health.add_argument("address", help="HOST:PORT of the node")
+    health.add_argument(
+        "address", nargs="?", help="HOST:PORT of the node (default: every node of TF_CONFIG's cluster or the local run)"
+    )
     health.add_argument("--service", default="", help="a named service, e.g. paramserver.Shard (default: the node)")
     health.add_argument("--timeout", type=float, default=5.0, help="deadline of the call (default 5)")
     _add_security_flags(health)
@@ -96,7 +108,19 @@ def _parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="train the digits classifier on a local cluster and print one JSON line")
     _add_cluster_flags(demo, ps=2, workers=2)
     demo.add_argument("--epochs", type=int, default=20, help="training epochs (default 20)")
+    for command in sub.choices.values():  # `--work 2` is no `--workers 2`: only whole flags
+        command.allow_abbrev = False
     return parser
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """The command line; a flag no command knows is refused with that command's usage (exit 2)."""
+    parser = _parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        commands.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
 
 
 def _add_k8s_parser(sub) -> None:
@@ -154,7 +178,9 @@ def _add_cluster_flags(parser: argparse.ArgumentParser, ps: int = 1, workers: in
         "--max-restarts",
         type=int,
         default=3,
-        help="with --checkpoint-dir: roll back and restart after a node is killed, at most this many times (default 3)",
+        help="recoveries from nodes killed by a signal, at most this many (default 3): a worker other than the "
+        "chief restarts alone; a PS or the chief rolls the cluster back to its latest checkpoint (needs "
+        "--checkpoint-dir)",
     )
     parser.add_argument(
         "--certs",
@@ -255,6 +281,12 @@ def _add_ops_flags(parser: argparse.ArgumentParser) -> None:
         type=float,
         help=f"SIGTERM: seconds for calls in flight to finish (default {Options.drain_grace_s:.0f})",
     )
+    group.add_argument(
+        "--preempt-grace",
+        type=float,
+        help=f"with --checkpoint-dir, SIGTERM or a first Ctrl-C writes a checkpoint at the next step, then stops: "
+        f"seconds it may take (default {Options.preempt_grace_s:.0f})",
+    )
 
 
 def _add_security_flags(parser: argparse.ArgumentParser) -> None:
@@ -332,6 +364,7 @@ _FLAG_OPTIONS = {
     "summary_every": "summary_every",
     "audit_log": "audit_log",
     "drain_grace": "drain_grace_s",
+    "preempt_grace": "preempt_grace_s",
     "tls_cert": "tls_cert",
     "tls_key": "tls_key",
     "tls_ca": "tls_ca",
@@ -351,6 +384,8 @@ def mode_options(args: argparse.Namespace) -> dict:
 def _run_local(args: argparse.Namespace, script: str, script_args: list[str]) -> int:
     from .local import LocalCluster, default_torch_threads
 
+    if args.ps < 1 or args.workers < 1:
+        raise ConfigError(f"--ps and --workers must be at least 1, got {args.ps} and {args.workers}")
     threads = args.torch_threads or default_torch_threads(args.workers)
     options = Options(rpc_timeout_s=args.rpc_timeout, torch_threads=threads, **mode_options(args))
     options.validate(args.workers)  # what needs the cluster's size too, before any process starts
@@ -360,6 +395,8 @@ def _run_local(args: argparse.Namespace, script: str, script_args: list[str]) ->
     if evaluator and not options.checkpoint_dir:
         raise ConfigError("--evaluator evaluates the run's checkpoints: give --checkpoint-dir too")
     certs = _cert_dir(args, options)
+    if not Path(script).is_file():
+        raise ConfigError(f"training script {script} does not exist")
     if args.tokens:
         from .tokens import STORE_FILE, local_nodes, write_tokens
 
@@ -378,9 +415,12 @@ def _run_local(args: argparse.Namespace, script: str, script_args: list[str]) ->
         tokens=args.tokens,
         evaluator=evaluator,
     )
-    code = cluster.run()
-    print(json.dumps(cluster.summary()), flush=True)
-    return code
+    try:
+        return cluster.run()
+    finally:  # the closing line, however the run ended: nothing interrupts it once the nodes are gone
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        print(json.dumps(cluster.summary()), flush=True)
 
 
 def _cert_dir(args: argparse.Namespace, options: Options) -> Path | None:
@@ -431,13 +471,20 @@ def _health(args: argparse.Namespace) -> int:
     """One node's health. Without --tls-* flags, TLS as PARAMSERVER_OPTIONS says: in a node's container
     (a Kubernetes exec probe) the node's own certificate."""
     from ..security.tls import tls_from_options
-    from ..transport.health import check
+    from .status import tls_aware_check
 
     access = _status_access(args)
-    tls = access.tls if args.tls_cert else tls_from_options(options_from_environ(os.environ))
-    status = check(args.address, args.timeout, args.service, tls)
-    print(status, flush=True)
-    return 0 if status == "SERVING" else 1
+    tls = access.tls if args.tls_cert or args.tls_ca else tls_from_options(options_from_environ(os.environ))
+    if args.address:
+        status = tls_aware_check(args.address, args.timeout, args.service, tls)
+        print(status, flush=True)
+        return 0 if status == "SERVING" else 1
+    cluster = _cluster_spec(None)  # every node of the cluster (TF_CONFIG's, or the local run's), one line each
+    addresses = (*cluster.ps, *cluster.chief, *cluster.worker)
+    statuses = [tls_aware_check(address, args.timeout, args.service, tls) for address in addresses]
+    for address, status in zip(addresses, statuses):
+        print(f"{address} {status}", flush=True)
+    return 0 if all(status == "SERVING" for status in statuses) else 1
 
 
 def _make_certs(args: argparse.Namespace) -> int:
@@ -473,12 +520,14 @@ def _status_access(args: argparse.Namespace):
 
 
 def _cluster_spec(path: str | None) -> ClusterSpec:
-    """The cluster of a cluster file, or of TF_CONFIG without one."""
+    """The cluster of a cluster file, else of TF_CONFIG, else of the `paramserver run` on this machine."""
     if path:
         return load_cluster_file(path, "ps", 0).cluster
     config = config_from_environ(os.environ, Options())
     if config is None:
-        raise ConfigError("status needs a cluster file or TF_CONFIG")
+        from .run_files import local_run
+
+        return load_cluster_file(local_run(), "ps", 0).cluster
     return config.cluster
 
 
@@ -490,7 +539,7 @@ def _demo_script() -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = _parse(argv)
     _configure_logging(args)
     # SIGTERM stops a launcher as cleanly as Ctrl-C does; SIGINT is set too, since a process started in
     # the background by a shell (or by a job that was) inherits SIGINT ignored, and `kill -INT` must still stop it.

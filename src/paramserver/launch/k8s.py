@@ -315,5 +315,7 @@ def _volumes(d: Deployment, role: str) -> tuple[list[dict], list[dict]]:
 
 
 def _grace(d: Deployment) -> int:
-    """More than the PS's drain grace, so SIGKILL never cuts a drain short."""
-    return int(d.options.get("drain_grace_s", Options.drain_grace_s)) + 20
+    """More than the PS's drain grace and a worker's preemption checkpoint (SIGTERM, then a checkpoint at the
+    next step), so SIGKILL cuts neither short."""
+    drain = d.options.get("drain_grace_s", Options.drain_grace_s)
+    return int(max(drain, d.options.get("preempt_grace_s", Options.preempt_grace_s))) + 20

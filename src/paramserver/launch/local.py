@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -50,6 +51,7 @@ from ..worker.progress import ProgressBoard
 from .certs import ps_node_name, with_node_tls, worker_node_name
 from .processes import Child, LineWriter, stop_all, wait_any
 from .ps_process import READY_PREFIX
+from .run_files import remove_run_file, write_run_file
 from .tokens import with_node_token
 
 log = logging.getLogger(__name__)
@@ -57,7 +59,13 @@ _MEMORY_EVERY_S = 0.5  # how often the nodes' resident memory is sampled for the
 _TREE_EVERY_S = 2.0  # how often the nodes' child processes (data loaders) are listed again
 _PROGRESS_EOF_S = 5.0  # how long to wait for a dead worker's last progress lines (normally instant)
 NO_CHECKPOINT = 3  # exit code: the run succeeded but wrote none of the checkpoints it asked for
+_PS_OPTIMIZERS = (
+    "a cluster trains through paramserver optimizers (ps.optim.SGD, ps.optim.Adam, ps.Trainer, ...), "
+    "which push each step to the PS; a torch.optim optimizer trains a private copy on each worker, which "
+    "nothing shares or saves"
+)
 EVALUATOR_GRACE_S = 60.0  # after a clean end: how long the evaluator may take over the final checkpoint
+EVALUATOR_PROGRESS = -1  # the evaluator's index on the progress board (it reports only a failure)
 
 
 def free_port() -> int:
@@ -133,6 +141,7 @@ class LocalCluster(Lifecycle):
         self._started_at = 0.0
         self.wall_s = 0.0
         self._watcher: threading.Thread | None = None
+        self.run_file: Path | None = None  # this run's cluster file, while it runs
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self, timeout: float = 120.0) -> None:
@@ -155,6 +164,7 @@ class LocalCluster(Lifecycle):
         if self._watcher is None:
             self._watcher = threading.Thread(target=self._watch, name="run-watch", daemon=True)
             self._watcher.start()
+        self._write_run_file()
         for i in range(self.num_workers):
             self.workers.append(self._start_worker(i))
         if self.with_evaluator and self.evaluator is None:
@@ -164,8 +174,19 @@ class LocalCluster(Lifecycle):
                     "task": {"type": "evaluator", "index": 0},
                 }
             )
-            env = self._env(replace(self.options, progress_fd=-1), config)
-            self.evaluator = self._spawn("evaluator0", self._node_argv(self.script, *self.args), env)
+            self.evaluator = self._spawn_reporting("evaluator0", EVALUATOR_PROGRESS, self.options, config)
+
+    def _write_run_file(self) -> None:
+        """Where `paramserver status` (no argument) finds this run (launch/run_files.py); said once."""
+        cluster = {"ps": [a for a in self.ps_addresses if a], "worker": self.worker_addresses}
+        first = self.run_file is None
+        try:
+            self.run_file = write_run_file(cluster)
+        except OSError as exc:
+            self._lines.write("run", f"cannot write the cluster file: {exc}; `paramserver status` needs a cluster file")
+            return
+        if first:
+            self._lines.write("run", f"cluster file: {self.run_file} (`paramserver status` finds it)")
 
     def wait_ready(self, timeout: float) -> None:
         """Every PS announced its address and every worker was started (what `start` waits for)."""
@@ -180,19 +201,21 @@ class LocalCluster(Lifecycle):
             return child
 
     def _start_worker(self, index: int) -> Child:
-        read_fd, write_fd = os.pipe()
         options = self._node_options(worker_node_name(index))
-        env = self._env(replace(options, progress_fd=write_fd), self._tf_config(index))
+        return self._spawn_reporting(f"worker{index}", index, options, self._tf_config(index))
+
+    def _spawn_reporting(self, label: str, index: int, options: Options, tf_config: str) -> Child:
+        """Start the script on a node that reports on a progress pipe of its own (a worker, the evaluator)."""
+        read_fd, write_fd = os.pipe()
+        env = self._env(replace(options, progress_fd=write_fd), tf_config)
         try:
-            child = self._spawn(f"worker{index}", self._node_argv(self.script, *self.args), env, pass_fds=(write_fd,))
+            child = self._spawn(label, self._node_argv(self.script, *self.args), env, pass_fds=(write_fd,))
         except BaseException:
             os.close(read_fd)
             raise
         finally:
             os.close(write_fd)
-        reader = threading.Thread(
-            target=self._read_progress, args=(read_fd,), name=f"progress-worker{index}", daemon=True
-        )
+        reader = threading.Thread(target=self._read_progress, args=(read_fd,), name=f"progress-{label}", daemon=True)
         reader.start()
         self._progress_readers[index] = reader
         return child
@@ -227,16 +250,25 @@ class LocalCluster(Lifecycle):
                 pending = list(self.workers)
                 continue
             if child in self.ps:
-                self._lines.write("run", f"{child.label} exited with code {child.poll()}; stopping the run")
-                return 1
+                self._lines.write("run", f"{child.label} {_ended(child)}; stopping the run{self._advice(child)}")
+                return _shell_code(_exit_code(child)) if _exit_code(child) < 0 else 1
             if child is not None:
                 pending.remove(child)
                 if child.poll() != 0:
-                    self._lines.write("run", f"{child.label} failed with code {child.poll()}; stopping the run")
-                    return child.poll() or 1
+                    why = f"{_ended(child)}; stopping the run{self._advice(child)}"
+                    self._lines.write("run", f"{child.label} failed: {why}")
+                    return _shell_code(_exit_code(child))
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"workers still running after {timeout}s")
         return 0
+
+    def _advice(self, child: Child) -> str:
+        """What would have recovered from `child`, killed by a signal, when nothing did."""
+        if _exit_code(child) >= 0:
+            return ""
+        if not self.options.checkpoint_dir and child not in self.workers[1:]:
+            return " (with --checkpoint-dir the run rolls back to its latest checkpoint and goes on)"
+        return f" (no restart left: --max-restarts {self.max_restarts})"
 
     def _killed_after_done(self, child: Child, pending: list[Child]) -> bool:
         """A worker killed by a signal after it reported that it finished its script: a success,
@@ -320,6 +352,8 @@ class LocalCluster(Lifecycle):
             nodes = self.workers + self.ps
             nodes += [child for child in self._spawned if child not in nodes and child.poll() is None]
         self.ready.fail(UnavailableError("the local cluster was stopped"))
+        if self.run_file is not None:
+            remove_run_file(self.run_file)
         self.wall_s = time.monotonic() - self._started_at if self._started_at else 0.0
         stop_all(nodes, max(grace, self.options.drain_grace_s + 1))
         deadline = time.monotonic() + _PROGRESS_EOF_S  # the nodes are gone: their pipes end now
@@ -333,21 +367,88 @@ class LocalCluster(Lifecycle):
 
     def run(self, timeout: float = 120.0) -> int:
         """start + wait + stop, turning Ctrl-C into a clean stop (exit code 130); a run that wrote
-        none of the checkpoints it asked for ends with NO_CHECKPOINT (see `checkpoint_verdict`)."""
+        none of the checkpoints it asked for ends with NO_CHECKPOINT (see `checkpoint_verdict`).
+
+        With a checkpoint_dir the first Ctrl-C (or SIGTERM) lets the workers write a checkpoint at
+        their next step first (`preempt`); a second one, even while the nodes stop, kills them at once."""
         try:
-            self.start(timeout)
-            code = self.wait()
+            try:
+                self.start(timeout)
+                code = self.wait()
+                if code == 0:
+                    self._let_evaluator_finish()
+            except KeyboardInterrupt:
+                self._interrupted()
+                self.stop()
+                return 130
+            self.stop()
             if code == 0:
-                self._let_evaluator_finish()
-        except KeyboardInterrupt:
-            totals = self.interrupt()
-            self._lines.write(
-                "run", f"interrupted at steps={totals['steps']:,} examples={totals['examples']:,}; stopping every node"
-            )
+                self.warn_untrained()
+        except KeyboardInterrupt:  # a second one: while the workers checkpoint, or while the nodes stop
+            self._lines.write("run", "interrupted again: killing every node now")
+            self.kill()
             return 130
         finally:
-            self.stop()
+            self.stop()  # another error's way out (after the above: returns at once)
         return self.checkpoint_verdict(code)
+
+    def _interrupted(self) -> None:
+        """The first interrupt: with checkpoints, a checkpoint at the workers' next step; then the board
+        is frozen (steps taken while the nodes stop are not counted)."""
+        if self.options.checkpoint_dir and self.workers and self._started_at:
+            self._lines.write(
+                "run",
+                f"interrupt: a checkpoint at the workers' next step, then every node stops "
+                f"(within {self.options.preempt_grace_s:.0f}s; interrupt again to stop at once)",
+                event="preemption",
+            )
+            self.preempt()
+        totals = self.interrupt()
+        self._lines.write(
+            "run", f"interrupted at steps={totals['steps']:,} examples={totals['examples']:,}; stopping every node"
+        )
+
+    def preempt(self) -> None:
+        """SIGTERM the workers alone (each checkpoints at its next step, worker/preemption.py) and wait
+        for them, at most the preemption grace and a few seconds; the PS keep serving meanwhile."""
+        workers = list(self.workers)
+        for worker in workers:
+            worker.terminate()
+        deadline = time.monotonic() + self.options.preempt_grace_s + 5.0
+        for worker in workers:
+            worker.wait_until(deadline)
+        for index in range(len(workers)):
+            self._drain_progress(index)
+
+    def kill(self) -> None:
+        """SIGKILL every node started and reap it, at once (a second interrupt)."""
+        if threading.current_thread() is threading.main_thread():  # a third Ctrl-C must not cut this short
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        with self._nodes_lock:
+            self._stopped.set()
+            nodes = list(self._spawned)
+        if self.run_file is not None:
+            remove_run_file(self.run_file)
+        for child in nodes:
+            child.kill()
+        for child in nodes:
+            child.wait_until(time.monotonic() + 5.0)
+        self.wall_s = self.wall_s or (time.monotonic() - self._started_at if self._started_at else 0.0)
+
+    def warn_untrained(self) -> None:
+        """Name the workers that trained no step while others did, or say that none did: the mark of a
+        torch.optim optimizer, which trains a private copy on each worker. Call after `stop()`."""
+        for index in range(len(self.workers)):
+            self._drain_progress(index)
+        steps = self.board.steps_by_worker()
+        idle = [f"worker{i}" for i in range(self.num_workers) if not steps.get(i)]
+        if len(idle) == self.num_workers:
+            self._lines.write("run", f"no worker trained a step: {_PS_OPTIMIZERS}", event="no_steps")
+        elif idle:
+            self._lines.write(
+                "run", f"{', '.join(idle)} trained no step while the others did: {_PS_OPTIMIZERS}", event="no_steps"
+            )
 
     def _let_evaluator_finish(self, grace: float = EVALUATOR_GRACE_S) -> None:
         """Give the evaluator, which ends by itself after the final checkpoint, `grace` seconds to
@@ -393,6 +494,8 @@ class LocalCluster(Lifecycle):
             "wall_s": round(self.wall_s, 2),
             "peak_rss_mb": {role: round(rss / 2**20, 1) for role, rss in self.peak_rss.items()},
         }
+        if self.board.steps_redone:
+            summary["steps_redone"] = self.board.steps_redone  # after a roll-back: not in `steps`
         for worker in sorted(self.board.results, reverse=True):
             summary.update(self.board.results[worker])
         return summary
@@ -486,6 +589,17 @@ def _exit_code(child: Child) -> int:
     if code is None:
         raise FailedPreconditionError(f"{child.label} is still running")
     return code
+
+
+def _ended(child: Child) -> str:
+    """How `child` ended, in words: "was killed (signal 9)" or "exited with code 1"."""
+    code = _exit_code(child)
+    return f"was killed (signal {-code})" if code < 0 else f"exited with code {code}"
+
+
+def _shell_code(code: int) -> int:
+    """A child's exit code as a shell reports it: 128 + the signal that killed it."""
+    return 128 - code if code < 0 else code
 
 
 def _rss(process: psutil.Process) -> int:

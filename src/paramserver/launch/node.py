@@ -86,7 +86,10 @@ def run_node(
             if config is None:  # only with an empty --bind: None without a config was refused above
                 raise ConfigError("a PS node needs TF_CONFIG, --cluster, or --bind HOST:PORT")
             bind = bind_address(config.listed_address())
-        return run_ps_node(bind, config.task.index if config else index or 0, options)
+        listed = config.listed_address() if config is not None else None
+        return run_ps_node(bind, config.task.index if config else index or 0, options, cluster_address=listed)
+    if config is None and bind and role is None:
+        raise ConfigError("--bind is where a PS listens: give --role ps too")
     if config is None:
         raise ConfigError("a worker node needs TF_CONFIG or --cluster FILE --role worker --index I")
     if role == config_mod.EVALUATOR:
@@ -106,8 +109,9 @@ def run_evaluator(config: NodeConfig, script: str | None, args: list[str]) -> in
     except KeyboardInterrupt:  # SIGTERM too (cli.main): the job is ending
         log.info("evaluator %d: stopped", config.task.index)
         return 0
-    except BaseException:
+    except BaseException as exc:
         log.exception("evaluator %d failed; exiting with 0 (an evaluator never fails the job)", config.task.index)
+        _report_evaluator_failure(config, f"{type(exc).__name__}: {exc}")
         return 0
     if code != 0:
         log.error(
@@ -115,12 +119,24 @@ def run_evaluator(config: NodeConfig, script: str | None, args: list[str]) -> in
             config.task.index,
             code,
         )
+        _report_evaluator_failure(config, f"the script exited with {code}")
     return 0
+
+
+def _report_evaluator_failure(config: NodeConfig, why: str) -> None:
+    """Tell `paramserver run` (its progress pipe, when it gave one) that the evaluator failed, for its closing line."""
+    if config.options.progress_fd < 0:
+        return
+    from ..worker.progress import ProgressWriter
+
+    writer = ProgressWriter(config.options.progress_fd, worker=-1)
+    writer.result({"evaluator_error": why})
+    writer.close(done=False)
 
 
 def run_script(config: NodeConfig, script: str, args: list[str]) -> int:
     """Run the user's script as __main__ in this process, with `init()` bound to `config`."""
-    from ..worker import current  # here: a PS node never loads the worker side (torch)
+    from ..worker import current, preemption  # here: a PS node never loads the worker side (torch)
 
     path = Path(script)
     if not path.is_file():
@@ -129,10 +145,15 @@ def run_script(config: NodeConfig, script: str, args: list[str]) -> int:
     sys.argv = [str(path), *args]
     sys.path.insert(0, str(path.resolve().parent))
     log.info("%s %d: running %s", config.task.type, config.task.index, path)
+    if config.options.checkpoint_dir and config.task.type != config_mod.EVALUATOR:
+        preemption.install(config.options.preempt_grace_s)  # SIGTERM: a checkpoint at the next step, then stop
     completed = False
     try:
         runpy.run_path(str(path), run_name="__main__")
         completed = True
+    except preemption.Preempted as stopped:
+        log.info("%s %d: %s", config.task.type, config.task.index, stopped)
+        return stopped.exit_code
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         completed = code == 0

@@ -21,7 +21,9 @@ log = logging.getLogger(__name__)
 READY_PREFIX = "PARAMSERVER_READY"
 
 
-def run_ps_node(bind: str, index: int, options: Options, ready_timeout: float = 60.0) -> int:
+def run_ps_node(
+    bind: str, index: int, options: Options, ready_timeout: float = 60.0, cluster_address: str | None = None
+) -> int:
     """Serve until SIGTERM, SIGINT or an admin's Shutdown call, then drain within `drain_grace_s`;
     returns the process exit code.
     Call from the main thread.
@@ -37,7 +39,7 @@ def run_ps_node(bind: str, index: int, options: Options, ready_timeout: float = 
         restart.append(restart_asked)
         stopping.set()
 
-    with PSNode(bind, index, options) as node:
+    with PSNode(bind, index, options, cluster_address) as node:
         node.service.on_shutdown = shutdown
         node.wait_ready(ready_timeout)
         print(f"{READY_PREFIX} ps {index} {node.address}", flush=True)

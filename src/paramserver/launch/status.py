@@ -4,12 +4,16 @@ CLUSTER`: every PS drains and stops (docs/operations.md).
 Asks every node's health service, every PS's Hello (counters, tables, memory) twice, `interval`
 seconds apart, for its pushes per second, and the coordinator's Hello for the workers' steps and
 states. Every call has a deadline and the nodes are asked at once: the command never hangs on a
-node that does not answer; that node shows as UNREACHABLE.
+node that does not answer; that node shows as UNREACHABLE, or TLS_REQUIRED when it serves TLS and
+no --tls-* flag was given. Without CLUSTER: TF_CONFIG's cluster, else the local `paramserver run`'s
+(launch/run_files.py).
 """
 
 from __future__ import annotations
 
 import json
+import socket
+import ssl
 import time
 from concurrent import futures
 from dataclasses import asdict, dataclass
@@ -20,11 +24,12 @@ import grpc
 from ..base.config import ClusterSpec
 from ..coordinator.coordinator_service import SERVICE as COORDINATOR
 from ..security.auth import NO_CREDENTIALS, Credentials
-from ..security.tls import open_channel
+from ..security.tls import TlsMaterial, open_channel
 from ..transport.grpc_transport import SERVICE as SHARD
 from ..transport.health import UNREACHABLE, check
 from ..wire import codec
 
+TLS_REQUIRED = "TLS_REQUIRED"  # the node serves TLS: status and health need --tls-ca (and a certificate for mTLS)
 _COLUMNS = (
     ("role", "ROLE"),
     ("index", "INDEX"),
@@ -52,6 +57,33 @@ class NodeStatus:
     rss_bytes: int | None = None
 
 
+def tls_aware_check(address: str, timeout: float, service: str = "", tls: TlsMaterial | None = None) -> str:
+    """transport.health.check, but a node that did not answer plaintext because it serves TLS is
+    TLS_REQUIRED (give --tls-ca, and --tls-cert/--tls-key for mutual TLS), not UNREACHABLE."""
+    status = check(address, timeout, service, tls)
+    if status == UNREACHABLE and tls is None and speaks_tls(address, timeout):
+        return TLS_REQUIRED
+    return status
+
+
+def speaks_tls(address: str, timeout: float) -> bool:
+    """Whether the server at `address` answers a TLS handshake: it completes, or the server sends a
+    TLS alert (mutual TLS refusing a client without a certificate). Nothing is verified: it only tells
+    a TLS server from a dead one."""
+    host, _, port = address.rpartition(":")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as raw:
+            with context.wrap_socket(raw, server_hostname=host.strip("[]") or None):
+                return True
+    except ssl.SSLError as exc:
+        return "ALERT" in (exc.reason or "").upper()
+    except (OSError, ValueError):
+        return False
+
+
 def hello(address: str, service: str, timeout: float, access: Credentials = NO_CREDENTIALS) -> dict[str, Any] | None:
     """The meta of `service`'s Hello reply at `address` (with the process's memory), or None if it did
     not answer within `timeout`."""
@@ -74,7 +106,7 @@ def cluster_status(
     nodes += [NodeStatus("worker", i, a) for i, a in enumerate(cluster.worker)]
     workers = [n for n in nodes if n.role != "ps"]  # in worker-number order: the chief is worker 0
     with futures.ThreadPoolExecutor(max_workers=min(32, 2 * len(nodes) + 1), thread_name_prefix="status") as pool:
-        healths = [pool.submit(check, n.address, timeout, "", access.tls) for n in nodes]
+        healths = [pool.submit(tls_aware_check, n.address, timeout, "", access.tls) for n in nodes]
         view = pool.submit(hello, workers[0].address, COORDINATOR, timeout, access)
         first = _sample(pool, cluster.ps, timeout, access)
         time.sleep(interval)  # the sampling interval of pushes/s, nothing waits on it

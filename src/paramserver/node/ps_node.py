@@ -53,8 +53,10 @@ class PSNode(Lifecycle):
     `drain(grace)`: health NOT_SERVING first, then `stop(grace)`, within about `grace` seconds.
     """
 
-    def __init__(self, bind: str, index: int, options: Options) -> None:
+    def __init__(self, bind: str, index: int, options: Options, cluster_address: str | None = None) -> None:
+        """`cluster_address`: where the cluster spec says this PS is (said in the log next to `bind`)."""
         self.index = index
+        self.cluster_address = cluster_address
         self.guard = Guard.from_options(options, f"ps-{index}", SHARD_ACTIONS)  # token store and audit log
         try:
             restore = _restore_source(options, self.guard)
@@ -77,7 +79,7 @@ class PSNode(Lifecycle):
         self.shard = Shard(index, wait_timeout_s=options.rpc_timeout_s, restore=restore, tables=tables)
         self.metrics = NodeMetrics()
         save = shard_writer(options.checkpoint_dir)  # None without a checkpoint_dir: Checkpoint is refused
-        self.service = ShardService(self.shard, save_checkpoint=save and self.metrics.checkpoints.around(save))
+        self.service = ShardService(self.shard, save_checkpoint=save and self.metrics.checkpoint_metrics().around(save))
         self.service.guard = self.guard
         if options.resume:  # a PS that may restart into a running cluster: pushes only from its own registrants
             self.shard.sessions = set()
@@ -122,10 +124,14 @@ class PSNode(Lifecycle):
             self.endpoint.start()
         host = self.server.bind.rsplit(":", 1)[0]
         self.address = f"{'127.0.0.1' if host in ('', '[::]', '0.0.0.0') else host}:{port}"
+        listening = f"{host}:{port}"
         log.info(
-            "ps %d serving on %s (tensor stream on port %d%s)",
+            "ps %d serving on %s%s (tensor stream on port %d%s)",
             self.index,
-            self.address,
+            listening,
+            f", cluster address {self.cluster_address}"
+            if self.cluster_address and self.cluster_address != listening
+            else "",
             self.stream.port,
             "" if self.server.tls is None else ", mutual TLS" if self.server.tls.mutual else ", TLS",
             extra={"event": "ps_started"},

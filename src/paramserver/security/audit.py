@@ -3,7 +3,8 @@
 Each line: {"time" (ISO 8601, UTC), "node", "who" (token name or "anonymous"), "peer", "what"
 (method or event), "outcome" ("ok" or the refusal's status code), "detail" (an object)}. Lines go to
 the file Options.audit_log, opened for appending (never truncated) and written one line per write
-call, unbuffered; with "" they go to the logger "paramserver.audit" as the same JSON text.
+call, unbuffered; with "" they go to the logger "paramserver.audit" as the same JSON text: refused
+calls at WARNING, the others at DEBUG (a default log tells the run's story, not every call).
 """
 
 from __future__ import annotations
@@ -63,8 +64,8 @@ class AuditLog:
             separators=(",", ":"),
         )
         with self._lock:
-            if self._fd is None:
-                log.info("%s", line)
+            if self._fd is None:  # the node's log: refusals stand out, the rest is detail (DEBUG)
+                log.log(logging.DEBUG if outcome == "ok" else logging.WARNING, "%s", line)
                 return
             try:
                 os.write(self._fd, (line + "\n").encode())  # O_APPEND: one write, one whole line at the end

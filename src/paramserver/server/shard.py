@@ -161,7 +161,7 @@ class Shard:
                         created.load(part, saved.value, saved.state, saved.steps)
                 self._groups[group] = created
                 self._group_of.update(dict.fromkeys(initial, created))
-                log.info(
+                log.debug(  # the worker says it at INFO ("parameters registered")
                     "shard %d: registered group %s (%d variables, %d values, %s)",
                     self.index,
                     group,
@@ -358,7 +358,7 @@ class Shard:
             if self._round is not None and self._round.contributors and len(self._round.contributors) >= self._needed():
                 self._apply_round()
             self._cond.notify_all()
-        log.info("shard %d: worker %d %s", self.index, worker, f"waits at {barrier!r}" if barrier else "left")
+        log.debug("shard %d: worker %d %s", self.index, worker, f"waits at {barrier!r}" if barrier else "left")
 
     def forget(self, worker: int, why: str) -> None:
         """The coordinator found `worker` gone for good (dead, with no restart): a wait that needs it

@@ -250,8 +250,9 @@ class AssignReply(Message):
 
 @message("Shutdown request")
 class ShutdownRequest(Message):
-    """Drain and stop this PS (admin only): health goes NOT_SERVING, calls in flight finish within
-    `drain_grace_s`, and the process exits 0, as on SIGTERM."""
+    """Drain and stop this PS: health goes NOT_SERVING, calls in flight finish within `drain_grace_s`,
+    and the process exits 0, as on SIGTERM. With a token store (`auth_tokens`) an admin call (and the
+    chief's, with `restart`); without one, anyone who reaches the PS may call it (docs/security.md)."""
 
     reason: str = doc_field("why, for the log and the audit trail", default="")
     restart: bool = doc_field(

@@ -115,8 +115,8 @@ def cluster_context(config: NodeConfig) -> Context:
         coordinator_address,
     )
     metrics.registry.register(WorkerCollector(index, lambda: coordinator.step))
-    if checkpointer is not None:
-        checkpointer.metrics = metrics.checkpoints
+    if checkpointer is not None and index == 0:  # the chief writes checkpoints; the other workers only pause
+        checkpointer.metrics = metrics.checkpoint_metrics()
     summaries = open_summaries(options.logdir, options.summary_every, index, client.record)
     ops.set_serving()
     return Context(

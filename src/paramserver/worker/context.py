@@ -14,7 +14,7 @@ from ..base.consistency_spec import ConsistencySpec
 from ..client.ps_client import PSClient
 from ..client.table_client import TableClient
 from ..coordinator.coordinator_service import CoordinatorClient
-from . import current
+from . import current, preemption
 from .modes import ModeSwitcher
 from .pipeline import for_context
 from .progress import ProgressWriter
@@ -230,9 +230,31 @@ class Context:
             self.coordinator.resume()
             self.progress.undone()
         self.pause(step)
+        if preemption.requested() is not None:
+            self._stop_for_preemption(step)
+
+    def _stop_for_preemption(self, step: int) -> None:
+        """SIGTERM or a first Ctrl-C arrived (worker/preemption.py): the chief has a checkpoint written
+        now, at this step boundary, the others leave; then Preempted ends the script."""
+        signum = preemption.requested()
+        assert signum is not None
+        checkpointer = self.checkpointer
+        if self.is_chief and checkpointer is not None:
+            for optimizer in self.optimizers:  # nothing of this worker in flight while the shards write
+                optimizer.synchronize()
+            written = checkpointer.written
+            self.coordinator.request_checkpoint()
+            checkpointer.meet_announced(self.options.rpc_timeout_s)
+            if checkpointer.written > written:
+                log.info("preemption checkpoint written after step %d; stopping", step, extra={"event": "preempted"})
+            else:
+                log.error("the preemption checkpoint was not written (see above); stopping after step %d", step)
+        raise preemption.Preempted(signum, step)
 
     def pause(self, step: int) -> None:
         """Meet the others at the barriers due after `step`: mode switches, checkpoints."""
+        if self.pauses_at(step):  # the launcher's count at a checkpoint is exact: a roll-back goes back to it
+            self.progress.flush()
         self.modes.on_step(step, self.options.rpc_timeout_s)
         if self.checkpointer is not None:
             self.checkpointer.on_step(step, self.options.rpc_timeout_s)
@@ -256,6 +278,13 @@ class Context:
         hosting the coordinator keeps it up while any worker may still need it: until every worker
         exited or died, and those that never joined were given `connect_timeout_s`.
         """
+        if completed and not self.optimizers:
+            log.warning(
+                "worker %d: the script made no paramserver optimizer (ps.optim.*, ps.Trainer): nothing was "
+                "pushed to the PS; a torch.optim optimizer trains a private copy that nothing shares or saves",
+                self.worker_index,
+                extra={"event": "no_steps"},
+            )
         try:
             if completed and self.optimizers:
                 self.finish_training()
@@ -281,9 +310,9 @@ class Context:
             self.coordinator_host.stop(1.0)  # rolling back: every worker restarts, none needs this coordinator
         elif self.coordinator_host is not None:
             started = time.monotonic()
-            log.info("coordinator: serving until every worker is done")
+            log.debug("coordinator: serving until every worker is done")
             self.coordinator_host.wait_done(self.options.connect_timeout_s)
-            log.info("coordinator: every worker is done after %.2fs; stopping", time.monotonic() - started)
+            log.debug("coordinator: every worker is done after %.2fs; stopping", time.monotonic() - started)
             self.coordinator_host.stop(1.0)
         if self.ops is not None:
             self.ops.stop()

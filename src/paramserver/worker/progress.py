@@ -99,6 +99,9 @@ class ProgressWriter:
                 self._file = None
 
 
+_CHECKPOINT_COUNTS = ("checkpoints_written", "checkpoints_failed")
+
+
 class ProgressBoard:
     """Launcher side: the latest line of each worker, and their results. Thread-safe."""
 
@@ -111,6 +114,11 @@ class ProgressBoard:
             "staleness_sum": 0,
             "pushed_bytes": 0,
         }  # totals of workers since restarted
+        self._banked_steps: dict[int, int] = {}  # per worker: the steps of its runs before its restarts
+        # (totals, per-worker steps) when the chief last reported a new checkpoint: a roll-back goes back there
+        self._at_checkpoint: tuple[dict[str, int], dict[int, int]] = (dict(self._banked), {})
+        self.steps_redone = 0  # steps trained after the checkpoint a roll-back went back to
+        self._counts_before: dict[str, int] = {}  # the chief's checkpoint counts of its runs before a roll-back
         self._first_t: float | None = None
         self._first_examples = 0  # counted by the first line, so done before _first_t
         self.results: dict[int, dict[str, Any]] = {}
@@ -132,11 +140,31 @@ class ProgressBoard:
             elif self._frozen:
                 return
             elif "result" in record:  # several result lines add up (a later value of a key wins)
-                self.results.setdefault(worker, {}).update(record["result"])
+                self._take_result(worker, record["result"])
             else:
                 self._latest[worker] = record
                 if self._first_t is None:
                     self._first_t, self._first_examples = record["t"], record.get("examples", 0)
+
+    def _take_result(self, worker: int, values: dict[str, Any]) -> None:
+        """Under the lock. The chief's checkpoint counts go on from its runs before a roll-back; a new
+        checkpoint is where the next roll-back goes back to."""
+        if worker == 0:
+            values = {k: v + self._counts_before.get(k, 0) if k in _CHECKPOINT_COUNTS else v for k, v in values.items()}
+            if values.get("checkpoints_written", 0) > self.results.get(0, {}).get("checkpoints_written", 0):
+                self._at_checkpoint = self._snapshot()
+        self.results.setdefault(worker, {}).update(values)
+
+    def _snapshot(self) -> tuple[dict[str, int], dict[int, int]]:
+        """Under the lock: the totals and each worker's steps now."""
+        totals = dict(self._banked)
+        for record in self._latest.values():
+            for key in totals:
+                totals[key] += record.get(key, 0)
+        steps = dict(self._banked_steps)
+        for worker, record in self._latest.items():
+            steps[worker] = steps.get(worker, 0) + record.get("steps", 0)
+        return totals, steps
 
     def is_done(self, worker: int) -> bool:
         """Whether `worker` (its current run, since the last restart) reported that it finished its script."""
@@ -154,14 +182,41 @@ class ProgressBoard:
         """A worker (or, with None, every worker) starts again from zero: keep what it reported so
         far in the totals."""
         with self._lock:
-            for index in [worker] if worker is not None else list(self._latest):
+            if worker is None:  # a roll-back: the steps since the latest checkpoint are trained again
+                self._roll_back()
+                return
+            if worker == 0:
+                self._keep_counts()
+            for index in [worker]:
                 record = self._latest.pop(index, {})
+                self._banked_steps[index] = self._banked_steps.get(index, 0) + record.get("steps", 0)
                 for key in self._banked:
                     self._banked[key] += record.get(key, 0)
-            if worker is None:
-                self._done.clear()
-            else:
-                self._done.discard(worker)
+            self._done.discard(worker)
+
+    def _roll_back(self) -> None:
+        """Under the lock: every worker starts again from the latest checkpoint, whose totals stay."""
+        steps_now = self._snapshot()[0]["steps"]
+        totals, steps = self._at_checkpoint
+        self.steps_redone += max(0, steps_now - totals["steps"])
+        self._banked, self._banked_steps = dict(totals), dict(steps)
+        self._latest.clear()
+        self._done.clear()
+        self._keep_counts()
+
+    def _keep_counts(self) -> None:
+        """Under the lock: the chief restarts; its checkpoint counts so far stay the run's."""
+        chief = self.results.get(0, {})
+        self._counts_before = {key: chief[key] for key in _CHECKPOINT_COUNTS if key in chief}
+
+    def steps_by_worker(self) -> dict[int, int]:
+        """Each worker's steps so far, its runs before restarts included (a worker that reported none is absent
+        unless it was restarted)."""
+        with self._lock:
+            steps = dict(self._banked_steps)
+            for worker, record in self._latest.items():
+                steps[worker] = steps.get(worker, 0) + record.get("steps", 0)
+        return steps
 
     def totals(self) -> dict[str, Any]:
         """Summed steps and examples, mean last loss, steps/s and examples/s since the previous call, and

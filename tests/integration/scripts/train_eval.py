@@ -5,6 +5,7 @@ embedding table; the evaluator task evaluates the run's checkpoints on a held-ou
 evaluator writes D/evaluated-<step> after each evaluation, and worker 0 with --wait-eval-at S
 waits after step S until one exists (a test's proof that checkpoints are evaluated while training
 runs; nothing in paramserver waits for an evaluator). --fail-eval: the evaluation function raises.
+--fail-evaluator: the evaluator's script raises before it evaluates anything.
 """
 
 import argparse
@@ -23,6 +24,7 @@ parser.add_argument("--heldout", required=True)
 parser.add_argument("--marker-dir", default="")
 parser.add_argument("--wait-eval-at", type=int, default=-1)
 parser.add_argument("--fail-eval", action="store_true")
+parser.add_argument("--fail-evaluator", action="store_true")
 args = parser.parse_args()
 
 
@@ -52,6 +54,8 @@ def evaluate(model, step):
 ctx = ps.init()
 torch.manual_seed(0)
 model = Model()
+if ctx.is_evaluator and args.fail_evaluator:
+    raise RuntimeError("the evaluator fails on purpose")
 if ctx.is_evaluator:
     ctx.evaluate(model, evaluate, poll_s=0.2)
     raise SystemExit(0)

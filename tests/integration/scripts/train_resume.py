@@ -6,6 +6,7 @@ the final dense values and of some embedding rows.
 """
 
 import argparse
+import time
 
 import torch
 import torch.nn as nn
@@ -15,6 +16,7 @@ import paramserver as ps
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=20)
+parser.add_argument("--step-sleep", type=float, default=0.0)  # seconds after each step
 args = parser.parse_args()
 
 ctx = ps.init()
@@ -28,6 +30,8 @@ for step in range(ctx.resume_step, args.steps):
     opt.zero_grad()
     F.mse_loss(head(embedding(ids).flatten(1)).squeeze(1), target).backward()
     opt.step()
+    if args.step_sleep:
+        time.sleep(args.step_sleep)
 opt.pull()
 with torch.no_grad():
     rows = embedding(torch.arange(50))

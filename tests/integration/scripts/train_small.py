@@ -1,6 +1,7 @@
 """A small job for launcher tests: trains a few steps, then reports a checksum of the PS's values.
 
 --fail-worker I: worker I raises after its first step. --steps N: steps per worker (0: forever).
+--step-sleep S: seconds between steps (default 0.01 when training forever, else 0).
 """
 
 import argparse
@@ -15,6 +16,7 @@ import paramserver as ps
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=20)
 parser.add_argument("--fail-worker", type=int, default=-1)
+parser.add_argument("--step-sleep", type=float, default=None)
 args = parser.parse_args()
 
 ctx = ps.init()
@@ -33,8 +35,8 @@ while args.steps == 0 or step < args.steps:
     step += 1
     if ctx.worker_index == args.fail_worker:
         raise RuntimeError(f"worker {ctx.worker_index} fails on purpose")
-    if args.steps == 0:
-        time.sleep(0.01)
+    if args.step_sleep or args.steps == 0:
+        time.sleep(0.01 if args.step_sleep is None else args.step_sleep)
 opt.pull()
 checksum = sum(p.double().sum().item() for p in model.parameters())
 print(f"worker {ctx.worker_index}/{ctx.num_workers} done: checksum {checksum:.6f}", flush=True)
