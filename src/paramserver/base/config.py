@@ -147,6 +147,7 @@ class Options:
     logdir: str = ""  # TensorBoard event files, written by the chief; "" turns them off
     summary_every: int = 100  # steps between TensorBoard summaries
     audit_log: str = ""  # append-only JSON-lines audit file of a PS / the coordinator; "": the node's log
+    stop_ps_at_end: bool = False  # the chief ends every PS (exit 0) once the run completed (paramserver k8s sets it)
     drain_grace_s: float = 10.0  # SIGTERM: seconds for calls in flight to finish before the node stops
     # SIGTERM or a first Ctrl-C on a worker, with a checkpoint_dir: seconds for the checkpoint at the next step
     # (within Kubernetes' terminationGracePeriodSeconds, 30 by default)

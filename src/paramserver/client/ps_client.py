@@ -296,6 +296,17 @@ class PSClient:
             except ParamServerError as exc:
                 log.warning("leave %s: %s", request.to_meta(), exc)
 
+    def end_shards(self, timeout: float) -> None:
+        """Tell every shard the run completed: each drains and its process exits 0 (a Shutdown with
+        `end`). Best effort: a shard that does not answer is logged."""
+        request = msg.ShutdownRequest(reason="the run completed", end=True)
+        deadline = Deadline(timeout)
+        for index, call in enumerate([stub.shutdown(request, timeout) for stub in self.stubs]):
+            try:
+                call.wait(deadline.left())
+            except ParamServerError as exc:
+                log.warning("ps %d did not take the end of the run: %s", index, exc)
+
     def checkpoint(self, name: str, timeout: float, parent: str = "") -> list[dict]:
         """Have every shard write its file of checkpoint `name` under its own checkpoint directory,
         all at once (a delta on checkpoint `parent`, when given); returns their manifest entries.

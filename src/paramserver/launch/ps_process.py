@@ -1,4 +1,5 @@
-"""A PS process: one PSNode (node/ps_node.py) from start until SIGTERM / SIGINT or an admin's Shutdown.
+"""A PS process: one PSNode (node/ps_node.py) from start until SIGTERM / SIGINT or a Shutdown (an
+admin's, or the chief's at the end of the run with `stop_ps_at_end`).
 
 Once ready (`PSNode.wait_ready`), `run_ps_node` prints one line ``PARAMSERVER_READY ps <index>
 <host:port>`` to stdout: the launcher (or whoever started the process) reads it to learn that the
@@ -31,12 +32,12 @@ def run_ps_node(
     Once `wait_ready` passed, prints the ready line (module docstring): the one readiness signal a
     PS process gives the process that started it."""
     raise_open_file_limit()
-    stopping, restart = threading.Event(), []
+    stopping, causes = threading.Event(), []  # what stopped it: a signal number, "restart" or "end", first first
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stopping.set())
+        signal.signal(sig, lambda signum, _: (causes.append(signum), stopping.set()))
 
-    def shutdown(restart_asked: bool) -> None:  # an admin's Shutdown (or the chief's restart) drains like SIGTERM
-        restart.append(restart_asked)
+    def shutdown(restart_asked: bool) -> None:  # a Shutdown (admin, or the chief: restart, end) drains like SIGTERM
+        causes.append("restart" if restart_asked else "end")
         stopping.set()
 
     with PSNode(bind, index, options, cluster_address) as node:
@@ -47,10 +48,21 @@ def run_ps_node(
             pass
         node.drain(options.drain_grace_s)
     sys.stdout.flush()
-    if any(restart):
+    return _exit_code(options, causes, index)
+
+
+def _exit_code(options: Options, causes: list, index: int) -> int:
+    """RESTART_EXIT_CODE after a roll-back's restart (whatever else came); 0 after a Shutdown, or a
+    signal; but when the run ends its PS (`stop_ps_at_end`) and a signal stopped this one first,
+    128 + the signal: a Job then counts an evicted or deleted PS as failed and replaces it, not as done."""
+    if "restart" in causes:
         log.info("ps %d: exiting with %d for its restart loop (a roll-back)", index, RESTART_EXIT_CODE)
         return RESTART_EXIT_CODE
-    return 0
+    first = causes[0] if causes else "end"
+    if not options.stop_ps_at_end or not isinstance(first, int):
+        return 0
+    log.info("ps %d: stopped by %s before the run ended it", index, signal.Signals(first).name)
+    return 128 + first
 
 
 def raise_open_file_limit() -> None:

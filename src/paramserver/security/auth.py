@@ -89,6 +89,7 @@ SHARD_ACTIONS: dict[str, Action] = {
     "Assign": _CHIEF,
     "Shutdown": Action("admin", audited=True),
     "Restart": Action("chief", audited=True, form_of="Shutdown"),  # a Shutdown with `restart`: the chief's roll-back
+    "End": Action("chief", audited=True, form_of="Shutdown"),  # a Shutdown with `end`: the run completed
 }
 COORDINATOR_ACTIONS: dict[str, Action] = {
     "Hello": Action("ps"),

@@ -93,7 +93,8 @@ class ShardService:
         if isinstance(message, msg.CheckpointRequest):
             return Claim(method, worker, {"name": message.name})
         if isinstance(message, msg.ShutdownRequest):
-            return Claim("Restart" if message.restart else method, worker, {"reason": message.reason})
+            action = "Restart" if message.restart else "End" if message.end else method
+            return Claim(action, worker, {"reason": message.reason})
         return Claim(method, worker)
 
     def for_anonymous(self, request: Request) -> Request:

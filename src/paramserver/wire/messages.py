@@ -252,12 +252,17 @@ class AssignReply(Message):
 class ShutdownRequest(Message):
     """Drain and stop this PS: health goes NOT_SERVING, calls in flight finish within `drain_grace_s`,
     and the process exits 0, as on SIGTERM. With a token store (`auth_tokens`) an admin call (and the
-    chief's, with `restart`); without one, anyone who reaches the PS may call it (docs/security.md)."""
+    chief's, with `restart` or `end`); without one, anyone who reaches the PS may call it (docs/security.md)."""
 
     reason: str = doc_field("why, for the log and the audit trail", default="")
     restart: bool = doc_field(
         "exit with code 75 instead of 0, for the node's restart loop to start it again from "
         "the latest checkpoint (a roll-back; the chief may ask this)",
+        default=False,
+    )
+    end: bool = doc_field(
+        "the run completed: exit 0 for good (the chief asks this with `stop_ps_at_end`, so that a PS "
+        "ends with its job)",
         default=False,
     )
 

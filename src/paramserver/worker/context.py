@@ -304,7 +304,6 @@ class Context:
         self.progress.flush()
         self.progress.close(done=completed)
         self.client.leave(timeout=5.0)
-        self.client.close()
         self.coordinator.stop()
         if self.coordinator_host is not None and self.rollback is not None and self.rollback.reason is not None:
             self.coordinator_host.stop(1.0)  # rolling back: every worker restarts, none needs this coordinator
@@ -314,5 +313,9 @@ class Context:
             self.coordinator_host.wait_done(self.options.connect_timeout_s)
             log.debug("coordinator: every worker is done after %.2fs; stopping", time.monotonic() - started)
             self.coordinator_host.stop(1.0)
+            if completed and self.options.stop_ps_at_end:
+                log.info("the run completed: ending every PS (stop_ps_at_end)")
+                self.client.end_shards(self.options.rpc_timeout_s)
+        self.client.close()
         if self.ops is not None:
             self.ops.stop()
