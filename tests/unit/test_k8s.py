@@ -27,7 +27,7 @@ from paramserver.transport.health import check
 from tests.conftest import ROOT
 from tests.tfjob import tfjob_cluster, tfjob_tf_config
 
-K8S_VERSION = "1.29.0"  # the oldest the objects need: a StatefulSet's pod-index label (1.28), gRPC probes (1.24)
+K8S_VERSIONS = ("1.25.0", "1.37.0")  # the oldest schema here (the objects need 1.24: gRPC probes) and the newest
 SMALL = str(ROOT / "tests" / "integration" / "scripts" / "train_small.py")
 
 
@@ -45,14 +45,16 @@ def named(objects: list[dict], kind: str, name: str) -> dict:
     return found
 
 
-def pod_templates(objects: list[dict]) -> dict[str, dict]:
-    """Role -> pod template, whichever object holds it."""
+def pod_templates(objects: list[dict]) -> dict[tuple[str, int | None], dict]:
+    """(role, node index) -> pod template, whichever object holds it; a TFJob's replica type has one
+    template for all its nodes: index None."""
     found = {}
     for o in objects:
-        if o["kind"] in ("StatefulSet", "Job"):
-            found[o["metadata"]["labels"]["paramserver.io/role"]] = o["spec"]["template"]
+        if o["kind"] == "Job":
+            labels = o["metadata"]["labels"]
+            found[labels["paramserver.io/role"], int(labels["paramserver.io/index"])] = o["spec"]["template"]
         if o["kind"] == "TFJob":
-            found.update({kind.lower(): spec["template"] for kind, spec in o["spec"]["tfReplicaSpecs"].items()})
+            found.update({(kind.lower(), None): spec["template"] for kind, spec in o["spec"]["tfReplicaSpecs"].items()})
     return found
 
 
@@ -87,13 +89,15 @@ def test_every_object_is_valid_for_kubernetes_and_the_tfjob_for_kubeflow(shape, 
         d = deployment(**SHAPES[shape], certs=certs, tokens=certs)
     objects = manifests(d)
     assert list(yaml.safe_load_all(render(d))) == objects
-    for o in objects:
+    for o, version in ((o, version) for o in objects for version in K8S_VERSIONS):
         if o["kind"] != "TFJob":
-            kubernetes_validate.validate(o, K8S_VERSION, strict=True)
+            kubernetes_validate.validate(o, version, strict=True)
     for tfjob in by_kind(objects, "TFJob"):
         for kind, spec in tfjob["spec"]["tfReplicaSpecs"].items():
-            kubernetes_validate.validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": kind.lower()},
-                                          "template": spec["template"]}, K8S_VERSION, strict=True)
+            for version in K8S_VERSIONS:
+                kubernetes_validate.validate({"apiVersion": "v1", "kind": "PodTemplate",
+                                              "metadata": {"name": kind.lower()}, "template": spec["template"]},
+                                             version, strict=True)
             assert spec["restartPolicy"] in ("Always", "OnFailure", "Never", "ExitCode")
         client = ApiClient()
         model = client._ApiClient__deserialize(tfjob, "KubeflowOrgV1TFJob")
@@ -102,30 +106,28 @@ def test_every_object_is_valid_for_kubernetes_and_the_tfjob_for_kubeflow(shape, 
 
 
 def test_the_plain_cluster_names_are_the_services_dns_names():
+    """Each node is a Job of its own, whose pod takes the node's name as its hostname under its role's
+    headless Service (hostname + subdomain): the name the cluster spec dials."""
     d = deployment(chief=True, evaluator=True, ps=2, workers=3)
     objects = manifests(d)
     cluster = json.loads(named(objects, "ConfigMap", "ctr-cluster")["data"]["cluster.json"])["cluster"]
     assert {role: len(addresses) for role, addresses in cluster.items()} == {"ps": 2, "chief": 1, "worker": 3,
                                                                           "evaluator": 1}
+    assert {o["metadata"]["name"] for o in by_kind(objects, "Job")} == {
+        f"ctr-{role}-{i}" for role, addresses in cluster.items() for i in range(len(addresses))}
     for role, addresses in cluster.items():
-        owner = [o for o in objects if o["kind"] in ("StatefulSet", "Job") and o["metadata"]["name"] == f"ctr-{role}"]
-        [owner] = owner
-        template = owner["spec"]["template"]
-        service_name = owner["spec"]["serviceName"] if owner["kind"] == "StatefulSet" else template["spec"]["subdomain"]
-        service = named(objects, "Service", service_name)
+        service = named(objects, "Service", f"ctr-{role}")
         assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"]
-        labels = template["metadata"]["labels"]
-        assert service["spec"]["selector"].items() <= labels.items()
-        if owner["kind"] == "Job":
-            assert owner["spec"]["completionMode"] == "Indexed" and owner["spec"]["completions"] == len(addresses)
-        else:
-            assert owner["spec"]["replicas"] == len(addresses)
-        for i, address in enumerate(addresses):
-            # a StatefulSet's pod i and an indexed Job's pod i are both named <owner>-<i>
-            assert address == f"{owner['metadata']['name']}-{i}.{service_name}.ml.svc:2300"
-        [container] = template["spec"]["containers"]
         assert 2300 in [p["port"] for p in service["spec"]["ports"]]
-        assert 2300 in [p["containerPort"] for p in container["ports"]]
+        for i, address in enumerate(addresses):
+            job = named(objects, "Job", f"ctr-{role}-{i}")
+            assert "completionMode" not in job["spec"] and "completions" not in job["spec"]  # one pod
+            template = job["spec"]["template"]
+            assert service["spec"]["selector"].items() <= template["metadata"]["labels"].items()
+            pod = template["spec"]
+            assert address == f"{pod['hostname']}.{pod['subdomain']}.ml.svc:2300" == f"ctr-{role}-{i}.ctr-{role}.ml.svc:2300"
+            [container] = pod["containers"]
+            assert 2300 in [p["containerPort"] for p in container["ports"]]
 
 
 @pytest.mark.parametrize("dynamic", [False, True])
@@ -144,24 +146,27 @@ def test_the_tfjob_cluster_is_the_one_the_operator_names(dynamic):
         assert container["args"][:1] == ["node"] and "--role" not in container["args"]  # the task is TF_CONFIG's
 
 
-def test_each_role_reads_its_index_from_its_own_pods_field():
-    fields = {}
+def test_each_node_knows_its_index_without_a_version_dependent_label():
+    """Plain form: each node's template holds its index (no pod-index label, which needs Kubernetes
+    1.28); TFJob: the operator's replica-index label, on every version."""
+    found = {}
     for tfjob in (False, True):
-        d = deployment(tfjob=tfjob, chief=True, evaluator=True)
-        for role, template in pod_templates(manifests(d)).items():
+        d = deployment(tfjob=tfjob, chief=True, evaluator=True, workers=2)
+        for (role, index), template in pod_templates(manifests(d)).items():
             [container] = template["spec"]["containers"]
             env = env_of(container)
-            fields[tfjob, role] = env["PARAMSERVER_TASK_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"]
+            found[role, index] = env["PARAMSERVER_TASK_INDEX"]
             assert env["PARAMSERVER_NODE"]["value"] == f"{role}-$(PARAMSERVER_TASK_INDEX)"
             if not tfjob:
                 args = container["args"]
                 assert args[args.index("--role") + 1] == role
                 assert args[args.index("--index") + 1] == "$(PARAMSERVER_TASK_INDEX)"
-    assert fields[False, "ps"] == "metadata.labels['apps.kubernetes.io/pod-index']"
-    for role in ("chief", "worker", "evaluator"):
-        assert fields[False, role] == "metadata.annotations['batch.kubernetes.io/job-completion-index']"
-    for role in ("ps", "chief", "worker", "evaluator"):
-        assert fields[True, role] == "metadata.labels['training.kubeflow.org/replica-index']"
+    for role, count in (("ps", 1), ("chief", 1), ("worker", 2), ("evaluator", 1)):
+        assert [found[role, i] for i in range(count)] == [{"name": "PARAMSERVER_TASK_INDEX", "value": str(i)}
+                                                          for i in range(count)]
+        assert found[role, None]["valueFrom"]["fieldRef"]["fieldPath"] == \
+            "metadata.labels['training.kubeflow.org/replica-index']"
+    assert "pod-index" not in render(deployment(chief=True)) + render(deployment(tfjob=True))
 
 
 @pytest.mark.parametrize("tfjob", [False, True])
@@ -169,7 +174,7 @@ def test_probes_ask_each_nodes_own_port(tfjob, tmp_path):
     plain = deployment(tfjob=tfjob, chief=True, evaluator=True, port=2400)
     certs = make_certs(tmp_path, plain)
     for d, tls in ((plain, False), (deployment(tfjob=tfjob, chief=True, evaluator=True, port=2400, certs=certs), True)):
-        for role, template in pod_templates(manifests(d)).items():
+        for (role, _), template in pod_templates(manifests(d)).items():
             [container] = template["spec"]["containers"]
             probes = {key: value for key, value in container.items() if key.endswith("Probe")}
             expected = {"ps": {"startupProbe", "readinessProbe", "livenessProbe"}, "chief": {"readinessProbe"},
@@ -183,31 +188,41 @@ def test_probes_ask_each_nodes_own_port(tfjob, tmp_path):
             assert container["ports"][0]["containerPort"] == 2400
 
 
-def test_certs_and_tokens_are_secrets_each_node_mounts_and_names_its_own(tmp_path):
-    d = deployment(chief=True, evaluator=True, workers=2)
+@pytest.mark.parametrize("tfjob", [False, True])
+def test_certs_and_tokens_are_secrets_each_node_mounts_and_names_its_own(tfjob, tmp_path):
+    """A plain pod mounts its own certificate, key and token only (and the CA, the store of hashes);
+    a TFJob's pods share their replica type's template: those of its type."""
+    d = deployment(tfjob=tfjob, chief=True, evaluator=True, workers=2)
     certs = make_certs(tmp_path, d)
-    objects = manifests(deployment(chief=True, evaluator=True, workers=2, certs=certs, tokens=certs))
+    objects = manifests(deployment(tfjob=tfjob, chief=True, evaluator=True, workers=2, certs=certs, tokens=certs))
     tls = {k: base64.b64decode(v) for k, v in named(objects, "Secret", "ctr-tls")["data"].items()}
     tokens = {k: base64.b64decode(v) for k, v in named(objects, "Secret", "ctr-tokens")["data"].items()}
     nodes = ["ps-0", "chief-0", "worker-0", "worker-1"]
     assert set(tls) == {"ca.crt", *(f"{n}{ext}" for n in nodes for ext in (".crt", ".key"))}  # never ca.key
     assert all(tls[name] == (certs / name).read_bytes() for name in tls)
     assert set(tokens) == {"tokens.json", *(f"{n}.token" for n in nodes)}  # never the admin's token
-    for role, template in pod_templates(objects).items():
+    for (role, index), template in pod_templates(objects).items():
         [container] = template["spec"]["containers"]
         mounts = {m["name"]: m["mountPath"] for m in container.get("volumeMounts", [])}
-        secrets = {v["name"]: v["secret"]["secretName"] for v in template["spec"]["volumes"] if "secret" in v}
+        secrets = {v["name"]: v["secret"] for v in template["spec"]["volumes"] if "secret" in v}
         if role == "evaluator":
-            assert not secrets and "PARAMSERVER_OPTIONS" not in env_of(container)
+            options = json.loads(env_of(container).get("PARAMSERVER_OPTIONS", {}).get("value", "{}"))
+            assert not secrets and not any(key.startswith(("tls", "token", "auth")) for key in options)
             continue
-        assert secrets == {"tls": "ctr-tls", "tokens": "ctr-tokens"}
+        assert {name: secret["secretName"] for name, secret in secrets.items()} == {"tls": "ctr-tls",
+                                                                                   "tokens": "ctr-tokens"}
+        mine = [f"{role}-{i}" for i in ([index] if index is not None else range(len(d.cluster[role])))]
+        files = {name: {item["path"] for item in secret["items"]} for name, secret in secrets.items()}
+        assert files == {"tls": {"ca.crt", *(f"{n}{ext}" for n in mine for ext in (".crt", ".key"))},
+                         "tokens": {"tokens.json", *(f"{n}.token" for n in mine)}}, (role, index)
+        assert all(item["key"] == item["path"] for secret in secrets.values() for item in secret["items"])
         options = json.loads(env_of(container)["PARAMSERVER_OPTIONS"]["value"])
-        for index in range(len(d.cluster[role])):
-            own = {k: v.replace("$(PARAMSERVER_NODE)", f"{role}-{index}") for k, v in options.items()}
-            for option, secret, mount in (("tls_cert", tls, "tls"), ("tls_key", tls, "tls"), ("tls_ca", tls, "tls"),
-                                          ("token_file", tokens, "tokens"), ("auth_tokens", tokens, "tokens")):
+        for node in mine:
+            own = {k: v.replace("$(PARAMSERVER_NODE)", node) for k, v in options.items() if isinstance(v, str)}
+            for option, mount in (("tls_cert", "tls"), ("tls_key", "tls"), ("tls_ca", "tls"),
+                                  ("token_file", "tokens"), ("auth_tokens", "tokens")):
                 directory, name = own[option].rsplit("/", 1)
-                assert directory == mounts[mount] and name in secret, (role, option)
+                assert directory == mounts[mount] and name in files[mount], (node, option)
 
 
 def test_certs_not_naming_the_nodes_hosts_are_refused(tmp_path):
@@ -228,6 +243,7 @@ def test_a_local_checkpoint_dir_is_a_shared_volume_and_a_url_is_none():
     for template in pod_templates(objects).values():
         [container] = template["spec"]["containers"]
         assert {"name": "checkpoints", "mountPath": "/ckpt/run"} in container["volumeMounts"]
+        assert {"name": "scratch-0", "mountPath": "/tmp"} in container["volumeMounts"]
     s3 = manifests(deployment(options={"checkpoint_dir": "s3://bucket/run"}))
     assert not by_kind(s3, "PersistentVolumeClaim")
     assert all("checkpoints" not in json.dumps(t) for t in pod_templates(s3).values())
@@ -297,10 +313,32 @@ class Pods:
             (directory / name).write_bytes(data if isinstance(data, bytes) else data.encode())
         self.paths[mount_path] = str(directory)
 
-    def start(self, container: dict, index: int, extra_env: dict[str, str] | None = None):
-        env = {k: self.localize(v) for k, v in container_env(container, index, self.procs.env()).items()}
-        env.update({k: self.localize(v) for k, v in (extra_env or {}).items()})
-        args = [self.localize(kubelet_expand(a, env)) for a in container["args"]]
+    def mount_volumes(self, objects: list[dict], template: dict, pod: str) -> dict[str, str]:
+        """The pod's Secret volumes as local directories holding their items only: mount path -> directory."""
+        secrets = {o["metadata"]["name"]: o["data"] for o in by_kind(objects, "Secret")}
+        volumes = {v["name"]: v["secret"] for v in template["spec"]["volumes"] if "secret" in v}
+        [container] = template["spec"]["containers"]
+        found = {}
+        for mount in container["volumeMounts"]:
+            if mount["name"] in volumes:
+                secret = volumes[mount["name"]]
+                directory = self.tmp / pod / mount["name"]
+                directory.mkdir(parents=True)
+                for item in secret["items"]:
+                    (directory / item["path"]).write_bytes(base64.b64decode(secrets[secret["secretName"]][item["key"]]))
+                found[mount["mountPath"]] = str(directory)
+        return found
+
+    def start(self, container: dict, index: int, extra_env: dict[str, str] | None = None,
+              mounts: dict[str, str] | None = None):
+        def local(text: str) -> str:
+            for remote, there in (mounts or {}).items():  # this pod's own volumes first
+                text = text.replace(remote, there)
+            return self.localize(text)
+
+        env = {k: local(v) for k, v in container_env(container, index, self.procs.env()).items()}
+        env.update({k: local(v) for k, v in (extra_env or {}).items()})
+        args = [local(kubelet_expand(a, env)) for a in container["args"]]
         assert container["command"] == ["paramserver"]
         return self.procs.start([sys.executable, "-m", "paramserver", "--log-level", "WARNING", *args],
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env), env
@@ -312,7 +350,9 @@ def applied_pushes(address: str) -> int:
 
 
 @pytest.mark.cluster
-def test_the_plain_pods_train_with_mutual_tls_and_tokens(procs, tmp_path):
+def test_the_plain_pods_train_with_mutual_tls_and_tokens_and_the_chief_ends_the_ps(procs, tmp_path):
+    """Each pod with its own Secret items only; the PS's exec probe answers SERVING; once the run
+    completed the chief ends the PS (with its chief token), which exits 0: its Job completes."""
     plain = deployment(workers=2)
     certs = make_certs(tmp_path, plain)
     d = deployment(workers=2, certs=certs, tokens=certs)
@@ -320,27 +360,28 @@ def test_the_plain_pods_train_with_mutual_tls_and_tokens(procs, tmp_path):
     pods = Pods(procs, d, tmp_path)
     config = json.loads(pods.localize(named(objects, "ConfigMap", "ctr-cluster")["data"]["cluster.json"]))
     config["options"]["stream_port"] = free_port()  # one PS on this host: a fixed port as in its pod
+    assert config["options"]["stop_ps_at_end"] is True
     pods.mount(objects, "/etc/paramserver", {"cluster.json": json.dumps(config)})
-    for secret in by_kind(objects, "Secret"):
-        files = {k: base64.b64decode(v) for k, v in secret["data"].items()}
-        pods.mount(objects, "/var/run/paramserver/" + secret["metadata"]["name"].split("-")[-1], files)
     templates = pod_templates(objects)
-    [ps_container] = templates["ps"]["spec"]["containers"]
-    [worker_container] = templates["worker"]["spec"]["containers"]
-    ps, ps_env = pods.start(ps_container, 0)
-    workers = [pods.start(worker_container, i)[0] for i in range(2)]
+    started = {}
+    for role, index in (("ps", 0), ("worker", 0), ("worker", 1)):
+        [container] = templates[role, index]["spec"]["containers"]
+        mounts = pods.mount_volumes(objects, templates[role, index], f"{role}-{index}")
+        started[role, index] = (container, *pods.start(container, index, mounts=mounts))
+        if role == "ps":  # the exec probe, in the PS's env, dialling its pod's own port (here: the PS's local port)
+            ps_container, ps, ps_env = started[role, index]
+            assert ps.stdout.readline().startswith("PARAMSERVER_READY")
+            own_port = pods.local[d.cluster["ps"][0]].rsplit(":", 1)[1]
+            argv = [a.replace(f"localhost:{d.port}", f"localhost:{own_port}")
+                    for a in ps_container["readinessProbe"]["exec"]["command"][1:]]
+            probe = procs.start([sys.executable, "-m", "paramserver", *argv], stdout=subprocess.PIPE, text=True,
+                                env=ps_env)
+            assert probe.communicate(timeout=60)[0].strip() == "SERVING" and probe.returncode == 0
+    workers = [started["worker", i][1] for i in range(2)]
     outputs = [w.communicate(timeout=180)[0] for w in workers]
     assert [w.returncode for w in workers] == [0, 0], outputs
     assert "worker 0/2 done" in outputs[0] and "worker 1/2 done" in outputs[1]
-    assert ps.poll() is None, ps.stdout.read()
-    # the exec probe, in the PS's env, dialling its pod's own port (here: the PS's local port)
-    own_port = pods.local[d.cluster["ps"][0]].rsplit(":", 1)[1]
-    argv = [a.replace(f"localhost:{d.port}", f"localhost:{own_port}")
-            for a in ps_container["readinessProbe"]["exec"]["command"][1:]]
-    probe = procs.start([sys.executable, "-m", "paramserver", *argv], stdout=subprocess.PIPE, text=True, env=ps_env)
-    assert probe.communicate(timeout=60)[0].strip() == "SERVING" and probe.returncode == 0
-    ps.terminate()
-    assert ps.wait(30) == 0
+    assert ps.wait(30) == 0, ps.stdout.read()
 
 
 @pytest.mark.cluster

@@ -128,7 +128,7 @@ def _add_k8s_parser(sub) -> None:
     k8s.add_argument("--ps", type=int, default=1, help="number of PS (default 1)")
     k8s.add_argument("--workers", type=int, default=1, help="number of workers, a chief apart (default 1)")
     k8s.add_argument("--image", required=True, help="container image holding paramserver and SCRIPT")
-    k8s.add_argument("--tfjob", action="store_true", help="one Kubeflow TFJob instead of a StatefulSet and Jobs")
+    k8s.add_argument("--tfjob", action="store_true", help="one Kubeflow TFJob instead of a Job per node")
     k8s.add_argument("--dynamic-workers", action="store_true", help="TFJob: enableDynamicWorker (sparse TF_CONFIG)")
     k8s.add_argument("--chief", action="store_true", help="a chief besides the workers (else worker 0 is the chief)")
     k8s.add_argument("--evaluator", action="store_true", help="an evaluator task running SCRIPT too")
@@ -142,6 +142,16 @@ def _add_k8s_parser(sub) -> None:
     k8s.add_argument("--tokens", help="a directory of node tokens and tokens.json: a Secret, tokens everywhere")
     k8s.add_argument("--cpu", default="1", help="CPU request of each node (default 1)")
     k8s.add_argument("--memory", default="4Gi", help="memory request and limit of each node (default 4Gi)")
+    k8s.add_argument("--uid", type=int, default=10001, help="numeric user of every container (default 10001)")
+    k8s.add_argument(
+        "--gid", type=int, default=10001, help="numeric group of every container and its volumes (default 10001)"
+    )
+    k8s.add_argument(
+        "--ttl-after-finished",
+        type=int,
+        default=86400,
+        help="seconds a finished Job (or the TFJob) and its pods are kept; -1: until deleted (default 86400)",
+    )
     k8s.add_argument("-o", "--output", help="write the YAML to this file (default: stdout)")
     _add_mode_flags(k8s)
     _add_limit_flags(k8s)
@@ -457,6 +467,9 @@ def _k8s(args: argparse.Namespace) -> int:
         tokens=Path(args.tokens) if args.tokens else None,
         cpu=args.cpu,
         memory=args.memory,
+        uid=args.uid,
+        gid=args.gid,
+        ttl_after_finished=args.ttl_after_finished,
         options=mode_options(args),
     )
     text = render(deployment)

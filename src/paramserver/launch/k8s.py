@@ -1,13 +1,16 @@
 """`paramserver k8s`: the Kubernetes objects of a cluster, as multi-document YAML (docs/deploy.md).
 
-Plain form: the PS as a StatefulSet behind a headless Service, each other role (chief, worker,
-evaluator) as an Indexed Job with its own headless Service, so every node has a stable DNS name
-`<name>-<role>-<i>.<name>-<role>.<ns>.svc`; the cluster spec and the shared options in a
-ConfigMap (cluster.json); every node runs `paramserver node --cluster ... --role R --index I`.
-TFJob form (`tfjob=True`): one kubeflow.org/v1 TFJob; the operator writes TF_CONFIG and names the
-nodes `<name>-<role>-<i>.<ns>.svc`; PARAMSERVER_CLUSTER holds the whole cluster for the sparse
-TF_CONFIG of `enableDynamicWorker`. Both: Secrets from --certs / --tokens, a PVC for a local
-checkpoint directory, probes and resource requests (k8s_pods.py).
+Plain form: every node (PS, chief, worker, evaluator) is a Job of its own, `<name>-<role>-<i>`,
+whose pod has that hostname under its role's headless Service, so every node has a stable DNS name
+`<name>-<role>-<i>.<name>-<role>.<ns>.svc`; one pod template per node, so each pod mounts its own
+certificate, key and token only. The chief ends the PS when the run completed (`stop_ps_at_end`):
+every Job completes, and is deleted `ttl_after_finished` seconds later. The cluster spec and the
+shared options are in a ConfigMap (cluster.json); every node runs `paramserver node --cluster ...
+--role R --index I`. TFJob form (`tfjob=True`): one kubeflow.org/v1 TFJob; the operator writes
+TF_CONFIG, names the nodes `<name>-<role>-<i>.<ns>.svc` and deletes the pods still running when
+the job ends; PARAMSERVER_CLUSTER holds the whole cluster for the sparse TF_CONFIG of
+`enableDynamicWorker`. Both: Secrets from --certs / --tokens, a PVC for a local checkpoint
+directory, probes, resource requests and the restricted security context (k8s_pods.py).
 """
 
 from __future__ import annotations
@@ -49,6 +52,9 @@ class Deployment:
     tokens: Path | None = None
     cpu: str = "1"
     memory: str = "4Gi"
+    uid: int = 10001  # the containers' user; their group and the volumes' (fsGroup) is `gid`
+    gid: int = 10001
+    ttl_after_finished: int = 86400  # seconds a finished Job (or TFJob) is kept; -1: until deleted
     options: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -61,6 +67,10 @@ class Deployment:
             problems.append(f"--ps and --workers must be at least 1, got {self.ps} and {self.workers}")
         if not 1 <= self.port <= 65534:
             problems.append(f"--port must be from 1 to 65534 (the stream takes the next), got {self.port}")
+        if self.uid < 1 or self.gid < 1:
+            problems.append(f"--uid and --gid must be at least 1 (not root), got {self.uid} and {self.gid}")
+        if self.ttl_after_finished < -1:
+            problems.append(f"--ttl-after-finished must be -1 (never) or more, got {self.ttl_after_finished}")
         if self.dynamic_workers and not self.tfjob:
             problems.append("--dynamic-workers is a TFJob's enableDynamicWorker: give --tfjob too")
         if self.checkpoint_volume and not self.checkpoint_volume.startswith("/"):
@@ -108,14 +118,16 @@ class Deployment:
 
     @property
     def all_options(self) -> dict:
-        return {**self.options, **pods.shared_options(self.port, self.options)}
+        return {**self.options, **pods.shared_options(self.port, self.options, self.tfjob)}
 
-    def labels(self, role: str | None = None) -> dict[str, str]:
+    def labels(self, role: str | None = None, index: int | None = None) -> dict[str, str]:
         found = {"app.kubernetes.io/name": "paramserver", "app.kubernetes.io/instance": self.name}
-        return {**found, "paramserver.io/role": role} if role else found
+        if role:
+            found["paramserver.io/role"] = role
+        return found if index is None else {**found, "paramserver.io/index": str(index)}
 
-    def metadata(self, name: str, role: str | None = None) -> dict:
-        return {"name": name, "namespace": self.namespace, "labels": self.labels(role)}
+    def metadata(self, name: str, role: str | None = None, index: int | None = None) -> dict:
+        return {"name": name, "namespace": self.namespace, "labels": self.labels(role, index)}
 
 
 def manifests(d: Deployment) -> list[dict]:
@@ -135,7 +147,7 @@ def manifests(d: Deployment) -> list[dict]:
     )
     for role, count in d.roles.items():
         objects.append(_headless_service(d, role))
-        objects.append(_stateful_set(d, count) if role == "ps" else _indexed_job(d, role, count))
+        objects.extend(_node_job(d, role, index) for index in range(count))
     return objects
 
 
@@ -200,39 +212,19 @@ def _headless_service(d: Deployment, role: str) -> dict:
     }
 
 
-def _stateful_set(d: Deployment, count: int) -> dict:
-    """The PS: restarted in place (restartPolicy Always, as a StatefulSet requires), all at once."""
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "StatefulSet",
-        "metadata": d.metadata(f"{d.name}-ps", "ps"),
-        "spec": {
-            "serviceName": f"{d.name}-ps",
-            "replicas": count,
-            "podManagementPolicy": "Parallel",
-            "selector": {"matchLabels": d.labels("ps")},
-            "template": _pod_template(d, "ps", pods.PS_INDEX_FIELD, "Always"),
-        },
-    }
-
-
-def _indexed_job(d: Deployment, role: str, count: int) -> dict:
-    """Workers (or the chief, or an evaluator): pod i is named `<job>-<i>` and, with the Service as its
-    subdomain, resolves as `<job>-<i>.<job>.<ns>.svc`. OnFailure restarts a failed node in its pod."""
-    template = _pod_template(d, role, pods.JOB_INDEX_FIELD, "OnFailure")
-    template["spec"]["subdomain"] = f"{d.name}-{role}"
-    return {
-        "apiVersion": "batch/v1",
-        "kind": "Job",
-        "metadata": d.metadata(f"{d.name}-{role}", role),
-        "spec": {
-            "completionMode": "Indexed",
-            "completions": count,
-            "parallelism": count,
-            "backoffLimit": 6 * count,
-            "template": template,
-        },
-    }
+def _node_job(d: Deployment, role: str, index: int) -> dict:
+    """One node: a Job whose one pod is `<job>.<role's Service>.<ns>.svc` (hostname and subdomain).
+    OnFailure restarts a failed node in its pod; a deleted or evicted pod is replaced under the same
+    name. The Job completes when the node exits 0: a worker when its script ended, a PS when the
+    chief ended it (`stop_ps_at_end`), an evaluator after the final checkpoint."""
+    name = f"{d.name}-{role}-{index}"
+    template = _pod_template(d, role, index, "OnFailure")
+    template["metadata"]["labels"] = d.labels(role, index)
+    template["spec"] = {"hostname": name, "subdomain": f"{d.name}-{role}", **template["spec"]}
+    spec: dict = {"backoffLimit": 6, "template": template}
+    if d.ttl_after_finished >= 0:
+        spec["ttlSecondsAfterFinished"] = d.ttl_after_finished
+    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": d.metadata(name, role, index), "spec": spec}
 
 
 def _tfjob(d: Deployment) -> dict:
@@ -241,23 +233,34 @@ def _tfjob(d: Deployment) -> dict:
     replicas = {}
     extra_env = {"PARAMSERVER_CLUSTER": json.dumps(d.cluster, sort_keys=True)}
     for role, count in d.roles.items():
-        template = _pod_template(d, role, pods.TFJOB_INDEX_FIELD, None, extra_env)
+        template = _pod_template(d, role, pods.TFJOB_INDEX_FIELD, None, extra_env, count)
         replicas[_TFJOB_TYPES[role]] = {"replicas": count, "restartPolicy": "OnFailure", "template": template}
-    spec = {"tfReplicaSpecs": replicas, "runPolicy": {"cleanPodPolicy": "Running", "backoffLimit": 6 * d.workers}}
+    run_policy: dict = {"cleanPodPolicy": "Running", "backoffLimit": 6 * d.workers}
+    if d.ttl_after_finished >= 0:
+        run_policy["ttlSecondsAfterFinished"] = d.ttl_after_finished
+    spec: dict = {"tfReplicaSpecs": replicas, "runPolicy": run_policy}
     if d.dynamic_workers:
         spec["enableDynamicWorker"] = True
     return {"apiVersion": "kubeflow.org/v1", "kind": "TFJob", "metadata": d.metadata(d.name), "spec": spec}
 
 
 def _pod_template(
-    d: Deployment, role: str, index_field: str, restart: str | None, extra_env: dict[str, str] | None = None
+    d: Deployment,
+    role: str,
+    index: int | str,
+    restart: str | None,
+    extra_env: dict[str, str] | None = None,
+    count: int = 1,
 ) -> dict:
+    """The pod of node `index` of `role` (plain form), or of every node of `role` (TFJob: `index` is
+    the pod field holding it, `count` the number of such nodes)."""
     certs, tokens = d.certs is not None, d.tokens is not None
     options = pods.node_options(role, certs, tokens)
     if d.tfjob:  # no ConfigMap: the shared options travel with each node's own
         options = {**d.all_options, **options}
-    env = pods.node_env(role, index_field, options, extra_env)
-    mounts, volumes = _volumes(d, role)
+    env = pods.node_env(role, index, options, extra_env)
+    nodes = [f"{role}-{i}" for i in ([index] if isinstance(index, int) else range(count))]
+    mounts, volumes = _volumes(d, role, nodes)
     name = _TFJOB_CONTAINER if d.tfjob else "paramserver"
     node = pods.container(
         name,
@@ -269,11 +272,15 @@ def _pod_template(
         pods.resources(d.cpu, d.memory),
         pods.probes(role, d.port, certs),
     )
-    spec: dict = {"containers": [node], "terminationGracePeriodSeconds": _grace(d)}
+    spec: dict = {
+        "automountServiceAccountToken": False,  # a node never calls the Kubernetes API
+        "securityContext": pods.pod_security(d.uid, d.gid),
+        "containers": [node],
+        "terminationGracePeriodSeconds": _grace(d),
+        "volumes": volumes,
+    }
     if restart:
         spec["restartPolicy"] = restart
-    if volumes:
-        spec["volumes"] = volumes
     return {"metadata": {"labels": d.labels(role)}, "spec": spec}
 
 
@@ -294,23 +301,28 @@ def _ports(d: Deployment, role: str) -> list[dict]:
     return ports
 
 
-def _volumes(d: Deployment, role: str) -> tuple[list[dict], list[dict]]:
-    """(volumeMounts, volumes) of a node of `role`."""
+def _volumes(d: Deployment, role: str, nodes: list[str]) -> tuple[list[dict], list[dict]]:
+    """(volumeMounts, volumes) of the pods of `nodes` (each `<role>-<i>`): of the Secrets, their files only."""
     mounts, volumes = [], []
     if not d.tfjob:
         mounts.append({"name": "cluster", "mountPath": pods.CONFIG_DIR, "readOnly": True})
         volumes.append({"name": "cluster", "configMap": {"name": f"{d.name}-cluster"}})
     if role in pods.SERVING_ROLES:
-        for wanted, volume, secret, path in (
-            (d.certs, "tls", "tls", pods.TLS_DIR),
-            (d.tokens, "tokens", "tokens", pods.TOKENS_DIR),
+        for wanted, volume, path, keys in (
+            (d.certs, "tls", pods.TLS_DIR, pods.tls_keys(nodes)),
+            (d.tokens, "tokens", pods.TOKENS_DIR, pods.token_keys(nodes)),
         ):
             if wanted is not None:
                 mounts.append({"name": volume, "mountPath": path, "readOnly": True})
-                volumes.append(pods.secret_volume(volume, f"{d.name}-{secret}"))
+                volumes.append(pods.secret_volume(volume, f"{d.name}-{volume}", keys))
+    written = []
     if d.checkpoint_volume:
+        written.append(d.checkpoint_volume)
         mounts.append({"name": "checkpoints", "mountPath": d.checkpoint_volume})
         volumes.append({"name": "checkpoints", "persistentVolumeClaim": {"claimName": f"{d.name}-checkpoints"}})
+    for i, directory in enumerate(pods.scratch_dirs(d.options, written)):
+        mounts.append({"name": f"scratch-{i}", "mountPath": directory})
+        volumes.append({"name": f"scratch-{i}", "emptyDir": {}})
     return mounts, volumes
 
 

@@ -1,15 +1,19 @@
-"""The pod side of `paramserver k8s`: one container per node, its probes, volumes and Secrets.
+"""The pod side of `paramserver k8s`: one container per node, its probes, volumes, Secrets and
+security context.
 
-Every pod of a role shares one template, so what differs per node (its index, its certificate and
-token files) comes from the pod itself: the downward API gives PARAMSERVER_TASK_INDEX, and
-Kubernetes expands `$(VAR)` in later env values and in args (docs/deploy.md). k8s.py builds the
-Kubernetes objects around these pieces.
+In the plain form every node has a pod template of its own (k8s.py), so it mounts its own
+certificate, key and token only; a TFJob has one template per replica type, whose pods share it.
+Kubernetes expands `$(VAR)` in later env values and in args (docs/deploy.md). Every pod passes the
+`restricted` Pod Security Standard: a numeric non-root user, no privilege escalation, no
+capabilities, the runtime's seccomp profile, a read-only root filesystem (scratch on emptyDir
+volumes) and no service account token. k8s.py builds the Kubernetes objects around these pieces.
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import posixpath
 from pathlib import Path
 
 from ..base.errors import ConfigError
@@ -22,18 +26,18 @@ TLS_DIR = "/var/run/paramserver/tls"  # the Secret made from --certs
 TOKENS_DIR = "/var/run/paramserver/tokens"  # the Secret made from --tokens
 INDEX_ENV = "PARAMSERVER_TASK_INDEX"
 NODE_ENV = "PARAMSERVER_NODE"  # ps-<i>, chief-0, worker-<i>: the names `paramserver certs` and tokens use
-# where a pod finds its own index: a StatefulSet's pod label, an indexed Job's annotation, a TFJob's label
-PS_INDEX_FIELD = "metadata.labels['apps.kubernetes.io/pod-index']"
-JOB_INDEX_FIELD = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
-TFJOB_INDEX_FIELD = "metadata.labels['training.kubeflow.org/replica-index']"
+TFJOB_INDEX_FIELD = "metadata.labels['training.kubeflow.org/replica-index']"  # the operator's label on a pod
 SERVING_ROLES = ("ps", "chief", "worker")  # the roles that serve health on their cluster port
+SCRATCH_DIR = "/tmp"  # an emptyDir in every pod: the root filesystem is read-only
 
 
-def node_env(role: str, index_field: str, options: dict, extra: dict[str, str] | None = None) -> list[dict]:
-    """The env of a node's container: its index (downward API), its node name and its options
-    (PARAMSERVER_OPTIONS, where `$(PARAMSERVER_NODE)` names its own files), then `extra`."""
+def node_env(role: str, index: int | str, options: dict, extra: dict[str, str] | None = None) -> list[dict]:
+    """The env of a node's container: its index (a number, or the pod field holding it, through the
+    downward API), its node name and its options (PARAMSERVER_OPTIONS, where `$(PARAMSERVER_NODE)`
+    names its own files), then `extra`."""
+    own = {"value": str(index)} if isinstance(index, int) else {"valueFrom": {"fieldRef": {"fieldPath": index}}}
     env: list[dict] = [
-        {"name": INDEX_ENV, "valueFrom": {"fieldRef": {"fieldPath": index_field}}},
+        {"name": INDEX_ENV, **own},
         {"name": NODE_ENV, "value": f"{role}-$({INDEX_ENV})"},
         {"name": "PYTHONUNBUFFERED", "value": "1"},
     ]
@@ -59,12 +63,16 @@ def node_options(role: str, certs: bool, tokens: bool) -> dict:
     return options
 
 
-def shared_options(port: int, given: dict) -> dict:
+def shared_options(port: int, given: dict, tfjob: bool) -> dict:
     """Options every node of the deployment shares: a fixed stream port next to the gRPC port, so a
-    Service and a NetworkPolicy can name it (0, a free port, could not be declared); and with a
-    metrics port, the metrics endpoint on every interface (Prometheus scrapes the pod's IP) unless
-    `given` (the options asked for) names a metrics_bind."""
+    Service and a NetworkPolicy can name it (0, a free port, could not be declared); in the plain
+    form `stop_ps_at_end` (the chief ends the PS: their Jobs complete with the run; a TFJob's
+    operator deletes its PS pods itself); and with a metrics port, the metrics endpoint on every
+    interface (Prometheus scrapes the pod's IP) unless `given` (the options asked for) names a
+    metrics_bind."""
     shared: dict = {"stream_port": port + 1}
+    if not tfjob:
+        shared["stop_ps_at_end"] = True
     if given.get("metrics_port", -1) >= 0 and "metrics_bind" not in given:
         shared["metrics_bind"] = "0.0.0.0"
     return shared
@@ -104,7 +112,7 @@ def container(
     resources: dict,
     probe_spec: dict,
 ) -> dict:
-    """One node's container: `paramserver` ARGS."""
+    """One node's container: `paramserver` ARGS, under container_security()."""
     found = {
         "name": name,
         "image": image,
@@ -113,6 +121,7 @@ def container(
         "env": env,
         "ports": ports,
         "resources": resources,
+        "securityContext": container_security(),
         **probe_spec,
     }
     if mounts:
@@ -140,13 +149,12 @@ def cert_files(directory: Path, hosts: dict[str, str]) -> dict[str, bytes]:
     files are there and its certificate names the host the cluster spec dials it at."""
     check_cert_dir(directory, list(hosts))
     check_cert_hosts(directory, hosts)
-    names = [CA_CERT] + [f"{node}{ext}" for node in hosts for ext in (".crt", ".key")]
-    return {name: (directory / name).read_bytes() for name in names}
+    return {name: (directory / name).read_bytes() for name in tls_keys(list(hosts))}
 
 
 def token_files(directory: Path, nodes: list[str]) -> dict[str, bytes]:
     """Each node's token and the store (never an admin's token: operators keep theirs)."""
-    names = [STORE_FILE] + [f"{node}.token" for node in nodes]
+    names = token_keys(nodes)
     missing = [name for name in names if not (directory / name).is_file()]
     if missing:
         raise ConfigError(
@@ -156,6 +164,61 @@ def token_files(directory: Path, nodes: list[str]) -> dict[str, bytes]:
     return {name: (directory / name).read_bytes() for name in names}
 
 
-def secret_volume(name: str, secret_name: str) -> dict:
-    """A Secret as files readable by the container's user and group only."""
-    return {"name": name, "secret": {"secretName": secret_name, "defaultMode": 0o440}}
+def secret_volume(name: str, secret_name: str, keys: list[str]) -> dict:
+    """The `keys` of a Secret (no other), as files readable by the container's user and group only
+    (the group is the pod's fsGroup)."""
+    items = [{"key": key, "path": key} for key in keys]
+    return {"name": name, "secret": {"secretName": secret_name, "defaultMode": 0o440, "items": items}}
+
+
+def tls_keys(nodes: list[str]) -> list[str]:
+    """The files of the TLS Secret that `nodes` need: the CA certificate and their own certificates and keys."""
+    return [CA_CERT] + [f"{node}{ext}" for node in nodes for ext in (".crt", ".key")]
+
+
+def token_keys(nodes: list[str]) -> list[str]:
+    """The files of the tokens Secret that `nodes` need: the store (hashes only) and their own tokens."""
+    return [STORE_FILE] + [f"{node}.token" for node in nodes]
+
+
+def pod_security(uid: int, gid: int) -> dict:
+    """A pod's securityContext: a numeric non-root user and group, `gid` owning the mounted volumes
+    (the Secrets' files are mode 0440), the runtime's default seccomp profile."""
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": uid,
+        "runAsGroup": gid,
+        "fsGroup": gid,
+        "fsGroupChangePolicy": "OnRootMismatch",  # a checkpoint volume's files are not walked at every start
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def container_security() -> dict:
+    """A container's securityContext: no privilege escalation, no capability, a read-only root filesystem."""
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def scratch_dirs(options: dict, written: list[str]) -> list[str]:
+    """Local directories a node writes, each an emptyDir volume: /tmp, and the directories the options
+    name (spill_dir, logdir, the audit log's) unless under /tmp or one of the `written` volumes (the
+    checkpoint volume)."""
+    found = [SCRATCH_DIR]
+    wanted = [options.get("spill_dir", ""), options.get("logdir", "")]
+    if options.get("audit_log"):
+        wanted.append(posixpath.dirname(options["audit_log"]))
+    for directory in wanted:
+        directory = posixpath.normpath(directory) if directory.startswith("/") else ""
+        if directory and not any(_under(directory, parent) for parent in found + written):
+            found.append(directory)
+    return found
+
+
+def _under(path: str, parent: str) -> bool:
+    return path == parent or path.startswith(parent.rstrip("/") + "/")

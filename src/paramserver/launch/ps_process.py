@@ -32,13 +32,18 @@ def run_ps_node(
     Once `wait_ready` passed, prints the ready line (module docstring): the one readiness signal a
     PS process gives the process that started it."""
     raise_open_file_limit()
-    stopping, causes = threading.Event(), []  # what stopped it: a signal number, "restart" or "end", first first
+    stopping = threading.Event()
+    causes: list[int | str] = []  # what stopped it, in order: signal numbers, "restart", "end"
+
+    def stop(cause: int | str) -> None:
+        causes.append(cause)
+        stopping.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, _: (causes.append(signum), stopping.set()))
+        signal.signal(sig, lambda signum, _: stop(signum))
 
     def shutdown(restart_asked: bool) -> None:  # a Shutdown (admin, or the chief: restart, end) drains like SIGTERM
-        causes.append("restart" if restart_asked else "end")
-        stopping.set()
+        stop("restart" if restart_asked else "end")
 
     with PSNode(bind, index, options, cluster_address) as node:
         node.service.on_shutdown = shutdown
@@ -51,7 +56,7 @@ def run_ps_node(
     return _exit_code(options, causes, index)
 
 
-def _exit_code(options: Options, causes: list, index: int) -> int:
+def _exit_code(options: Options, causes: list[int | str], index: int) -> int:
     """RESTART_EXIT_CODE after a roll-back's restart (whatever else came); 0 after a Shutdown, or a
     signal; but when the run ends its PS (`stop_ps_at_end`) and a signal stopped this one first,
     128 + the signal: a Job then counts an evicted or deleted PS as failed and replaces it, not as done."""
