@@ -5,9 +5,14 @@ BIN := $(VENV)/bin
 # The test tiers are markers (pyproject.toml): cluster, parity, fault. The fast tier is everything else.
 FAST_TIER := not (cluster or parity or fault)
 
+# checkov, the static checker of the Kubernetes manifests (tests/unit/test_k8s.py), in an environment of its
+# own: its pins (packaging, networkx, boto3, ...) would move the project's. deploy/checkov-skips.yaml names the version.
+CHECKOV_VENV := .venv-checkov
+CHECKOV_VERSION := $(shell sed -n 's/^checkov: *//p' deploy/checkov-skips.yaml)
+
 .PHONY: setup demo lint test test-all bench clean
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed $(CHECKOV_VENV)/.installed
 
 # torch is pinned to the CPU build that pip finds locally; a looser spec pulls a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml setup.py src/paramserver/base/_kernels.c
@@ -15,6 +20,11 @@ $(VENV)/.installed: pyproject.toml setup.py src/paramserver/base/_kernels.c
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+$(CHECKOV_VENV)/.installed: deploy/checkov-skips.yaml
+	$(PYTHON) -m venv $(CHECKOV_VENV)
+	$(CHECKOV_VENV)/bin/pip install -q checkov==$(CHECKOV_VERSION)
 	touch $@
 
 demo: setup
@@ -38,4 +48,4 @@ bench: setup
 	$(BIN)/python bench/dense.py
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info src/paramserver/base/_kernels*.so
+	rm -rf $(VENV) $(CHECKOV_VENV) build src/*.egg-info src/paramserver/base/_kernels*.so

@@ -119,7 +119,7 @@ BAD = [
     ("metrics_port", -2, {}), ("metrics_port", 65536, {}),
     ("metrics_bind", "", {}), ("metrics_bind", "host:9100", {}), ("metrics_bind", "a b", {}),
     ("log_format", "xml", {}), ("logdir", 3, {}), ("summary_every", 0, {}),
-    ("audit_log", 1, {}), ("drain_grace_s", -1, {}), ("preempt_grace_s", 0, {}),
+    ("audit_log", 1, {}), ("stop_ps_at_end", "yes", {}), ("drain_grace_s", -1, {}), ("preempt_grace_s", 0, {}),
     ("tls_cert", "/c.pem", {}), ("tls_key", "/k.pem", {}), ("tls_ca", "/ca.pem", {}),
     ("auth_tokens", 7, {}), ("token_file", None, {}),
     ("compression", "zip", {}), ("compression", "topk:2", {}), ("compression", "=fp16", {}), ("compression", 1, {}),

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -18,13 +20,16 @@ import pytest
 import yaml
 from kubeflow.training.api_client import ApiClient
 
+from paramserver.base.config import Options
 from paramserver.base.errors import ConfigError
 from paramserver.launch import cli
 from paramserver.launch.certs import write_certs
 from paramserver.launch.k8s import Deployment, manifests, render
+from paramserver.launch.ps_process import _exit_code
 from paramserver.launch.tokens import write_tokens
 from paramserver.transport.health import check
 from tests.conftest import ROOT
+from tests.pod_security import restricted_violations
 from tests.tfjob import tfjob_cluster, tfjob_tf_config
 
 K8S_VERSIONS = ("1.25.0", "1.37.0")  # the oldest schema here (the objects need 1.24: gRPC probes) and the newest
@@ -268,6 +273,134 @@ def test_the_command_writes_the_yaml_file(tmp_path, capsys):
                      "--tfjob", "-o", str(path), "/app/train.py", "--", "--steps", "5"]) == 0
     assert capsys.readouterr().out == ""
     assert list(yaml.safe_load_all(path.read_text())) == manifests(deployment(tfjob=True))
+
+
+# ---- security: the restricted Pod Security Standard, checkov, and how each object ends ----
+
+def secured_shapes(tmp_path: Path) -> dict[str, Deployment]:
+    """Every shape, plaintext and with TLS and tokens; each under its own name."""
+    found = {}
+    for i, (shape, given) in enumerate(SHAPES.items()):
+        found[shape] = deployment(**given, name=f"p{i}")
+        certs = make_certs(tmp_path / f"s{i}", deployment(**given, name=f"s{i}"))
+        found[f"{shape}, tls+tokens"] = deployment(**given, name=f"s{i}", certs=certs, tokens=certs)
+    return found
+
+
+def test_every_pod_passes_the_restricted_pod_security_standard(tmp_path):
+    """What a namespace labelled `pod-security.kubernetes.io/enforce: restricted` admits, and more: a
+    numeric user, a read-only root filesystem with /tmp writable, no service account token."""
+    for shape, d in secured_shapes(tmp_path).items():
+        for (role, index), template in pod_templates(manifests(d)).items():
+            spec = template["spec"]
+            assert restricted_violations(spec) == [], (shape, role, index)
+            assert spec["automountServiceAccountToken"] is False
+            assert {key: spec["securityContext"][key] for key in ("runAsUser", "runAsGroup", "fsGroup")} == \
+                {"runAsUser": 10001, "runAsGroup": 10001, "fsGroup": 10001}
+            [container] = spec["containers"]
+            assert container["securityContext"]["readOnlyRootFilesystem"] is True
+            scratch = {v["name"] for v in spec["volumes"] if "emptyDir" in v}
+            assert {"name": "scratch-0", "mountPath": "/tmp"} in container["volumeMounts"] and "scratch-0" in scratch
+            secrets = [v["secret"] for v in spec["volumes"] if "secret" in v]
+            assert all(secret["defaultMode"] == 0o440 for secret in secrets)  # group-readable: fsGroup
+
+
+def test_the_pod_security_checker_finds_what_restricted_refuses():
+    spec = {"hostNetwork": True, "securityContext": {"runAsUser": 0},
+            "volumes": [{"name": "h", "hostPath": {"path": "/"}}],
+            "containers": [{"name": "c", "ports": [{"containerPort": 1, "hostPort": 1}],
+                            "securityContext": {"privileged": True, "capabilities": {"add": ["SYS_ADMIN"]},
+                                                "seccompProfile": {"type": "Unconfined"}}}]}
+    found = " | ".join(restricted_violations(spec))
+    for fragment in ("hostNetwork", "hostPath", "privileged", "SYS_ADMIN", "hostPort", "Unconfined", "runAsUser 0",
+                     "allowPrivilegeEscalation", "runAsNonRoot", "drop ALL"):
+        assert fragment in found
+
+
+def test_scratch_directories_are_emptydirs_unless_on_a_volume_already():
+    d = deployment(options={"checkpoint_dir": "/ckpt", "table_memory_budget": 1 << 20, "spill_dir": "/spill",
+                            "logdir": "/ckpt/tb", "audit_log": "/var/log/ps/audit.jsonl"})
+    mounts = {m["mountPath"]: m["name"] for m in pod_templates(manifests(d))["ps", 0]["spec"]["containers"][0]
+              ["volumeMounts"]}
+    assert {path: name for path, name in mounts.items() if name.startswith("scratch")} == {
+        "/tmp": "scratch-0", "/spill": "scratch-1", "/var/log/ps": "scratch-2"}  # /ckpt/tb: on the checkpoint volume
+    assert mounts["/ckpt"] == "checkpoints"
+
+
+def test_the_plain_form_ends_with_the_run_and_the_tfjob_through_its_operator():
+    """Plain: the chief ends the PS (stop_ps_at_end), every node's Job completes, and is deleted
+    ttlSecondsAfterFinished later. TFJob: the operator deletes the pods still running (the PS) when
+    the job ends (cleanPodPolicy Running), and the TFJob after the TTL."""
+    objects = manifests(deployment(chief=True, evaluator=True, ttl_after_finished=600))
+    cluster = json.loads(named(objects, "ConfigMap", "ctr-cluster")["data"]["cluster.json"])
+    assert cluster["options"]["stop_ps_at_end"] is True
+    jobs = by_kind(objects, "Job")
+    assert {o["kind"] for o in objects} == {"ConfigMap", "Service", "Job"}  # nothing that outlives the run but these
+    assert all(job["spec"]["ttlSecondsAfterFinished"] == 600 for job in jobs)
+    assert all(job["spec"]["template"]["spec"]["restartPolicy"] == "OnFailure" for job in jobs)
+    assert all("ttlSecondsAfterFinished" not in job["spec"]
+               for job in by_kind(manifests(deployment(ttl_after_finished=-1)), "Job"))
+    [tfjob] = manifests(deployment(tfjob=True, ttl_after_finished=600))
+    assert tfjob["spec"]["runPolicy"] == {"cleanPodPolicy": "Running", "backoffLimit": 6, "ttlSecondsAfterFinished": 600}
+    options = json.loads(env_of(tfjob["spec"]["tfReplicaSpecs"]["PS"]["template"]["spec"]["containers"][0])
+                         ["PARAMSERVER_OPTIONS"]["value"])
+    assert "stop_ps_at_end" not in options
+    with pytest.raises(ConfigError, match="--uid"):
+        deployment(uid=0)
+
+
+@pytest.mark.parametrize("stop_at_end, causes, code", [
+    (False, [15], 0), (True, [15], 143), (True, [2], 130), (True, ["end", 15], 0), (True, ["restart"], 75),
+    (True, [15, "restart"], 75), (False, ["end"], 0)])
+def test_a_ps_the_run_ends_exits_0_and_one_a_signal_stopped_first_fails(stop_at_end, causes, code):
+    """A Job counts a pod that exited 0 as done: a PS evicted (SIGTERM) before the run ended it must not."""
+    assert _exit_code(Options(stop_ps_at_end=stop_at_end), causes, 0) == code
+
+
+CHECKOV_SKIPS = yaml.safe_load((ROOT / "deploy" / "checkov-skips.yaml").read_text())
+
+
+def checkov_command() -> str:
+    """checkov, installed apart from the project's environment (its pins clash with the project's):
+    $CHECKOV, else .venv-checkov beside this environment or in the repository (`make setup`), else PATH."""
+    places = [os.environ.get("CHECKOV", ""), str(Path(sys.prefix).parent / ".venv-checkov" / "bin" / "checkov"),
+              str(ROOT / ".venv-checkov" / "bin" / "checkov"), shutil.which("checkov") or ""]
+    found = [place for place in places if place and Path(place).is_file()]
+    if not found:
+        pytest.fail(f"checkov {CHECKOV_SKIPS['checkov']} is not installed: `make setup` installs it in .venv-checkov")
+    return found[0]
+
+
+@pytest.mark.cluster  # starts checkov
+def test_checkov_fails_no_check_but_those_skipped_with_a_reason(tmp_path):
+    """One checkov run over every shape with TLS and tokens: a TFJob (a kind checkov does not know) as
+    its replicas' pods."""
+    directory = tmp_path / "manifests"
+    directory.mkdir()
+    workloads = set()
+    for i, d in enumerate(secured_shapes(tmp_path).values()):
+        objects = manifests(d)
+        if d.certs is None:  # the plaintext forms differ only in their probes (grpc) and mount no Secret
+            continue
+        for tfjob in by_kind(objects, "TFJob"):
+            objects.remove(tfjob)
+            objects += [{"apiVersion": "v1", "kind": "Pod", "metadata": {**d.metadata(f"{d.name}-{kind.lower()}")},
+                         "spec": spec["template"]["spec"]} for kind, spec in tfjob["spec"]["tfReplicaSpecs"].items()]
+        (directory / f"{i}.yaml").write_text(yaml.safe_dump_all(objects))
+        workloads |= {f"{o['kind']}.ml.{o['metadata']['name']}" for o in objects if o["kind"] in ("Job", "Pod")}
+    run = subprocess.run([checkov_command(), "-d", str(directory), "--framework", "kubernetes", "-o", "json", "--quiet",
+                          "--compact", "--skip-download"], capture_output=True, text=True, timeout=240)
+    report = json.loads(run.stdout)
+    assert report["summary"]["parsing_errors"] == 0, run.stderr
+    assert report["summary"]["checkov_version"] == CHECKOV_SKIPS["checkov"], "deploy/checkov-skips.yaml's version"
+    failed: dict[str, set[str]] = {}
+    for check_result in report["results"]["failed_checks"]:
+        failed.setdefault(check_result["check_id"], set()).add(check_result["resource"])
+    assert workloads <= failed["CKV_K8S_11"], "checkov read every Job and Pod (none has a CPU limit)"
+    unexplained = {check: sorted(found) for check, found in failed.items() if check not in CHECKOV_SKIPS["skips"]}
+    assert not unexplained, "a failed check needs a fix or a reason in deploy/checkov-skips.yaml"
+    assert set(failed) == set(CHECKOV_SKIPS["skips"]), "a check that passes needs no skip"
+    assert all(len(reason) > 80 for reason in CHECKOV_SKIPS["skips"].values())
 
 
 # ---- the generated command lines, run for real on this machine ----

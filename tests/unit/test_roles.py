@@ -36,6 +36,8 @@ STORE = store_of(("ps-0", "ps", None, "t-ps"), ("worker-0", "chief", 0, "t-chief
     ("SetMode", "t-chief", None, True), ("Checkpoint", "t-chief", None, True), ("Forget", "t-chief", 1, True),
     ("PushPull", "t-chief", 1, False),  # the chief trains as worker 0 only
     ("Restart", "t-chief", None, True), ("Restart", "t-w1", None, False),  # the chief's roll-back
+    ("End", "t-chief", None, True), ("End", "t-w1", None, False),  # the chief ends the PS once the run completed
+    ("Shutdown", "t-chief", None, False), ("Shutdown", "t-admin", None, True),
     ("Assign", "t-chief", 0, True), ("Assign", "t-w1", 1, False),  # dense values before a checkpoint
     ("PushPull", "t-admin", 3, True), ("Explode", "t-admin", None, False)])
 def test_shard_roles(method, token, worker, allowed):
@@ -185,3 +187,21 @@ def test_a_hello_without_a_token_from_another_host_says_nothing_of_the_process(p
     assert (meta.get("rss_bytes") is not None) == told
     assert meta["stream_port"] == 1234 and re.fullmatch(r"[0-9a-f]{32}", meta["host_id"])
     assert socket.gethostname() not in meta["host_id"]
+
+
+@pytest.mark.parametrize("fields, token, allowed", [
+    ({"end": True}, "t-chief", True), ({"end": True}, "t-w1", False), ({}, "t-chief", False), ({}, "t-admin", True)])
+def test_a_shutdown_ending_the_run_is_the_chiefs_and_any_other_an_admins(fields, token, allowed):
+    """The request says which action a Shutdown is: with `end` (stop_ps_at_end) the chief may call it."""
+    service = ShardService(Shard(0))
+    service.guard = Guard(SHARD_ACTIONS, Authorizer(STORE, SHARD_ACTIONS))
+    asked = []
+    service.on_shutdown = asked.append
+    call = InProcessChannel(service, token=token).call("Shutdown", codec.encode({"reason": "r", **fields}), 1)
+    if allowed:
+        call.wait(1)
+        assert asked == [False]  # not a restart: the PS exits 0
+    else:
+        with pytest.raises(PermissionDeniedError):
+            call.wait(1)
+        assert asked == []
