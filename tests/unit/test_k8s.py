@@ -260,6 +260,8 @@ def test_a_local_checkpoint_dir_is_a_shared_volume_and_a_url_is_none():
     (["--mode", "sync", "--backup-workers", "3"], "backup_workers"),
     (["--dynamic-workers"], "--tfjob"),
     (["--name", "Bad_Name"], "--name"),
+    (["--uid", "0"], "--uid"),
+    (["--ttl-after-finished", "-2"], "--ttl-after-finished"),
 ])
 def test_bad_requests_are_refused_before_any_yaml(argv, fragment, capsys):
     assert cli.main(["k8s", "--image", "i", "--workers", "2", *argv, "train.py"]) == 2
