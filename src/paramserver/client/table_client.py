@@ -146,6 +146,17 @@ class TableClient:
         # the latest placements of read-only ids arrays: a batch's ids are hashed once, at their lookup, and
         # the push of the same array (HashEmbedding hands it back with its gradients) reuses the placement
         self._placed: OrderedDict[int, tuple[np.ndarray, list[Piece]]] = OrderedDict()
+        self._requests: list[msg.RegisterTableRequest] = []  # every table registered, in order
+
+    def replace_channel(self, shard: int, channel: ShardChannel) -> None:
+        """Talk to `shard` through `channel` from now on (its process restarted; PSClient closes the old one)."""
+        self.channels[shard] = channel
+        self.stubs[shard] = ShardStub(channel)
+
+    def register_again(self, shard: int, timeout: float) -> None:
+        """Register every table with `shard` again (a new process: it restores them from its checkpoint)."""
+        for request in self._requests:
+            self.stubs[shard].register_table(request, timeout).wait(timeout)
 
     def register(
         self,
@@ -181,6 +192,7 @@ class TableClient:
         )
         gather([stub.register_table(request, self.rpc_timeout_s) for stub in self.stubs], self.rpc_timeout_s)
         self.codecs[table] = compression
+        self._requests.append(request)
 
     def lookup(self, table: str, ids: np.ndarray) -> np.ndarray:
         """Rows (len(ids) x dim) of distinct int64 `ids`, in their order; missing rows are created."""

@@ -47,6 +47,7 @@ class Context:
     data_position: int = 0  # batches resumable() handed out or skipped so far in this process
     address: str | None = None  # this worker's address in the cluster spec (where peers reach it)
     dense_group: Any = None  # worker.dense_sync.AllReduceGroup with dense_sync "allreduce"
+    partial: Any = None  # worker.partial.ShardRecovery with recovery "partial": lost shards are restored alone
 
     @property
     def resume_step(self) -> int:
