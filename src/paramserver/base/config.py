@@ -272,6 +272,8 @@ class Options:
         for name in ("checkpoint_every", "checkpoint_every_seconds", "resume"):
             if needs(name, "checkpoint_dir") and getattr(self, name) and not self.checkpoint_dir:
                 found.append(f"option {name!r} needs a checkpoint_dir")
+        if needs("recovery", "checkpoint_dir") and self.recovery == "partial" and not self.checkpoint_dir:
+            found.append("option 'recovery' 'partial' needs a checkpoint_dir (the lost shard is restored from it)")
         return found + self._mode_problems(num_workers, skip)
 
     def _tier_problems(self, skip: frozenset[str] | set[str]) -> list[str]:
