@@ -42,7 +42,7 @@ def main() -> None:
         result = {"bench": "partial_recovery", "rows": args.rows, "checkpoint_every": args.every,
                   "kill_delay_s": round(delay, 2)}
         undisturbed = run(Path(tmp) / "undisturbed", ctr, args.every, None, delay)
-        result["undisturbed_auc"] = undisturbed["test_auc"]
+        result.update(undisturbed_auc=undisturbed["test_auc"], undisturbed_wall_s=undisturbed["wall_s"])
         for recovery in ("partial", "rollback"):
             measured = run(Path(tmp) / recovery, ctr, args.every, recovery, delay)
             measured["auc_delta"] = round(measured["test_auc"] - undisturbed["test_auc"], 4)
