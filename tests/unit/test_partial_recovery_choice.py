@@ -194,3 +194,25 @@ def test_a_shard_back_with_nothing_restored_or_not_back_in_time_rolls_the_cluste
         ctx = _Context(_Client([_Channel(closed, {"incarnation": "old"})], 0), progress=_Progress())
         with pytest.raises(RollbackError, match="did not come back within"):
             ShardRecovery(ctx, lambda shard: empty, wait_s=0.3).recover(0, 3, UnavailableError("gone"))
+
+
+def test_a_lookup_that_finds_a_shard_gone_is_sent_again_once_it_is_back():
+    from paramserver.client.table_client import TableClient
+
+    tables = TableClient([], 1.0)
+    answers = [UnavailableError("ps 1: connection reset"), "rows"]
+
+    class Handle:
+        def wait(self):
+            answer = answers.pop(0)
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
+
+    tables.start_lookup = lambda table, ids: Handle()
+    with pytest.raises(UnavailableError):
+        tables.lookup("t", None)  # no partial recovery: the error is the caller's
+    answers.insert(0, UnavailableError("ps 1: connection reset"))
+    brought = []
+    tables.on_lost = brought.append
+    assert tables.lookup("t", None) == "rows" and len(brought) == 1

@@ -109,16 +109,29 @@ class ShardRecovery:
     def before_checkpoint(self, timeout: float) -> None:
         """The chief, before the shards write: a shard that restarted since this worker registered
         with it is registered with again (so it holds its restored state), one that is down is waited for."""
-        ctx = self.context
+        self.bring_back()
+
+    def after_failed_lookup(self, cause: ParamServerError) -> None:
+        """A lookup outside a step failed with `cause`: bring back the shards that are gone (the lookup
+        is then sent again), or raise `cause` when none is."""
+        if not self.bring_back():
+            raise cause
+
+    def bring_back(self) -> bool:
+        """Recover every shard that is down or restarted since this worker registered with it; returns
+        whether there was one."""
+        ctx, found = self.context, False
         steps = max((optimizer.steps for optimizer in ctx.optimizers), default=0)
         for shard, channel in enumerate(ctx.client.channels):
+            cause: ParamServerError = UnavailableError(f"ps {shard} restarted")
             try:
-                now = hello(channel).get("incarnation")
+                gone = hello(channel).get("incarnation") != ctx.client.incarnations[shard]
             except ParamServerError as exc:
-                self.recover(shard, steps, exc)
-                continue
-            if now != ctx.client.incarnations[shard]:
-                self.recover(shard, steps, UnavailableError(f"ps {shard} restarted"))
+                gone, cause = True, exc
+            if gone:
+                self.recover(shard, steps, cause)
+                found = True
+        return found
 
     def _wait_back(self, shard: int, old: str | None, cause: ParamServerError) -> ShardChannel:
         """A ready channel to `shard`'s new process (its Hello names another incarnation than `old`)."""
