@@ -29,7 +29,7 @@ from tests.fault.test_in_cluster_recovery import start_cluster
 pytestmark = pytest.mark.fault  # two small clusters, one PS killed in each: about 40 s
 
 SCRIPT = "tests/integration/scripts/train_counted.py"
-BATCHES, WORKERS, EVERY = 60, 2, "15"
+BATCHES, WORKERS, EVERY = 80, 2, "20"
 SEED = int(os.environ.get("PARAMSERVER_CHAOS_SEED", time.time_ns() % 1_000_000))
 WAIT_S = 120.0  # only stops a hung test: every wait is for a line or an exit
 
