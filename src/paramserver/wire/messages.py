@@ -75,7 +75,7 @@ class HelloReply(Message):
         "dense groups registered (0 for a PS that no worker registered with since it started)", default=0
     )
     restored_from: str | None = doc_field(
-        "the checkpoint this PS process restored its shard from (None: it started empty)", default=None
+        "the checkpoint this PS process restored its shard from (null: it started empty)", default=None
     )
     rss_bytes: int | None = doc_field(
         "the serving process's resident memory, in bytes (asked with `process`; not told to a caller "
