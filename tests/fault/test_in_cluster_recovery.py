@@ -37,17 +37,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_cluster(procs, tmp_path, options: dict) -> dict[str, RestartLoop]:
-    """2 PS and 3 workers (worker 0 hosts the coordinator), each `paramserver node` under a restart loop."""
+def start_cluster(procs, tmp_path, options: dict, workers: int = WORKERS,
+                  args: list[str] | None = None) -> dict[str, RestartLoop]:
+    """2 PS and 3 workers (worker 0 hosts the coordinator), each `paramserver node` under a restart loop;
+    the workers run SCRIPT with `args` (default: BATCHES batches, paced, the cells into tmp_path)."""
     cluster = {"ps": [f"127.0.0.1:{free_port()}" for _ in range(2)],
-               "worker": [f"127.0.0.1:{free_port()}" for _ in range(WORKERS)]}
+               "worker": [f"127.0.0.1:{free_port()}" for _ in range(workers)]}
+    args = args or ["--batches", str(BATCHES), "--pace", "0.05", "--out", str(tmp_path / "cells.json")]
     loops = {}
     for role, addresses in cluster.items():
         for index in range(len(addresses)):
             env = procs.env(TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": role, "index": index}}),
                             PARAMSERVER_OPTIONS=json.dumps(options))
-            script = [] if role == "ps" else [SCRIPT, "--batches", str(BATCHES), "--pace", "0.05",
-                                              "--out", str(tmp_path / "cells.json")]
+            script = [] if role == "ps" else [SCRIPT, *args]
             argv = [sys.executable, "-m", "paramserver", "--log-level", "INFO", "node", *script]
             loops[f"{role}{index}"] = RestartLoop(procs, argv, env, max_restarts=20, name=f"{role}{index}").start()
     return loops

@@ -124,6 +124,7 @@ BAD = [
     ("auth_tokens", 7, {}), ("token_file", None, {}),
     ("compression", "zip", {}), ("compression", "topk:2", {}), ("compression", "=fp16", {}), ("compression", 1, {}),
     ("dense_sync", "ring", {}), ("dense_sync", None, {}),
+    ("recovery", "half", DIR), ("recovery", 1, DIR), ("recovery", "partial", {}),
 ]
 
 

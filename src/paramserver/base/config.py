@@ -91,6 +91,9 @@ _GRPC_MAX_MESSAGE = 2**31 - 1  # gRPC's message size limits are signed 32-bit
 MIN_TABLE_MEMORY_BUDGET = 1 << 16  # the least table_memory_budget (a few hundred rows in memory)
 
 
+RECOVERIES = ("rollback", "partial")  # what a killed PS costs: the whole cluster rolls back, or its shard alone
+
+
 @dataclass(frozen=True)
 class Options:
     """Runtime options shared by every role. See docs/configuration.md.
@@ -126,6 +129,7 @@ class Options:
     checkpoint_base_every: int = 8  # a whole (base) checkpoint every K, deltas between; 1: every one whole
     resume: bool = False  # start from the latest complete checkpoint in checkpoint_dir (if any)
     restore_non_finite: bool = False  # resume from a checkpoint holding NaN or infinite values (refused otherwise)
+    recovery: str = "rollback"  # a killed PS: "rollback" (the whole cluster) or "partial" (its shard alone)
     # communication (docs/performance.md)
     compression: str = ""  # gradient compression rules, e.g. "fp16" or "mlp.*=int8,emb=bf16"; "": none
     dense_sync: str = "ps"  # dense variables: "ps" (pushed to the PS) or "allreduce" (among workers, gloo)
@@ -237,6 +241,7 @@ class Options:
         need("metrics_bind", _is_host, "a host name or IP address to listen on, e.g. 127.0.0.1, 0.0.0.0 or ::")
         need("log_format", lambda v: v in ("text", "json"), "'text' or 'json'")
         need("dense_sync", lambda v: v in ("ps", "allreduce"), "'ps' or 'allreduce'")
+        need("recovery", lambda v: v in RECOVERIES, "'rollback' or 'partial'")
         if "compression" not in skip:
             try:
                 CompressionSpec.parse(self.compression)
@@ -268,6 +273,8 @@ class Options:
         for name in ("checkpoint_every", "checkpoint_every_seconds", "resume"):
             if needs(name, "checkpoint_dir") and getattr(self, name) and not self.checkpoint_dir:
                 found.append(f"option {name!r} needs a checkpoint_dir")
+        if needs("recovery", "checkpoint_dir") and self.recovery == "partial" and not self.checkpoint_dir:
+            found.append("option 'recovery' 'partial' needs a checkpoint_dir (the lost shard is restored from it)")
         return found + self._mode_problems(num_workers, skip)
 
     def _tier_problems(self, skip: frozenset[str] | set[str]) -> list[str]:

@@ -19,7 +19,7 @@ import numpy as np
 from ..base.compression_spec import Codec
 from ..base.consistency_spec import ConsistencySpec
 from ..base.deadline import Deadline
-from ..base.errors import InvalidArgumentError, ParamServerError
+from ..base.errors import InvalidArgumentError, ParamServerError, RollbackError, UnavailableError
 from ..transport.channel import ShardChannel
 from ..wire import messages as msg
 from ..wire.calls import Pending, gather
@@ -41,6 +41,9 @@ class PushPullHandle:
     parts: dict[str, Part]
     on_reply: Callable[[dict[int, Any]], None] | None = None
     riders: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)  # filled by wait: rows by name, by shard
+    # partial recovery: a shard that is gone (unreachable, or a new process) lands in `failed` instead of raising
+    tolerate_lost: bool = False
+    failed: dict[int, ParamServerError] = field(default_factory=dict)
 
     def wait_sent(self, timeout: float) -> None:
         """Return once every request was copied out: the pushed arrays may then change."""
@@ -56,7 +59,13 @@ class PushPullHandle:
         deadline = Deadline(timeout)
         replies, values = {}, []
         for shard, call in self.calls:
-            replies[shard], tensors = call.wait(deadline.left())
+            try:
+                replies[shard], tensors = call.wait(deadline.left())
+            except (UnavailableError, RollbackError) as exc:
+                if not self.tolerate_lost:
+                    raise
+                self.failed[shard] = exc  # the other shards' replies are still read
+                continue
             for name, array in tensors.items():
                 part = self.parts.get(name)
                 if part is None:
@@ -127,6 +136,9 @@ class PSClient:
         self._groups_on: dict[int, set[str]] = {}
         self.compressor = GradientCompressor()  # codecs by variable (register), their residuals
         self.pushed_bytes = 0  # PushPull requests that pushed something, whole frames
+        self.tolerate_lost = False  # partial recovery: a lost shard's calls fail in the handle, not in wait()
+        # by shard: each registration sent to it, in order (a shard restored alone is registered with again)
+        self._registrations: dict[int, list[tuple[msg.RegisterRequest, list]]] = {}
 
     @property
     def channels(self) -> list[ShardChannel]:
@@ -196,7 +208,30 @@ class PSClient:
                 dtypes=dtypes.get(shard, {}),
             )
             calls.append((shard, self.stubs[shard].register(request, self.rpc_timeout_s, tensors)))
+            self._registrations.setdefault(shard, []).append((request, tensors))
         return PushPullHandle(calls, self._part_by_name, self.record.note_registered)
+
+    def replace_channel(self, shard: int, channel: ShardChannel) -> None:
+        """Talk to `shard` through `channel` from now on (its process restarted); the old one is closed."""
+        old = self._channels[shard]
+        self._channels[shard] = channel
+        self.stubs[shard] = ShardStub(channel)
+        old.close()
+
+    def register_again(self, shard: int, timeout: float, write: Callable[[list], None]) -> int:
+        """Send `shard` every registration it was sent (a new process restored its state from a
+        checkpoint: it keeps the restored values and opens this worker's session), one at a time,
+        `write` given each reply's values; returns this worker's position as the shard counts it."""
+        position = 0
+        for request, tensors in self._registrations.get(shard, []):
+            handle = PushPullHandle(
+                [(shard, self.stubs[shard].register(request, timeout, tensors))], self._part_by_name
+            )
+            replies, values = handle.wait(timeout)
+            write(values)
+            self.record.base_versions[shard] = replies[shard].version
+            position = max(position, replies[shard].position)
+        return position
 
     def push_pull(
         self,
@@ -256,7 +291,12 @@ class PSClient:
             if pushes:
                 self.pushed_bytes += call.size
             calls.append((shard, call))
-        return PushPullHandle(calls, self._part_by_name, lambda replies: self.record.note(replies, bool(grads)))
+        return PushPullHandle(
+            calls,
+            self._part_by_name,
+            lambda replies: self.record.note(replies, bool(grads)),
+            tolerate_lost=self.tolerate_lost,
+        )
 
     def assign(self, values: dict[str, np.ndarray], timeout: float) -> None:
         """Overwrite registered variables' values on their shards (see Shard.assign); each shard checks

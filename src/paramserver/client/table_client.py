@@ -9,11 +9,12 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 
 from ..base.compression_spec import NONE, Codec
-from ..base.errors import InvalidArgumentError
+from ..base.errors import InvalidArgumentError, ParamServerError, RollbackError, UnavailableError
 from ..base.hashing import shard_of
 from ..transport.channel import ShardChannel
 from ..wire import messages as msg
@@ -21,6 +22,7 @@ from ..wire.calls import Pending, gather
 from ..wire.stubs import ShardStub
 from .compression import GradientCompressor
 
+T = TypeVar("T")
 Piece = tuple[int, np.ndarray | slice, np.ndarray]  # (shard, positions in the ids, the ids it holds)
 _PLACEMENTS_KEPT = 16  # a step's lookups and pushes of every table, with room to spare
 
@@ -146,6 +148,19 @@ class TableClient:
         # the latest placements of read-only ids arrays: a batch's ids are hashed once, at their lookup, and
         # the push of the same array (HashEmbedding hands it back with its gradients) reuses the placement
         self._placed: OrderedDict[int, tuple[np.ndarray, list[Piece]]] = OrderedDict()
+        self._requests: list[msg.RegisterTableRequest] = []  # every table registered, in order
+        # partial recovery: called when a lookup finds a shard gone; it brings the shard back, the lookup is sent again
+        self.on_lost: Callable[[ParamServerError], None] | None = None
+
+    def replace_channel(self, shard: int, channel: ShardChannel) -> None:
+        """Talk to `shard` through `channel` from now on (its process restarted; PSClient closes the old one)."""
+        self.channels[shard] = channel
+        self.stubs[shard] = ShardStub(channel)
+
+    def register_again(self, shard: int, timeout: float) -> None:
+        """Register every table with `shard` again (a new process: it restores them from its checkpoint)."""
+        for request in self._requests:
+            self.stubs[shard].register_table(request, timeout).wait(timeout)
 
     def register(
         self,
@@ -181,10 +196,21 @@ class TableClient:
         )
         gather([stub.register_table(request, self.rpc_timeout_s) for stub in self.stubs], self.rpc_timeout_s)
         self.codecs[table] = compression
+        self._requests.append(request)
 
     def lookup(self, table: str, ids: np.ndarray) -> np.ndarray:
         """Rows (len(ids) x dim) of distinct int64 `ids`, in their order; missing rows are created."""
-        return self.start_lookup(table, ids).wait()
+        return self._again_if_lost(lambda: self.start_lookup(table, ids).wait())
+
+    def _again_if_lost(self, call: Callable[[], T]) -> T:
+        """`call()`; with `on_lost`, once more after a shard that was gone is back (partial recovery)."""
+        try:
+            return call()
+        except (UnavailableError, RollbackError) as exc:
+            if self.on_lost is None:
+                raise
+            self.on_lost(exc)
+        return call()
 
     def start_lookup(self, table: str, ids: np.ndarray) -> RowsHandle:
         """Send a lookup and return at once; `wait()` on the handle gives the rows."""
@@ -201,6 +227,9 @@ class TableClient:
         step waits for no one), so that a collection of tables costs one round trip."""
         if len(lookups) == 1:
             return [self.lookup(*lookups[0])]
+        return self._again_if_lost(lambda: self._lookup_many(lookups))
+
+    def _lookup_many(self, lookups: list[tuple[str, np.ndarray]]) -> list[np.ndarray]:
         riders = self.riders()
         for table, ids in lookups:
             riders.lookup(table, ids)

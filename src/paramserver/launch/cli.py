@@ -337,6 +337,12 @@ def _add_mode_flags(parser: argparse.ArgumentParser) -> None:
         help="resume from a checkpoint holding NaN or infinite values (by default it counts as damaged)",
     )
     parser.add_argument(
+        "--recovery",
+        choices=["rollback", "partial"],
+        help="a killed PS: roll the whole cluster back to the latest checkpoint (rollback, the default), or "
+        "restore its shard alone from its newest checkpoint while the rest goes on (partial; async mode)",
+    )
+    parser.add_argument(
         "--heartbeat-timeout",
         type=float,
         help=f"seconds of silence after which a worker counts as dead (default "
@@ -355,6 +361,7 @@ _FLAG_OPTIONS = {
     "keep": "checkpoint_keep",
     "checkpoint_base_every": "checkpoint_base_every",
     "heartbeat_timeout": "heartbeat_timeout_s",
+    "recovery": "recovery",
     "max_table_rows": "max_table_rows",
     "max_table_memory": "max_table_memory_bytes",
     "table_memory_budget": "table_memory_budget",

@@ -40,7 +40,7 @@ import threading
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, cast
 
 import psutil
 
@@ -52,6 +52,7 @@ from .certs import ps_node_name, with_node_tls, worker_node_name
 from .processes import Child, LineWriter, stop_all, wait_any
 from .ps_process import READY_PREFIX
 from .run_files import remove_run_file, write_run_file
+from .shard_restart import restart_line, why_not_alone
 from .tokens import with_node_token
 
 log = logging.getLogger(__name__)
@@ -245,6 +246,8 @@ class LocalCluster(Lifecycle):
             if child is not None and self._restartable_alone(child):
                 pending[pending.index(child)] = self._restart_worker(child)
                 continue
+            if child is not None and self._recoverable(child) and self._restart_shard_alone(child):
+                continue
             if child is not None and self._recoverable(child):
                 self._roll_back(child)
                 pending = list(self.workers)
@@ -315,6 +318,25 @@ class LocalCluster(Lifecycle):
 
     def _recoverable(self, child: Child) -> bool:
         return self._killed_with_restarts_left(child) and bool(self.options.checkpoint_dir)
+
+    def _restart_shard_alone(self, child: Child) -> bool:
+        """`recovery` "partial": start the killed PS `child` again alone from its newest checkpoint, on
+        its address, and return True; False (saying why) when it cannot be: the caller rolls back."""
+        why = why_not_alone(self.options, child in self.ps, child.poll())
+        if why is not None:
+            if why:
+                self._lines.write("run", f"{child.label}: no partial recovery: {why}", event="partial_recovery_refused")
+            return False
+        self.restarts += 1
+        index, address = self.ps.index(child), cast(str, self.ps_addresses[self.ps.index(child)])
+        counted = f"{self.restarts} of {self.max_restarts}"
+        line = restart_line(child.label, _exit_code(child), index, self.options, address, counted)
+        self._lines.write("run", line, event="partial_recovery_started")
+        child.stop(1.0)
+        argv = self._node_argv("--role", "ps", "--index", str(index), "--bind", address)
+        options = replace(self._node_options(ps_node_name(index)), resume=True)
+        self.ps[index] = self._spawn(f"ps{index}", argv, self._env(options))
+        return True
 
     def _roll_back(self, child: Child, timeout: float = 120.0) -> None:
         """Stop every node and start them all again from the latest complete checkpoint."""
@@ -496,6 +518,9 @@ class LocalCluster(Lifecycle):
         }
         if self.board.steps_redone:
             summary["steps_redone"] = self.board.steps_redone  # after a roll-back: not in `steps`
+        recoveries = self.board.partial_recoveries()
+        if recoveries:
+            summary["partial_recoveries"] = recoveries  # shards restored alone: the steps each lost
         for worker in sorted(self.board.results, reverse=True):
             summary.update(self.board.results[worker])
         return summary

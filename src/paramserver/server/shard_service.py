@@ -111,6 +111,7 @@ class ShardService:
             **self.shard.describe(),
             tables=self.tables.describe(),
             rss_bytes=rss_bytes() if request.process else None,
+            restored_from=self.shard.restore.name if self.shard.restore is not None else None,
             **self.announce,
         )
         return _send(sink, reply)

@@ -74,6 +74,9 @@ class HelloReply(Message):
     groups: int = doc_field(
         "dense groups registered (0 for a PS that no worker registered with since it started)", default=0
     )
+    restored_from: str | None = doc_field(
+        "the checkpoint this PS process restored its shard from (null: it started empty)", default=None
+    )
     rss_bytes: int | None = doc_field(
         "the serving process's resident memory, in bytes (asked with `process`; not told to a caller "
         "without a token from another host)",

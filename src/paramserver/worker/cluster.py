@@ -20,6 +20,7 @@ from ..transport.channel import ShardChannel
 from .context import Context
 from .modes import ModeSwitcher
 from .ops import WorkerCollector, WorkerOps
+from .partial import ShardRecovery, supported
 from .progress import ProgressWriter
 from .rollback import RollbackFlag, roll_back_shards
 from .summaries import open_summaries
@@ -87,9 +88,11 @@ def cluster_context(config: NodeConfig) -> Context:
         raise
     ops = WorkerOps(config, metrics, host.health if host is not None else None, credentials.tls)
     ops.start()
+    partial = supported(options)  # a PS that restarts restores its shard alone: the workers bring it back
+    client.tolerate_lost = partial
     try:  # a worker that cannot join stops what it started
         if host is not None:
-            host.tell_shards(list(cluster.ps), client.incarnations, rollback.flag)
+            host.tell_shards(list(cluster.ps), client.incarnations, None if partial else rollback.flag)
         coordinator = CoordinatorClient(
             channel_to(credentials, coordinator_address, options, use_stream=False, service_name=COORDINATOR),
             index,
@@ -119,7 +122,7 @@ def cluster_context(config: NodeConfig) -> Context:
         checkpointer.metrics = metrics.checkpoint_metrics()
     summaries = open_summaries(options.logdir, options.summary_every, index, client.record)
     ops.set_serving()
-    return Context(
+    context = Context(
         index,
         workers,
         client.num_shards,
@@ -136,6 +139,27 @@ def cluster_context(config: NodeConfig) -> Context:
         rollback,
         address=config.address,
     )
+    if partial:
+        context.partial = ShardRecovery(context, _shard_channel(config, credentials), options.connect_timeout_s)
+        if checkpointer is not None and index == 0:
+            checkpointer.before_save.append(context.partial.before_checkpoint)
+    return context
+
+
+def _shard_channel(config: NodeConfig, credentials: Credentials):
+    """A function making a new channel to a shard (partial recovery: its process restarted)."""
+    options = config.options
+
+    def make(shard: int) -> ShardChannel:
+        return channel_to(
+            credentials,
+            config.cluster.ps[shard],
+            options,
+            use_stream=options.use_stream,
+            use_shared_memory=options.shared_memory,
+        )
+
+    return make
 
 
 def _host_coordinator(
@@ -152,10 +176,7 @@ def _host_coordinator(
 def _connect_shards(config: NodeConfig, spec: ConsistencySpec, credentials: Credentials) -> PSClient:
     options = config.options
     channels: list[ShardChannel] = [
-        channel_to(
-            credentials, address, options, use_stream=options.use_stream, use_shared_memory=options.shared_memory
-        )
-        for address in config.cluster.ps
+        _shard_channel(config, credentials)(shard) for shard in range(len(config.cluster.ps))
     ]
     client = PSClient(channels, options.rpc_timeout_s, options.split_bytes, config.worker_index, spec)
     client.connect(options.connect_timeout_s)

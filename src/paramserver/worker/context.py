@@ -47,6 +47,7 @@ class Context:
     data_position: int = 0  # batches resumable() handed out or skipped so far in this process
     address: str | None = None  # this worker's address in the cluster spec (where peers reach it)
     dense_group: Any = None  # worker.dense_sync.AllReduceGroup with dense_sync "allreduce"
+    partial: Any = None  # worker.partial.ShardRecovery with recovery "partial": lost shards are restored alone
 
     @property
     def resume_step(self) -> int:
@@ -120,13 +121,16 @@ class Context:
     @functools.cached_property
     def tables(self) -> TableClient:
         """The embedding tables of the cluster (used by HashEmbedding through the optimizer)."""
-        return TableClient(
+        tables = TableClient(
             self.client.channels,
             self.options.rpc_timeout_s,
             self.client.consistency.to_dict(),
             self.client.worker,
             self.client.compressor,
         )
+        if self.partial is not None:  # a lookup that finds a shard gone waits for it (worker/partial.py)
+            tables.on_lost = self.partial.after_failed_lookup
+        return tables
 
     is_evaluator: ClassVar[bool] = False  # a training task; an evaluator's is worker.evaluator.EvaluatorContext
 

@@ -6,7 +6,9 @@ A worker writes JSON lines to a file descriptor the launcher gave it:
 `interval` seconds, ``{"worker": i, "result": {...}}`` for the run's final JSON line (each result
 line adds its keys to the worker's earlier ones), and ``{"worker": i, "done": true}`` once the
 worker finished its script (the launcher never restarts a worker that said so, even if it is
-killed afterwards).
+killed afterwards), and ``{"worker": i, "lost": {"shard": s, "incarnation": ..., "steps": n,
+"checkpoint": ..., "wait_s": x}}`` after a shard was restored alone (partial recovery): how many of
+this worker's steps it lost.
 `t` is the time of the worker's latest step, not of the write: a line written after training
 (with the result, after an evaluation) does not stretch the run's examples/s.
 The launcher's ProgressBoard aggregates the lines of all workers; once frozen (the run was
@@ -66,6 +68,12 @@ class ProgressWriter:
         self.flush()
         self._write({"result": values})
 
+    def lost(self, shard: int, incarnation: str, steps: int, checkpoint: str, wait_s: float) -> None:
+        """Shard `shard` came back as process `incarnation`, restored from `checkpoint`, having lost `steps`
+        of this worker's steps; this worker waited `wait_s` seconds for it (partial recovery)."""
+        record = {"shard": shard, "incarnation": incarnation, "steps": steps, "checkpoint": checkpoint}
+        self._write({"lost": {**record, "wait_s": round(wait_s, 3)}})
+
     def done(self) -> None:
         """Tell the launcher this worker finished its script: the final counts, then the done line.
         Idempotent. After it, the launcher counts the worker as finished even if it is killed."""
@@ -122,6 +130,7 @@ class ProgressBoard:
         self._first_t: float | None = None
         self._first_examples = 0  # counted by the first line, so done before _first_t
         self.results: dict[int, dict[str, Any]] = {}
+        self._recoveries: dict[tuple[int, str], dict[str, Any]] = {}  # partial recoveries, by (shard, incarnation)
         self._done: set[int] = set()
         self._frozen = False
         self._window = (time.time(), 0, 0)
@@ -141,6 +150,8 @@ class ProgressBoard:
                 return
             elif "result" in record:  # several result lines add up (a later value of a key wins)
                 self._take_result(worker, record["result"])
+            elif "lost" in record:
+                self._take_lost(worker, record["lost"])
             else:
                 self._latest[worker] = record
                 if self._first_t is None:
@@ -154,6 +165,25 @@ class ProgressBoard:
             if values.get("checkpoints_written", 0) > self.results.get(0, {}).get("checkpoints_written", 0):
                 self._at_checkpoint = self._snapshot()
         self.results.setdefault(worker, {}).update(values)
+
+    def _take_lost(self, worker: int, lost: dict[str, Any]) -> None:
+        """Under the lock: a worker's steps lost by a shard restored alone, added to that recovery's."""
+        try:
+            key, steps = (int(lost["shard"]), str(lost["incarnation"])), int(lost["steps"])
+        except (KeyError, TypeError, ValueError):
+            return
+        entry = self._recoveries.setdefault(
+            key, {"shard": key[0], "checkpoint": lost.get("checkpoint"), "steps_lost": 0, "by_worker": {}}
+        )
+        entry["by_worker"][str(worker)] = entry["by_worker"].get(str(worker), 0) + steps
+        entry["steps_lost"] += steps
+        entry["wait_s"] = max(entry.get("wait_s", 0.0), float(lost.get("wait_s", 0.0)))
+
+    def partial_recoveries(self) -> list[dict[str, Any]]:
+        """Each shard restored alone, in order: its checkpoint, the steps it lost (by worker and in all),
+        the longest a worker waited for it."""
+        with self._lock:
+            return [dict(entry, by_worker=dict(entry["by_worker"])) for entry in self._recoveries.values()]
 
     def _snapshot(self) -> tuple[dict[str, int], dict[int, int]]:
         """Under the lock: the totals and each worker's steps now."""

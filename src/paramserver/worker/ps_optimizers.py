@@ -73,7 +73,7 @@ class PSOptimizer(torch.optim.Optimizer):
         self.overlap = overlap
         self.steps = 0
         self.context = context or current_context()
-        self._pending: tuple[PushPullHandle, Any, list] | None = None  # overlap: a step whose reply is unread
+        self._pending: tuple[PushPullHandle, Any, list, int] | None = None  # overlap: a step whose reply is unread
         # work done while a step waits for its reply (a pipeline reads the next batch); set by RowPipeline
         self.while_waiting: Callable[[], None] | None = None
         self._embeddings: list = []
@@ -192,11 +192,11 @@ class PSOptimizer(torch.optim.Optimizer):
         )
         if self.overlap:
             handle.wait_sent(self.context.options.rpc_timeout_s)  # the gradients may now be freed
-            self._pending = (handle, riders, prefetches)
+            self._pending = (handle, riders, prefetches, self.steps + 1)
         else:
             if self.while_waiting is not None:
                 self.while_waiting()
-            self._settle(handle, riders, prefetches)
+            self._settle(handle, riders, prefetches, self.steps + 1)
         self.steps += 1
         if self.context.summaries is not None:
             self.context.summaries.on_step(self.steps, self._vars)
@@ -228,7 +228,7 @@ class PSOptimizer(torch.optim.Optimizer):
                     self.context.summaries.note_rows(module.table_name, len(touched[0]))
             waiting = module.ride_lookup()
             if waiting is not None:
-                prefetches.append((waiting, riders.lookup(module.table_name, waiting.unique)))
+                prefetches.append((waiting, riders.lookup(module.table_name, waiting.unique), module.table_name))
         return riders, prefetches
 
     @torch.no_grad()
@@ -238,12 +238,19 @@ class PSOptimizer(torch.optim.Optimizer):
             pending, self._pending = self._pending, None
             self._settle(*pending)
 
-    def _settle(self, handle: PushPullHandle, riders, prefetches: list) -> None:
-        """Load a step's reply: the PS's values, and the prefetched rows that rode along."""
+    def _settle(self, handle: PushPullHandle, riders, prefetches: list, step: int) -> None:
+        """Load a step's reply (`step`: its number): the PS's values, and the prefetched rows that rode
+        along. A shard lost meanwhile (partial recovery) is waited for and its values loaded again; the
+        rows it was to look up are looked up again."""
         self._write(handle.wait(self.context.options.rpc_timeout_s)[1])
-        if prefetches:
+        for shard, cause in sorted(handle.failed.items()):
+            self.context.partial.recover(shard, step, cause)
+        if handle.failed:
+            for prefetch, _, table in prefetches:
+                prefetch.deliver(self.context.tables.lookup(table, prefetch.unique))
+        elif prefetches:
             rows = riders.rows(handle.riders)
-            for prefetch, index in prefetches:
+            for prefetch, index, _ in prefetches:
                 prefetch.deliver(rows[index])
 
     @torch.no_grad()
@@ -255,6 +262,8 @@ class PSOptimizer(torch.optim.Optimizer):
             return
         handle = self.context.client.push_pull({}, [var for var, _ in self._vars])
         self._write(handle.wait(self.context.options.rpc_timeout_s)[1])
+        for shard, cause in sorted(handle.failed.items()):
+            self.context.partial.recover(shard, self.steps, cause)
 
     def _changed_lrs(self) -> dict[str, float]:
         """Learning rates changed locally (e.g. by an LR scheduler) since they were last sent."""
@@ -265,6 +274,11 @@ class PSOptimizer(torch.optim.Optimizer):
             if lr != self._sent_lr[name]:
                 changed[name] = self._sent_lr[name] = lr
         return changed
+
+    def load_parts(self, values) -> None:
+        """Write the values of this optimizer's parts among `values` ([(part, array)]) into its parameters."""
+        params = dict(self._vars)
+        self._write([(part, array) for part, array in values if part.var in params])
 
     def _write(self, values) -> None:
         params = dict(self._vars)
