@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from ..base.errors import InvalidArgumentError
-from . import chain
+from . import chain, quantize
 from .chain import Link, SavedFile
 from .store import CheckpointError, CheckpointStore
 from .tensor_file import TensorReader, TensorSpec
@@ -334,9 +334,12 @@ class RestoreSource:
             return
         if "values" not in names:
             raise CheckpointError(f"{saved.where}: table {table!r} has no values")
+        encoding = saved.meta["tables"][table].get("encoding", "float32")
         for name in names:
             spec = saved.tensors.get(f"table/{table}/{name}")
             dtype, row_shape = layout[name]
+            if name == "values":  # stored in its encoding (checked with the file), read as float32
+                dtype = quantize.stored_dtype(encoding)
             if spec is None or spec.dtype != dtype or tuple(spec.shape[1:]) != tuple(row_shape):
                 found = f"{spec.dtype} rows of {spec.shape[1:]}" if spec is not None else "missing"
                 raise CheckpointError(

@@ -105,6 +105,7 @@ def inspect(url: str, name: str | None = None) -> dict:
             "dim": meta["dim"],
             "optimizer": meta["spec"],
             "counters": meta["counters"],
+            "encoding": meta.get("encoding", "float32"),  # of this checkpoint's own files' values
             "bytes": source.tensor_bytes(f"table/{table}/"),  # in this checkpoint's own files
         }
         for table, meta in source.tables.items()

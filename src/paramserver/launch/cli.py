@@ -315,6 +315,12 @@ def _add_mode_flags(parser: argparse.ArgumentParser) -> None:
         f"{Options.checkpoint_base_every}; 1: every checkpoint whole)",
     )
     parser.add_argument(
+        "--checkpoint-quantize",
+        choices=["none", "bf16", "int8"],
+        help="store embedding rows in checkpoints as bfloat16, or int8 with a float32 scale per row (default "
+        "none: float32; optimizer state stays float32; docs/checkpoints.md)",
+    )
+    parser.add_argument(
         "--resume",
         action="store_true",
         default=None,
@@ -344,6 +350,7 @@ _FLAG_OPTIONS = {
     "checkpoint_every_seconds": "checkpoint_every_seconds",
     "keep": "checkpoint_keep",
     "checkpoint_base_every": "checkpoint_base_every",
+    "checkpoint_quantize": "checkpoint_quantize",
     "heartbeat_timeout": "heartbeat_timeout_s",
     "max_table_rows": "max_table_rows",
     "max_table_memory": "max_table_memory_bytes",
