@@ -14,7 +14,11 @@ Prints one JSON line with the figures and the goals (delta <= 3% of the base's b
 its time; chain restore <= 1.5x the whole one's). Files go under a temporary directory (--dir's
 parent), deleted at the end whatever happens; --deadline bounds the run (checked between steps).
 
+With ``--quantize bf16|int8`` the table's rows are stored as bfloat16, or int8 with a float32
+scale per row (the PS option ``checkpoint_quantize``); its optimizer state stays float32.
+
     PYTHONPATH=src python bench/checkpoint_cost.py [--rows 20000000] [--touch 0.01] [--deltas 10]
+        [--quantize none|bf16|int8]
 """
 
 from __future__ import annotations
@@ -96,6 +100,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=20_000_000)
     parser.add_argument("--touch", type=float, default=0.01, help="share of the rows trained between checkpoints")
     parser.add_argument("--deltas", type=int, default=10)
+    parser.add_argument("--quantize", choices=["none", "bf16", "int8"], default="none", help="rows' encoding")
     parser.add_argument("--dir", default=None, help="where the temporary checkpoint directory goes")
     parser.add_argument("--deadline", type=float, default=900.0, help="seconds the whole run may take")
     args = parser.parse_args()
@@ -111,7 +116,7 @@ def main() -> None:
         t0 = time.perf_counter()
         tables = build(args.rows)
         build_s = time.perf_counter() - t0
-        shard, writes = Shard(0, tables=tables), ShardWrites(workdir)
+        shard, writes = Shard(0, tables=tables), ShardWrites(workdir, args.quantize)
         base_bytes, base_s = checkpoint(writes, shard, 1, "")
         check_time("the first delta")
         touched = touch(tables, args.rows, args.touch, rng)
@@ -134,6 +139,7 @@ def main() -> None:
             "rows": args.rows,
             "dim": DIM,
             "optimizer": "adagrad",
+            "quantize": args.quantize,
             "build_s": round(build_s, 2),
             "base_bytes": base_bytes,
             "base_s": round(base_s, 3),

@@ -124,7 +124,7 @@ class Options:
     checkpoint_every_seconds: float = 0.0  # seconds (the chief's clock) between checkpoints; 0: none
     checkpoint_keep: int = 3  # complete checkpoints kept (with the base and deltas they need); older ones are deleted
     checkpoint_base_every: int = 8  # a whole (base) checkpoint every K, deltas between; 1: every one whole
-    checkpoint_quantize: str = "none"  # table values in checkpoints: "none" (float32), "bf16" or "int8" (+ a scale a row)
+    checkpoint_quantize: str = "none"  # table rows in checkpoints: "none" (float32), "bf16", "int8" (+ a row's scale)
     resume: bool = False  # start from the latest complete checkpoint in checkpoint_dir (if any)
     restore_non_finite: bool = False  # resume from a checkpoint holding NaN or infinite values (refused otherwise)
     # communication (docs/performance.md)

@@ -201,13 +201,14 @@ def apply_chain(chain: list[SavedFile], table: Any, names: list[str], shard: int
 
 
 def current_slices(
-    chain: list[SavedFile], table: str, names: list[str], shard: int = 0, num_shards: int = 1
+    chain: list[SavedFile], table: str, names: list[str], shard: int = 0, num_shards: int = 1, first: int = 0
 ) -> Iterator[tuple[np.ndarray, dict[str, np.ndarray]]]:
     """The rows of `table` current at the chain's newest link, a slice at a time: each link's
-    rows that no later delta names (by row or by deletion)."""
+    rows that no later delta names (by row or by deletion); only those of links `first`.. (1: the
+    rows written after the chain's first link, for a delta export)."""
     newest_ids, newest_code = _newest_mentions(chain, table)
     for k, saved in enumerate(chain):
-        if table not in saved.meta["tables"]:
+        if k < first or table not in saved.meta["tables"]:
             continue
         for ids, arrays in file_slices(saved, table, names, shard, num_shards):
             if newest_ids.shape[0]:
@@ -217,6 +218,13 @@ def current_slices(
                 keep = np.full(ids.shape[0], k == 0)
             if keep.any():
                 yield ids[keep], {name: array[keep] for name, array in arrays.items()}
+
+
+def deleted_since_first(chain: list[SavedFile], table: str) -> np.ndarray:
+    """The ids the deltas of `chain` deleted that no later delta brought back (sorted): what was
+    evicted after its first link, and is not a row at its newest."""
+    ids, codes = _newest_mentions(chain, table)
+    return ids[codes % 2 == 0]
 
 
 def _newest_mentions(chain: list[SavedFile], table: str) -> tuple[np.ndarray, np.ndarray]:

@@ -31,7 +31,7 @@ _INT8_MAX = 127
 # the largest scale whose 127 times is finite in float32 (a larger one could decode to an infinity)
 MAX_SCALE = np.nextafter(np.float32(np.finfo(np.float32).max / _INT8_MAX), np.float32(0))
 BF16_BITS = np.dtype(np.uint16)  # how bfloat16 values are held (numpy has no bfloat16)
-_STORED = {"bf16": BF16_BITS, "int8": np.dtype(np.int8)}
+_STORED: dict[str, np.dtype] = {"bf16": BF16_BITS, "int8": np.dtype(np.int8)}
 
 
 def stored_dtype(encoding: str) -> np.dtype:

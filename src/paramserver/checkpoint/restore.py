@@ -296,6 +296,13 @@ class RestoreSource:
         time (every file checked whole first)."""
         yield from chain.current_slices(self._chains[index], table, list(names), shard, num_shards)
 
+    def chain_from(self, index: int, name: str) -> list[SavedFile] | None:
+        """Shard file `index`'s chain from checkpoint `name`'s link on (that link first), or None
+        when `name` is not a link of it."""
+        files = self._chains[index]
+        at = next((k for k, saved in enumerate(files) if saved.link.name == name), None)
+        return None if at is None else files[at:]
+
     def fill_table(self, table, shard: int, num_shards: int) -> bool:
         """Load the saved rows of `table` that belong to `shard` of `num_shards` into it (an empty
         table with `layout`/`load_rows`/`restore_meta`; with `delete_ids` too, a chain is applied

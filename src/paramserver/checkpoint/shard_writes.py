@@ -43,7 +43,9 @@ class ShardWrites:
     def __init__(self, directory: str, encoding: str = quantize.NONE) -> None:
         """`encoding`: how table values are stored (checkpoint/quantize.py; "none": float32)."""
         if encoding not in quantize.ENCODINGS:
-            raise InvalidArgumentError(f"checkpoint encoding {encoding!r} is not one of {', '.join(quantize.ENCODINGS)}")
+            raise InvalidArgumentError(
+                f"checkpoint encoding {encoding!r} is not one of {', '.join(quantize.ENCODINGS)}"
+            )
         self.store, self.encoding = CheckpointStore(directory), encoding
         self._lock = threading.Lock()
         self._last: str | None = None  # the name this PS wrote last

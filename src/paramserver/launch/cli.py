@@ -53,7 +53,13 @@ def _parser() -> argparse.ArgumentParser:
     ckpt.add_argument("action", choices=["list", "inspect", "export"])
     ckpt.add_argument("dir", help="checkpoint directory (a path or fsspec URL)")
     ckpt.add_argument("name", nargs="?", help="checkpoint name, e.g. ckpt-000000020 (default: the latest complete)")
-    ckpt.add_argument("--out", help="export: the .pt file to write (default: <name>.pt here)")
+    ckpt.add_argument("--out", help="export: the .safetensors file to write (default: <name>.safetensors here)")
+    ckpt.add_argument(
+        "--since",
+        metavar="CKPT",
+        help="export: only what changed after checkpoint CKPT (the rows written since, the ids deleted "
+        "since, the dense variables), to update a serving copy of CKPT in place (docs/checkpoints.md)",
+    )
 
     certs = sub.add_parser("certs", help="make a CA and a TLS certificate per node in DIR (docs/security.md)")
     certs.add_argument("dir", help="directory to write ca.crt, ca.key, <node>.crt, <node>.key to")
@@ -564,6 +570,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "health":
             return _health(args)
         if args.command == "checkpoint":
+            if args.since is not None:
+                from ..checkpoint.delta_export import run_delta_export
+
+                return run_delta_export(args.action, args.dir, args.name, args.out, args.since)
             from ..checkpoint.tools import run_tool
 
             return run_tool(args.action, args.dir, args.name, args.out)
