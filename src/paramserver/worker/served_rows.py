@@ -29,7 +29,7 @@ class ServedRows(nn.Module):
         self.register_buffer("ids", ids[order].contiguous())
         self.register_buffer("weight", torch.cat([weight[order], zero]).to(dtype))
 
-    def apply(self, ids: torch.Tensor, weight: torch.Tensor, deleted: torch.Tensor, checkpoint: str) -> None:
+    def update_rows(self, ids: torch.Tensor, weight: torch.Tensor, deleted: torch.Tensor, checkpoint: str) -> None:
         """Update the rows in place with a delta export's table (checkpoint/delta_export.py): the
         `deleted` ids removed, then the rows of `ids` written over the held ones or added; they are
         then `checkpoint`'s."""

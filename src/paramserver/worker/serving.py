@@ -73,7 +73,7 @@ def apply_delta(model: torch.nn.Module, path: str) -> dict:
     applied = {}
     for served, table, module in targets:
         got = delta["embeddings"][table]
-        served.apply(got["ids"], got["weight"], got["deleted"], delta["checkpoint"])
+        served.update_rows(got["ids"], got["weight"], got["deleted"], delta["checkpoint"])
         applied[paths[id(module)]] = {"rows": int(got["ids"].shape[0]), "deleted": int(got["deleted"].shape[0])}
     return {"step": delta["step"], "checkpoint": delta["checkpoint"], "since": delta["since"], "tables": applied}
 
