@@ -48,6 +48,7 @@ from .tools import EMBEDDINGS, export_names, open_source, positional_note, table
 
 DELTA_FORMAT = "paramserver-export-delta"
 PARTITION_BYTES = 256 << 20  # CKPT's rows held at once when the two checkpoints are compared
+MAX_PARTITIONS = 1024  # 256 GB of rows: a larger count read from a file is not believed
 _COPY_BYTES = 8 << 20
 
 Emit = Callable[[np.ndarray, np.ndarray], None]
@@ -65,7 +66,8 @@ def export_delta(url: str, name: str | None, since: str, out: str | None, note=N
     spool = tempfile.mkdtemp(prefix=".delta-", dir=os.path.dirname(os.path.abspath(path)))
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
-        found = {table: _spool_table(new, old, table, spool) for table in new.tables}
+        spooled = {table: os.path.join(spool, str(k)) for k, table in enumerate(new.tables)}
+        found = {table: _spool_table(new, old, table, spooled[table]) for table in new.tables}
         shapes: dict[str, tuple[np.dtype, tuple[int, ...]]] = {
             exported: (values[var].dtype, values[var].shape) for var, exported in names.items()
         }
@@ -90,9 +92,7 @@ def export_delta(url: str, name: str | None, since: str, out: str | None, note=N
                 prefix = f"{EMBEDDINGS}/{tables[table]}"
                 tensor_file.write_rows(handle, layout, f"{prefix}/deleted", 0, deleted)
                 for field in ("ids", "weight"):
-                    _copy_spooled(
-                        os.path.join(spool, f"{_safe(table)}.{field}"), handle, layout.offset(f"{prefix}/{field}", 0)
-                    )
+                    _copy_spooled(f"{spooled[table]}.{field}", handle, layout.offset(f"{prefix}/{field}", 0))
         os.replace(tmp, path)
     finally:
         shutil.rmtree(spool, ignore_errors=True)
@@ -136,16 +136,13 @@ def _since(new: RestoreSource, since: str, url: str) -> RestoreSource:
     return old
 
 
-def _safe(table: str) -> str:
-    return table.encode().hex()  # a table's name as a file name
-
-
 def _spool_table(new: RestoreSource, old: RestoreSource, table: str, spool: str) -> tuple[int, np.ndarray]:
-    """Write `table`'s changed rows to two spool files; (their number, the deleted ids, sorted)."""
+    """Write `table`'s changed rows to two spool files (`spool`.ids and .weight); (their number,
+    the deleted ids, sorted)."""
     counted = [0]
     with (
-        open(os.path.join(spool, f"{_safe(table)}.ids"), "wb") as ids_file,
-        open(os.path.join(spool, f"{_safe(table)}.weight"), "wb") as weight_file,
+        open(f"{spool}.ids", "wb") as ids_file,
+        open(f"{spool}.weight", "wb") as weight_file,
     ):
 
         def emit(ids: np.ndarray, weight: np.ndarray) -> None:
@@ -173,7 +170,7 @@ def _compared(new: RestoreSource, old: RestoreSource, table: str, emit: Emit) ->
     """Every row of NAME against CKPT's, bit for bit, a hash partition of the ids at a time."""
     before = old.tables.get(table)
     row_bytes = 8 + 4 * new.tables[table]["dim"]
-    parts = max(1, math.ceil((before["rows"] if before else 0) * row_bytes / PARTITION_BYTES))
+    parts = min(MAX_PARTITIONS, max(1, math.ceil((before["rows"] if before else 0) * row_bytes / PARTITION_BYTES)))
     deleted = [np.zeros(0, np.int64)]
     for part in range(parts):
         old_ids, old_values = _partition(old, table, part, parts) if before else _empty(new, table)
