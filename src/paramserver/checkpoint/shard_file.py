@@ -4,7 +4,9 @@ Tensor names: ``dense/<group>/<part>`` (values, shaped like the part), ``dense/<
 (each optimizer state), ``table/<table>/ids|values|<state>|row_step|last_seen|seen`` (one row per
 stored id, in row order). The file's metadata key ``paramserver`` holds JSON: the shard index,
 its version and sync step, each group's optimizer spec and per-part step counts, and each
-table's dim, optimizer, initializer, row policy, counters, update count and rows.
+table's dim, optimizer, initializer, row policy, counters, update count and rows, and the
+encoding of its values when they are quantized (quantize.py: ``values`` in bfloat16, or int8 with
+``values.scale``; optimizer state stays float32).
 
 A delta (incremental checkpoint, docs/checkpoints.md) has the same tensors, but a table's holds
 only the rows changed since the snapshot of checkpoint ``parent`` (named in the metadata), plus
