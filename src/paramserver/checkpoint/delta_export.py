@@ -57,8 +57,9 @@ Emit = Callable[[np.ndarray, np.ndarray], None]
 def export_delta(url: str, name: str | None, since: str, out: str | None, note=None) -> str:
     """Write the rows of checkpoint `name` (default: the newest) changed after checkpoint `since`,
     the ids deleted between, and the dense variables (see the module docstring); returns the path."""
-    new = open_source(url, name)
-    old = _since(new, since, url)
+    links: dict = {}  # checkpoints opened (and checked) once, whichever of the two chains they are in
+    new = open_source(url, name, links)
+    old = _since(new, since, url, links)
     values = {var: v.value for info in new.dense_variables().values() for var, v in info["vars"].items()}
     names = export_names(list(values))
     tables = table_export_names(list(new.tables))
@@ -113,7 +114,7 @@ def run_delta_export(action: str, url: str, name: str | None, out: str | None, s
     return 0
 
 
-def _since(new: RestoreSource, since: str, url: str) -> RestoreSource:
+def _since(new: RestoreSource, since: str, url: str, links: dict) -> RestoreSource:
     """Checkpoint `since`, checked: a complete checkpoint of the same directory, before `new`, of the same tables."""
     if not is_checkpoint_name(since):
         raise CheckpointError(f"--since {str(since)[:80]!r} is not a checkpoint name (ckpt-<9 digits>)")
@@ -123,7 +124,7 @@ def _since(new: RestoreSource, since: str, url: str) -> RestoreSource:
         )
     if since not in new.store.complete():
         raise CheckpointError(f"--since {since} is not a complete checkpoint in {url}")
-    old = RestoreSource(new.store, since)
+    old = RestoreSource(new.store, since, links=links)
     if old.step > new.step:
         raise CheckpointError(f"--since {since} is at step {old.step}, after {new.name}'s {new.step}: not the same run")
     for table, meta in new.tables.items():

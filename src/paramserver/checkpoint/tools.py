@@ -73,8 +73,9 @@ def list_checkpoints(url: str) -> list[dict]:
     return rows
 
 
-def open_source(url: str, name: str | None) -> RestoreSource:
-    """Checkpoint `name` of `url` (default: the newest complete one), every file checked as a resume checks it."""
+def open_source(url: str, name: str | None, links: dict | None = None) -> RestoreSource:
+    """Checkpoint `name` of `url` (default: the newest complete one), every file checked as a resume
+    checks it (`links`: see RestoreSource)."""
     store = CheckpointStore(url)
     store.require()
     if name is None:
@@ -82,7 +83,7 @@ def open_source(url: str, name: str | None) -> RestoreSource:
         if not complete:
             raise CheckpointError(f"no complete checkpoint in {url}")
         name = complete[-1]
-    return RestoreSource(store, name)
+    return RestoreSource(store, name, links=links)
 
 
 def inspect(url: str, name: str | None = None) -> dict:
