@@ -141,6 +141,10 @@ def test_a_served_model_updated_in_place_serves_the_later_checkpoint_bit_for_bit
     served.eval(), expected.eval()
     with torch.no_grad():
         assert torch.equal(served(*inputs), expected(*inputs))
+    from_checkpoint = CTR()  # a model loaded from the checkpoint itself takes the same delta
+    ps.serving.load(from_checkpoint, url, checkpoint=old)
+    ps.serving.apply_delta(from_checkpoint, delta)
+    assert all(torch.equal(from_checkpoint.state_dict()[key], want[key]) for key in want)
     before = {k: v.clone() for k, v in served.state_dict().items()}
     with pytest.raises(CheckpointError, match=f"is a delta since {old}; user serves {new}'s rows"):
         ps.serving.apply_delta(served, delta)  # once only: the model serves the later checkpoint now
