@@ -165,3 +165,12 @@ def test_a_crafted_quantized_file_is_damaged_and_resume_falls_back(tmp_path, cas
     assert rows[crafted].startswith("damaged: shard-0.safetensors") and reason in rows[crafted], rows[crafted]
     assert RestoreSource.latest(cluster.whole).name == checkpoint_name(1)
     assert reason in caplog.text
+
+
+def test_the_flag_is_an_option_and_reaches_the_ps_writer(tmp_path):
+    from paramserver.checkpoint import shard_writer
+    from paramserver.launch import cli
+
+    args = cli._parse(["node", "--role", "ps", "--checkpoint-quantize", "int8"])
+    assert cli.mode_options(args)["checkpoint_quantize"] == "int8"
+    assert shard_writer(str(tmp_path), "int8").encoding == "int8"
