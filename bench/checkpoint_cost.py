@@ -14,7 +14,15 @@ Prints one JSON line with the figures and the goals (delta <= 3% of the base's b
 its time; chain restore <= 1.5x the whole one's). Files go under a temporary directory (--dir's
 parent), deleted at the end whatever happens; --deadline bounds the run (checked between steps).
 
+With ``--quantize bf16|int8`` the table's rows are stored as bfloat16, or int8 with a float32
+scale per row (the PS option ``checkpoint_quantize``); its optimizer state stays float32.
+
+With ``--delta-export``, ``paramserver checkpoint export --since`` of the newest checkpoint is timed
+too: since its parent (one delta's rows) and since the base (ten deltas' rows); every file of the
+chain is checked first, as for any export.
+
     PYTHONPATH=src python bench/checkpoint_cost.py [--rows 20000000] [--touch 0.01] [--deltas 10]
+        [--quantize none|bf16|int8] [--delta-export]
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -91,11 +100,30 @@ def restore(writes: ShardWrites, step: int, rows: int) -> tuple[float, int]:
     return took, size
 
 
+def delta_exports(workdir: str, deltas: int) -> dict:
+    """`export --since` the newest checkpoint's parent, then the base: (bytes, seconds) of each file."""
+    from paramserver.checkpoint.delta_export import export_delta
+
+    found = {}
+    for label, since in (("one_delta", deltas), ("ten_deltas", 1)):
+        out = f"{workdir}/delta-{label}.safetensors"
+        started = time.perf_counter()
+        export_delta(workdir, checkpoint_name(deltas + 1), checkpoint_name(since), out)
+        found[f"delta_export_{label}_s"] = round(time.perf_counter() - started, 2)
+        found[f"delta_export_{label}_bytes"] = os.path.getsize(out)
+        os.unlink(out)
+    return found
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=20_000_000)
     parser.add_argument("--touch", type=float, default=0.01, help="share of the rows trained between checkpoints")
     parser.add_argument("--deltas", type=int, default=10)
+    parser.add_argument("--quantize", choices=["none", "bf16", "int8"], default="none", help="rows' encoding")
+    parser.add_argument(
+        "--delta-export", action="store_true", help="also time `checkpoint export --since` over 1 and over 10 deltas"
+    )
     parser.add_argument("--dir", default=None, help="where the temporary checkpoint directory goes")
     parser.add_argument("--deadline", type=float, default=900.0, help="seconds the whole run may take")
     args = parser.parse_args()
@@ -111,7 +139,7 @@ def main() -> None:
         t0 = time.perf_counter()
         tables = build(args.rows)
         build_s = time.perf_counter() - t0
-        shard, writes = Shard(0, tables=tables), ShardWrites(workdir)
+        shard, writes = Shard(0, tables=tables), ShardWrites(workdir, args.quantize)
         base_bytes, base_s = checkpoint(writes, shard, 1, "")
         check_time("the first delta")
         touched = touch(tables, args.rows, args.touch, rng)
@@ -134,6 +162,7 @@ def main() -> None:
             "rows": args.rows,
             "dim": DIM,
             "optimizer": "adagrad",
+            "quantize": args.quantize,
             "build_s": round(build_s, 2),
             "base_bytes": base_bytes,
             "base_s": round(base_s, 3),
@@ -155,6 +184,8 @@ def main() -> None:
             },
             "total_s": round(time.monotonic() - started, 1),
         }
+        if args.delta_export:
+            result.update(delta_exports(workdir, args.deltas))
         print(json.dumps(result), flush=True)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

@@ -5,10 +5,11 @@
     model.eval()
     scores = model(dense, ids)                           # embedding rows looked up in the model itself
     program = torch.export.export(model, (dense, ids))   # for a serving stack
+    paramserver.serving.apply_delta(model, "delta.safetensors")  # `export --since CKPT`: the later checkpoint
 
 See docs/embeddings.md, "Serving what was trained".
 """
 
-from .worker.serving import load
+from .worker.serving import apply_delta, load
 
-__all__ = ["load"]
+__all__ = ["apply_delta", "load"]

@@ -105,7 +105,7 @@ BAD = [
     ("checkpoint_every", -1, DIR), ("checkpoint_every", 10, {}), ("checkpoint_every", 1.5, DIR),
     ("checkpoint_every_seconds", -1, DIR), ("checkpoint_every_seconds", 5, {}),
     ("checkpoint_every_seconds", 5, {**DIR, "dense_sync": "allreduce"}),
-    ("checkpoint_keep", 0, DIR), ("checkpoint_keep", 0, {}), ("checkpoint_base_every", 0, {}),
+    ("checkpoint_keep", 0, DIR), ("checkpoint_keep", 0, {}), ("checkpoint_base_every", 0, {}), ("checkpoint_quantize", "fp8", {}),
     ("resume", True, {}), ("resume", 1, {}), ("resume", 2, DIR), ("resume", "yes", DIR), ("restore_non_finite", "yes", {}),
     ("eval_timeout_s", -1, {}), ("eval_timeout_s", float("inf"), {}), ("eval_timeout_s", "5", {}),
     ("max_table_rows", 0, {}), ("max_table_memory_bytes", 0, {}), ("max_table_memory_bytes", 1.5, {}),

@@ -127,6 +127,7 @@ class Options:
     checkpoint_every_seconds: float = 0.0  # seconds (the chief's clock) between checkpoints; 0: none
     checkpoint_keep: int = 3  # complete checkpoints kept (with the base and deltas they need); older ones are deleted
     checkpoint_base_every: int = 8  # a whole (base) checkpoint every K, deltas between; 1: every one whole
+    checkpoint_quantize: str = "none"  # table rows in checkpoints: "none" (float32), "bf16", "int8" (+ a row's scale)
     resume: bool = False  # start from the latest complete checkpoint in checkpoint_dir (if any)
     restore_non_finite: bool = False  # resume from a checkpoint holding NaN or infinite values (refused otherwise)
     recovery: str = "rollback"  # a killed PS: "rollback" (the whole cluster) or "partial" (its shard alone)
@@ -229,6 +230,7 @@ class Options:
         need("checkpoint_every_seconds", lambda v: v >= 0, "0 (none) or more")
         need("checkpoint_keep", lambda v: v >= 1, "at least 1")
         need("checkpoint_base_every", lambda v: v >= 1, "at least 1 (1: every checkpoint whole)")
+        need("checkpoint_quantize", lambda v: v in ("none", "bf16", "int8"), "'none', 'bf16' or 'int8'")
         need("eval_timeout_s", lambda v: v >= 0, "0 (wait for the final checkpoint) or more")
         for name in ("max_table_rows", "max_table_memory_bytes", "max_tiered_table_rows"):
             need(name, lambda v: v >= 1, "at least 1")

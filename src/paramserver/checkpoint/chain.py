@@ -28,7 +28,7 @@ import numpy as np
 
 from ..base import kernels
 from ..base.hashing import shard_of
-from . import shard_meta, tensor_file
+from . import quantize, shard_meta, tensor_file
 from .shard_file import META_KEY
 from .store import MANIFEST, MAX_CHAIN, CheckpointError, CheckpointStore, ShardFile, os_reason
 from .tensor_file import TensorReader, TensorSpec
@@ -100,21 +100,35 @@ class Link:
             return
         saved = self.files[index]
         entry, where = saved.entry, saved.where
-        digest, size, non_finite = hashlib.sha256(), 0, None
+        digest, size, problem = hashlib.sha256(), 0, None
         with self.store.open_shard(self.name, entry) as handle:
             try:
                 for tensor, data in tensor_file.scan(handle, entry.bytes, saved.tensors, SLICE_BYTES, where):
                     digest.update(data)
                     size += len(data)
-                    dtype = saved.tensors[tensor].dtype if tensor is not None else None
-                    if dtype is not None and dtype.kind == "f" and non_finite is None and not self.allow_non_finite:
-                        non_finite = None if kernels.all_finite(np.frombuffer(data, dtype)) else tensor
+                    if tensor is not None and problem is None:
+                        problem = self._values_problem(saved, tensor, data)
             except OSError as exc:
                 raise CheckpointError(f"{where}: cannot read it: {os_reason(exc)}") from exc
         self.store.check_digest(self.name, entry, size, digest.hexdigest())
-        if non_finite is not None:
-            raise CheckpointError(f"{where}: tensor {non_finite!r} holds NaN or infinite values")
+        if problem is not None:
+            raise CheckpointError(f"{where}: {problem}")
         self.verified.add(index)
+
+    def _values_problem(self, saved: SavedFile, tensor: str, data: bytes) -> str | None:
+        """What is wrong with a piece of `tensor`'s values: a NaN or infinity in a floating-point
+        (or bfloat16) tensor, unless allowed; an int8 encoding's scale out of its range, always."""
+        dtype = saved.tensors[tensor].dtype
+        array = np.frombuffer(data, dtype)
+        if tensor.endswith("/" + quantize.SCALE) and not quantize.scales_in_range(array):
+            return f"tensor {tensor!r} holds a scale that is negative, not finite or above {quantize.MAX_SCALE:.4g}"
+        if self.allow_non_finite:
+            return None
+        if dtype.kind == "f":
+            finite = kernels.all_finite(array)
+        else:
+            finite = dtype != quantize.BF16_BITS or quantize.bf16_finite(array)
+        return None if finite else f"tensor {tensor!r} holds NaN or infinite values"
 
     @contextlib.contextmanager
     def reader(self, index: int) -> Iterator[TensorReader]:
@@ -146,7 +160,12 @@ def file_slices(
     saved: SavedFile, table: str, names: Iterable[str], shard: int = 0, num_shards: int = 1
 ) -> Iterator[tuple[np.ndarray, dict[str, np.ndarray]]]:
     """(ids, {array name: rows}) of the rows of `table` in one file that belong to `shard` of
-    `num_shards`, a slice at a time (the file is checked whole first)."""
+    `num_shards`, a slice at a time (the file is checked whole first); values as float32 whatever
+    their encoding (quantize.py)."""
+    encoding = saved.meta["tables"][table].get("encoding", "float32")
+    names = list(names)
+    if encoding == "int8" and "values" in names:
+        names.append(quantize.SCALE)
     with saved.reader() as reader:
         rows = _ids_spec(reader, table).shape[0]
         specs = {name: _row_spec(reader, table, name, rows) for name in names}
@@ -156,7 +175,10 @@ def file_slices(
             mine = shard_of(ids, num_shards) == shard if num_shards > 1 else np.ones(ids.shape[0], bool)
             if not mine.any():
                 continue
-            yield ids[mine], {name: reader.read(f"table/{table}/{name}", lo, lo + step)[mine] for name in specs}
+            arrays = {name: reader.read(f"table/{table}/{name}", lo, lo + step)[mine] for name in specs}
+            if "values" in arrays and encoding != "float32":
+                arrays["values"] = quantize.decode(encoding, arrays["values"], arrays.pop(quantize.SCALE, None))
+            yield ids[mine], arrays
 
 
 def deleted_ids(saved: SavedFile, table: str, shard: int = 0, num_shards: int = 1) -> np.ndarray:
@@ -179,13 +201,14 @@ def apply_chain(chain: list[SavedFile], table: Any, names: list[str], shard: int
 
 
 def current_slices(
-    chain: list[SavedFile], table: str, names: list[str], shard: int = 0, num_shards: int = 1
+    chain: list[SavedFile], table: str, names: list[str], shard: int = 0, num_shards: int = 1, first: int = 0
 ) -> Iterator[tuple[np.ndarray, dict[str, np.ndarray]]]:
     """The rows of `table` current at the chain's newest link, a slice at a time: each link's
-    rows that no later delta names (by row or by deletion)."""
+    rows that no later delta names (by row or by deletion); only those of links `first`.. (1: the
+    rows written after the chain's first link, for a delta export)."""
     newest_ids, newest_code = _newest_mentions(chain, table)
     for k, saved in enumerate(chain):
-        if table not in saved.meta["tables"]:
+        if k < first or table not in saved.meta["tables"]:
             continue
         for ids, arrays in file_slices(saved, table, names, shard, num_shards):
             if newest_ids.shape[0]:
@@ -195,6 +218,13 @@ def current_slices(
                 keep = np.full(ids.shape[0], k == 0)
             if keep.any():
                 yield ids[keep], {name: array[keep] for name, array in arrays.items()}
+
+
+def deleted_since_first(chain: list[SavedFile], table: str) -> np.ndarray:
+    """The ids the deltas of `chain` deleted that no later delta brought back (sorted): what was
+    evicted after its first link, and is not a row at its newest."""
+    ids, codes = _newest_mentions(chain, table)
+    return ids[codes % 2 == 0]
 
 
 def _newest_mentions(chain: list[SavedFile], table: str) -> tuple[np.ndarray, np.ndarray]:

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from ..base.errors import InvalidArgumentError
-from . import chain
+from . import chain, quantize
 from .chain import Link, SavedFile
 from .store import CheckpointError, CheckpointStore
 from .tensor_file import TensorReader, TensorSpec
@@ -296,6 +296,13 @@ class RestoreSource:
         time (every file checked whole first)."""
         yield from chain.current_slices(self._chains[index], table, list(names), shard, num_shards)
 
+    def chain_from(self, index: int, name: str) -> list[SavedFile] | None:
+        """Shard file `index`'s chain from checkpoint `name`'s link on (that link first), or None
+        when `name` is not a link of it."""
+        files = self._chains[index]
+        at = next((k for k, saved in enumerate(files) if saved.link.name == name), None)
+        return None if at is None else files[at:]
+
     def fill_table(self, table, shard: int, num_shards: int) -> bool:
         """Load the saved rows of `table` that belong to `shard` of `num_shards` into it (an empty
         table with `layout`/`load_rows`/`restore_meta`; with `delete_ids` too, a chain is applied
@@ -334,9 +341,12 @@ class RestoreSource:
             return
         if "values" not in names:
             raise CheckpointError(f"{saved.where}: table {table!r} has no values")
+        encoding = saved.meta["tables"][table].get("encoding", "float32")
         for name in names:
             spec = saved.tensors.get(f"table/{table}/{name}")
             dtype, row_shape = layout[name]
+            if name == "values":  # stored in its encoding (checked with the file), read as float32
+                dtype = quantize.stored_dtype(encoding)
             if spec is None or spec.dtype != dtype or tuple(spec.shape[1:]) != tuple(row_shape):
                 found = f"{spec.dtype} rows of {spec.shape[1:]}" if spec is not None else "missing"
                 raise CheckpointError(

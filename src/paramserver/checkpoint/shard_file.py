@@ -4,7 +4,9 @@ Tensor names: ``dense/<group>/<part>`` (values, shaped like the part), ``dense/<
 (each optimizer state), ``table/<table>/ids|values|<state>|row_step|last_seen|seen`` (one row per
 stored id, in row order). The file's metadata key ``paramserver`` holds JSON: the shard index,
 its version and sync step, each group's optimizer spec and per-part step counts, and each
-table's dim, optimizer, initializer, row policy, counters, update count and rows.
+table's dim, optimizer, initializer, row policy, counters, update count and rows, and the
+encoding of its values when they are quantized (quantize.py: ``values`` in bfloat16, or int8 with
+``values.scale``; optimizer state stays float32).
 
 A delta (incremental checkpoint, docs/checkpoints.md) has the same tensors, but a table's holds
 only the rows changed since the snapshot of checkpoint ``parent`` (named in the metadata), plus
@@ -31,7 +33,7 @@ import numpy as np
 from ..server.dense import DenseGroup
 from ..server.shard import Shard
 from ..server.table_store import TableStore
-from . import tensor_file
+from . import quantize, tensor_file
 from .store import CheckpointStore, ShardFile
 
 log = logging.getLogger(__name__)
@@ -46,6 +48,7 @@ def write(
     tables: TableStore,
     parent: tuple[str, int] | None = None,
     forget: int | None = None,
+    encoding: str = quantize.NONE,
 ) -> ShardFile:
     """Write `shard`'s file of checkpoint `name`: its state at one step, streamed. `parent`: (name,
     snapshot epoch) of an earlier checkpoint of this shard to write a delta on (whole when the
@@ -56,9 +59,12 @@ def write(
         dense, meta, snapshots = shard.snapshot(
             lambda groups, version, sync_step: _begin(shard, tables, groups, version, sync_step, parent, forget)
         )
+        if encoding != quantize.NONE:
+            for table_meta in meta["tables"].values():
+                table_meta["encoding"] = encoding
         try:
             entry = store.write_shard_with(
-                name, shard.index, lambda handle: _fill(handle, dense, meta, snapshots, tables)
+                name, shard.index, lambda handle: _fill(handle, dense, meta, snapshots, tables, encoding)
             )
         finally:
             kept = tables.end_snapshot()
@@ -107,12 +113,17 @@ def _begin(
     return dense, meta, snapshots
 
 
-def _fill(handle: IO[bytes], dense: dict[str, np.ndarray], meta: dict, snapshots: dict, tables: TableStore) -> None:
-    """Write the file: header and dense tensors, then each table's slices at their places."""
+def _fill(
+    handle: IO[bytes], dense: dict[str, np.ndarray], meta: dict, snapshots: dict, tables: TableStore, encoding: str
+) -> None:
+    """Write the file: header and dense tensors, then each table's slices at their places (values
+    in `encoding`)."""
     shapes: dict[str, tuple[np.dtype, tuple[int, ...]]] = {key: (a.dtype, a.shape) for key, a in dense.items()}
     for table_name, (_, snapshot) in snapshots.items():
         for key, (dtype, row_shape) in snapshot.layout.items():
-            shapes[f"table/{table_name}/{key}"] = (dtype, (snapshot.rows, *row_shape))
+            stored = quantize.layout(encoding, row_shape) if key == "values" else {key: (dtype, row_shape)}
+            for stored_key, (stored_dtype, stored_shape) in stored.items():
+                shapes[f"table/{table_name}/{stored_key}"] = (stored_dtype, (snapshot.rows, *stored_shape))
         if meta.get("parent"):
             shapes[f"table/{table_name}/deleted"] = (np.dtype(np.int64), snapshot.deleted.shape)
             dense[f"table/{table_name}/deleted"] = snapshot.deleted
@@ -123,5 +134,7 @@ def _fill(handle: IO[bytes], dense: dict[str, np.ndarray], meta: dict, snapshots
     for table_name in snapshots:
         while (taken := tables.next_slice(table_name)) is not None:
             lo, arrays = taken
+            if encoding != quantize.NONE:
+                arrays = {**arrays, **quantize.encode(arrays["values"], encoding)}
             for key, array in arrays.items():
                 tensor_file.write_rows(handle, layout, f"table/{table_name}/{key}", lo, array)

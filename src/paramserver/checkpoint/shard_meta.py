@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, ValidationError
 from pydantic import StringConstraints as Text
 
+from . import quantize
 from .store import CheckpointError
 from .tensor_file import TensorSpec
 
@@ -48,6 +49,7 @@ class TableMeta(_Strict):
     init: dict[str, Any] = Field(default_factory=dict)
     policy: dict[str, Any] = Field(default_factory=dict)
     rows: NonNegativeInt | None = None  # rows the table held (a delta's file holds fewer); absent in older files
+    encoding: Literal["float32", "bf16", "int8"] = "float32"  # how `values` is stored (quantize.py)
 
 
 class ShardMeta(_Strict):
@@ -78,10 +80,25 @@ def parse(text: str | None, tensors: dict[str, TensorSpec], where: str) -> dict[
             raise CheckpointError(f"{where}: table {table!r} has no 1-D int64 ids tensor")
         if meta.parent is None and table_meta.rows is not None and table_meta.rows != ids.shape[0]:
             raise CheckpointError(f"{where}: table {table!r} says {table_meta.rows} rows and holds {ids.shape[0]}")
+        _check_encoding(tensors, table, table_meta, ids.shape[0], where)
         deleted = tensors.get(f"table/{table}/deleted")
         if meta.parent is not None and (deleted is None or deleted.dtype != np.int64 or len(deleted.shape) != 1):
             raise CheckpointError(f"{where}: table {table!r} of a delta has no 1-D int64 deleted tensor")
     return meta.model_dump()
+
+
+def _check_encoding(tensors: dict[str, TensorSpec], table: str, meta: TableMeta, rows: int, where: str) -> None:
+    """A quantized table's values (and int8's scales) are of the dtype and shape its encoding says."""
+    if meta.encoding == "float32":
+        return  # checked against the table's layout where it is restored
+    for name, (dtype, row_shape) in quantize.layout(meta.encoding, (meta.dim,)).items():
+        spec = tensors.get(f"table/{table}/{name}")
+        if spec is None or spec.dtype != dtype or spec.shape != (rows, *row_shape):
+            found = f"{spec.dtype} of shape {spec.shape}" if spec is not None else "missing"
+            raise CheckpointError(
+                f"{where}: table {table!r} is {meta.encoding}-encoded, its {name} must be {dtype} of shape "
+                f"{(rows, *row_shape)}, not {found}"
+            )
 
 
 def _check_part(tensors: dict[str, TensorSpec], name: str, part: str, where: str) -> None:

@@ -30,7 +30,7 @@ import threading
 from typing import Any
 
 from ..base.errors import FailedPreconditionError, InvalidArgumentError
-from . import shard_file
+from . import quantize, shard_file
 from .store import MANIFEST, CheckpointError, CheckpointStore, is_checkpoint_name
 
 log = logging.getLogger(__name__)
@@ -40,8 +40,13 @@ _EPOCHS_KEPT = 8  # snapshot epochs remembered, of the names written last (a del
 class ShardWrites:
     """The Checkpoint calls of one PS, writing under its own `directory`. Thread-safe: one write at a time."""
 
-    def __init__(self, directory: str) -> None:
-        self.store = CheckpointStore(directory)
+    def __init__(self, directory: str, encoding: str = quantize.NONE) -> None:
+        """`encoding`: how table values are stored (checkpoint/quantize.py; "none": float32)."""
+        if encoding not in quantize.ENCODINGS:
+            raise InvalidArgumentError(
+                f"checkpoint encoding {encoding!r} is not one of {', '.join(quantize.ENCODINGS)}"
+            )
+        self.store, self.encoding = CheckpointStore(directory), encoding
         self._lock = threading.Lock()
         self._last: str | None = None  # the name this PS wrote last
         self._committed: str | None = None  # the newest of its names known to be committed
@@ -60,7 +65,9 @@ class ShardWrites:
             if parent and on is None:
                 log.info("checkpoint %s: this PS has no snapshot of %s; its file is whole", name, parent)
             forget = self._epochs.get(parent or self._committed or "")
-            entry = shard_file.write(self.store, name, shard, shard.tables, parent=on, forget=forget)
+            entry = shard_file.write(
+                self.store, name, shard, shard.tables, parent=on, forget=forget, encoding=self.encoding
+            )
             self._last = name
             self._epochs[name] = shard.tables.snapshot_epoch
             for old in sorted(self._epochs)[:-_EPOCHS_KEPT]:

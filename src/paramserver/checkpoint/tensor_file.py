@@ -23,7 +23,16 @@ import numpy as np
 
 from .store import CheckpointError
 
-DTYPES = {"F32": np.float32, "F64": np.float64, "F16": np.float16, "I64": np.int64, "I32": np.int32, "U8": np.uint8}
+DTYPES = {
+    "F32": np.float32,
+    "F64": np.float64,
+    "F16": np.float16,
+    "BF16": np.uint16,  # numpy has no bfloat16: its bits (checkpoint/quantize.py)
+    "I64": np.int64,
+    "I32": np.int32,
+    "I8": np.int8,
+    "U8": np.uint8,
+}
 _CODES = {np.dtype(dtype): code for code, dtype in DTYPES.items()}
 _U8 = np.dtype(np.uint8)
 MAX_HEADER = 64 << 20  # header bytes a reader accepts: far above any real checkpoint's

@@ -73,8 +73,9 @@ def list_checkpoints(url: str) -> list[dict]:
     return rows
 
 
-def open_source(url: str, name: str | None) -> RestoreSource:
-    """Checkpoint `name` of `url` (default: the newest complete one), every file checked as a resume checks it."""
+def open_source(url: str, name: str | None, links: dict | None = None) -> RestoreSource:
+    """Checkpoint `name` of `url` (default: the newest complete one), every file checked as a resume
+    checks it (`links`: see RestoreSource)."""
     store = CheckpointStore(url)
     store.require()
     if name is None:
@@ -82,7 +83,7 @@ def open_source(url: str, name: str | None) -> RestoreSource:
         if not complete:
             raise CheckpointError(f"no complete checkpoint in {url}")
         name = complete[-1]
-    return RestoreSource(store, name)
+    return RestoreSource(store, name, links=links)
 
 
 def inspect(url: str, name: str | None = None) -> dict:
@@ -105,6 +106,7 @@ def inspect(url: str, name: str | None = None) -> dict:
             "dim": meta["dim"],
             "optimizer": meta["spec"],
             "counters": meta["counters"],
+            "encoding": meta.get("encoding", "float32"),  # of this checkpoint's own files' values
             "bytes": source.tensor_bytes(f"table/{table}/"),  # in this checkpoint's own files
         }
         for table, meta in source.tables.items()

@@ -53,7 +53,13 @@ def _parser() -> argparse.ArgumentParser:
     ckpt.add_argument("action", choices=["list", "inspect", "export"])
     ckpt.add_argument("dir", help="checkpoint directory (a path or fsspec URL)")
     ckpt.add_argument("name", nargs="?", help="checkpoint name, e.g. ckpt-000000020 (default: the latest complete)")
-    ckpt.add_argument("--out", help="export: the .pt file to write (default: <name>.pt here)")
+    ckpt.add_argument("--out", help="export: the .safetensors file to write (default: <name>.safetensors here)")
+    ckpt.add_argument(
+        "--since",
+        metavar="CKPT",
+        help="export: only what changed after checkpoint CKPT (the rows written since, the ids deleted "
+        "since, the dense variables), to update a serving copy of CKPT in place (docs/checkpoints.md)",
+    )
 
     certs = sub.add_parser("certs", help="make a CA and a TLS certificate per node in DIR (docs/security.md)")
     certs.add_argument("dir", help="directory to write ca.crt, ca.key, <node>.crt, <node>.key to")
@@ -325,6 +331,12 @@ def _add_mode_flags(parser: argparse.ArgumentParser) -> None:
         f"{Options.checkpoint_base_every}; 1: every checkpoint whole)",
     )
     parser.add_argument(
+        "--checkpoint-quantize",
+        choices=["none", "bf16", "int8"],
+        help="store embedding rows in checkpoints as bfloat16, or int8 with a float32 scale per row (default "
+        "none: float32; optimizer state stays float32; docs/checkpoints.md)",
+    )
+    parser.add_argument(
         "--resume",
         action="store_true",
         default=None,
@@ -360,6 +372,7 @@ _FLAG_OPTIONS = {
     "checkpoint_every_seconds": "checkpoint_every_seconds",
     "keep": "checkpoint_keep",
     "checkpoint_base_every": "checkpoint_base_every",
+    "checkpoint_quantize": "checkpoint_quantize",
     "heartbeat_timeout": "heartbeat_timeout_s",
     "recovery": "recovery",
     "max_table_rows": "max_table_rows",
@@ -577,6 +590,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "health":
             return _health(args)
         if args.command == "checkpoint":
+            if args.since is not None:
+                from ..checkpoint.delta_export import run_delta_export
+
+                return run_delta_export(args.action, args.dir, args.name, args.out, args.since)
             from ..checkpoint.tools import run_tool
 
             return run_tool(args.action, args.dir, args.name, args.out)

@@ -78,7 +78,8 @@ class PSNode(Lifecycle):
         tables = TableStore(index, options.max_table_ids, restore=restore, limits=limits, tiers=tiers)
         self.shard = Shard(index, wait_timeout_s=options.rpc_timeout_s, restore=restore, tables=tables)
         self.metrics = NodeMetrics()
-        save = shard_writer(options.checkpoint_dir)  # None without a checkpoint_dir: Checkpoint is refused
+        # None without a checkpoint_dir: Checkpoint is refused
+        save = shard_writer(options.checkpoint_dir, options.checkpoint_quantize)
         self.service = ShardService(self.shard, save_checkpoint=save and self.metrics.checkpoint_metrics().around(save))
         self.service.guard = self.guard
         if options.resume:  # a PS that may restart into a running cluster: pushes only from its own registrants

@@ -21,12 +21,25 @@ class ServedRows(nn.Module):
     ids: torch.Tensor
     weight: torch.Tensor
 
-    def __init__(self, ids: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> None:
+    def __init__(self, ids: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype, checkpoint: str = "") -> None:
         super().__init__()
+        self.checkpoint = checkpoint  # the checkpoint these rows are (a delta export names the one it applies to)
         order = torch.argsort(ids)
         zero = torch.zeros(1, weight.shape[1], dtype=weight.dtype)
         self.register_buffer("ids", ids[order].contiguous())
         self.register_buffer("weight", torch.cat([weight[order], zero]).to(dtype))
+
+    def update_rows(self, ids: torch.Tensor, weight: torch.Tensor, deleted: torch.Tensor, checkpoint: str) -> None:
+        """Update the rows in place with a delta export's table (checkpoint/delta_export.py): the
+        `deleted` ids removed, then the rows of `ids` written over the held ones or added; they are
+        then `checkpoint`'s."""
+        keep = ~(torch.isin(self.ids, deleted) | torch.isin(self.ids, ids))
+        merged_ids = torch.cat([self.ids[keep], ids])
+        merged = torch.cat([self.weight[:-1][keep], weight.to(self.weight.dtype)])
+        order = torch.argsort(merged_ids)
+        self.ids = merged_ids[order].contiguous()
+        self.weight = torch.cat([merged[order], self.weight[-1:]])
+        self.checkpoint = checkpoint
 
     def index(self, ids: torch.Tensor) -> torch.Tensor:
         """Each id's row in `weight` (same shape as `ids`); the last, zero row for an unknown id."""
