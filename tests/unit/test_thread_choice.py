@@ -55,3 +55,15 @@ def test_the_local_launcher_puts_it_in_each_childs_environment(monkeypatch):
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     env = cluster._env(cluster.options)
     assert env["OMP_WAIT_POLICY"] == "ACTIVE" and "GOMP_SPINCOUNT" not in env
+
+
+def test_measure_counts_only_this_process_cores(monkeypatch):
+    from paramserver.launch import threads
+
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(threads.psutil, "cpu_percent", lambda interval, percpu: [10.0, 5.0, 100.0, 100.0])
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert threads.usable_cores() == [0, 1]
+    assert threads.measure(1).torch_threads == 2  # cores 2 and 3 are busy, but not ours
+    monkeypatch.setattr(threads.psutil, "cpu_percent", lambda interval, percpu: [95.0, 5.0, 0.0, 0.0])
+    assert threads.measure(1).torch_threads == 1

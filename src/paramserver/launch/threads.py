@@ -62,12 +62,21 @@ def choose(num_workers: int, cores: int, busy_cores: float, environ: Mapping[str
     return ThreadChoice(choose_torch_threads(cores, num_workers, busy_cores), wait_policy_env(environ))
 
 
-def busy_cores_now(sample_s: float = _SAMPLE_S) -> float:
-    """Cores the machine's processes keep busy, sampled over `sample_s` seconds."""
-    cores = os.cpu_count() or 1
-    return psutil.cpu_percent(interval=sample_s) / 100.0 * cores
+def usable_cores() -> list[int]:
+    """The cores this process may run on (its CPU affinity: a container's or `taskset`'s cores)."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # no affinity on this platform: every core
+        return list(range(os.cpu_count() or 1))
+
+
+def busy_cores_now(cores: list[int], sample_s: float = _SAMPLE_S) -> float:
+    """How many of `cores` the machine's processes keep busy, sampled over `sample_s` seconds."""
+    percent = psutil.cpu_percent(interval=sample_s, percpu=True)
+    return sum(percent[c] for c in cores if c < len(percent)) / 100.0
 
 
 def measure(num_workers: int) -> ThreadChoice:
-    """`choose` for this machine now: its cores, their use over a short sample, this environment."""
-    return choose(num_workers, os.cpu_count() or 1, busy_cores_now(), os.environ)
+    """`choose` for this process now: its usable cores, their use over a short sample, this environment."""
+    cores = usable_cores()
+    return choose(num_workers, len(cores), busy_cores_now(cores), os.environ)
