@@ -11,7 +11,7 @@ worker, two against 2 x 2. Ours: examples/ctr.py (Adam on the PS for the MLP and
 
     pip install --no-deps 'torchrec==1.8.*' 'fbgemm-gpu-cpu==1.8.*' tensordict torchmetrics==1.0.3 \\
         pyre-extensions typing-inspect pyvers          # the `torchrec` extra of pyproject.toml
-    python bench/ctr_vs_torchrec.py [--pairs 3] [--topologies 1x1,2x2] [--rows 100000]
+    python bench/ctr_vs_torchrec.py [--pairs 3] [--topologies 1x1,2x2] [--rows 100000] [--flags=--overlap]
 
 One JSON line per pair (both examples/s, their ratio, the load averages), then one summary line
 per topology.
@@ -20,6 +20,7 @@ per topology.
 import argparse
 import json
 import os
+import shlex
 import statistics
 import sys
 import tempfile
@@ -174,6 +175,7 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=3, help="alternated pairs of runs per topology")
     parser.add_argument("--topologies", default="1x1,2x2", help="PSxWORKERS (TorchRec: WORKERS processes)")
     parser.add_argument("--rows", type=int, default=100_000, help="training lines")
+    parser.add_argument("--flags", default="", help="examples/ctr.py flags, e.g. --flags=--overlap")
     args = parser.parse_args()
     topologies = [tuple(int(n) for n in t.split("x")) for t in args.topologies.split(",")]
     results: dict[str, list[dict]] = {f"{p}x{w}": [] for p, w in topologies}
@@ -183,10 +185,11 @@ def main() -> None:
         prepare(train, test, data)
         for pair in range(args.pairs):
             for num_ps, workers in topologies:
-                ours = run_ctr(num_ps, workers, [], train, test)
+                ours = run_ctr(num_ps, workers, shlex.split(args.flags), train, test)
                 ours_load = load()
                 theirs = torchrec_run(workers, data, tmp)
                 record = {"bench": "ctr_vs_torchrec", "case": "pair", "pair": pair, "topology": f"{num_ps}x{workers}",
+                          "flags": args.flags,
                           "paramserver_examples_per_s": ours["examples_per_s"], "paramserver_load": ours_load,
                           "paramserver_torch_threads": ours["torch_threads"],
                           "paramserver_test_auc": ours["test_auc"], "torchrec_processes": workers,
