@@ -28,7 +28,7 @@ import psutil
 # Each variable is a runtime's own knob for the same thing: libgomp reads OMP_WAIT_POLICY (and
 # GOMP_SPINCOUNT), Intel's OpenMP KMP_BLOCKTIME (milliseconds a thread spins before it sleeps).
 PASSIVE_WAIT_ENV: Mapping[str, str] = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0", "KMP_BLOCKTIME": "0"}
-_SAMPLE_S = 0.25  # how long the launcher samples the machine's CPU use before it chooses
+_SAMPLE_S = 0.1  # how long the launcher samples the machine's CPU use before it chooses
 
 
 @dataclass(frozen=True)
