@@ -8,9 +8,12 @@ examples/s and their ratio), then one summary line per topology (median and rang
 and the ratio of the means).
 
     python bench/ctr_vs_tf.py --tf-python /tmp/tfvenv/bin/python [--pairs 5] [--flags=--overlap]
-        [--topologies 1x1,2x2] [--rows 200000]
+        [--topologies 1x1,2x2] [--rows 200000] [--contend N]
 
-(see bench/tf_reference.py for making that TensorFlow virtual environment)
+(see bench/tf_reference.py for making that TensorFlow virtual environment; without `--tf-python`
+only paramserver is measured). `--contend N` measures every pair a second time with N busy
+processes running (bench/contend.py) and reports both in the pair's line (`contended_*`, and
+`*_contended_ratio`: contended / quiet), with the load averages at the end of each run.
 """
 
 import argparse
@@ -23,7 +26,8 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from embedding import run_ctr, write_ctr_data  # noqa: E402  (a sibling benchmark script)
+from contend import busy_processes, load  # a sibling module
+from embedding import run_ctr, write_ctr_data  # a sibling benchmark script
 
 HERE = Path(__file__).resolve().parent
 
@@ -35,21 +39,44 @@ def tensorflow_rate(tf_python: str, num_ps: int, workers: int, train: str, test:
 
 
 def summary(topology: str, flags: str, pairs: list[dict]) -> dict:
-    ratios = [p["ratio"] for p in pairs]
-    ours = statistics.mean(p["paramserver_examples_per_s"] for p in pairs)
-    theirs = statistics.mean(p["tensorflow_examples_per_s"] for p in pairs)
-    return {"bench": "ctr_vs_tf", "case": "summary", "topology": topology, "flags": flags, "pairs": len(pairs),
-            "ratio_median": round(statistics.median(ratios), 3), "ratio_min": min(ratios), "ratio_max": max(ratios),
-            "ratio_of_means": round(ours / theirs, 3)}
+    record = {"bench": "ctr_vs_tf", "case": "summary", "topology": topology, "flags": flags, "pairs": len(pairs)}
+    for prefix in ("", "contended_"):
+        if f"{prefix}ratio" not in pairs[0]:
+            continue
+        ratios = [p[f"{prefix}ratio"] for p in pairs]
+        ours = statistics.mean(p[f"{prefix}paramserver_examples_per_s"] for p in pairs)
+        theirs = statistics.mean(p[f"{prefix}tensorflow_examples_per_s"] for p in pairs)
+        record.update({f"{prefix}ratio_median": round(statistics.median(ratios), 3),
+                       f"{prefix}ratio_min": min(ratios), f"{prefix}ratio_max": max(ratios),
+                       f"{prefix}ratio_of_means": round(ours / theirs, 3)})
+    if "paramserver_contended_ratio" in pairs[0]:
+        record["paramserver_contended_ratio_min"] = min(p["paramserver_contended_ratio"] for p in pairs)
+    return record
+
+
+def measure(tf_python: str | None, num_ps: int, workers: int, flags: list[str], train: str, test: str,
+            prefix: str) -> dict:
+    """One run of ours and one of TensorFlow's (when given), back to back; their figures under `prefix`."""
+    ours = run_ctr(num_ps, workers, flags, train, test)
+    record = {f"{prefix}paramserver_examples_per_s": ours["examples_per_s"], f"{prefix}paramserver_load": load(),
+              f"{prefix}paramserver_torch_threads": ours["torch_threads"]}
+    if tf_python:
+        theirs = tensorflow_rate(tf_python, num_ps, workers, train, test)
+        record.update({f"{prefix}tensorflow_examples_per_s": theirs, f"{prefix}tensorflow_load": load(),
+                       f"{prefix}ratio": round(record[f"{prefix}paramserver_examples_per_s"] / theirs, 3)})
+    return record
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tf-python", required=True, help="python of a virtual environment with TensorFlow 2.21")
+    parser.add_argument("--tf-python", help="python of a virtual environment with TensorFlow 2.21 (default: "
+                                              "paramserver alone)")
     parser.add_argument("--pairs", type=int, default=5, help="alternated pairs of runs per topology")
     parser.add_argument("--flags", default="", help="examples/ctr.py flags, e.g. --flags=--overlap")
     parser.add_argument("--topologies", default="1x1,2x2", help="PSxWORKERS, comma separated")
     parser.add_argument("--rows", type=int, default=200_000, help="training lines")
+    parser.add_argument("--contend", type=int, default=0,
+                        help="also run each pair under N busy processes and report both (default 0: quiet only)")
     args = parser.parse_args()
     topologies = [tuple(int(n) for n in t.split("x")) for t in args.topologies.split(",")]
     flags = shlex.split(args.flags)
@@ -58,11 +85,17 @@ def main() -> None:
         train, test = write_ctr_data(tmp, args.rows)
         for pair in range(args.pairs):
             for num_ps, workers in topologies:
-                ours = run_ctr(num_ps, workers, flags, train, test)["examples_per_s"]
-                theirs = tensorflow_rate(args.tf_python, num_ps, workers, train, test)
                 record = {"bench": "ctr_vs_tf", "case": "pair", "pair": pair, "topology": f"{num_ps}x{workers}",
-                          "flags": args.flags, "paramserver_examples_per_s": ours,
-                          "tensorflow_examples_per_s": theirs, "ratio": round(ours / theirs, 3)}
+                          "flags": args.flags}
+                record.update(measure(args.tf_python, num_ps, workers, flags, train, test, ""))
+                if args.contend:
+                    record["contend"] = args.contend
+                    with busy_processes(args.contend):
+                        record.update(measure(args.tf_python, num_ps, workers, flags, train, test, "contended_"))
+                    for side in ("paramserver", "tensorflow"):
+                        if f"{side}_examples_per_s" in record:
+                            record[f"{side}_contended_ratio"] = round(
+                                record[f"contended_{side}_examples_per_s"] / record[f"{side}_examples_per_s"], 3)
                 results[record["topology"]].append(record)
                 print(json.dumps(record), flush=True)
     for topology, pairs in results.items():

@@ -5,6 +5,11 @@ topology and prints one JSON line per topology: steady-state examples/s summed o
 workers (after a warm-up), and peak RSS per role. `--plot FILE.png` also draws them.
 
     python bench/dense.py [--seconds 10] [--topologies 1x1,1x2,2x2] [--plot bench/out/dense.png]
+        [--contend N]
+
+`--contend N` runs each case twice back to back, quiet and then with N busy processes (one
+spinning Python loop each, bench/contend.py), and reports both in its line
+(`contended_examples_per_s`, `contended_ratio`), with the load averages at the end of each.
 """
 
 import argparse
@@ -15,6 +20,9 @@ from pathlib import Path
 
 from paramserver.base.config import Options
 from paramserver.launch.local import LocalCluster
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from contend import busy_processes, load  # a sibling module
 
 WORKER = str(Path(__file__).with_name("dense_worker.py"))
 
@@ -59,6 +67,8 @@ def main() -> None:
     parser.add_argument("--overlap", choices=["on", "off", "both"], default="both",
                         help="optimizer overlap mode(s) to measure (default both)")
     parser.add_argument("--torch-threads", type=int, default=0, help="torch threads per worker (default: launcher's)")
+    parser.add_argument("--contend", type=int, default=0,
+                        help="also run each case under N busy processes and report both (default 0: quiet only)")
     parser.add_argument("--plot", help="write a PNG bar chart here (needs matplotlib)")
     args = parser.parse_args()
     results = []
@@ -66,8 +76,18 @@ def main() -> None:
     for topology in args.topologies.split(","):
         num_ps, num_workers = (int(n) for n in topology.split("x"))
         for overlap in modes:
-            results.append(run_topology(num_ps, num_workers, args.seconds, args.batch_size, overlap,
-                                        args.torch_threads))
+            record = run_topology(num_ps, num_workers, args.seconds, args.batch_size, overlap, args.torch_threads)
+            record["load"] = load()  # at the end of the run: 1, 5 and 15 minute averages
+            if args.contend:
+                record["contend"] = args.contend
+                with busy_processes(args.contend):
+                    contended = run_topology(num_ps, num_workers, args.seconds, args.batch_size, overlap,
+                                             args.torch_threads)
+                    record["contended_load"] = load()
+                record["contended_examples_per_s"] = contended["examples_per_s"]
+                record["contended_torch_threads"] = contended["torch_threads"]
+                record["contended_ratio"] = round(contended["examples_per_s"] / record["examples_per_s"], 3)
+            results.append(record)
             print(json.dumps(results[-1]), flush=True)
     if args.plot:
         plot(results, args.plot)

@@ -145,7 +145,8 @@ def run_ctr(num_ps: int, workers: int, flags: list[str], train: str, test: str, 
         raise SystemExit(cluster._lines.out.getvalue()[-3000:])
     summary = cluster.summary()
     return {"bench": "embedding", "case": "ctr", "ps": num_ps, "workers": workers, "batch_size": 512,
-            "flags": " ".join(flags), "examples_per_s": summary["examples_per_s"], "test_auc": summary["test_auc"],
+            "flags": " ".join(flags), "torch_threads": cluster.options.torch_threads,
+            "examples_per_s": summary["examples_per_s"], "test_auc": summary["test_auc"],
             "peak_rss_mb": summary["peak_rss_mb"]}
 
 

@@ -4,9 +4,10 @@
 one shared PS embedding table (no vocabulary: ids are hashed values); the dense features
 and the 26 embeddings go through an MLP 256-128-1. With `--wide`, a linear part over the
 same ids (a second, 1-wide table) is added. Worker 0 reports held-out AUC. Lines are parsed
-in the training loop by the C parser (`--prefetch N` parses in a loader process, N batches
-ahead). The loop is a plain one: `ctx.resumable` pipelines it, so the next batch's rows (the
-batch after next's with `--overlap`) come back with each step's reply (`--no-prefetch-rows`
+by the C parser in a background thread, 4 batches ahead of the training loop (`--parse-ahead 0`
+parses in the loop; `--prefetch N` in a loader process, N batches ahead). The loop is a plain
+one: `ctx.resumable` pipelines it, so the next batch's rows (the batch after next's with
+`--overlap`) come back with each step's reply (`--no-prefetch-rows`
 looks them up at the forward instead; see docs/embeddings.md).
 
     python examples/ctr_data.py --rows 200000 --out /tmp/train.tsv --seed 1
@@ -64,7 +65,9 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--overlap", action="store_true", help="overlap the dense push with the next batch")
     parser.add_argument("--prefetch", type=int, default=0,
-                        help="batches parsed ahead in a loader process (default 0: parsed in the training loop)")
+                        help="batches parsed ahead in a loader process (default 0: no loader process)")
+    parser.add_argument("--parse-ahead", type=int, default=criteo.PARSE_AHEAD,
+                        help="batches parsed ahead in a background thread (0: parsed in the training loop)")
     parser.add_argument("--table-rows", type=int, default=1_000_000,
                         help="rows to reserve in the embedding table up front (it grows past them if needed)")
     parser.add_argument("--prefetch-rows", action=argparse.BooleanOptionalAction, default=True,
@@ -81,7 +84,8 @@ def main() -> None:
     # this worker's share, from its data position on (a restarted worker skips what it trained); each
     # step brings back the embedding rows of the batch its reply serves (docs/embeddings.md, "Pipelining")
     batches = ctx.resumable(lambda epoch: criteo.batches(args.train, args.batch_size, ctx.worker_index,
-                                                         ctx.num_workers, prefetch=args.prefetch),
+                                                         ctx.num_workers, prefetch=args.prefetch,
+                                                         parse_ahead=args.parse_ahead),
                             epochs=args.epochs, prefetch_rows=args.prefetch_rows)
     for dense, sparse, labels in batches:
         opt.zero_grad()

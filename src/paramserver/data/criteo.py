@@ -45,6 +45,7 @@ import numpy as np
 from ..base import kernels
 from ..base.errors import InvalidArgumentError
 from ..base.hashing import mix64
+from .background import BackgroundBatches
 from .loader import BatchLoader
 
 NUM_DENSE, NUM_SPARSE = 13, 26
@@ -52,6 +53,7 @@ NUM_FIELDS = 1 + NUM_DENSE + NUM_SPARSE
 FIELD_NAMES = ("label", *(f"I{k}" for k in range(1, NUM_DENSE + 1)), *(f"C{k}" for k in range(1, NUM_SPARSE + 1)))
 _LOW56 = np.uint64((1 << 56) - 1)
 _FEATURE = np.arange(NUM_SPARSE, dtype=np.uint64) << np.uint64(56)
+PARSE_AHEAD = 4  # batches a background thread parses ahead of the loop by default
 _BLOCK_BYTES = 1 << 20  # a file is read this much at a time: per-block Python work is then noise
 _INTEGER = re.compile(rb"-?[0-9]+")
 _INT64_DIGITS = 19  # more significant digits than this never fit (and int() of thousands is refused)
@@ -387,22 +389,28 @@ def _batched(
         yield lines, segments
 
 
-def batches(source, batch_size: int, skip: int = 0, every: int = 1, prefetch: int = 0) -> Iterator[tuple]:
+def batches(
+    source, batch_size: int, skip: int = 0, every: int = 1, prefetch: int = 0, parse_ahead: int = PARSE_AHEAD
+) -> Iterator[tuple]:
     """Batches of (dense, sparse, labels) torch tensors from files or lines; `skip`/`every` keep every
     `every`-th line starting at `skip` (a worker's shard: skip=worker_index, every=num_workers),
     counting the lines of all files in order; blank lines are skipped.
 
-    prefetch > 0 parses in a loader process that keeps up to that many batches ready
+    By default a background thread ("parse-criteo") parses up to `parse_ahead` batches ahead of
+    the loop (data/background.py); `parse_ahead=0` parses in the loop itself. prefetch > 0 parses
+    in a loader process instead, which keeps up to that many batches ready
     (paramserver.data.loader); `source` must then be file paths.
     """
-    arrays: Iterable[tuple]
     if prefetch:
         paths = [str(p) for p in ([source] if isinstance(source, (str, Path)) else source)]
-        arrays = BatchLoader(array_batches, paths, batch_size, skip, every, depth=prefetch)
+        loader = BatchLoader(array_batches, paths, batch_size, skip, every, depth=prefetch)
+        yield from (_tensors(batch) for batch in loader)
+    elif parse_ahead:
+        yield from BackgroundBatches(
+            lambda: map(_tensors, array_batches(source, batch_size, skip, every)), parse_ahead, name="parse-criteo"
+        )
     else:
-        arrays = array_batches(source, batch_size, skip, every)
-    for batch in arrays:
-        yield _tensors(batch)
+        yield from map(_tensors, array_batches(source, batch_size, skip, every))
 
 
 def array_batches(source, batch_size: int, skip: int = 0, every: int = 1) -> Iterator[tuple[np.ndarray, ...]]:

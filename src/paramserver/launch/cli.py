@@ -173,7 +173,7 @@ def _add_cluster_flags(parser: argparse.ArgumentParser, ps: int = 1, workers: in
         "--torch-threads",
         type=int,
         default=0,
-        help="torch intra-op threads per worker (default: cores / workers, at least 1)",
+        help="torch intra-op threads per worker (default: the cores idle at the start / workers, at least 1)",
     )
     parser.add_argument(
         "--rpc-timeout",

@@ -48,6 +48,7 @@ from ..base.config import OPTIONS_ENV, TF_CONFIG_ENV, Options
 from ..base.errors import FailedPreconditionError, UnavailableError
 from ..base.lifecycle import RESTART_EXIT_CODE, Lifecycle, ReadyFlag
 from ..worker.progress import ProgressBoard
+from . import threads
 from .certs import ps_node_name, with_node_tls, worker_node_name
 from .processes import Child, LineWriter, stop_all, wait_any
 from .ps_process import READY_PREFIX
@@ -77,10 +78,8 @@ def free_port() -> int:
 
 
 def default_torch_threads(num_workers: int) -> int:
-    """The cores shared out among the workers: a PS works mostly while its workers wait for its
-    replies, so it needs no core of its own (CTR example, 1 PS x 1 worker on 2 cores: two threads
-    +33% examples/s in the exact mode, +4-13% with overlap; docs/performance.md)."""
-    return max(1, (os.cpu_count() or 1) // num_workers)
+    """The cores idle now shared out among the workers, at least 1 (launch/threads.py)."""
+    return threads.measure(num_workers).torch_threads
 
 
 class LocalCluster(Lifecycle):
@@ -535,6 +534,7 @@ class LocalCluster(Lifecycle):
 
     def _env(self, options: Options, tf_config: str | None = None) -> dict[str, str]:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env.update(threads.wait_policy_env(os.environ))  # idle OpenMP threads sleep (launch/threads.py)
         env[OPTIONS_ENV] = options.to_json()
         env.pop(TF_CONFIG_ENV, None)
         if tf_config:
