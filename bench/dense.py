@@ -5,16 +5,21 @@ topology and prints one JSON line per topology: steady-state examples/s summed o
 workers (after a warm-up), and peak RSS per role. `--plot FILE.png` also draws them.
 
     python bench/dense.py [--seconds 10] [--topologies 1x1,1x2,2x2] [--plot bench/out/dense.png]
-        [--contend N]
+        [--contend N] [--tf-python /tmp/tfvenv/bin/python]
 
 `--contend N` runs each case twice back to back, quiet and then with N busy processes (one
 spinning Python loop each, bench/contend.py), and reports both in its line
 (`contended_examples_per_s`, `contended_ratio`), with the load averages at the end of each.
+`--tf-python` (the python of a virtual environment with TensorFlow, bench/tf_reference.py) runs
+TensorFlow's ParameterServerStrategy on the same model and batches right after each of our runs,
+quiet and contended alike (`tensorflow_examples_per_s`, `tf_ratio` = ours / TensorFlow's, and
+`contended_*` of both under the same busy processes).
 """
 
 import argparse
 import io
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -25,6 +30,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from contend import busy_processes, load  # a sibling module
 
 WORKER = str(Path(__file__).with_name("dense_worker.py"))
+TF_REFERENCE = str(Path(__file__).with_name("tf_reference.py"))
+
+
+def tensorflow_rate(tf_python: str, num_ps: int, num_workers: int, seconds: float, batch_size: int) -> float:
+    """examples/s of TensorFlow's ParameterServerStrategy on the same case (bench/tf_reference.py --model dense)."""
+    out = subprocess.run([tf_python, TF_REFERENCE, "--model", "dense", "--topologies", f"{num_ps}x{num_workers}",
+                          "--seconds", str(seconds), "--batch-size", str(batch_size)],
+                         check=True, capture_output=True, text=True).stdout
+    return json.loads([line for line in out.splitlines() if line.startswith("{")][-1])["examples_per_s"]
 
 
 def run_topology(num_ps: int, num_workers: int, seconds: float, batch_size: int, overlap: bool,
@@ -69,6 +83,8 @@ def main() -> None:
     parser.add_argument("--torch-threads", type=int, default=0, help="torch threads per worker (default: launcher's)")
     parser.add_argument("--contend", type=int, default=0,
                         help="also run each case under N busy processes and report both (default 0: quiet only)")
+    parser.add_argument("--tf-python", help="python of a virtual environment with TensorFlow: measure it after "
+                                              "each of our runs (default: paramserver alone)")
     parser.add_argument("--plot", help="write a PNG bar chart here (needs matplotlib)")
     args = parser.parse_args()
     results = []
@@ -78,15 +94,29 @@ def main() -> None:
         for overlap in modes:
             record = run_topology(num_ps, num_workers, args.seconds, args.batch_size, overlap, args.torch_threads)
             record["load"] = load()  # at the end of the run: 1, 5 and 15 minute averages
+            if args.tf_python:
+                record["tensorflow_examples_per_s"] = tensorflow_rate(args.tf_python, num_ps, num_workers,
+                                                                      args.seconds, args.batch_size)
+                record["tensorflow_load"] = load()
+                record["tf_ratio"] = round(record["examples_per_s"] / record["tensorflow_examples_per_s"], 3)
             if args.contend:
                 record["contend"] = args.contend
                 with busy_processes(args.contend):
                     contended = run_topology(num_ps, num_workers, args.seconds, args.batch_size, overlap,
                                              args.torch_threads)
                     record["contended_load"] = load()
+                    if args.tf_python:
+                        record["contended_tensorflow_examples_per_s"] = tensorflow_rate(
+                            args.tf_python, num_ps, num_workers, args.seconds, args.batch_size)
+                        record["contended_tensorflow_load"] = load()
                 record["contended_examples_per_s"] = contended["examples_per_s"]
                 record["contended_torch_threads"] = contended["torch_threads"]
                 record["contended_ratio"] = round(contended["examples_per_s"] / record["examples_per_s"], 3)
+                if args.tf_python:
+                    record["tensorflow_contended_ratio"] = round(
+                        record["contended_tensorflow_examples_per_s"] / record["tensorflow_examples_per_s"], 3)
+                    record["contended_tf_ratio"] = round(
+                        contended["examples_per_s"] / record["contended_tensorflow_examples_per_s"], 3)
             results.append(record)
             print(json.dumps(results[-1]), flush=True)
     if args.plot:

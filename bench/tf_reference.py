@@ -34,6 +34,14 @@ TensorFlow lives in its own virtual environment, apart from the project's:
 Each worker task runs in a directory of its own holding a file `shard` with its index: the
 per-worker dataset function is one graph for all workers, and it reads that file to pick its
 part of the data.
+
+`--model dense` runs bench/dense.py's case instead (no data files): the seed MLP 784-1024-512-10
+(ReLU, softmax cross-entropy, ResourceApplyAdam lr 1e-3 on the PS for every variable), batches of
+64 per worker drawn from 16 fixed random batches, as bench/dense.py's workers do; after a warm-up
+of 2 calls per worker, calls are scheduled `--seconds` long and the examples/s of all workers
+together are reported:
+
+    /tmp/tfvenv/bin/python bench/tf_reference.py --model dense --batch-size 64 --seconds 10
 """
 
 import argparse
@@ -115,9 +123,10 @@ def launch(role: str, index: int, spec: dict, args, workdir: Path, log) -> subpr
     command = [sys.executable, os.path.abspath(__file__), "--role", role, "--index", str(index),
                "--cluster", json.dumps(spec), "--intra-op", str(args.intra_op), "--inter-op", str(args.inter_op)]
     if role == "chief":
-        command += ["--train", os.path.abspath(args.train), "--test", os.path.abspath(args.test),
-                    "--batch-size", str(args.batch_size), "--steps-per-call", str(args.steps_per_call),
-                    "--lr", str(args.lr)]
+        command += ["--model", args.model, "--batch-size", str(args.batch_size),
+                    "--steps-per-call", str(args.steps_per_call), "--lr", str(args.lr), "--seconds", str(args.seconds)]
+        if args.model == "ctr":
+            command += ["--train", os.path.abspath(args.train), "--test", os.path.abspath(args.test)]
         return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True)
     cwd = workdir / f"{role}{index}"
     cwd.mkdir()
@@ -160,7 +169,7 @@ def run_topology(num_ps: int, num_workers: int, args) -> dict:
         finally:
             stop_all(processes)
     result = json.loads(output.strip().splitlines()[-1])
-    return {"bench": "tf_reference", "case": "ctr", "ps": num_ps, "workers": num_workers,
+    return {"bench": "tf_reference", "case": args.model, "ps": num_ps, "workers": num_workers,
             "batch_size": args.batch_size, **result, "peak_rss_mb": peak_rss}
 
 
@@ -291,11 +300,11 @@ def shards(variable) -> list:
 class Adam:
     """Adam with slots beside each variable shard; row-wise (lazy) for the embedding table's shards."""
 
-    def __init__(self, strategy, model: CTRModel, lr: float) -> None:
+    def __init__(self, strategy, model, lr: float) -> None:
         import tensorflow as tf
 
         self.lr = lr
-        self.sparse = shards(model.table)
+        self.sparse = shards(model.table) if hasattr(model, "table") else []
         self.dense = [s for v in model.dense_variables() for s in shards(v)]
         self.slots = {}
         with strategy.scope():
@@ -406,6 +415,81 @@ def timed_schedule(coordinator, train, iterator, calls: int, shards_seen: set) -
     return seconds
 
 
+class DenseModel:
+    """bench/dense.py's seed MLP 784-1024-512-10 (torch's default Linear initialization)."""
+
+    def __init__(self, strategy) -> None:
+        import tensorflow as tf
+
+        self.layers, width = [], 784
+        with strategy.scope():
+            for n, out in enumerate((1024, 512, 10)):
+                bound = 1 / math.sqrt(width)
+                self.layers.append(tuple(
+                    tf.Variable(functools.partial(uniform_init, shape=shape, dtype=tf.float32, bound=bound),
+                                shape=shape, dtype=tf.float32, name=f"{kind}{n}")
+                    for kind, shape in (("w", (width, out)), ("b", (out,)))))
+                width = out
+
+    def dense_variables(self) -> list:
+        return [v for layer in self.layers for v in layer]
+
+    def __call__(self, x):
+        import tensorflow as tf
+
+        for n, (w, b) in enumerate(self.layers):
+            x = tf.matmul(x, w) + b
+            if n < len(self.layers) - 1:
+                x = tf.nn.relu(x)
+        return x
+
+
+def dense_dataset(batch_size: int):
+    """16 fixed random batches of this worker (seeded by its index), repeated."""
+    import tensorflow as tf
+
+    index = tf.strings.to_number(tf.io.read_file("shard"), tf.int64)
+    x = tf.random.stateless_normal((16, batch_size, 784), seed=tf.stack([index, 0]))
+    y = tf.random.stateless_uniform((16, batch_size), seed=tf.stack([index, 1]), maxval=10, dtype=tf.int64)
+    return tf.data.Dataset.from_tensor_slices((x, y)).map(lambda a, b: (a, b, index)).repeat().prefetch(4)
+
+
+def dense_chief(args, strategy, coordinator, num_workers: int) -> None:
+    import tensorflow as tf
+
+    model = DenseModel(strategy)
+    optimizer = Adam(strategy, model, args.lr)
+
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=model(x)))
+        optimizer.apply(tape.gradient(loss, optimizer.variables()))
+        return loss
+
+    @tf.function
+    def train(iterator):
+        loss, index = tf.constant(0.0), tf.constant(-1, tf.int64)
+        for _ in tf.range(args.steps_per_call):
+            x, y, index = next(iterator)
+            loss = strategy.run(step, args=(x, y))
+        return loss, index
+
+    iterator = iter(coordinator.create_per_worker_dataset(lambda: dense_dataset(args.batch_size)))
+    shards_seen = set()
+    timed_schedule(coordinator, train, iterator, 2 * num_workers, shards_seen)  # warm-up, tracing
+    calls, seconds = 0, 0.0
+    while seconds < args.seconds:  # rounds of 2 calls per worker until --seconds have passed
+        seconds += timed_schedule(coordinator, train, iterator, 2 * num_workers, shards_seen)
+        calls += 2 * num_workers
+    if shards_seen != set(range(num_workers)):
+        raise SystemExit(f"expected the workers' shards {list(range(num_workers))}, saw {sorted(shards_seen)}")
+    print(json.dumps({
+        "examples_per_s": round(calls * args.steps_per_call * args.batch_size / seconds, 1),
+        "timed_steps": calls * args.steps_per_call, "steps_per_call": args.steps_per_call,
+        "seconds": round(seconds, 2), "threads": {"intra_op": args.intra_op, "inter_op": args.inter_op},
+        "tensorflow": tf.__version__}), flush=True)
+
+
 def chief(args) -> None:
     import tensorflow as tf
 
@@ -418,6 +502,8 @@ def chief(args) -> None:
     strategy = tf.distribute.ParameterServerStrategy(
         resolver, variable_partitioner=tf.distribute.experimental.partitioners.FixedShardsPartitioner(num_ps))
     coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+    if args.model == "dense":
+        return dense_chief(args, strategy, coordinator, num_workers)
     model = CTRModel(strategy)
     optimizer = Adam(strategy, model, args.lr)
     train = make_train_function(strategy, model, optimizer, args.steps_per_call)
@@ -444,6 +530,9 @@ def chief(args) -> None:
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=("ctr", "dense"), default="ctr",
+                        help="ctr: examples/ctr.py's model; dense: bench/dense.py's seed MLP (synthetic data)")
+    parser.add_argument("--seconds", type=float, default=10.0, help="timed seconds (--model dense)")
     parser.add_argument("--train", help="training lines (examples/ctr_data.py)")
     parser.add_argument("--test", help="held-out lines for the AUC")
     parser.add_argument("--topologies", default="1x1,2x2", help="PSxWORKERS, comma separated")
@@ -457,9 +546,9 @@ def parse_args():
     parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--cluster", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.role in (None, "chief") and not (args.train and args.test):
+    if args.role in (None, "chief") and args.model == "ctr" and not (args.train and args.test):
         parser.error("--train and --test are required")
-    for path in (args.train, args.test) if args.role is None else ():
+    for path in (args.train, args.test) if args.role is None and args.model == "ctr" else ():
         if not os.path.isfile(path):
             parser.error(f"no such file: {path}")
     return args
