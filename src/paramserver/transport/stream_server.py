@@ -278,9 +278,9 @@ class StreamServer(Lifecycle):
             return True
         segment = state.segment
         if kind == REQUEST_SHM and segment is not None and size <= segment.capacity:
-            payload = inbox.copy(segment.requests[:size])  # the worker can still write the segment
+            payload = inbox.copy_frame(segment.requests[:size])  # the worker can still write the segment
         elif kind == REQUEST:
-            payload = inbox.receive(conn, size)
+            payload = inbox.receive_frame(conn, size)
         elif kind & MORE:
             payload = self._receive_parts(conn, (kind, 0, method_id, size), inbox, state)
             if payload is None:
