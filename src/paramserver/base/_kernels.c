@@ -70,7 +70,9 @@ static inline uint64_t mix64(uint64_t x) { /* the murmur3 finalizer, as hash_ind
  * of two; linear probing. The loops prefetch the slot (or row) AHEAD ids on: at random positions
  * in tables of hundreds of MB, waiting on memory is most of the work, and issuing the loads early
  * lets them overlap. (ps_unique's scratch slots keep their own convention: row < 0 is empty.) */
+#ifndef AHEAD
 #define AHEAD 8
+#endif
 
 static inline uint64_t slot_of(int64_t id, uint64_t mask) { return mix64((uint64_t)id) & mask; }
 
