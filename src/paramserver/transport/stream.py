@@ -63,7 +63,7 @@ REQUEST, REPLY, REQUEST_SHM, REPLY_SHM, ATTACH, AUTH, ACK = range(7)
 MORE = 0x80  # kind flag: a part of a longer request or reply; the parts that follow complete it
 CODES = {code.value[0]: code for code in grpc.StatusCode}
 _SOCKET_BUFFER = 8 * 1024 * 1024
-_HOT_BYTES = 256 * 1024  # a frame's bytes received at once while its float32 tensors are measured (L2-sized)
+_HOT_BYTES = 256 * 1024  # the most of a frame received at once while its float32 tensors are measured
 _FIRST_CHUNK = 1 << 20  # a receive buffer grows from here as bytes arrive (a prefix alone proves nothing)
 _TLS_COALESCE_BYTES = 64 * 1024  # TLS: parts up to this size share records (each sendall is a record)
 
@@ -146,7 +146,7 @@ class Inbox:
         return got + n
 
     def _receive_hot(self, sock: socket.socket, got: int, end: int) -> int:
-        """As _receive_some, at most _HOT_BYTES at once: what arrived is still in cache when measured."""
+        """As _receive_some, at most _HOT_BYTES at once: each piece is measured right after it arrives."""
         if got == len(self._buffer):
             self._grow(got, min(end, max(2 * got, _FIRST_CHUNK)))
         n = sock.recv_into(memoryview(self._buffer)[got : min(end, len(self._buffer), got + _HOT_BYTES)])
@@ -156,8 +156,8 @@ class Inbox:
 
     def receive_frame(self, sock: socket.socket, size: int) -> memoryview:
         """A request frame of `size` bytes from `sock`, as `receive`; each float32 tensor of it is
-        measured (its largest magnitude) as its bytes arrive, while they are in cache, so that the
-        check of a pushed gradient reads nothing again (kernels.note_measured)."""
+        measured (its largest magnitude) piece by piece as its bytes arrive, so that the check of a
+        pushed gradient needs no pass of its own later (kernels.note_measured)."""
         self._spans.clear()
         if kernels.KERNELS is None:
             return self.receive(sock, size)
