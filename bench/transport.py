@@ -5,8 +5,9 @@ baseline, all measured in the same rounds of one run (each round times every fig
 The PS is a real process (`paramserver node --role ps`); this process is the worker, calling it
 through PSClient (no torch). SGD, so a push costs mostly its transfer. The raw-socket baseline moves
 the same bytes the same way between two processes over a local TCP socket: a small request then
-64 MB back (pull), 64 MB then a small reply (push). Prints one JSON line: GB/s of each, and ratios
-(targets: TCP >= 60% of the raw socket, shared memory >= 50% of memcpy).
+64 MB back (pull), 64 MB then a small reply (push). Prints one JSON line: GB/s of each, ratios (targets: TCP >= 60% of the
+raw socket, shared memory >= 50% of memcpy), and the PS's CPU milliseconds per pull and push on the
+stream (`*_ps_cpu_ms`, /proc: Linux; the mean over the rounds), steadier than GB/s on a shared machine.
 
     python bench/transport.py [--mb 64] [--repeats 10] [--max-message-bytes N]
 """
@@ -19,6 +20,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -35,16 +37,27 @@ def timed(run) -> float:
     return time.perf_counter() - started
 
 
-def best_gbps(runs: dict, nbytes: int, repeats: int) -> dict:
-    """GB/s of each run, the fastest of `repeats` rounds (after a warm-up one). Each round times every
-    run once, so that the machine's load drifts alike for all of them and their ratios hold."""
+def ps_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process `pid` has used."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def best_gbps(runs: dict, nbytes: int, repeats: int, pid: int) -> tuple[dict, dict]:
+    """GB/s of each run, the fastest of `repeats` rounds (after a warm-up one), and the PS's (`pid`) CPU
+    milliseconds per run, the mean over the rounds. Each round times every run once, so that the
+    machine's load drifts alike for all of them and their ratios hold."""
     best = {name: float("inf") for name in runs}
+    cpu = dict.fromkeys(runs, 0.0)
     for round_ in range(repeats + 1):
         for name, run in runs.items():
+            before = ps_cpu_s(pid)
             took = timed(run)
             if round_:
                 best[name] = min(best[name], took)
-    return {name: round(nbytes / took / 1e9, 3) for name, took in best.items()}
+                cpu[name] += ps_cpu_s(pid) - before
+    gbps = {name: round(nbytes / took / 1e9, 3) for name, took in best.items()}
+    return gbps, {name: round(seconds / repeats * 1e3, 1) for name, seconds in cpu.items()}
 
 
 def start_ps(max_message_bytes: int) -> tuple[subprocess.Popen, str]:
@@ -144,7 +157,7 @@ def main() -> None:
             clients.append(client)
         socket_run, sock, peer = socket_runs(nbytes)
         runs.update(socket_run)
-        gbps = best_gbps(runs, nbytes, args.repeats)
+        gbps, ps_cpu_ms = best_gbps(runs, nbytes, args.repeats, proc.pid)
     finally:
         for client in clients:
             client.close()
@@ -154,7 +167,8 @@ def main() -> None:
         proc.terminate()
         proc.wait(30)
     result = {"bench": "transport", "mb": args.mb, "max_message_bytes": args.max_message_bytes,
-              **{f"{name}_gbps": value for name, value in gbps.items()}}
+              **{f"{name}_gbps": value for name, value in gbps.items()},
+              **{f"{name}_ps_cpu_ms": value for name, value in ps_cpu_ms.items() if name.startswith(("tcp", "shm"))}}
     for way in ("pull", "push"):
         result[f"tcp_{way}_vs_socket"] = round(gbps[f"tcp_{way}"] / gbps[f"socket_{way}"], 3)
         result[f"shm_{way}_vs_memcpy"] = round(gbps[f"shm_{way}"] / gbps["memcpy"], 3)

@@ -38,6 +38,11 @@ void ps_adam(float *p, const float *g, float *m, float *v, float *vmax, int64_t 
     }
 }
 
+/* Plain SGD (no momentum, weight decay or maximize) of n elements: p += g * -lr, as numpy's two steps. */
+void ps_sgd(float *p, const float *g, int64_t n, float neg_lr) {
+    for (int64_t i = 0; i < n; i++) p[i] = p[i] + g[i] * neg_lr;
+}
+
 /* Adagrad update of n elements. */
 void ps_adagrad(float *p, const float *g, float *sum, int64_t n, float clr, float eps,
                 double weight_decay, int maximize) {
@@ -64,8 +69,11 @@ static inline uint64_t mix64(uint64_t x) { /* the murmur3 finalizer, as hash_ind
  * empty slot (a zeroed array is an empty index: no fill pass when it grows); capacity is a power
  * of two; linear probing. The loops prefetch the slot (or row) AHEAD ids on: at random positions
  * in tables of hundreds of MB, waiting on memory is most of the work, and issuing the loads early
- * lets them overlap. (ps_unique's scratch slots keep their own convention: row < 0 is empty.) */
+ * lets them overlap. (ps_unique's scratch slots keep their own convention: row < 0 is empty.)
+ * 8, 16 and 32 measured alike at 50M rows with huge pages (docs/scaling.md); -DAHEAD=N sets it. */
+#ifndef AHEAD
 #define AHEAD 8
+#endif
 
 static inline uint64_t slot_of(int64_t id, uint64_t mask) { return mix64((uint64_t)id) & mask; }
 
@@ -442,8 +450,53 @@ int64_t ps_parse_criteo(const char *text, int64_t length, int64_t lines, float *
     return p == end ? lines : -1;
 }
 
-/* 1 when none of x[0..n) is NaN or infinite (an exponent of all ones), else 0. Reads the array once
- * and allocates nothing: the check every pushed gradient passes before anything is applied. */
+/* The largest |x[i]| of float32 bits x[0..n), as bits (NaN above infinity above every finite value:
+ * for non-negative floats the order of their bits is the order of their values). One number answers
+ * every later check of the array: finite when below 0x7f800000, within a bound b when at most b's bits. */
+/* Sixteen running maxima, not one: a single one is a chain of dependent steps (a quarter of the speed). */
+#define MAX_LANES 16
+
+uint32_t ps_max_abs_bits(const uint32_t *x, int64_t n) {
+    uint32_t lanes[MAX_LANES] = {0}, most = 0;
+    int64_t i = 0;
+    for (; i + MAX_LANES <= n; i += MAX_LANES) {
+        for (int k = 0; k < MAX_LANES; k++) {
+            uint32_t a = x[i + k] & 0x7fffffffu;
+            lanes[k] = a > lanes[k] ? a : lanes[k];
+        }
+    }
+    for (; i < n; i++) {
+        uint32_t a = x[i] & 0x7fffffffu;
+        most = a > most ? a : most;
+    }
+    for (int k = 0; k < MAX_LANES; k++) most = lanes[k] > most ? lanes[k] : most;
+    return most;
+}
+
+/* dst[0..n) = src[0..n), and the largest |src[i]| as ps_max_abs_bits: the check of a gradient done by the
+ * copy that takes it out of the wire's memory, so that the check reads nothing again. Each value is read
+ * once, so the copy and its figure agree even if a peer writes src meanwhile. */
+uint32_t ps_copy_max_abs_bits(const uint32_t *src, uint32_t *dst, int64_t n) {
+    uint32_t lanes[MAX_LANES] = {0}, most = 0;
+    int64_t i = 0;
+    for (; i + MAX_LANES <= n; i += MAX_LANES) {
+        for (int k = 0; k < MAX_LANES; k++) {
+            uint32_t v = src[i + k];
+            dst[i + k] = v;
+            uint32_t a = v & 0x7fffffffu;
+            lanes[k] = a > lanes[k] ? a : lanes[k];
+        }
+    }
+    for (; i < n; i++) {
+        uint32_t v = src[i];
+        dst[i] = v;
+        uint32_t a = v & 0x7fffffffu;
+        most = a > most ? a : most;
+    }
+    for (int k = 0; k < MAX_LANES; k++) most = lanes[k] > most ? lanes[k] : most;
+    return most;
+}
+
 /* Whether every |x[i]| is at most the float whose bits are `limit` (NaN and infinities are not):
  * for non-negative floats, the order of their bits is the order of their values. */
 int ps_all_within(const float *x, int64_t n, uint32_t limit) {
@@ -455,6 +508,8 @@ int ps_all_within(const float *x, int64_t n, uint32_t limit) {
     return bad == 0;
 }
 
+/* 1 when none of x[0..n) is NaN or infinite (an exponent of all ones), else 0. Reads the array once
+ * and allocates nothing. */
 int ps_all_finite(const float *x, int64_t n) {
     const uint32_t *bits = (const uint32_t *)x;
     uint32_t bad = 0;

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import logging
+import threading
 
 import numpy as np
 
@@ -47,6 +48,11 @@ def _load() -> ctypes.CDLL | None:
     lib.ps_sparse_adagrad.argtypes = [p, p, p, p, i64, i64, f, f]
     for name in ("ps_bf16_from_f32", "ps_f32_from_bf16", "ps_f16_from_f32", "ps_f32_from_f16"):
         getattr(lib, name).argtypes = [p, i64, p]
+    lib.ps_sgd.argtypes = [p, p, i64, f]
+    lib.ps_max_abs_bits.argtypes = [p, i64]
+    lib.ps_max_abs_bits.restype = ctypes.c_uint32
+    lib.ps_copy_max_abs_bits.argtypes = [p, p, i64]
+    lib.ps_copy_max_abs_bits.restype = ctypes.c_uint32
     lib.ps_all_finite.argtypes = [p, i64]
     lib.ps_all_finite.restype = i
     lib.ps_all_within.argtypes = [p, i64, ctypes.c_uint32]
@@ -59,9 +65,47 @@ def _load() -> ctypes.CDLL | None:
 KERNELS = _load()
 
 
+_INFINITY_BITS = 0x7F800000
+_measured = threading.local()  # this thread's received frame: its float32 tensors' largest magnitudes
+
+
+def note_measured(buffer: object, spans: dict[int, tuple[int, int]]) -> None:
+    """Tell the checks below that the float32 data at each address of `spans` ({address: (bytes, largest
+    |value| as bits)}) was measured as it was received into `buffer`, in this thread. The owner of
+    `buffer` empties `spans` (in place) before it writes the buffer again; `buffer` is kept here so
+    that its memory cannot be another object's while an entry names it."""
+    _measured.buffer, _measured.spans = buffer, spans
+
+
+def _measured_bits(array: np.ndarray) -> int | None:
+    spans = getattr(_measured, "spans", None)
+    if not spans:
+        return None
+    entry = spans.get(array.ctypes.data)
+    return entry[1] if entry is not None and entry[0] == array.nbytes else None
+
+
+def max_abs_bits(address: int, nbytes: int) -> int:
+    """The largest |value| of the float32 data at `address` (`nbytes`, a multiple of 4) as float32 bits
+    (NaN above infinity above every finite value)."""
+    assert KERNELS is not None
+    return int(KERNELS.ps_max_abs_bits(address, nbytes // 4))
+
+
+def copy_max_abs_bits(source: int, target: int, nbytes: int) -> int:
+    """Copy `nbytes` (a multiple of 4) from address `source` to `target`, and return the largest
+    |value| of them as float32 bits: a check of the data made by the copy that must be made anyway."""
+    assert KERNELS is not None
+    return int(KERNELS.ps_copy_max_abs_bits(source, target, nbytes // 4))
+
+
 def all_finite(array: np.ndarray) -> bool:
-    """Whether no value of `array` is NaN or infinite; for float32, one pass that allocates nothing."""
+    """Whether no value of `array` is NaN or infinite; for float32, one pass that allocates nothing,
+    or none where the array was measured as it was received (note_measured)."""
     if KERNELS is not None and array.dtype == np.float32 and array.flags.c_contiguous:
+        measured = _measured_bits(array)
+        if measured is not None:
+            return measured < _INFINITY_BITS
         return bool(KERNELS.ps_all_finite(array.ctypes.data, array.size))
     return bool(np.isfinite(array).all())
 
@@ -71,6 +115,9 @@ def all_within(array: np.ndarray, bound: float) -> bool:
     pass that allocates nothing."""
     if KERNELS is not None and array.dtype == np.float32 and array.flags.c_contiguous:
         limit = np.float32(min(bound, float(np.finfo(np.float32).max))).view(np.uint32)
+        measured = _measured_bits(array)
+        if measured is not None:
+            return measured <= int(limit)
         return bool(KERNELS.ps_all_within(array.ctypes.data, array.size, int(limit)))
     with np.errstate(invalid="ignore"):
         return bool(np.isfinite(array).all() and (np.abs(array) <= bound).all())

@@ -236,7 +236,9 @@ def _share(left: int, ids: int, room: float) -> int:
 def _empty(capacity: int, faulted: bool = False) -> np.ndarray:
     """An empty (capacity x 2) int64 slot array: all zeros, no pass over it unless `faulted`
     (then its pages are faulted in now, in order, rather than one by one as ids land)."""
-    slots = reserved.reserve(capacity, (2,), np.int64) if capacity >= _RESERVE_FROM else None
+    # huge pages: every probe lands at random, and with 4 KiB pages nearly each one also misses the TLB
+    # (in-process, 50M rows of dim 16: 0.18 -> 0.14 CPU-s per million rows looked up and updated)
+    slots = reserved.reserve(capacity, (2,), np.int64, huge=True) if capacity >= _RESERVE_FROM else None
     if slots is None:
         slots = np.zeros((capacity, 2), np.int64)
     if faulted:

@@ -84,6 +84,15 @@ class SGD(Optimizer):
     def init_state(self, size: int) -> dict[str, np.ndarray]:
         return super().init_state(size) if self.hyper["momentum"] else {}
 
+    def update(self, param: np.ndarray, grad: np.ndarray, state: dict[str, np.ndarray], step: int) -> None:
+        h = self.hyper
+        plain = not (h["momentum"] or h["weight_decay"] or h["maximize"])
+        fits = param.flags.c_contiguous and grad.flags.c_contiguous and grad.dtype == _f32
+        if plain and fits and kernels.KERNELS is not None:  # one pass: p += g * -lr
+            kernels.KERNELS.ps_sgd(_ptr(param), _ptr(grad), param.shape[0], _f32(-h["lr"]))
+            return
+        super().update(param, grad, state, step)
+
     def _update_chunk(self, p, g, state, step, tmp) -> None:
         h = self.hyper
         d_p, t = self._decayed_grad(p, g, tmp[0]), tmp[1]

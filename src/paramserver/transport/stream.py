@@ -49,9 +49,11 @@ import struct
 from pathlib import Path
 
 import grpc
+import numpy as np
 
+from ..base import kernels
 from ..base.errors import MalformedFrameError, ResourceExhaustedError, error_for_status
-from ..wire.codec import split_parts
+from ..wire.codec import float32_spans, header_bytes, split_parts
 from .shared_memory import write_parts
 
 MAGIC = b"PSTS"
@@ -61,6 +63,7 @@ REQUEST, REPLY, REQUEST_SHM, REPLY_SHM, ATTACH, AUTH, ACK = range(7)
 MORE = 0x80  # kind flag: a part of a longer request or reply; the parts that follow complete it
 CODES = {code.value[0]: code for code in grpc.StatusCode}
 _SOCKET_BUFFER = 8 * 1024 * 1024
+_HOT_BYTES = 256 * 1024  # the most of a frame received at once while its float32 tensors are measured
 _FIRST_CHUNK = 1 << 20  # a receive buffer grows from here as bytes arrive (a prefix alone proves nothing)
 _TLS_COALESCE_BYTES = 64 * 1024  # TLS: parts up to this size share records (each sendall is a record)
 
@@ -123,23 +126,68 @@ class Inbox:
 
     def __init__(self) -> None:
         self._buffer = bytearray(PREFIX.size)
+        self._spans: dict[int, tuple[int, int]] = {}  # float32 tensors measured on arrival (kernels.note_measured)
 
     def receive(self, sock: socket.socket, size: int, at: int = 0) -> memoryview:
         """`size` bytes from `sock`, stored from offset `at` (the parts before it are kept); the view
         covers [0, at + size). The buffer grows (doubling) only as the bytes arrive."""
+        self._spans.clear()
         got, end = at, at + size
         while got < end:
-            if got == len(self._buffer):
-                self._grow(got, min(end, max(2 * got, _FIRST_CHUNK)))
-            n = sock.recv_into(memoryview(self._buffer)[got : min(end, len(self._buffer))])
-            if n == 0:
-                raise ConnectionError("peer closed the tensor stream")
-            got += n
+            got = self._receive_some(sock, got, end)
         return memoryview(self._buffer)[:end]
+
+    def _receive_some(self, sock: socket.socket, got: int, end: int) -> int:
+        if got == len(self._buffer):
+            self._grow(got, min(end, max(2 * got, _FIRST_CHUNK)))
+        n = sock.recv_into(memoryview(self._buffer)[got : min(end, len(self._buffer))])
+        if n == 0:
+            raise ConnectionError("peer closed the tensor stream")
+        return got + n
+
+    def _receive_hot(self, sock: socket.socket, got: int, end: int) -> int:
+        """As _receive_some, at most _HOT_BYTES at once: each piece is measured right after it arrives."""
+        if got == len(self._buffer):
+            self._grow(got, min(end, max(2 * got, _FIRST_CHUNK)))
+        n = sock.recv_into(memoryview(self._buffer)[got : min(end, len(self._buffer), got + _HOT_BYTES)])
+        if n == 0:
+            raise ConnectionError("peer closed the tensor stream")
+        return got + n
+
+    def receive_frame(self, sock: socket.socket, size: int) -> memoryview:
+        """A request frame of `size` bytes from `sock`, as `receive`; each float32 tensor of it is
+        measured (its largest magnitude) piece by piece as its bytes arrive, so that the check of a
+        pushed gradient needs no pass of its own later (kernels.note_measured)."""
+        self._spans.clear()
+        if kernels.KERNELS is None:
+            return self.receive(sock, size)
+        got, spans, measured, done = 0, None, {}, 0  # done: bytes of spans[0] measured so far
+        most = 0
+        while got < size:
+            got = self._receive_hot(sock, got, size)
+            if spans is None:
+                head = header_bytes(memoryview(self._buffer)[:got])
+                if head is None or got < min(head, size):
+                    continue
+                spans = float32_spans(memoryview(self._buffer)[:got], size)
+            while spans and spans[0][0] < got:
+                start, nbytes = spans[0]
+                upto = min(start + nbytes, got) & ~3  # whole floats (start is 8-aligned)
+                if upto > start + done:
+                    most = max(most, kernels.max_abs_bits(self._address() + start + done, upto - start - done))
+                    done = upto - start
+                if done < nbytes:
+                    break
+                measured[start] = (nbytes, most)
+                spans.pop(0)
+                done, most = 0, 0
+        self._publish(measured)
+        return memoryview(self._buffer)[:size]
 
     def copy(self, source: memoryview, at: int = 0) -> memoryview:
         """A private copy of `source` (memory a peer may still write) from offset `at`, in the reused
         buffer (the bytes before `at` are kept); the view covers [0, at + len(source))."""
+        self._spans.clear()
         end = at + len(source)
         if len(self._buffer) < end:
             self._grow(at, end if not at else max(end, 2 * len(self._buffer)))
@@ -147,8 +195,47 @@ class Inbox:
         view[at:] = source
         return view
 
+    def copy_frame(self, source: memoryview) -> memoryview:
+        """A private copy of the request frame `source` (memory a peer may still write), as `copy`; the
+        copy of each float32 tensor also measures it (its largest magnitude), so that the check of a
+        pushed gradient reads nothing again (kernels.note_measured). Header and layout are read from
+        the private copy, never from `source`."""
+        size = len(source)
+        if kernels.KERNELS is None or size < PREFIX.size:
+            return self.copy(source)
+        view = self.copy(source[: PREFIX.size])  # the frame's prefix (shorter than this one), then its header
+        head = header_bytes(view)
+        if head is not None and len(view) < min(head, size):
+            view = self.copy(source[len(view) : min(head, size)], at=len(view))
+        if len(self._buffer) < size:
+            self._grow(len(view), size)
+        done, measured = len(view), {}
+        view = memoryview(self._buffer)[:size]
+        source_address = np.frombuffer(source, np.uint8).ctypes.data if size else 0
+        for start, nbytes in float32_spans(view[:done], size):
+            if start < done:
+                continue
+            view[done:start] = source[done:start]
+            measured[start] = (
+                nbytes,
+                kernels.copy_max_abs_bits(source_address + start, self._address() + start, nbytes),
+            )
+            done = start + nbytes
+        view[done:] = source[done:]
+        self._publish(measured)
+        return view
+
+    def _address(self) -> int:
+        return np.frombuffer(self._buffer, np.uint8).ctypes.data
+
+    def _publish(self, measured: dict[int, tuple[int, int]]) -> None:
+        address = self._address()
+        self._spans = {address + start: entry for start, entry in measured.items()}
+        kernels.note_measured(self._buffer, self._spans)
+
     def gather(self, parts: list) -> memoryview:
         """The parts joined in the reused buffer (a reply: a fresh multi-megabyte one costs page faults)."""
+        self._spans.clear()
         views = [memoryview(part).cast("B") for part in parts]
         size = sum(len(view) for view in views)
         if len(self._buffer) < size:
@@ -157,6 +244,7 @@ class Inbox:
         return memoryview(self._buffer)[:size]
 
     def _grow(self, keep: int, size: int) -> None:
+        self._spans.clear()
         grown = bytearray(size)
         grown[:keep] = memoryview(self._buffer)[:keep]
         self._buffer = grown

@@ -62,6 +62,9 @@ from .stream_slots import HANDSHAKE_S, AcceptFailures, Connection, Slots
 log = logging.getLogger(__name__)
 _ANONYMOUS_BYTES = 64 * 1024  # the most a PS that checks tokens reads from a connection before its token
 _AUTH_BYTES = 4096  # the most an auth message may hold (a token is a few dozen bytes)
+# requests whose float32 tensors are measured as they are received (their gradients' and initial values'
+# checks then read nothing again: Inbox.receive_frame); the others' headers are not worth a second parse
+_MEASURED = frozenset(METHODS.index(name) for name in ("PushPull", "Register"))
 _REFUSE_TIMEOUT_S = 1.0  # longest send of a refusal to a connection that is not served
 
 
@@ -278,9 +281,13 @@ class StreamServer(Lifecycle):
             return True
         segment = state.segment
         if kind == REQUEST_SHM and segment is not None and size <= segment.capacity:
-            payload = inbox.copy(segment.requests[:size])  # the worker can still write the segment
+            payload = (  # the worker can still write the segment
+                inbox.copy_frame(segment.requests[:size])
+                if method_id in _MEASURED
+                else inbox.copy(segment.requests[:size])
+            )
         elif kind == REQUEST:
-            payload = inbox.receive(conn, size)
+            payload = inbox.receive_frame(conn, size) if method_id in _MEASURED else inbox.receive(conn, size)
         elif kind & MORE:
             payload = self._receive_parts(conn, (kind, 0, method_id, size), inbox, state)
             if payload is None:

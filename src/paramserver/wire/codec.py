@@ -115,6 +115,35 @@ def decode(payload: bytes) -> Frame:
     return Frame(meta, tensors)
 
 
+def header_bytes(payload) -> int | None:
+    """Where a frame's tensor data starts (its prefix, header and padding), read from the prefix at the
+    start of `payload`; None when `payload` is shorter than the prefix. Not validated (decode does)."""
+    if len(payload) < _PREFIX.size:
+        return None
+    end = _PREFIX.size + _PREFIX.unpack_from(payload)[3]
+    return end + _pad(end)
+
+
+def float32_spans(payload, size: int) -> list[tuple[int, int]]:
+    """(start, bytes) in the frame of each of its float32 tensors, in order, from the frame's first bytes
+    `payload` (its header complete); `size`: the whole frame's length. [] where the header is not valid
+    or the tensors are not laid out one after another inside the frame (decode refuses or checks those)."""
+    try:
+        _, entries, header_end = _header(payload)
+        entries = [_check_entry(entry) for entry in entries]
+    except (MalformedFrameError, ProtocolVersionError):
+        return []
+    start, spans = header_end + _pad(header_end), []
+    at = start
+    for _, dtype, _, offset, nbytes in entries:
+        if offset + start < at or offset % _ALIGN:
+            return []
+        at = offset + start + nbytes
+        if dtype == "float32" and nbytes and not nbytes % 4:
+            spans.append((offset + start, nbytes))
+    return spans if at <= size else []
+
+
 def decode_meta(payload) -> dict[str, Any]:
     """Only a frame's meta, without building its tensors (cheap: for checks before the full decode,
     which still validates the whole frame). Raises MalformedFrameError / ProtocolVersionError."""
