@@ -236,9 +236,9 @@ def _share(left: int, ids: int, room: float) -> int:
 def _empty(capacity: int, faulted: bool = False) -> np.ndarray:
     """An empty (capacity x 2) int64 slot array: all zeros, no pass over it unless `faulted`
     (then its pages are faulted in now, in order, rather than one by one as ids land)."""
-    # huge pages: every probe lands at random, and with 4 KiB pages nearly each one also misses the TLB
-    # (in-process, 50M rows of dim 16: 0.18 -> 0.14 CPU-s per million rows looked up and updated)
-    slots = reserved.reserve(capacity, (2,), np.int64, huge=True) if capacity >= _RESERVE_FROM else None
+    # 4 KiB pages on purpose: huge pages made uniform ids 50M rows 0.71-0.75 -> 0.88-0.89 of 5M's rate,
+    # but skewed (Zipf) ids, what CTR data looks like, 0.73-0.89 -> 0.65-0.67 (docs/scaling.md)
+    slots = reserved.reserve(capacity, (2,), np.int64) if capacity >= _RESERVE_FROM else None
     if slots is None:
         slots = np.zeros((capacity, 2), np.int64)
     if faulted:
