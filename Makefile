@@ -36,7 +36,7 @@ lint: setup
 	$(BIN)/ruff format --check src
 	$(BIN)/mypy
 
-# The fast tier, for every edit: no test starts a process (tests/conftest.py refuses it); under a minute.
+# The fast tier, for every edit: no test starts a process (tests/conftest.py refuses it); about a minute (under 2).
 test: lint
 	$(BIN)/python -m pytest -q -m "$(FAST_TIER)"
 
