@@ -13,7 +13,6 @@ held-out AUC and its difference from the undisturbed run's. One JSON line.
 import argparse
 import json
 import random
-import re
 import subprocess
 import sys
 import tempfile
@@ -22,6 +21,9 @@ import time
 from pathlib import Path
 
 import psutil
+from recovery import wait_for  # a sibling module
+
+_WAIT_S = 900  # a CTR run under load takes minutes to its first checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = str(ROOT / "bench" / "partial_recovery_worker.py")
@@ -88,26 +90,16 @@ def run(directory: Path, ctr: list[str], every: int, recovery: str | None, delay
 
 
 def kill_and_time(proc: subprocess.Popen, lines: list[str], recovery: str, delay: float) -> dict:
-    committed = wait_for(lines, r": committed")
+    committed = wait_for(lines, r": committed", timeout=_WAIT_S)
     time.sleep(delay)
     ps_node = next(c for c in psutil.Process(proc.pid).children()
                    if "--role ps --index 1" in " ".join(c.cmdline()))
     killed_at = time.time()
     ps_node.kill()
     back = wait_for(lines, r"is back, restored from" if recovery == "partial" else r"cluster restarted in",
-                    committed)
-    step = wait_for(lines, r"\] STEP \d+ ", back)
+                    committed, _WAIT_S)
+    step = wait_for(lines, r"\] STEP \d+ ", back, _WAIT_S)
     return {"kill_to_next_step_s": round(float(lines[step].split()[-1]) - killed_at, 2)}
-
-
-def wait_for(lines: list[str], pattern: str, start: int = 0, timeout: float = 900) -> int:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for i in range(start, len(lines)):
-            if re.search(pattern, lines[i]):
-                return i
-        time.sleep(0.01)
-    raise SystemExit(f"no {pattern!r} in {timeout}s:\n" + "".join(lines[-30:]))
 
 
 if __name__ == "__main__":

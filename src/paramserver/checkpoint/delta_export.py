@@ -44,7 +44,7 @@ import numpy as np
 from . import chain, tensor_file
 from .restore import RestoreSource
 from .store import CheckpointError, is_checkpoint_name
-from .tools import EMBEDDINGS, export_names, open_source, positional_note, table_export_names
+from .tools import EMBEDDINGS, export_names, open_source, table_export_names, write_export_file
 
 DELTA_FORMAT = "paramserver-export-delta"
 PARTITION_BYTES = 256 << 20  # CKPT's rows held at once when the two checkpoints are compared
@@ -65,7 +65,6 @@ def export_delta(url: str, name: str | None, since: str, out: str | None, note=N
     tables = table_export_names(list(new.tables))
     path = out or f"{new.name}.since-{old.name}.safetensors"
     spool = tempfile.mkdtemp(prefix=".delta-", dir=os.path.dirname(os.path.abspath(path)))
-    tmp = f"{path}.tmp-{os.getpid()}"
     try:
         spooled = {table: os.path.join(spool, str(k)) for k, table in enumerate(new.tables)}
         found = {table: _spool_table(new, old, table, spooled[table]) for table in new.tables}
@@ -85,24 +84,18 @@ def export_delta(url: str, name: str | None, since: str, out: str | None, note=N
             "since_step": str(old.step),
         }
         layout = tensor_file.plan(shapes, metadata)
-        with open(tmp, "wb") as handle:
-            handle.write(layout.header)
-            for var, exported in names.items():
-                tensor_file.write_rows(handle, layout, exported, 0, values[var])
+
+        def write_tables(handle) -> None:
             for table, (_, deleted) in found.items():
                 prefix = f"{EMBEDDINGS}/{tables[table]}"
                 tensor_file.write_rows(handle, layout, f"{prefix}/deleted", 0, deleted)
                 for field in ("ids", "weight"):
                     _copy_spooled(f"{spooled[table]}.{field}", handle, layout.offset(f"{prefix}/{field}", 0))
-        os.replace(tmp, path)
+
+        dense = {exported: values[var] for var, exported in names.items()}
+        return write_export_file(path, layout, dense, write_tables, note)
     finally:
         shutil.rmtree(spool, ignore_errors=True)
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    text = positional_note(list(names.values()), path)
-    if text is not None and note is not None:
-        note(text)
-    return path
 
 
 def run_delta_export(action: str, url: str, name: str | None, out: str | None, since: str) -> int:

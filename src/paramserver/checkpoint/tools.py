@@ -25,6 +25,7 @@ import os
 import re
 import sys
 from collections import Counter
+from collections.abc import Callable
 
 import numpy as np
 
@@ -197,20 +198,35 @@ def export(url: str, name: str | None, out: str | None, note=None) -> str:
         shapes[f"{EMBEDDINGS}/{tables[table]}/weight"] = (np.dtype(np.float32), (meta["rows"], meta["dim"]))
     metadata = {"format": EXPORT_FORMAT, "step": str(source.step), "checkpoint": source.name}
     layout = tensor_file.plan(shapes, metadata)
+
+    def write_tables(handle) -> None:
+        for table in source.tables:
+            _copy_table(source, table, tables[table], handle, layout)
+
     path = out or f"{source.name}.safetensors"
+    return write_export_file(
+        path, layout, {exported: values[var] for var, exported in names.items()}, write_tables, note
+    )
+
+
+def write_export_file(
+    path: str, layout: tensor_file.TensorPlan, dense: dict[str, np.ndarray], write_tables: Callable, note=None
+) -> str:
+    """Write an export (whole or delta) at `path` through a temporary file: `layout`'s header, the
+    `dense` values by exported name, then `write_tables(handle)`; a crash leaves no partial file.
+    `note(text)` is told when the parameter names are positional (see `positional_note`)."""
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
         with open(tmp, "wb") as handle:
             handle.write(layout.header)
-            for var, exported in names.items():
-                tensor_file.write_rows(handle, layout, exported, 0, values[var])
-            for table in source.tables:
-                _copy_table(source, table, tables[table], handle, layout)
+            for exported, value in dense.items():
+                tensor_file.write_rows(handle, layout, exported, 0, value)
+            write_tables(handle)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    text = positional_note(list(names.values()), path)
+    text = positional_note(list(dense), path)
     if text is not None and note is not None:
         note(text)
     return path

@@ -29,6 +29,21 @@ class BackgroundError(ParamServerError):
     """The background thread sent no batch in time, or was stopped."""
 
 
+def queued_batches(items: queue.Queue, timeout_s: float, silent: Callable[[], Exception]) -> Iterator[Any]:
+    """What a producer puts on `items` as ("batch", value), up to its ("end", None); its ("error",
+    exc) is raised here as itself, and `silent()` when nothing came for `timeout_s` seconds."""
+    while True:
+        try:
+            kind, value = items.get(timeout=timeout_s)
+        except queue.Empty:
+            raise silent() from None
+        if kind == "end":
+            return
+        if kind == "error":
+            raise value
+        yield value
+
+
 class BackgroundBatches(Lifecycle):
     """Iterates `make()` in a thread named `name`, up to `depth` items ahead (a bounded queue)."""
 
@@ -65,16 +80,11 @@ class BackgroundBatches(Lifecycle):
     def __iter__(self) -> Iterator[Any]:
         self.start()
         try:
-            while True:
-                try:
-                    kind, value = self._items.get(timeout=self.timeout_s)
-                except queue.Empty:
-                    raise BackgroundError(f"{self._thread.name} sent no batch in {self.timeout_s:.0f}s") from None
-                if kind == "end":
-                    return
-                if kind == "error":
-                    raise value
-                yield value
+            yield from queued_batches(
+                self._items,
+                self.timeout_s,
+                lambda: BackgroundError(f"{self._thread.name} sent no batch in {self.timeout_s:.0f}s"),
+            )
         finally:
             self.stop()
 

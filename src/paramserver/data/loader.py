@@ -35,6 +35,7 @@ from typing import IO, Any
 from ..base.errors import InvalidArgumentError, ParamServerError
 from ..base.lifecycle import Lifecycle, ReadyFlag
 from ..base.parent_death import die_with_parent
+from .background import queued_batches
 
 log = logging.getLogger(__name__)
 _LENGTH = struct.Struct("<Q")
@@ -107,16 +108,11 @@ class BatchLoader(Lifecycle):
         if self._proc is None:
             self.start()
         try:
-            while True:
-                try:
-                    kind, value = self._batches.get(timeout=self.timeout_s)
-                except queue.Empty:
-                    raise LoaderError(f"loader {self._process.pid} sent no batch in {self.timeout_s:.0f}s") from None
-                if kind == "end":
-                    return
-                if kind == "error":
-                    raise value
-                yield value
+            yield from queued_batches(
+                self._batches,
+                self.timeout_s,
+                lambda: LoaderError(f"loader {self._process.pid} sent no batch in {self.timeout_s:.0f}s"),
+            )
         finally:
             self.stop()
 
