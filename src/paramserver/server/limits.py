@@ -94,6 +94,8 @@ def check_new_rows(limits: TableLimits, table: Table, ids: np.ndarray, used: int
     if isinstance(table, TieredTable):
         _check_tiered_rows(limits, table, ids)
         return
+    if table.size + ids.shape[0] <= min(table.capacity, limits.max_rows):  # fits even if every id is new
+        return
     missing = int(np.unique(ids[table.index.find(ids) < 0]).shape[0]) if ids.shape[0] else 0
     if not missing:
         return

@@ -44,6 +44,9 @@ HEALTH_ONLY = "paramserver.HealthOnly"  # the service name of a server that serv
 _PEER_KINDS = {"paramserver.Coordinator": "coordinator", HEALTH_ONLY: "health"}
 
 
+_RECONNECT_BACKOFF_MS = (100, 5000)  # the first and the longest wait between connection attempts
+
+
 def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
     # Large HTTP/2 frames and write buffers: a push or pull is megabytes, and gRPC's defaults
     # (16 KiB frames) cost more CPU per byte than the optimizer itself (docs/performance.md).
@@ -52,6 +55,11 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.http2.max_frame_size", 16 * 1024 * 1024 - 1),
         ("grpc.http2.write_buffer_size", 64 * 1024 * 1024),
+        # gRPC waits 1 s after a refused connection before it tries again (and up to 120 s later on):
+        # a worker that asked before the coordinator or a restarted PS listened lost that second
+        ("grpc.initial_reconnect_backoff_ms", _RECONNECT_BACKOFF_MS[0]),
+        ("grpc.min_reconnect_backoff_ms", _RECONNECT_BACKOFF_MS[0]),
+        ("grpc.max_reconnect_backoff_ms", _RECONNECT_BACKOFF_MS[1]),
     ]
 
 
