@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from paramserver.launch.threads import PASSIVE_WAIT_ENV
 from paramserver.wire import codec
 from paramserver.transport.grpc_transport import GrpcChannel
 from tests.conftest import ROOT
@@ -50,12 +51,15 @@ def test_seed_cluster_from_tf_config(procs):
     cluster = seed_cluster()
 
     def tf_config(role, index):
-        return procs.env(TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": role, "index": index}}))
+        env = procs.env(TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": role, "index": index}}))
+        return {name: value for name, value in env.items() if name not in PASSIVE_WAIT_ENV}
     ps_node = node(procs, tf_config("ps", 0))
     workers = [node(procs, tf_config("worker", i), SMALL, "--steps", "30") for i in range(2)]
     outputs = [w.communicate(timeout=180)[0] for w in workers]
     assert [w.returncode for w in workers] == [0, 0], outputs
     assert "worker 0/2 done" in outputs[0] and "worker 1/2 done" in outputs[1]
+    # a node started by hand gets the passive OpenMP wait too, before its script imports torch
+    assert all("OMP_WAIT_POLICY=PASSIVE" in out for out in outputs), outputs
     assert ps_node.poll() is None  # a PS serves until it is stopped
     assert applied_pushes(cluster["ps"][0]) == 60
     ps_node.terminate()

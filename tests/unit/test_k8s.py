@@ -26,6 +26,7 @@ from paramserver.launch import cli
 from paramserver.launch.certs import write_certs
 from paramserver.launch.k8s import Deployment, manifests, render
 from paramserver.launch.ps_process import _exit_code
+from paramserver.launch.threads import PASSIVE_WAIT_ENV
 from paramserver.launch.tokens import write_tokens
 from paramserver.transport.health import check
 from tests.conftest import ROOT
@@ -172,6 +173,15 @@ def test_each_node_knows_its_index_without_a_version_dependent_label():
         assert found[role, None]["valueFrom"]["fieldRef"]["fieldPath"] == \
             "metadata.labels['training.kubeflow.org/replica-index']"
     assert "pod-index" not in render(deployment(chief=True)) + render(deployment(tfjob=True))
+
+
+def test_every_node_waits_passively_in_openmp():
+    """A pod shares its node's cores: idle OpenMP threads must sleep, not spin (launch/threads.py)."""
+    for tfjob in (False, True):
+        for template in pod_templates(manifests(deployment(tfjob=tfjob, chief=True, evaluator=True))).values():
+            [container] = template["spec"]["containers"]
+            env = env_of(container)
+            assert {name: env[name]["value"] for name in PASSIVE_WAIT_ENV} == PASSIVE_WAIT_ENV
 
 
 @pytest.mark.parametrize("tfjob", [False, True])

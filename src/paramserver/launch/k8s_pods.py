@@ -18,6 +18,7 @@ from pathlib import Path
 
 from ..base.errors import ConfigError
 from .certs import CA_CERT, check_cert_dir, check_cert_hosts
+from .threads import PASSIVE_WAIT_ENV
 from .tokens import STORE_FILE
 
 CONFIG_DIR = "/etc/paramserver"  # the ConfigMap: cluster.json (plain form)
@@ -34,12 +35,14 @@ SCRATCH_DIR = "/tmp"  # an emptyDir in every pod: the root filesystem is read-on
 def node_env(role: str, index: int | str, options: dict, extra: dict[str, str] | None = None) -> list[dict]:
     """The env of a node's container: its index (a number, or the pod field holding it, through the
     downward API), its node name and its options (PARAMSERVER_OPTIONS, where `$(PARAMSERVER_NODE)`
-    names its own files), then `extra`."""
+    names its own files), OpenMP's passive wait (a pod shares its node's cores: docs/performance.md,
+    "Torch threads of a worker"), then `extra`."""
     own = {"value": str(index)} if isinstance(index, int) else {"valueFrom": {"fieldRef": {"fieldPath": index}}}
     env: list[dict] = [
         {"name": INDEX_ENV, **own},
         {"name": NODE_ENV, "value": f"{role}-$({INDEX_ENV})"},
         {"name": "PYTHONUNBUFFERED", "value": "1"},
+        *({"name": name, "value": value} for name, value in PASSIVE_WAIT_ENV.items()),
     ]
     if options:
         env.append({"name": "PARAMSERVER_OPTIONS", "value": json.dumps(options, sort_keys=True)})

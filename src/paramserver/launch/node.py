@@ -27,6 +27,7 @@ from ..base import config as config_mod
 from ..base.config import NodeConfig, Options, bind_address
 from ..base.errors import ConfigError
 from ..base.lifecycle import RESTART_EXIT_CODE
+from . import threads
 from .logs import name_node, node_name
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,8 @@ def run_node(
     overrides: dict | None = None,
 ) -> int:
     """Run this node to completion; returns the process exit code. `overrides` are options given as flags."""
+    # before torch (and its OpenMP) loads: idle OpenMP threads sleep unless the environment chose otherwise
+    os.environ.update(threads.wait_policy_env(os.environ))
     options = config_mod.options_from_environ(os.environ)
     if overrides:
         options = config_mod.Options.from_dict({**dataclasses.asdict(options), **overrides})

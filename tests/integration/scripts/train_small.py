@@ -5,6 +5,7 @@
 """
 
 import argparse
+import os
 import time
 
 import torch
@@ -39,5 +40,6 @@ while args.steps == 0 or step < args.steps:
         time.sleep(0.01 if args.step_sleep is None else args.step_sleep)
 opt.pull()
 checksum = sum(p.double().sum().item() for p in model.parameters())
-print(f"worker {ctx.worker_index}/{ctx.num_workers} done: checksum {checksum:.6f}", flush=True)
+print(f"worker {ctx.worker_index}/{ctx.num_workers} done: checksum {checksum:.6f} "
+      f"(OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')})", flush=True)
 ctx.report_result(**{f"worker{ctx.worker_index}_steps": step})
