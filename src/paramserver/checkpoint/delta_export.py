@@ -44,7 +44,7 @@ import numpy as np
 from . import chain, tensor_file
 from .restore import RestoreSource
 from .store import CheckpointError, is_checkpoint_name
-from .tools import EMBEDDINGS, export_names, open_source, table_export_names, write_export_file
+from .tools import EMBEDDINGS, export_names, open_source, read_export_file, table_export_names, write_export_file
 
 DELTA_FORMAT = "paramserver-export-delta"
 PARTITION_BYTES = 256 << 20  # CKPT's rows held at once when the two checkpoints are compared
@@ -218,20 +218,7 @@ def load_delta(path: str) -> dict:
     """A delta export as ``{"state_dict": {name: tensor}, "embeddings": {table: {"ids", "weight",
     "deleted"}}, "step", "checkpoint", "since", "since_step"}`` (torch tensors; all of it in memory),
     its tables checked (distinct ids, one row of the table's width per id, 1-D int64 deleted ids)."""
-    from safetensors import safe_open  # here: serving needs it, a PS never
-
-    state_dict: dict = {}
-    embeddings: dict[str, dict] = {}
-    with safe_open(path, framework="pt") as handle:
-        metadata = handle.metadata() or {}
-        if metadata.get("format") != DELTA_FORMAT:
-            raise CheckpointError(f"{path} is not a paramserver delta export (format {metadata.get('format')!r})")
-        for key in handle.keys():
-            if key.startswith(f"{EMBEDDINGS}/"):
-                table, _, field = key[len(EMBEDDINGS) + 1 :].rpartition("/")
-                embeddings.setdefault(table, {})[field] = handle.get_tensor(key)
-            else:
-                state_dict[key] = handle.get_tensor(key)
+    metadata, state_dict, embeddings = read_export_file(path, DELTA_FORMAT, "delta export")
     for table, arrays in embeddings.items():
         _check_delta_table(path, table, arrays)
     try:

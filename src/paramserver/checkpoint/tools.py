@@ -245,23 +245,30 @@ def _copy_table(source: RestoreSource, table: str, exported: str, handle, layout
         raise CheckpointError(f"checkpoint {source.name}: table {table!r} holds {at} rows, it says {rows}")
 
 
-def load_export(path: str) -> dict:
-    """An exported file as ``{"state_dict": {name: tensor}, "embeddings": {table: {"ids": int64
-    tensor, "weight": float tensor}}, "step": n, "checkpoint": name}`` (all of it in memory)."""
-    from safetensors import safe_open
+def read_export_file(path: str, file_format: str, what: str) -> tuple[dict, dict, dict]:
+    """(metadata, state_dict, embeddings) of an export file of `file_format` (`what` names the kind in
+    the error): dense tensors by name, in the optimizer's order, and each table's tensors by field."""
+    from safetensors import safe_open  # here: serving needs it, a PS never
 
     state_dict: dict = {}
     embeddings: dict[str, dict] = {}
     with safe_open(path, framework="pt") as handle:
         metadata = handle.metadata() or {}
-        if metadata.get("format") != EXPORT_FORMAT:
-            raise CheckpointError(f"{path} is not a paramserver export (format {metadata.get('format')!r})")
+        if metadata.get("format") != file_format:
+            raise CheckpointError(f"{path} is not a paramserver {what} (format {metadata.get('format')!r})")
         for key in sorted(handle.keys(), key=_natural):  # positional names in the optimizer's order
             if key.startswith(f"{EMBEDDINGS}/"):
                 table, _, field = key[len(EMBEDDINGS) + 1 :].rpartition("/")
                 embeddings.setdefault(table, {})[field] = handle.get_tensor(key)
             else:
                 state_dict[key] = handle.get_tensor(key)
+    return metadata, state_dict, embeddings
+
+
+def load_export(path: str) -> dict:
+    """An exported file as ``{"state_dict": {name: tensor}, "embeddings": {table: {"ids": int64
+    tensor, "weight": float tensor}}, "step": n, "checkpoint": name}`` (all of it in memory)."""
+    metadata, state_dict, embeddings = read_export_file(path, EXPORT_FORMAT, "export")
     return {
         "state_dict": state_dict,
         "embeddings": embeddings,
