@@ -56,9 +56,10 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
         ("grpc.http2.max_frame_size", 16 * 1024 * 1024 - 1),
         ("grpc.http2.write_buffer_size", 64 * 1024 * 1024),
         # gRPC waits 1 s after a refused connection before it tries again (and up to 120 s later on):
-        # a worker that asked before the coordinator or a restarted PS listened lost that second
+        # a worker that asked before the coordinator or a restarted PS listened lost that second.
+        # Not grpc.min_reconnect_backoff_ms: it is also how long one attempt may take to connect (20 s),
+        # which a handshake on busy cores can need
         ("grpc.initial_reconnect_backoff_ms", _RECONNECT_BACKOFF_MS[0]),
-        ("grpc.min_reconnect_backoff_ms", _RECONNECT_BACKOFF_MS[0]),
         ("grpc.max_reconnect_backoff_ms", _RECONNECT_BACKOFF_MS[1]),
     ]
 
