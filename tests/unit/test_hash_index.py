@@ -1,6 +1,9 @@
+import sys
+
 import numpy as np
 import pytest
 
+from paramserver.server import reserved
 from paramserver.server.hash_index import HashIndex
 
 pytestmark = pytest.mark.usefixtures("both_kernel_paths")
@@ -162,3 +165,53 @@ def test_colliding_ids_removed_from_the_middle_of_a_probe_run_leave_the_rest_fin
     np.testing.assert_array_equal(index.find(kept), [0, 2, 3, 5, 6, 7])
     np.testing.assert_array_equal(index.find(ids[[1, 4]]), [-1, -1])
     assert index.size == 6
+
+
+def resident_bytes(array: np.ndarray) -> int:
+    """Bytes of `array`'s pages in memory (mincore), its start rounded down to a page."""
+    import ctypes
+    import mmap
+
+    start = array.ctypes.data // mmap.PAGESIZE * mmap.PAGESIZE
+    length = array.ctypes.data + array.nbytes - start
+    pages = -(-length // mmap.PAGESIZE)
+    flags = (ctypes.c_ubyte * pages)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), flags) != 0:
+        raise OSError(ctypes.get_errno(), "mincore")
+    return sum(flag & 1 for flag in flags) * mmap.PAGESIZE
+
+
+def huge_page_kib(address: int) -> dict[str, int]:
+    """Rss and AnonHugePages (KiB) of the mapping holding `address` (with any the kernel merged
+    with it), from /proc/self/smaps."""
+    figures, inside = {}, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(part, 16) for part in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head in ("Rss:", "AnonHugePages:"):
+                figures[head[:-1]] = int(line.split()[1])
+    return figures
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore, /proc/self/smaps")
+def test_a_growth_hands_the_old_slots_back_as_it_moves_them_without_splitting_huge_pages():
+    index = HashIndex(1 << 21)  # 32 MiB of slots, faulted in
+    old = index._slots
+    ids = np.arange(1, (1 << 21) * 3 // 8 + 2, dtype=np.int64)
+    index.insert(ids)  # past 3/8: a growth starts
+    huge = huge_page_kib(old.ctypes.data).get("AnonHugePages", 0) > 0  # transparent huge pages at work here
+    fresh = 1 << 40
+    while index.growing and index._moved < old.shape[0] // 2:
+        index.insert(np.arange(fresh, fresh + 20_000, dtype=np.int64))
+        fresh += 20_000
+    assert index.growing
+    unmoved = (old.shape[0] - index._moved) * 16
+    assert resident_bytes(old) <= unmoved + 2 * reserved.HUGE_PAGE, (resident_bytes(old), unmoved)
+    if huge:  # every page of the two arrays still whole
+        figures = huge_page_kib(old.ctypes.data)
+        assert figures["AnonHugePages"] == figures["Rss"], figures
+    np.testing.assert_array_equal(index.find(ids[:1000]), np.arange(1000))

@@ -59,3 +59,19 @@ def test_under_an_address_space_limit_tables_fall_back_to_ordinary_arrays():
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
     assert not table._reserved and table.capacity >= 300_000 and table.values.shape[0] == table.capacity
     assert (table.state["sum"][:300_000] == 0.5).all() and (table.read(ids) == 0).all()
+
+
+@pytest.mark.parametrize("page", [reserved._PAGE, reserved.HUGE_PAGE], ids=["4KiB", "2MiB"])
+def test_hand_back_clears_only_whole_pages_inside_the_rows(page):
+    rows_per_page = page // 8
+    array = reserved.reserve(4 * rows_per_page, (), np.int64, huge=page == reserved.HUGE_PAGE)
+    array[:] = 7
+    base = array.ctypes.data % page // 8  # rows before the first page boundary (a mapping need not start at one)
+    lo, hi = base + rows_per_page // 2, base + 3 * rows_per_page - 1  # half a page, one whole, most of one
+    reserved.hand_back(array, lo, hi, page)
+    zero = np.zeros(array.shape[0], bool)
+    zero[base + rows_per_page : base + 2 * rows_per_page] = True
+    assert (array[zero] == 0).all() and (array[~zero] == 7).all()
+    plain = np.full(4 * rows_per_page, 7, np.int64)
+    reserved.hand_back(plain, 0, plain.shape[0], page)  # not from `reserve`: left alone
+    assert (plain == 7).all()

@@ -27,7 +27,9 @@ part, where its ids land: the two new slots of an old home h are h and h + old c
 pages written at random places would each stop on a page fault: a batch of 65,536 ids would
 wait on tens of thousands of them (on a virtual machine a first touch of memory can cost 10 us
 a page), and a read of one stops too (a zero page mapped). Moved old slots are zeroed and their
-pages handed back, so the two arrays together never hold more than the new one's size: 16
+pages handed back once wholly moved (both arrays ask for 2 MiB pages: a probe lands at random, and
+4 KiB pages missed the TLB at nearly every probe; handing back part of one would split it), so the
+two arrays together never hold more than the new one's size, give or take a page: 16
 bytes a slot, 43 to 49 bytes an id at any time. (Faulting the whole new array in before moving
 any slot, the simpler order, holds three times the old array at the switch: up to 73 bytes an
 id, a table of dim 16 with Adagrad past 1.5x its rows' own bytes.)
@@ -65,6 +67,7 @@ class HashIndex:
         self._start = 0  # the old slot the move began at: empty, and kept empty while growing
         self._moved = 0  # old slots moved so far, counted from _start
         self._faulted = 0  # old homes, counted from _start, whose slots in the next array are faulted in
+        self._released = 0  # old slots, counted from _start, whose whole pages were handed back
         self.size = 0
 
     @classmethod
@@ -162,7 +165,7 @@ class HashIndex:
     def _begin(self, capacity: int) -> None:
         """Start a growth into `capacity` slots (zero pages: faulted in as the move goes)."""
         self._next = _empty(capacity)
-        self._start, self._moved, self._faulted = _first_empty(self._slots), 0, 0
+        self._start, self._moved, self._faulted, self._released = _first_empty(self._slots), 0, 0, 0
 
     def _grow_now(self, needed: int) -> None:
         """Room for `needed` ids at once: only a batch larger than the room a growth leaves
@@ -188,10 +191,19 @@ class HashIndex:
         self._fault(old, new, total if end == total else min(total, end + _AHEAD))
         for lo, hi in _segments(self._start, self._moved, end, total):
             _move_slots(old, lo, hi, new)
-            reserved.release(old, lo, hi)  # zero, and whole pages handed back
+        self._hand_back(old, end)
         self._moved = end
         if end == total:
             self._slots, self._next = new, None
+
+    def _hand_back(self, old: np.ndarray, end: int) -> None:
+        """Hand back the whole huge pages of moved (zeroed) old slots [_released, end), counted
+        from _start. A page moved in part waits for a later share: handing back part of a huge
+        page splits it, which cost more than the move (skewed ids, 50M rows: docs/scaling.md)."""
+        for lo, hi in _segments(self._start, self._released, end, old.shape[0]):
+            reserved.hand_back(old, lo, hi, reserved.HUGE_PAGE)
+        # the slots of a page cut at `end` come again next time (a page handed back twice costs nothing)
+        self._released = max(self._released, end - reserved.HUGE_PAGE // old.strides[0])
 
     def _fault(self, old: np.ndarray, new: np.ndarray, end: int) -> None:
         """Fault in the new slots of old homes [_faulted, end) (counted from _start)."""
@@ -236,9 +248,9 @@ def _share(left: int, ids: int, room: float) -> int:
 def _empty(capacity: int, faulted: bool = False) -> np.ndarray:
     """An empty (capacity x 2) int64 slot array: all zeros, no pass over it unless `faulted`
     (then its pages are faulted in now, in order, rather than one by one as ids land)."""
-    # 4 KiB pages on purpose: huge pages made uniform ids 50M rows 0.71-0.75 -> 0.88-0.89 of 5M's rate,
-    # but skewed (Zipf) ids, what CTR data looks like, 0.73-0.89 -> 0.65-0.67 (docs/scaling.md)
-    slots = reserved.reserve(capacity, (2,), np.int64) if capacity >= _RESERVE_FROM else None
+    # huge pages: probes land at random, and with 4 KiB pages nearly each one also missed the TLB
+    # (docs/scaling.md, "Rates at 50M rows"); `_hand_back` never splits one
+    slots = reserved.reserve(capacity, (2,), np.int64, huge=True) if capacity >= _RESERVE_FROM else None
     if slots is None:
         slots = np.zeros((capacity, 2), np.int64)
     if faulted:
@@ -247,13 +259,14 @@ def _empty(capacity: int, faulted: bool = False) -> np.ndarray:
 
 
 def _move_slots(old: np.ndarray, lo: int, hi: int, slots: np.ndarray) -> None:
-    """Place the occupied slots of old[lo:hi] in `slots` (the C kernel zeroes them in `old` too)."""
+    """Place the occupied slots of old[lo:hi] in `slots`, and zero them in `old`."""
     if kernels.KERNELS is not None:
         kernels.KERNELS.ps_index_move(kernels.ptr(old), lo, hi, kernels.ptr(slots), slots.shape[0])
         return
     block = old[lo:hi]
     used = block[block[:, 1] != 0]
     _place(slots, np.ascontiguousarray(used[:, 0]), used[:, 1] - 1)
+    block[:] = 0
 
 
 def _find(slots: np.ndarray, ids: np.ndarray) -> np.ndarray:

@@ -31,6 +31,7 @@ import numpy as np
 _LINUX = sys.platform.startswith("linux")
 _NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000) if _LINUX else 0
 _PAGE = mmap.PAGESIZE
+HUGE_PAGE = 2 << 20  # a transparent huge page on x86-64 and arm64 with 4 KiB pages
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14 (Python names it from 3.13)
 
 
@@ -68,16 +69,41 @@ def release(array: np.ndarray, lo: int, hi: int) -> None:
     if mapping is None or not _LINUX or not array.flags.c_contiguous:  # Linux's DONTNEED zeroes; not all do
         array[lo:hi] = 0
         return
+    start, end = _byte_range(mapping, array, lo, hi)
     whole = np.frombuffer(mapping, np.uint8)
-    start = array.ctypes.data - whole.ctypes.data + lo * array.strides[0]
-    end = start + (hi - lo) * array.strides[0]
-    first, last = -(-start // _PAGE) * _PAGE, end // _PAGE * _PAGE
+    first, last = _whole_pages(whole.ctypes.data, start, end, _PAGE)
     if last <= first:
         whole[start:end] = 0
         return
     whole[start:first] = 0
     whole[last:end] = 0
     mapping.madvise(mmap.MADV_DONTNEED, first, last - first)  # private anonymous: zero pages after
+
+
+def hand_back(array: np.ndarray, lo: int, hi: int, page: int = _PAGE) -> None:
+    """Hand the whole `page`-sized pages inside rows [lo, hi) of an array from `reserve` back to
+    the kernel (they read as zeros after); the rest of the rows is left as it is, so the caller
+    zeroes rows itself. `page=HUGE_PAGE` for an array asked for huge pages: handing back part of a
+    huge page splits it, which costs more than the page's zeroing (a growing hash index's old
+    slots: docs/scaling.md). Does nothing for other arrays."""
+    mapping = _mapping(array)
+    if hi <= lo or mapping is None or not _LINUX or not array.flags.c_contiguous:
+        return
+    first, last = _whole_pages(np.frombuffer(mapping, np.uint8).ctypes.data, *_byte_range(mapping, array, lo, hi), page)
+    if last > first:
+        mapping.madvise(mmap.MADV_DONTNEED, first, last - first)
+
+
+def _byte_range(mapping: mmap.mmap, array: np.ndarray, lo: int, hi: int) -> tuple[int, int]:
+    """Offsets in `mapping` of rows [lo, hi) of `array`."""
+    start = array.ctypes.data - np.frombuffer(mapping, np.uint8).ctypes.data + lo * array.strides[0]
+    return start, start + (hi - lo) * array.strides[0]
+
+
+def _whole_pages(base: int, start: int, end: int, page: int) -> tuple[int, int]:
+    """The widest [first, last) within offsets [start, end) of a mapping at address `base` that
+    covers whole `page`s (aligned by address: a mapping need not start at a huge page)."""
+    return -(-(base + start) // page) * page - base, (base + end) // page * page - base
 
 
 def populate(array: np.ndarray, lo: int, hi: int) -> None:
@@ -88,10 +114,10 @@ def populate(array: np.ndarray, lo: int, hi: int) -> None:
         return
     mapping = _mapping(array)
     if mapping is not None and _LINUX:
-        start = array.ctypes.data - np.frombuffer(mapping, np.uint8).ctypes.data + lo * array.strides[0]
+        start, end = _byte_range(mapping, array, lo, hi)
         first = start // _PAGE * _PAGE
         try:
-            mapping.madvise(_MADV_POPULATE_WRITE, first, start + (hi - lo) * array.strides[0] - first)
+            mapping.madvise(_MADV_POPULATE_WRITE, first, end - first)
             return
         except OSError:  # an older kernel (EINVAL): touch the pages instead
             pass
