@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from paramserver.worker.distinct_ids import SpreadRows, distinct, sum_rows
+from paramserver.base.hashing import count_distinct, distinct
+from paramserver.worker.distinct_ids import SpreadRows, sum_rows
 
 
 @pytest.mark.parametrize("ids", [
@@ -18,6 +19,7 @@ def test_distinct_gives_each_id_once_and_where_every_id_went(ids, both_kernel_pa
     np.testing.assert_array_equal(np.sort(unique), np.unique(ids))
     np.testing.assert_array_equal(unique[inverse], ids)
     assert inverse.dtype == np.int64 and inverse.shape == ids.shape
+    assert count_distinct(ids) == np.unique(ids).shape[0]  # a shard's check that a push names each id once
 
 
 def test_spread_rows_backward_sums_the_gradient_of_each_distinct_id_as_torch_indexing_does(both_kernel_paths):

@@ -37,7 +37,7 @@ import numpy as np
 
 from ..base import kernels
 from ..base.errors import InvalidArgumentError
-from ..base.hashing import mix64
+from ..base.hashing import count_distinct, mix64
 from . import reserved
 from .hash_index import HashIndex
 from .row_admission import Admission
@@ -189,6 +189,7 @@ class EmbeddingTable:
         rows = self.index.find(ids)
         missing = np.flatnonzero(rows < 0)
         if create and missing.size:
+            # sorted: new rows take ids in order, as a tiered table's do (eviction ties go by row)
             candidates, where = np.unique(ids[missing], return_inverse=True)  # a batch may name a new id twice
             admit = self.admission.admit(candidates)
             new_ids = candidates[admit]
@@ -263,7 +264,7 @@ class EmbeddingTable:
         distinct, and not stored yet unless `overwrite` (a delta's rows: stored ones are written in
         place, new ones added at the end); InvalidArgumentError otherwise (a file is not trusted)."""
         ids = np.ascontiguousarray(ids, np.int64)
-        if ids.shape[0] > 1 and np.unique(ids).shape[0] != ids.shape[0]:
+        if count_distinct(ids) != ids.shape[0]:
             raise InvalidArgumentError(f"table {self.name!r}: saved rows name an id twice")
         found = self.index.find(ids)
         stored = found >= 0

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..base.errors import ResourceExhaustedError
+from ..base.hashing import count_distinct
 from .embedding_table import EmbeddingTable
 from .tiered_table import TieredTable
 
@@ -96,7 +97,7 @@ def check_new_rows(limits: TableLimits, table: Table, ids: np.ndarray, used: int
         return
     if table.size + ids.shape[0] <= min(table.capacity, limits.max_rows):  # fits even if every id is new
         return
-    missing = int(np.unique(ids[table.index.find(ids) < 0]).shape[0]) if ids.shape[0] else 0
+    missing = count_distinct(ids[table.index.find(ids) < 0])
     if not missing:
         return
     rows = table.size + missing
@@ -122,7 +123,7 @@ def _check_tiered_rows(limits: TableLimits, table: TieredTable, ids: np.ndarray)
     every id not in memory as a new one."""
     if table.size + ids.shape[0] <= limits.max_tiered_rows:  # fits even if every id is new: no look-up
         return
-    missing = int(np.unique(ids[table.hot.find(ids) < 0]).shape[0]) if ids.shape[0] else 0
+    missing = count_distinct(ids[table.hot.find(ids) < 0])
     if missing and table.size + missing > limits.max_tiered_rows:
         raise ResourceExhaustedError(
             f"table {table.name!r}: up to {missing} new rows would bring it to {table.size + missing} rows, "

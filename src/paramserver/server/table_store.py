@@ -22,6 +22,7 @@ import numpy as np
 from ..base import kernels
 from ..base.deadline import Deadline
 from ..base.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
+from ..base.hashing import count_distinct
 from ..wire.half import WIRE_DTYPES, from_wire, to_wire
 from .embedding_table import EmbeddingTable, RowPolicy
 from .limits import Table, TableLimits, check_new_rows, check_new_table, row_bytes, table_bytes
@@ -307,7 +308,7 @@ class TableStore:
         if ids.shape[0] > self.max_ids:
             raise InvalidArgumentError(f"table {name!r}: {ids.shape[0]} ids exceed the maximum of {self.max_ids}")
         # a push with an id twice would update its row once, silently: refuse it
-        if distinct and ids.shape[0] > 1 and _has_repeats(ids):
+        if distinct and ids.shape[0] > 1 and count_distinct(ids) != ids.shape[0]:
             raise InvalidArgumentError(f"table {name!r}: ids in one push must be distinct")
 
 
@@ -326,8 +327,3 @@ class CheckedPush:
     table: Table
     ids: np.ndarray
     grads: np.ndarray
-
-
-def _has_repeats(ids: np.ndarray) -> bool:
-    ordered = np.sort(ids)  # a plain sort: cheaper than np.unique for this yes/no question
-    return bool((ordered[1:] == ordered[:-1]).any())

@@ -28,6 +28,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from ..base.errors import InvalidArgumentError
+from ..base.hashing import count_distinct
 from .embedding_table import RowPolicy, gather_rows, initial_rows
 from .hot_rows import HotRows
 from .row_admission import Admission
@@ -261,7 +262,7 @@ class TieredTable:
         """Add saved rows (a restore, one chunk at a time), as EmbeddingTable.load_rows: into memory
         while there is room, the rest to disk. The ids must be distinct and not stored yet."""
         ids = np.ascontiguousarray(ids, np.int64)
-        if ids.shape[0] > 1 and np.unique(ids).shape[0] != ids.shape[0] or self._stored(ids).any():
+        if count_distinct(ids) != ids.shape[0] or self._stored(ids).any():
             raise InvalidArgumentError(f"table {self.name!r}: saved rows name an id twice")
         for lo in range(0, ids.shape[0], _BATCH):
             part = ids[lo : lo + _BATCH]

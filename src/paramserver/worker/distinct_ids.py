@@ -1,36 +1,15 @@
-"""A batch's distinct ids, and gradients summed per distinct id: the two ends of a lookup.
+"""Gradients summed per distinct id, and rows spread back over the batch: the two ends of a lookup.
 
-A forward looks up each distinct id once and spreads the rows back over the batch; the
-backward sums the gradient rows of each distinct id. Both run as one C loop when the kernels
+A forward looks up each distinct id once (`base.hashing.distinct`) and spreads the rows back
+over the batch; the backward sums the gradient rows of each distinct id. Both run as one C loop when the kernels
 were built (paramserver.base.kernels), numpy/torch otherwise. Thread-safe (no shared state).
 """
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from ..base import kernels
-from ..base.hashing import empty_slots
-
-
-def distinct(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(the distinct values of 1-D int64 `ids`, where each id is among them): `unique[inverse]` equals `ids`.
-
-    With the C kernels the values come in order of first appearance (one hashing pass, no
-    sort); numpy's path sorts them.
-    """
-    ids = np.ascontiguousarray(ids, np.int64)
-    if kernels.KERNELS is None:
-        unique, inverse = np.unique(ids, return_inverse=True)
-        return unique, inverse.reshape(-1)
-    capacity = 1 << max(4, int(2 * ids.shape[0] - 1).bit_length())
-    unique, inverse = np.empty(ids.shape[0], np.int64), np.empty(ids.shape[0], np.int64)
-    slots = empty_slots(capacity)  # held here: the kernel writes into it
-    count = kernels.KERNELS.ps_unique(
-        kernels.ptr(ids), ids.shape[0], kernels.ptr(slots), capacity, kernels.ptr(unique), kernels.ptr(inverse)
-    )
-    return unique[:count], inverse
 
 
 def sum_rows(grads: torch.Tensor, inverse: torch.Tensor, count: int) -> torch.Tensor:

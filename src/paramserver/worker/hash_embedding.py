@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from ..base.errors import InvalidArgumentError, NotInitializedError
-from .distinct_ids import SpreadRows, distinct, sum_rows
+from ..base.hashing import distinct
+from .distinct_ids import SpreadRows, sum_rows
 from .served_rows import ServedRows
 from .wire_dtype import WIRE_OF, wire_array
 
