@@ -167,7 +167,7 @@ def _header(payload) -> tuple[dict, list, int]:
     try:
         # NaN and Infinity are not JSON: refused like any other bad header
         text = bytes(payload[_PREFIX.size : header_end])
-        header = json.loads(text, parse_constant=_no_constant)
+        header = _HEADER_DECODER.decode(text.decode(json.detect_encoding(text), "surrogatepass"))  # as json.loads
         meta, entries = header["meta"], header["tensors"]
         if _SURROGATE_ESCAPE.search(text):  # names reach files, logs and labels: they must be UTF-8
             json.dumps(header, ensure_ascii=False).encode("utf-8")
@@ -186,6 +186,10 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # a JSON escape of a surr
 
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON value")
+
+
+# one decoder for every frame: json.loads with an option builds a new one per call
+_HEADER_DECODER = json.JSONDecoder(parse_constant=_no_constant)
 
 
 def _check_entry(entry: Any) -> list:
