@@ -13,7 +13,9 @@ and the ratio of the means).
 (see bench/tf_reference.py for making that TensorFlow virtual environment; without `--tf-python`
 only paramserver is measured). `--contend N` measures every pair a second time with N busy
 processes running (bench/contend.py) and reports both in the pair's line (`contended_*`, and
-`*_contended_ratio`: contended / quiet), with the load averages at the end of each run.
+`*_contended_ratio`: contended / quiet), with the load averages at the end of each run. A run
+that fails prints its pair's line with `error` (the end of that run's output) and the bench goes
+on; the summaries count the pairs that ran.
 """
 
 import argparse
@@ -87,19 +89,37 @@ def main() -> None:
             for num_ps, workers in topologies:
                 record = {"bench": "ctr_vs_tf", "case": "pair", "pair": pair, "topology": f"{num_ps}x{workers}",
                           "flags": args.flags}
-                record.update(measure(args.tf_python, num_ps, workers, flags, train, test, ""))
-                if args.contend:
-                    record["contend"] = args.contend
-                    with busy_processes(args.contend):
-                        record.update(measure(args.tf_python, num_ps, workers, flags, train, test, "contended_"))
-                    for side in ("paramserver", "tensorflow"):
-                        if f"{side}_examples_per_s" in record:
-                            record[f"{side}_contended_ratio"] = round(
-                                record[f"contended_{side}_examples_per_s"] / record[f"{side}_examples_per_s"], 3)
-                results[record["topology"]].append(record)
+                try:
+                    record.update(pair_figures(args, num_ps, workers, flags, train, test))
+                    results[record["topology"]].append(record)
+                except (SystemExit, subprocess.CalledProcessError) as exc:  # a failed run: its line says why
+                    record["error"] = failure(exc)
                 print(json.dumps(record), flush=True)
     for topology, pairs in results.items():
-        print(json.dumps(summary(topology, args.flags, pairs)), flush=True)
+        if pairs:
+            print(json.dumps(summary(topology, args.flags, pairs)), flush=True)
+
+
+def pair_figures(args: argparse.Namespace, num_ps: int, workers: int, flags: list[str], train: str,
+                 test: str) -> dict:
+    """One pair's figures: quiet, and with `--contend` busy processes too."""
+    record = measure(args.tf_python, num_ps, workers, flags, train, test, "")
+    if args.contend:
+        record["contend"] = args.contend
+        with busy_processes(args.contend):
+            record.update(measure(args.tf_python, num_ps, workers, flags, train, test, "contended_"))
+        for side in ("paramserver", "tensorflow"):
+            if f"{side}_examples_per_s" in record:
+                record[f"{side}_contended_ratio"] = round(
+                    record[f"contended_{side}_examples_per_s"] / record[f"{side}_examples_per_s"], 3)
+    return record
+
+
+def failure(exc: BaseException) -> str:
+    """The end of what a failed run printed (a cluster's output, or TensorFlow's stderr)."""
+    if isinstance(exc, subprocess.CalledProcessError):
+        return f"{exc.cmd[0]} exited with {exc.returncode}: {(exc.stderr or '')[-3000:]}"
+    return str(exc.code)[-3000:]
 
 
 if __name__ == "__main__":
