@@ -369,3 +369,15 @@ def test_checkpoint_list_of_a_directory_that_is_not_there_is_an_error_naming_it(
     with pytest.raises(CheckpointError, match="does not exist"):
         tools.inspect(str(tmp_path / "gone"))
     assert tools.list_checkpoints(str(tmp_path)) == []  # there, and empty: no error
+
+
+def test_a_worker_the_checkpoint_does_not_name_resumes_at_zero_not_at_its_step(tmp_path):
+    # a worker still restarting when a roll-back's first checkpoint is written pushed nothing that
+    # it holds: resuming at the checkpoint's step would skip batches no PS ever applied
+    shards, tables, parts = cluster(2)
+    for _ in range(3):
+        for shard, held in parts.items():
+            shards[shard].push(Push({name: np.full(v.shape, 0.5, np.float32) for name, v in held.items()}, worker=0))
+    save(tmp_path, shards, tables, step=15)
+    source = RestoreSource.latest(CheckpointStore(str(tmp_path)))
+    assert (source.position(None), source.position(0), source.position(1)) == (15, 3, 0)

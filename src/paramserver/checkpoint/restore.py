@@ -137,8 +137,13 @@ class RestoreSource:
         return found
 
     def position(self, worker: int | None) -> int:
-        """Steps `worker` had trained at this checkpoint (the checkpoint's step if not recorded)."""
-        return self.positions.get(worker, self.step) if worker is not None else self.step
+        """Steps `worker` had trained at this checkpoint; `None`: the checkpoint's step.
+
+        A worker the checkpoint does not name pushed nothing that it holds (every shard file
+        names each worker whose pushes it counted): it starts at 0. Taking the checkpoint's step
+        instead skipped batches that no PS had: a worker still restarting when a roll-back's
+        first checkpoint was written resumed past batches it trained only before the roll-back."""
+        return self.positions.get(worker, 0) if worker is not None else self.step
 
     # ---- reading files ------------------------------------------------------------------------
     def _where(self, index: int) -> str:

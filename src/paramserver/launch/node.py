@@ -9,7 +9,7 @@ exits 0 whatever happens to it.
 Under a restart loop (Kubernetes' restartPolicy, a supervisor), recovery needs no launcher:
 - a PS of a cluster with a checkpoint_dir starts from the latest complete checkpoint there;
 - a PS or the chief that restarted makes the cluster roll back to that checkpoint: the chief
-  restarts (or, restarted, finds the PS holding state), asks every PS holding state to restart,
+  restarts (or, restarted, finds the PS holding state), asks every PS to restart,
   and every worker that learns of it exits with RESTART_EXIT_CODE to be started again
   (docs/deploy.md, "When a pod dies").
 """

@@ -9,9 +9,12 @@ that restarted sends the cluster back to its latest checkpoint, as `paramserver 
 - the training thread then stops at its next step (RollbackError), or the process exits by itself
   after `grace_s`; `paramserver node` exits with RESTART_EXIT_CODE and the restart loop starts it
   again: it resumes at the checkpoint's data position;
-- a chief that starts while PS hold state (it restarted, or it left because a PS did) asks each of
-  them to restart before it serves the coordinator (`roll_back_shards`): every PS then holds the
-  latest checkpoint, and no worker joins before that.
+- a chief that starts while any PS holds state (it restarted, or it left because a PS did) asks
+  every PS to restart before it serves the coordinator (`roll_back_shards`): every PS then holds
+  the latest checkpoint, and no worker joins before that. All of them, not only those holding
+  state: a worker from before the roll-back may still register with a PS that looked fresh and
+  push to it, and that PS would then count batches (a position in the next checkpoint) that the
+  restarted ones never saw.
 A PS takes pushes only from workers that registered with its current process, so a worker from
 before the roll-back can change nothing on it (server/shard.py, `sessions`).
 """
@@ -84,16 +87,16 @@ def restarted_shard(channels: list, expected: list[str | None]) -> str | None:
 
 
 def roll_back_shards(channels: list, timeout: float) -> list[int]:
-    """Ask every shard that holds state (a worker registered with it) to restart from the latest
-    checkpoint, and wait until each is back as a new process; returns the shards restarted.
+    """If any shard holds state (a worker registered with it), ask every shard to restart from the
+    latest checkpoint, and wait until each is back as a new process; returns the shards restarted.
 
     Called by a chief before it serves the coordinator: at a fresh start no shard holds state."""
-    holding = [index for index, channel in enumerate(channels) if _holds_state(channel)]
-    if not holding:
+    if not any(_holds_state(channel) for channel in channels):
         return []
+    holding = list(range(len(channels)))
     started = time.monotonic()
     log.warning(
-        "the chief starts while ps %s hold state: the cluster rolls back; asking them to restart from the "
+        "the chief starts while ps hold state: the cluster rolls back; asking ps %s to restart from the "
         "latest checkpoint",
         holding,
         extra={"event": "rollback_started"},
