@@ -93,28 +93,28 @@ def roll_back_shards(channels: list, timeout: float) -> list[int]:
     Called by a chief before it serves the coordinator: at a fresh start no shard holds state."""
     if not any(_holds_state(channel) for channel in channels):
         return []
-    holding = list(range(len(channels)))
+    shards = list(range(len(channels)))
     started = time.monotonic()
     log.warning(
         "the chief starts while ps hold state: the cluster rolls back; asking ps %s to restart from the "
         "latest checkpoint",
-        holding,
+        shards,
         extra={"event": "rollback_started"},
     )
-    before = {index: hello(channels[index]).get("incarnation") for index in holding}
+    before = {index: hello(channels[index]).get("incarnation") for index in shards}
     request = msg.ShutdownRequest(reason="roll-back by the chief", restart=True)
-    for index in holding:
+    for index in shards:
         ShardStub(channels[index]).shutdown(request, HELLO_TIMEOUT_S).wait(HELLO_TIMEOUT_S)
-    for index in holding:
+    for index in shards:
         _wait_restarted(channels[index], index, before[index], started + timeout)
     took = time.monotonic() - started
     log.warning(
         "ps %s restarted from the latest checkpoint in %.2fs",
-        holding,
+        shards,
         took,
         extra={"event": "rollback_done", "duration_s": round(took, 3)},
     )
-    return holding
+    return shards
 
 
 def _holds_state(channel) -> bool:
