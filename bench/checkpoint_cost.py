@@ -4,7 +4,10 @@ The table is built in this process (a TableStore, as a PS holds it) and written 
 write path (checkpoint/shard_writes.py: the snapshot, the streamed safetensors file, its fsync and
 SHA-256, then the manifest). Steps, each timed:
 
-1. a whole checkpoint (the base): bytes and seconds;
+1. a whole checkpoint (the base): bytes and seconds (`base_s`: the write, with its checks as
+   written, the chief's check before the commit as worker/checkpoints.py runs it, and the
+   commit; `base_check_s`: that check alone, absent where the code has none; `base_rehash_s`: one
+   more SHA-256 pass over the base file just written, from the page cache, for scale);
 2. about 1% of the rows trained (one Adagrad step each), then a delta: bytes and seconds;
 3. nine more such rounds (base + 10 deltas), then two restores into a fresh table, each with
    every file checked (SHA-256, finiteness) as a resume checks them: the base alone (one whole
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import json
 import os
 import shutil
@@ -44,6 +48,11 @@ from paramserver.checkpoint.store import checkpoint_name
 from paramserver.server.limits import TableLimits
 from paramserver.server.shard import Shard
 from paramserver.server.table_store import TableStore
+
+try:  # the chief's check before a commit; absent from older code (then not timed)
+    from paramserver.checkpoint.verdict import check_checkpoint
+except ImportError:
+    check_checkpoint = None
 
 ADAGRAD = {"name": "adagrad", "hyper": {"lr": 0.05}}
 INIT = {"kind": "normal", "std": 0.01}
@@ -75,16 +84,33 @@ def touch(tables: TableStore, rows: int, share: float, rng: np.random.Generator)
     return int(ids.shape[0])
 
 
-def checkpoint(writes: ShardWrites, shard: Shard, step: int, parent: str) -> tuple[int, float]:
-    """Write and commit checkpoint `step` (a delta on `parent` when given): (bytes, seconds)."""
+def checkpoint(writes: ShardWrites, shard: Shard, step: int, parent: str) -> tuple[int, float, float | None]:
+    """Write, check as the chief does before its commit (where the code has the check) and commit
+    checkpoint `step` (a delta on `parent` when given): (bytes, seconds, seconds of the check)."""
     name = checkpoint_name(step)
     started = time.perf_counter()
     entry = writes(name, shard, parent=parent)
-    writes.store.commit(name, {"step": step, "num_shards": 1, "shards": [entry]})
+    manifest = {"step": step, "num_shards": 1, "shards": [entry]}
+    check_s = None
+    if check_checkpoint is not None:
+        check_started = time.perf_counter()
+        check_checkpoint(writes.store, name, manifest=manifest, contents=False)
+        check_s = time.perf_counter() - check_started
+    writes.store.commit(name, manifest)
     took = time.perf_counter() - started
     if bool(entry.get("parent")) != bool(parent):
         raise RuntimeError(f"{name}: asked for {'a delta' if parent else 'a base'}, got {entry}")
-    return entry["bytes"], took
+    return entry["bytes"], took, check_s
+
+
+def rehash(path: str) -> float:
+    """Seconds of one SHA-256 pass over the file at `path` (8 MiB at a time)."""
+    started = time.perf_counter()
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(8 << 20):
+            digest.update(chunk)
+    return time.perf_counter() - started
 
 
 def restore(writes: ShardWrites, step: int, rows: int) -> tuple[float, int]:
@@ -140,10 +166,11 @@ def main() -> None:
         tables = build(args.rows)
         build_s = time.perf_counter() - t0
         shard, writes = Shard(0, tables=tables), ShardWrites(workdir, args.quantize)
-        base_bytes, base_s = checkpoint(writes, shard, 1, "")
+        base_bytes, base_s, base_check_s = checkpoint(writes, shard, 1, "")
+        base_rehash_s = rehash(writes.store.path(checkpoint_name(1), "shard-0.safetensors"))
         check_time("the first delta")
         touched = touch(tables, args.rows, args.touch, rng)
-        delta_bytes, delta_s = checkpoint(writes, shard, 2, checkpoint_name(1))
+        delta_bytes, delta_s, delta_check_s = checkpoint(writes, shard, 2, checkpoint_name(1))
         later = []
         for step in range(3, args.deltas + 2):
             check_time(f"delta {step - 1}")
@@ -166,13 +193,16 @@ def main() -> None:
             "build_s": round(build_s, 2),
             "base_bytes": base_bytes,
             "base_s": round(base_s, 3),
+            "base_check_s": None if base_check_s is None else round(base_check_s, 4),
+            "base_rehash_s": round(base_rehash_s, 3),
             "touched_rows": touched,
             "delta_bytes": delta_bytes,
             "delta_s": round(delta_s, 3),
+            "delta_check_s": None if delta_check_s is None else round(delta_check_s, 4),
             "delta_bytes_share": round(delta_bytes / base_bytes, 4),
             "delta_time_share": round(delta_s / base_s, 4),
-            "later_delta_s_max": round(max((s for _, s in later), default=0.0), 3),
-            "chain_bytes": base_bytes + delta_bytes + sum(b for b, _ in later),
+            "later_delta_s_max": round(max((s for _, s, _ in later), default=0.0), 3),
+            "chain_bytes": base_bytes + delta_bytes + sum(b for b, _, _ in later),
             "whole_restore_s": round(whole_restore_s, 2),
             "chain_restore_s": round(chain_restore_s, 2),
             "chain_links": args.deltas + 1,

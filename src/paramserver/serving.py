@@ -6,10 +6,11 @@
     scores = model(dense, ids)                           # embedding rows looked up in the model itself
     program = torch.export.export(model, (dense, ids))   # for a serving stack
     paramserver.serving.apply_delta(model, "delta.safetensors")  # `export --since CKPT`: the later checkpoint
+    paramserver.serving.served(model)                    # the checkpoint it serves: name, manifest SHA-256, run id
 
 See docs/embeddings.md, "Serving what was trained".
 """
 
-from .worker.serving import apply_delta, load
+from .worker.serving import apply_delta, load, served
 
-__all__ = ["apply_delta", "load"]
+__all__ = ["apply_delta", "load", "served"]

@@ -47,7 +47,7 @@ def test_killing_a_worker_a_ps_and_the_chief_costs_no_accuracy(procs, tmp_path):
     assert log.count("restarting it alone") == 3 - rollbacks, (seed, victims)
     assert abs(summary["test_accuracy"] - undisturbed["test_accuracy"]) <= 0.01, (seed, victims, summary,
                                                                                    undisturbed)
-    assert procs.leftovers() == []
+    assert procs.leftovers() == [], (seed, victims)
 
 
 def test_a_ps_killed_while_writing_a_checkpoint_leaves_the_previous_one_to_resume_from(procs, tmp_path):

@@ -92,4 +92,4 @@ def test_a_cluster_under_restart_loops_recovers_from_a_ps_the_chief_and_a_worker
     codes = {code for loop in loops.values() for code in loop.exits}
     assert RESTART_EXIT_CODE in codes, (replay, {n: loop.exits for n, loop in loops.items()})
     assert codes <= {0, -9, RESTART_EXIT_CODE}, (replay, "\n".join(loop.log() for loop in loops.values()))
-    assert procs.leftovers() == []
+    assert procs.leftovers() == [], replay

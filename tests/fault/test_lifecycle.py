@@ -79,7 +79,7 @@ def test_a_run_finishes_by_itself_whatever_the_order_of_starts_finishes_and_kill
     except AssertionError as exc:
         raise AssertionError(f"{replay}\n{exc}") from None
     check_every_batch_trained_once(mode, json.loads(out.read_text()), tmp_path / "ckpt", replay)
-    assert procs.leftovers() == []
+    assert procs.leftovers() == [], replay
 
 
 def check_every_batch_trained_once(mode: str, cells: list[list[float]], directory, replay: str,

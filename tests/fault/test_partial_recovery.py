@@ -83,13 +83,13 @@ def test_a_killed_ps_restores_its_shard_alone_under_the_launcher(procs, tmp_path
         summary = run.finish()
     except AssertionError as exc:
         raise AssertionError(f"{replay}\n{exc}") from None
-    assert back > seen
+    assert back > seen, replay
     assert after[0] == before[0] and after[1] >= before[1], (replay, before, after)  # same process, not rolled back
     assert "steps_redone" not in summary, (replay, summary)
     [recovery] = summary["partial_recoveries"]
     assert recovery["shard"] == victim and recovery["steps_lost"] == sum(recovery["by_worker"].values()), replay
     check_cells(json.loads(out.read_text()), victim, recovery["by_worker"], replay)
-    assert procs.leftovers() == []
+    assert procs.leftovers() == [], replay
 
 
 def _ps_address(run: LauncherRun, index: int) -> str:

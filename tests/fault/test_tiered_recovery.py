@@ -68,7 +68,7 @@ def test_a_ps_killed_while_rows_move_between_tiers_resumes_from_its_checkpoint_o
     proc.wait(BOUND_S)
     finished(busy, "the training thread to see its PS gone")
     channel.close()
-    assert any(spill.iterdir())  # what the killed PS left: ignored, then deleted at the next start
+    assert any(spill.iterdir()), f"seed {seed}"  # what the killed PS left: ignored, then deleted at the next start
 
     channels = [start(procs, index, directory, spill, resume=True)[1] for index in range(2)]
     both = TableClient(channels, BOUND_S)  # rows by shard_of(id, 2): a restored PS holds only its own
@@ -82,7 +82,7 @@ def test_a_ps_killed_while_rows_move_between_tiers_resumes_from_its_checkpoint_o
     exported = tools.load_export(tools.export(str(directory), None, str(tmp_path / "model.safetensors")))
     order = np.argsort(exported["embeddings"]["t"]["ids"].numpy())
     at = order[np.searchsorted(exported["embeddings"]["t"]["ids"].numpy()[order], IDS)]
-    np.testing.assert_array_equal(exported["embeddings"]["t"]["weight"].numpy()[at], saved)
+    np.testing.assert_array_equal(exported["embeddings"]["t"]["weight"].numpy()[at], saved, err_msg=f"seed {seed}")
 
 
 def _train_until_killed(channel, tables, rng):

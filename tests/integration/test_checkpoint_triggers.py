@@ -46,7 +46,7 @@ def test_the_chiefs_step_count_and_clock_make_one_barrier_every_worker_meets(pro
     seed = BASE_SEED + run_index
     summary = run(procs, tmp_path, seed, "--checkpoint-every-seconds", "1")
     assert summary["checkpoints_announced"] >= 3, f"seed {seed}: {summary}"  # the clock's, and steps 50 and 100
-    assert procs.leftovers() == []
+    assert procs.leftovers() == [], f"seed {seed}"
 
 
 @pytest.mark.parametrize("run_index", range(3))
@@ -54,4 +54,4 @@ def test_bursts_of_checkpoint_requests_merge_into_barriers_every_worker_meets(pr
     seed = BASE_SEED + 100 + run_index
     summary = run(procs, tmp_path, seed, script_args=("--bursts", "4"))
     assert summary["checkpoints_announced"] >= 2, f"seed {seed}: {summary}"
-    assert procs.leftovers() == []
+    assert procs.leftovers() == [], f"seed {seed}"

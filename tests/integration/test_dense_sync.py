@@ -87,18 +87,18 @@ def test_uneven_ends_finish_average_over_real_contributors_and_checkpoint_the_de
                  "--checkpoint-every", "3", ps=1, script_args=("--counts", ",".join(map(str, counts)), "--lookahead",
                                                                "--mid-barrier", "4",
                                                                "--optimizer", "Adam", "--lr", "0.01"))
-    assert [saved["trained"] for saved in result["saved"]] == counts
+    assert [saved["trained"] for saved in result["saved"]] == counts, f"seed {seed}"
     first, second = (saved["dense"] for saved in result["saved"])
     for name in first:
-        assert torch.equal(first[name], second[name]), name
+        assert torch.equal(first[name], second[name]), (name, f"seed {seed}")
     assert_close(first, reference(result["saved"][0]["rows"], counts, "Adam", 0.01), rtol=1e-5, atol=1e-6)
     store = CheckpointStore(str(ckpt))
     final = RestoreSource(store, store.complete()[-1])
-    assert final.manifest.get("final") is True
+    assert final.manifest.get("final") is True, f"seed {seed}"
     saved = {var.removeprefix("opt0."): dense.value for var, dense in final.dense_variables()["opt0.group0"]["vars"].items()}
     for name, value in first.items():  # the chief wrote its values, after the other's last steps
-        assert torch.equal(torch.from_numpy(saved[f"mlp.{name}"]), value), name
-    assert procs.leftovers() == []
+        assert torch.equal(torch.from_numpy(saved[f"mlp.{name}"]), value), (name, f"seed {seed}")
+    assert procs.leftovers() == [], f"seed {seed}"
 
 
 def test_a_worker_that_dies_rolls_the_cluster_back_to_its_checkpoint_with_the_dense_values(procs, tmp_path):

@@ -52,8 +52,8 @@ def test_a_killed_chief_or_ps_without_checkpoints_ends_with_128_plus_the_signal_
     label = "worker0 failed: " if role == "chief" else "ps0 "
     assert (f"[run] {label}was killed (signal 9); stopping the run (with --checkpoint-dir the run rolls back "
             f"to its latest checkpoint and goes on)") in out, f"seed {seed}: {out}"
-    assert "steps" in json.loads(out.strip().splitlines()[-1])
-    assert procs.leftovers() == []
+    assert "steps" in json.loads(out.strip().splitlines()[-1]), f"seed {seed}: {out}"
+    assert procs.leftovers() == [], f"seed {seed}"
 
 
 TORCH_OPTIM = str(ROOT / "tests" / "integration" / "scripts" / "train_torch_optim.py")

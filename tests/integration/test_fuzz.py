@@ -9,9 +9,14 @@ hypothesis would take minutes on a loaded machine).
 The PS must not crash or hang (every call and read has a deadline), never answer INTERNAL (or
 UNKNOWN), answer OK only to a frame that is a well-formed request (a Hello, a pull, a new table,
 ...: garbage always gets an error), and its variables, their version and the table's rows must be
-exactly what they were (pulled and compared before and after). No generated tensor can make a
-valid push of the variables or a valid row push: a change there is a bug. The examples come from
-a random seed, drawn per run and named in every failure: PARAMSERVER_FUZZ_SEED=<seed> reproduces it.
+exactly what they were (pulled and compared before and after): a refusal changes nothing.
+
+The generators can still draw a valid change now and then (a tensor entry written raw that fits a
+variable, a byte flipped into place, a marker step: each is a push, and moves the version even when
+its gradient is zero and the values stay as they were), and a valid push may rightly wait (a mode
+set by an earlier valid SetMode). Such a frame is not sent (`pushes`; counted, and bounded to a
+small share), so that the verdict never depends on the seed. The examples come from a random seed,
+drawn per run and named in every assertion: PARAMSERVER_FUZZ_SEED=<seed> reproduces it.
 """
 
 import json
@@ -26,10 +31,10 @@ import pytest
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
-from paramserver.wire import messages as msg
 from paramserver.base.errors import ParamServerError
-from paramserver.wire import codec
 from paramserver.transport import stream as stream_mod
+from paramserver.wire import codec
+from paramserver.wire import messages as msg
 
 pytestmark = pytest.mark.cluster
 SEED = int(os.environ.get("PARAMSERVER_FUZZ_SEED") or random.SystemRandom().randrange(1 << 32))
@@ -37,7 +42,8 @@ FRAMES = 20_000
 VARIANTS = 10
 CALL_S = 10  # a reply later than this is a hang
 PREFIX = struct.Struct("<4sBBHQ")
-# Shutdown is left out: a well-formed one does what it says (the PS drains and exits; tests/integration/test_shutdown.py)
+# Shutdown is left out: a well-formed one does what it says (the PS drains and exits;
+# tests/integration/test_shutdown.py)
 METHODS = [method for method in msg.SHARD_METHODS if method != "Shutdown"]
 VARIABLES = {"w": (3, 2), "b": (2,)}
 ROW_IDS = np.arange(10, dtype=np.int64)
@@ -84,7 +90,7 @@ def _caller(channel):
 
 
 def _ok(result):
-    assert result[0] == grpc.StatusCode.OK, result
+    assert result[0] == grpc.StatusCode.OK, (result, f"PARAMSERVER_FUZZ_SEED={SEED}")
     return result[1]
 
 
@@ -104,6 +110,31 @@ def well_formed(method, payload) -> bool:
     except ParamServerError:
         return False
     return True
+
+
+def pushes(method, payload) -> bool:
+    """Whether `payload` is a well-formed request that validly changes what `state` compares: a
+    PushPull that pushes (a dense gradient, a row push or a marker step) or an Assign. Such a draw is
+    not garbage: the fuzzing does not send it."""
+    if method not in ("PushPull", "Assign") or not well_formed(method, payload):
+        return False
+    frame = codec.decode(payload)
+    if method == "Assign":
+        return bool(frame.tensors)
+    request = msg.PushPullRequest.from_meta(frame.meta)
+    riders = {name for push in request.rows for name in (push.ids, push.grads)} | {x.ids for x in request.lookups}
+    return request.marker or bool(request.rows) or any(name not in riders for name in frame.tensors)
+
+
+def check_state(call, before, sent, skipped, proc) -> None:
+    """The end of a fuzzing run: enough frames sent, few skipped as valid changes, the PS alive and unchanged."""
+    replay = f"PARAMSERVER_FUZZ_SEED={SEED}"
+    print(f"{sent} frames sent, {skipped} valid changes not sent ({replay})")
+    assert sent >= FRAMES - skipped and skipped <= FRAMES // 100, (sent, skipped, replay)
+    assert proc.poll() is None, ("the PS exited", proc.returncode, replay)
+    after = state(call)
+    assert after == before, (f"version {before[0]} -> {after[0]}", "values equal" if after[1] == before[1] else
+                             "values changed", "rows equal" if after[2] == before[2] else "rows changed", replay)
 
 
 # ---- frames ----------------------------------------------------------------------------------------------
@@ -245,7 +276,7 @@ def variants(frame: bytes, rng: random.Random) -> list[bytes]:
 # ---- gRPC ---------------------------------------------------------------------------------------------------
 def test_random_frames_over_grpc_change_nothing(live_ps):
     proc, _, call, _ = live_ps
-    before, sent = state(call), [0]
+    before, sent, skipped = state(call), [0], [0]
 
     rng = random.Random(SEED)
 
@@ -254,14 +285,21 @@ def test_random_frames_over_grpc_change_nothing(live_ps):
     @given(method=st.sampled_from(METHODS + ["Nope"]), frame=frames)
     def fuzz(method, frame):
         for payload in variants(frame, rng):
-            code, reply = call(method, payload)
+            if pushes(method, payload):
+                skipped[0] += 1
+                continue
+            send_over_grpc(call, method, payload)
             sent[0] += 1
-            assert code not in BAD_CODES and code != grpc.StatusCode.DEADLINE_EXCEEDED, (method, code, reply, SEED)
-            assert code != grpc.StatusCode.OK or well_formed(method, payload), (method, "OK for garbage", SEED)
 
     fuzz()
-    assert sent[0] >= FRAMES and proc.poll() is None
-    assert state(call) == before
+    check_state(call, before, sent[0], skipped[0], proc)
+
+
+def send_over_grpc(call, method, payload) -> None:
+    code, reply = call(method, payload)
+    replay = f"PARAMSERVER_FUZZ_SEED={SEED}"
+    assert code not in BAD_CODES and code != grpc.StatusCode.DEADLINE_EXCEEDED, (method, code, reply, replay)
+    assert code != grpc.StatusCode.OK or well_formed(method, payload), (method, "OK for garbage", replay)
 
 
 # ---- the tensor stream ------------------------------------------------------------------------------------
@@ -322,8 +360,9 @@ def stream_messages(draw):
         message = PREFIX.pack(stream_mod.MAGIC, stream_mod.REQUEST_SHM, 0, method, draw(st.integers(0, 1 << 20)))
     elif kind == "bad kind":
         # not a part of a request in parts (MORE | REQUEST...): the PS rightly waits for its bytes
+        parts = (stream_mod.REQUEST, stream_mod.REQUEST_SHM)
         kinds = st.integers(stream_mod.AUTH + 1, 255).filter(
-            lambda k: not (k & stream_mod.MORE and k & ~stream_mod.MORE in (stream_mod.REQUEST, stream_mod.REQUEST_SHM)))
+            lambda k: not (k & stream_mod.MORE and k & ~stream_mod.MORE in parts))
         message = PREFIX.pack(stream_mod.MAGIC, draw(kinds), 0, method, draw(st.integers(0, 64)))
     elif kind == "too long":
         size = draw(st.integers((1 << 20) + 1, (1 << 64) - 1))
@@ -335,30 +374,105 @@ def stream_messages(draw):
 
 def test_random_frames_over_the_tensor_stream_change_nothing(live_ps):
     proc, _, call, port = live_ps
-    before, sent, stream = state(call), [0], Stream(port)
+    before, counts, stream = state(call), Counts(), Stream(port)
 
     @SETTINGS
     @seed(SEED)
     @given(messages=stream_messages())
     def fuzz(messages):
-        for data, method, frame in messages:
-            stream.send(data)
-            answer = stream.reply()
-            sent[0] += 1
-            if answer is None:  # closed: only for a broken prefix, never for a request with a valid one
-                assert frame is None, ("closed on a request", SEED)
-                continue
-            status, body = answer
-            assert status not in (grpc.StatusCode.INTERNAL.value[0], grpc.StatusCode.UNKNOWN.value[0]), (body, SEED)
-            if status == 0:
-                name = stream_mod.METHODS[method] if method is not None and method < len(stream_mod.METHODS) else None
-                assert frame is not None and well_formed(name, frame), ("OK for garbage", data[:64], SEED)
-            if frame is None:
-                stream.close()  # the PS closes after refusing a broken prefix (an attach aside): start afresh
+        fuzz_the_stream(stream, messages, counts)
 
     try:
         fuzz()
     finally:
         stream.close()
-    assert sent[0] >= FRAMES and proc.poll() is None
-    assert state(call) == before
+    check_state(call, before, counts.sent, counts.skipped, proc)
+
+
+class Counts:
+    def __init__(self) -> None:
+        self.sent, self.skipped = 0, 0
+
+
+def fuzz_the_stream(stream, messages, counts: Counts) -> None:
+    """Send one draw of `stream_messages`, but for the frames that are valid changes (`pushes`)."""
+    for data, method, frame in messages:
+        if frame is not None and pushes(stream_method(method), frame):
+            counts.skipped += 1
+            continue
+        send_over_the_stream(stream, data, method, frame)
+        counts.sent += 1
+
+
+def stream_method(method):
+    return stream_mod.METHODS[method] if method is not None and method < len(stream_mod.METHODS) else None
+
+
+def send_over_the_stream(stream, data, method, frame) -> None:
+    stream.send(data)
+    answer = stream.reply()
+    replay = f"PARAMSERVER_FUZZ_SEED={SEED}"
+    if answer is None:  # closed: only for a broken prefix, never for a request with a valid one
+        assert frame is None, ("closed on a request", replay)
+        return
+    status, body = answer
+    assert status not in (grpc.StatusCode.INTERNAL.value[0], grpc.StatusCode.UNKNOWN.value[0]), (body, replay)
+    if status == 0:
+        assert frame is not None and well_formed(stream_method(method), frame), ("OK for garbage", data[:64], replay)
+    if frame is None:
+        stream.close()  # the PS closes after refusing a broken prefix (an attach aside): start afresh
+
+
+# ---- draws that are valid changes ------------------------------------------------------------------------
+def _raw_frame(meta, entries, data=b""):
+    """A frame as near_valid_frames writes one from raw tensor entries."""
+    header = json.dumps({"meta": meta, "tensors": entries}).encode()
+    pad = b"\0" * ((-(12 + len(header))) % 8)
+    return struct.pack("<4sHHI", codec.MAGIC, codec.PROTOCOL_MAJOR, 0, len(header)) + header + pad + data
+
+
+# Frames the generators draw that are valid pushes; sent, each moves the version. Found by replaying
+# the stream test's generators offline on the code before this check (which draws a seed makes
+# depends on the message classes too: a seed replays a failure on the code it failed on):
+# - seed 196, example 1301: a marker step (a valid PushPull with nothing to push). Sent as drawn and
+#   as its variant with a padding byte cut: "version 0 -> 2, values equal", the symptom CI once failed with;
+# - seed 139, example 455, its fourth variant: damaged_frames' NaN gradient of "b" with random bytes
+#   inserted before its data, which made it finite (version 0 -> 1, values changed).
+# A row push of no rows (from raw tensor entries) moves the version with nothing changed as well.
+VALID_PUSHES = {
+    "a marker step": b'PSFR\x02\x00\x00\x007\x00\x00\x00{"meta":{"step":1073741824,"marker":true},"tensors":[]}'
+                     b'\x00\x00\x00\x00\x00',
+    "a row push of no rows": _raw_frame({"rows": [["t", "~ids", "~grads"]]}, [["~ids", "int64", [0], 0, 0],
+                                                                             ["~grads", "float32", [0, 4], 0, 0]]),
+    "a damaged NaN gradient made finite": b'PSFR\x02\x00\x00\x00/\x00\x00\x00{"meta":{},"tensors":[["b","float32",'
+                                          b'[2],0,8]]}w\xba\xda\x80\x80p\x15"\x8d\x01\x18u\xb0\x977\x00\x00'
+                                          b'\x00\x00\x00\x00\x00\xc0\x7f\x00\x00\x80',
+}
+
+
+@pytest.mark.parametrize("draw", list(VALID_PUSHES))
+def test_a_drawn_valid_push_is_not_sent_so_the_verdict_does_not_depend_on_the_seed(live_ps, draw):
+    from paramserver.server.shard import Shard
+    from paramserver.server.shard_service import ShardService
+
+    frame = VALID_PUSHES[draw]
+    shard = Shard(0)  # in this process: what the draw does to a PS that takes it
+    service = ShardService(shard)
+    service.call("Register", codec.encode({"group": "g", "optimizer": {"name": "adam", "hyper": {"lr": 0.01}}},
+                                          [(name, np.zeros(shape, np.float32)) for name, shape in VARIABLES.items()]))
+    service.call("RegisterTable", codec.encode({"table": "t", "dim": 4, "optimizer": {"name": "adagrad", "hyper": {}},
+                                                "init": {"kind": "normal", "std": 0.1}}))
+    service.call("PushPull", frame)
+    assert shard.version == 1, draw  # a valid push (a refused one would change nothing)
+    assert pushes("PushPull", frame), draw
+
+    proc, _, call, port = live_ps
+    before, counts, stream = state(call), Counts(), Stream(port)
+    method = stream_mod.METHODS.index("PushPull")
+    try:
+        fuzz_the_stream(stream, [(PREFIX.pack(stream_mod.MAGIC, stream_mod.REQUEST, 0, method, len(frame)) + frame,
+                                  method, frame)], counts)
+    finally:
+        stream.close()
+    assert (counts.sent, counts.skipped) == (0, 1), draw
+    assert state(call) == before, draw

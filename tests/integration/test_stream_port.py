@@ -96,16 +96,16 @@ def test_the_stream_accepts_again_after_running_out_of_descriptors(procs, tmp_pa
         deadline = time.monotonic() + BOUND_S
         while "accept failed" not in log.read_text() and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert "accept failed" in log.read_text(), "the storm never ran the PS out of descriptors"
+        assert "accept failed" in log.read_text(), f"seed {seed}: the storm never ran the PS out of descriptors"
     finally:
         for sock in storm:
             sock.close()
     # descriptors free again: a new worker joins over the stream (before the fix, the accepting thread had ended)
     channel.close()
     again, version = worker(address)
-    assert version == 2
-    assert "accepting again" in log.read_text()
-    assert proc.poll() is None
+    assert version == 2, f"seed {seed}"
+    assert "accepting again" in log.read_text(), f"seed {seed}"
+    assert proc.poll() is None, f"seed {seed}"
     again.close()
 
 

@@ -1,5 +1,6 @@
 """Tables bigger than memory on real PS processes: a PS with a table memory budget and a spill
-directory trains as one without, stays within its memory, and keeps its spill files to itself."""
+directory trains as one without, stays within its memory, and keeps its spill files to itself (it
+deletes only the subdirectories a PS marked as its own)."""
 
 import fcntl
 import json
@@ -90,10 +91,10 @@ def test_a_ps_with_a_budget_stays_within_it_where_one_without_grows_with_its_row
 
 
 def test_the_spill_directory_is_the_ps_own_ignored_when_stale_and_removed_on_stop(procs, tmp_path):
-    dead = tmp_path / "shard-0-0123abcd"  # what a killed PS left
-    dead.mkdir()
-    (dead / "LOCK").touch()
-    (dead / "000001.sst").write_bytes(b"stale")
+    foreign = tmp_path / "shard-0-0123abcd"  # named as a PS names its own, but no PS made it (no marker)
+    foreign.mkdir()
+    (foreign / "LOCK").touch()
+    (foreign / "000001.sst").write_bytes(b"not a PS's")
     live = tmp_path / "shard-0-live"  # another live PS with the same index, sharing the directory
     live.mkdir()
     lock = os.open(live / "LOCK", os.O_CREAT | os.O_RDWR)
@@ -101,8 +102,8 @@ def test_the_spill_directory_is_the_ps_own_ignored_when_stale_and_removed_on_sto
     try:
         options = {"table_memory_budget": 1 << 16, "spill_dir": str(tmp_path)}
         proc, channel = start(procs, **options)
-        own = [p for p in tmp_path.iterdir() if p not in (live,)]
-        assert len(own) == 1 and own[0].name.startswith("shard-0-") and own[0] != dead
+        own = [p for p in tmp_path.iterdir() if p not in (live, foreign)]
+        assert len(own) == 1 and own[0].name.startswith("shard-0-")
         ids = np.arange(3000, dtype=np.int64)
         tables = TableClient([channel], BOUND_S)
         tables.register("t", 4, ADAGRAD, INIT)
@@ -116,12 +117,12 @@ def test_the_spill_directory_is_the_ps_own_ignored_when_stale_and_removed_on_sto
         proc.wait(BOUND_S)
         assert own[0].exists()
         proc, channel = start(procs, **options)
-        assert not own[0].exists() and live.exists()
+        assert not own[0].exists() and live.exists() and foreign.exists()
         tables = TableClient([channel], BOUND_S)
         tables.register("t", 4, ADAGRAD, INIT)
         np.testing.assert_array_equal(tables.lookup("t", ids), initial_rows(ids, 4, INIT))  # nothing trusted
         channel.close()
         stop(proc)
-        assert sorted(tmp_path.iterdir()) == [live]  # its own went when it stopped
+        assert sorted(tmp_path.iterdir()) == [foreign, live]  # its own went when it stopped
     finally:
         os.close(lock)

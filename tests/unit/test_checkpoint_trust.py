@@ -93,7 +93,7 @@ CASES = {
     ),
     "lone surrogate name": (
         lambda p: rewrite(p, 0, meta=lambda d: d["groups"].update({"\ud800": d["groups"]["g"]})),
-        r"groups\..*unicode string",
+        r"groups\..*not a name: must not hold a lone surrogate",
     ),
     "step not a count": (
         lambda p: (p / CRAFTED / "MANIFEST.json").write_text(

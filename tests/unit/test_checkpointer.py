@@ -8,23 +8,27 @@ import io
 import json
 import logging
 import re
+import sys
+import tempfile
+import types
 
 import numpy as np
 import pytest
-
-from paramserver import load_export
 import torch
 import torch.nn as nn
+from tests.unit.checkpoint_faults import Disk, files, read_only
 
+from paramserver import load_export
 from paramserver.base.config import Options
 from paramserver.base.errors import FailedPreconditionError, UnavailableError
 from paramserver.checkpoint import shard_file, tools
 from paramserver.checkpoint.store import CheckpointError, CheckpointStore, checkpoint_name
+from paramserver.client.ps_client import PushRecord
 from paramserver.launch.local import NO_CHECKPOINT, LocalCluster
 from paramserver.server.shard import Shard
 from paramserver.server.table_store import TableStore
 from paramserver.worker.checkpoints import Checkpointer
-from tests.unit.checkpoint_faults import Disk, files, read_only
+from paramserver.worker.lineage import Lineage
 
 
 class Coordinator:
@@ -37,8 +41,8 @@ class Coordinator:
 
 
 class Client:
-    """Writes a one-shard checkpoint through a store on `fs` (as a PS would, on the same disk);
-    `pushes` stands for the shards' counters."""
+    """Writes a one-shard checkpoint (a real shard file of an empty shard) through a store on `fs`
+    (as a PS would, on the same disk); `pushes` stands for the shards' counters."""
 
     channels = [object()]
     incarnations = [None]  # an in-process shard: never restarts
@@ -50,17 +54,31 @@ class Client:
         self.pushes = 0
         self.fail = None  # an exception the shards' write raises (as it arrives over the wire)
         self.fs = fs
+        self.record = PushRecord()  # what the shards said of this worker (`restored`: its position resumed at)
+        self.damage = False  # a byte of each file changes after it was written (before the chief commits)
 
     def checkpoint(self, name, timeout):
         if self.fail is not None:
             raise self.fail
         self.saved.append(name)
-        entry = CheckpointStore(self.directory, fs=self.fs).write_shard(name, 0, b"shard")
+        store = CheckpointStore(self.directory, fs=self.fs)
+        entry = shard_file.write(store, name, Shard(0), TableStore(0))
+        if self.damage:
+            path = store.path(name, entry.file)
+            data = bytearray(open(path, "rb").read())
+            data[-1] ^= 0x01
+            open(path, "wb").write(bytes(data))
         return [entry.__dict__]
 
     def shard_stats(self):
         return [{"shard": 0, "version": self.pushes, "pushes": self.pushes, "sync_step": 0, "mode": "async",
                  "tables": {}, "staleness_mean": 0.5}]
+
+
+def shard_bytes() -> int:
+    """The size of the file the fake client's shard writes."""
+    with tempfile.TemporaryDirectory() as directory:
+        return shard_file.write(CheckpointStore(directory), "ckpt-000000001", Shard(0), TableStore(0)).bytes
 
 
 def checkpointer(tmp_path, worker, coordinator=None, clock=None, every=0, every_seconds=0.0, fs=None,
@@ -190,7 +208,7 @@ def errors(caplog) -> list[str]:
 
 
 def test_a_full_disk_is_logged_counted_cleaned_up_and_the_next_checkpoint_tries_again(tmp_path, caplog):
-    disk, reports = Disk(space=3), []  # a shard file is 5 bytes: it does not fit
+    disk, reports = Disk(space=3), []  # a shard file is larger: it does not fit
     chief, barriers, client = checkpointer(tmp_path, 0, Coordinator(), every=5, fs=disk, report=reports.append)
     with caplog.at_level(logging.ERROR, logger="paramserver.worker.checkpoints"):
         chief.on_step(5, 1.0)  # no exception: training goes on
@@ -204,7 +222,7 @@ def test_a_full_disk_is_logged_counted_cleaned_up_and_the_next_checkpoint_tries_
     assert reports[-1]["checkpoints_written"] == 0 and reports[-1]["checkpoints_failed"] == 1
     assert "No space left on device (ENOSPC)" in reports[-1]["checkpoint_error"]
 
-    disk.space = 5 + 50  # the shard file fits, the manifest does not
+    disk.space = shard_bytes() + 50  # the shard file fits, the manifest does not
     chief.on_step(10, 1.0)
     assert client.saved == ["ckpt-000000005", "ckpt-000000010"] and "MANIFEST.json.tmp-" in errors(caplog)[-1]
     assert files(tmp_path) == []  # the shard file it had written is deleted: a full disk gets its space back
@@ -283,7 +301,7 @@ def launcher(tmp_path, checkpoint_dir=True):
     return LocalCluster(1, 1, "train.py", options=options, out=out), out
 
 
-def test_the_launcher_exits_non_zero_saying_why_when_a_run_asked_for_checkpoints_and_wrote_none(tmp_path):
+def test_the_launcher_exits_non_zero_saying_why_when_a_checkpoint_of_the_run_failed(tmp_path):
     cluster, out = launcher(tmp_path)
     cluster.board.feed(json.dumps({"worker": 0, "result": {"auc": 0.9}}))  # the script's own result...
     cluster.board.feed(json.dumps({"worker": 0, "result": {  # ...and the chief's checkpoint counts
@@ -291,13 +309,15 @@ def test_the_launcher_exits_non_zero_saying_why_when_a_run_asked_for_checkpoints
         "checkpoint_error": "checkpoint ckpt-000000020: cannot write /d/x: No space left on device (ENOSPC)"}}))
     assert cluster.checkpoint_verdict(0) == NO_CHECKPOINT != 0
     said = out.getvalue()
-    assert f"no checkpoint was written to {tmp_path}: 3 failed" in said and "(ENOSPC)" in said
+    assert f"3 checkpoint(s) to {tmp_path} failed and 0 were written" in said and "(ENOSPC)" in said
     summary = cluster.summary()
     assert summary["auc"] == 0.9 and summary["checkpoints_written"] == 0 and summary["checkpoints_failed"] == 3
     assert cluster.checkpoint_verdict(1) == 1  # a run that failed keeps its own code
 
     cluster.board.feed(json.dumps({"worker": 0, "result": {"checkpoints_written": 1, "checkpoints_failed": 3}}))
-    assert cluster.checkpoint_verdict(0) == 0  # some failed, one was written: the run succeeded
+    assert cluster.checkpoint_verdict(0) == NO_CHECKPOINT  # one was written, but 3 failed: still reported
+    cluster.board.feed(json.dumps({"worker": 0, "result": {"checkpoints_written": 4, "checkpoints_failed": 0}}))
+    assert cluster.checkpoint_verdict(0) == 0  # every checkpoint written: the run succeeded
 
     quiet, _ = launcher(tmp_path)
     assert quiet.checkpoint_verdict(0) == 0  # no counts: the script never trained, there was nothing to save
@@ -391,3 +411,122 @@ def test_the_chief_deletes_incomplete_checkpoints_named_after_the_one_it_committ
     chief.on_step(5, 1.0)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-000000001", "ckpt-000000005"]
     assert store.complete() == ["ckpt-000000005"]
+
+
+# ---- names after a resume, the run's id, and what counts as written ------------------------------
+
+def resumed_checkpointer(tmp_path, restored_from=None, restored_position=0, **kwargs):
+    """A chief whose shards restored `restored_from` (None: a fresh start), where its own position
+    was `restored_position` (0 for a model of tables only: no shard says where it was)."""
+    chief, barriers, client = checkpointer(tmp_path, 0, Coordinator(), **kwargs)
+    client.record.restored = restored_position
+    chief.resumed(Lineage.of(chief.store, [{"restored_from": restored_from}, {"restored_from": restored_from}]))
+    return chief, barriers, client
+
+
+@pytest.mark.parametrize("model, position", [("tables", 0), ("dense", 40), ("mixed", 40)])
+def test_names_go_on_from_the_restored_step_and_the_run_keeps_its_id(tmp_path, model, position):
+    first, _, _ = resumed_checkpointer(tmp_path, every=10)
+    for step in range(1, 41):
+        first.on_step(step, 1.0)
+    store = CheckpointStore(str(tmp_path))
+    assert store.complete()[-1] == "ckpt-000000040"
+    run_id = store.manifest("ckpt-000000040")["run_id"]
+    assert re.fullmatch(r"[0-9a-f]{32}", run_id)
+    assert {store.manifest(name)["run_id"] for name in store.complete()} == {run_id}
+
+    # resumed: the optimizer counts from the position the shards said (none for tables: 0)
+    resumed, barriers, _ = resumed_checkpointer(tmp_path, "ckpt-000000040", position, every=10)
+    assert resumed.lineage.resumed_step == 40 and resumed.lineage.run_id == run_id
+    for step in range(position + 1, position + 6):
+        resumed.on_step(step, 1.0)
+    assert barriers == [], model  # 41..45: no checkpoint due
+    assert resumed.save_final(position + 5, 1.0) == "ckpt-000000045", model
+    assert store.complete()[-1] == "ckpt-000000045" and store.manifest("ckpt-000000045")["run_id"] == run_id
+    assert resumed.counts() == {"checkpoints_written": 1, "checkpoints_failed": 0}
+    for step in range(position + 6, position + 16):
+        resumed.on_step(step, 1.0)
+    assert store.complete()[-1] == "ckpt-000000050"  # every 10 of the run's steps, as before the resume
+
+    fresh, _, _ = resumed_checkpointer(tmp_path / "other", every=10)
+    assert fresh.lineage.resumed_from is None and fresh.lineage.run_id != run_id
+
+
+def test_a_run_resumed_with_nothing_trained_keeps_its_checkpoint_as_it_is(tmp_path):
+    first, _, _ = resumed_checkpointer(tmp_path)
+    assert first.save_final(40, 1.0) == "ckpt-000000040"
+    store = CheckpointStore(str(tmp_path))
+    written = store.manifest("ckpt-000000040")
+    resumed, _, client = resumed_checkpointer(tmp_path, "ckpt-000000040", 0)
+    assert resumed.save_final(0, 1.0) == "ckpt-000000040"
+    assert client.saved == [] and store.manifest("ckpt-000000040")["time"] == written["time"]  # not written again
+
+
+def test_the_lineage_of_shards_that_restored_nothing_differently_or_an_unreadable_manifest(tmp_path, caplog):
+    store = CheckpointStore(str(tmp_path))
+    assert Lineage.of(store, [{}, {"restored_from": None}]).resumed_from is None
+    chief, _, _ = resumed_checkpointer(tmp_path)
+    chief.save(7, 1.0)
+    chief.save(9, 1.0)
+    with caplog.at_level(logging.WARNING, logger="paramserver.worker.lineage"):
+        lineage = Lineage.of(store, [{"restored_from": "ckpt-000000007"}, {"restored_from": "ckpt-000000009"}])
+    assert (lineage.resumed_from, lineage.resumed_step, lineage.run_id) == ("ckpt-000000009", 9, chief.lineage.run_id)
+    assert "different checkpoints" in caplog.text
+    (tmp_path / "ckpt-000000009" / "MANIFEST.json").write_text("{not json")
+    lineage = Lineage.of(store, [{"restored_from": "ckpt-000000009"}])
+    assert lineage.resumed_step == 9 and lineage.run_id != chief.lineage.run_id  # the name's step; a new id
+    assert Lineage.of(store, [{"restored_from": "../../etc"}]).resumed_from is None  # not a checkpoint's name
+
+
+def failing_checks(monkeypatch, reason: str) -> list:
+    """check_checkpoint refuses every checkpoint with `reason`; returns its calls: (name, manifest,
+    whether MANIFEST.json existed then)."""
+    calls = []
+
+    def check_checkpoint(store, name, manifest=None, allow_non_finite=False, contents=True):
+        calls.append((name, manifest, store.fs.exists(store.path(name, "MANIFEST.json"))))
+        raise CheckpointError(f"checkpoint {name}: {reason}")
+
+    module = types.ModuleType("paramserver.checkpoint.verdict")
+    module.check_checkpoint = check_checkpoint
+    monkeypatch.setitem(sys.modules, "paramserver.checkpoint.verdict", module)
+    return calls
+
+
+def test_a_checkpoint_failing_restores_checks_is_failed_never_committed_counted_or_pruned_for(
+        tmp_path, monkeypatch, caplog):
+    reports = []
+    chief, _, client = resumed_checkpointer(tmp_path, every=5, keep=1, report=reports.append)
+    chief.on_step(5, 1.0)
+    store = CheckpointStore(str(tmp_path))
+    assert store.complete() == ["ckpt-000000005"]
+    calls = failing_checks(monkeypatch, "shard-0.safetensors: metadata is malformed")
+    with caplog.at_level(logging.ERROR, logger="paramserver.worker.checkpoints"):
+        chief.on_step(10, 1.0)
+        client.pushes = 3
+        assert chief.save_final(12, 1.0) is None
+    assert client.saved == ["ckpt-000000005", "ckpt-000000010", "ckpt-000000012"]  # written by the shards...
+    assert [(name, manifest["run_id"], manifest["step"], committed) for name, manifest, committed in calls] == [
+        ("ckpt-000000010", chief.lineage.run_id, 10, False), ("ckpt-000000012", chief.lineage.run_id, 12, False)]
+    assert calls[1][1]["final"] is True and calls[1][1]["shards"][0]["file"] == "shard-0.safetensors"
+    assert store.complete() == ["ckpt-000000005"]  # ...never committed, and the older one stays (keep 1)
+    assert files(tmp_path) == ["ckpt-000000005/MANIFEST.json", "ckpt-000000005/shard-0.safetensors"]
+    logged = errors(caplog)
+    assert len(logged) == 2 and "checkpoint ckpt-000000010 failed" in logged[0]
+    assert "fails restore's checks: checkpoint ckpt-000000010: shard-0.safetensors: metadata is malformed" in logged[0]
+    assert chief.counts() == reports[-1] == {
+        "checkpoints_written": 1, "checkpoints_failed": 2,
+        "checkpoint_error": "not committed, it fails restore's checks: checkpoint ckpt-000000012: "
+                            "shard-0.safetensors: metadata is malformed"}
+
+
+def test_a_checkpoint_whose_file_changed_after_it_was_written_is_not_committed(tmp_path, caplog):
+    chief, _, client = resumed_checkpointer(tmp_path, keep=1)
+    assert chief.save_final(5, 1.0) == "ckpt-000000005"
+    client.damage, client.pushes = True, 1
+    with caplog.at_level(logging.ERROR, logger="paramserver.worker.checkpoints"):
+        with pytest.raises(CheckpointError, match="not committed, it fails restore's checks: .*SHA-256"):
+            chief.save(9, 1.0)
+    assert CheckpointStore(str(tmp_path)).complete() == ["ckpt-000000005"]
+    assert not (tmp_path / "ckpt-000000009").exists()
+    assert chief.counts()["checkpoints_written"] == 1 and chief.counts()["checkpoints_failed"] == 1

@@ -121,7 +121,7 @@ BAD = [
     ("log_format", "xml", {}), ("logdir", 3, {}), ("summary_every", 0, {}),
     ("audit_log", 1, {}), ("stop_ps_at_end", "yes", {}), ("drain_grace_s", -1, {}), ("preempt_grace_s", 0, {}),
     ("tls_cert", "/c.pem", {}), ("tls_key", "/k.pem", {}), ("tls_ca", "/ca.pem", {}),
-    ("auth_tokens", 7, {}), ("token_file", None, {}),
+    ("auth_tokens", 7, {}), ("token_file", None, {}), ("run_secret_file", 5, {}),
     ("compression", "zip", {}), ("compression", "topk:2", {}), ("compression", "=fp16", {}), ("compression", 1, {}),
     ("dense_sync", "ring", {}), ("dense_sync", None, {}),
     ("recovery", "half", DIR), ("recovery", 1, DIR), ("recovery", "partial", {}),

@@ -80,9 +80,10 @@ def test_on_a_chain_only_the_rows_written_since_are_exported(run, tmp_path):
     delta = delta_export.load_delta(
         delta_export.export_delta(url, checkpoint_name(3), checkpoint_name(2), str(tmp_path / "d.safetensors"))
     )
-    with safe_open(str(run.chain.path(checkpoint_name(3), "shard-0.safetensors")), "np") as f0, safe_open(
-        str(run.chain.path(checkpoint_name(3), "shard-1.safetensors")), "np"
-    ) as f1:
+    with (
+        safe_open(str(run.chain.path(checkpoint_name(3), "shard-0.safetensors")), "np") as f0,
+        safe_open(str(run.chain.path(checkpoint_name(3), "shard-1.safetensors")), "np") as f1,
+    ):
         written = set(f0.get_tensor("table/t/ids").tolist()) | set(f1.get_tensor("table/t/ids").tolist())
     assert set(delta["embeddings"]["t"]["ids"].tolist()) == written
 
@@ -146,6 +147,8 @@ def test_a_served_model_updated_in_place_serves_the_later_checkpoint_bit_for_bit
     ps.serving.apply_delta(from_checkpoint, delta)
     assert all(torch.equal(from_checkpoint.state_dict()[key], want[key]) for key in want)
     before = {k: v.clone() for k, v in served.state_dict().items()}
-    with pytest.raises(CheckpointError, match=f"is a delta since {old}; user serves {new}'s rows"):
+    with pytest.raises(
+        CheckpointError, match=rf"is a delta since {old} \(sha256 \w+, run .*\); the model serves {new} "
+    ):
         ps.serving.apply_delta(served, delta)  # once only: the model serves the later checkpoint now
     assert all(torch.equal(before[k], v) for k, v in served.state_dict().items())

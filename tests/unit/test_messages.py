@@ -56,12 +56,20 @@ def wrong(hint):
     return ["not", "an", "object"]
 
 
+# fields whose check takes only values of a form (base/names.py): an example of that form
+FORMED = {(msg.CheckpointRequest, "name"): "ckpt-000000002", (msg.CheckpointRequest, "parent"): "ckpt-000000001"}
+
+
+def value_of(cls, spec):
+    return FORMED.get((cls, spec.name), example(spec.hint))
+
+
 def full(cls):
-    return cls(**{spec.name: example(spec.hint) for spec in fields_of(cls)})
+    return cls(**{spec.name: value_of(cls, spec) for spec in fields_of(cls)})
 
 
 def minimal(cls):
-    return cls(**{spec.name: example(spec.hint) for spec in fields_of(cls) if spec.required})
+    return cls(**{spec.name: value_of(cls, spec) for spec in fields_of(cls) if spec.required})
 
 
 # ---- round trips ------------------------------------------------------------------------------
@@ -192,8 +200,8 @@ def test_the_shard_services_replies_are_its_messages(service):
     assert hello.shard == 0 and hello.protocol == [codec.PROTOCOL_MAJOR, codec.PROTOCOL_MINOR] and hello.tables == {}
     reply = codec.decode(service.call("PushPull", codec.encode({"worker": 0}, [("w", np.ones(4, np.float32))])))
     assert msg.PushPullReply.from_meta(reply.meta) == msg.PushPullReply(version=1, step=0, staleness=0, applied=True)
-    entry = codec.decode(service.call("Checkpoint", codec.encode({"name": "c"}))).meta
-    assert msg.CheckpointReply.from_meta(entry).index == 0 and service.save_checkpoint.calls == ["c"]
+    entry = codec.decode(service.call("Checkpoint", codec.encode({"name": "ckpt-000000001"}))).meta
+    assert msg.CheckpointReply.from_meta(entry).index == 0 and service.save_checkpoint.calls == ["ckpt-000000001"]
     left = codec.decode(service.call("Leave", codec.encode({"worker": 0}))).meta
     assert msg.LeaveReply.from_meta(left) == msg.LeaveReply(version=1, step=0)
 

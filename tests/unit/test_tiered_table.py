@@ -1,7 +1,6 @@
 """Tables bigger than memory: a TieredTable under a budget small enough to spill trains, evicts,
 saves and loads exactly as an in-memory EmbeddingTable does."""
 
-import fcntl
 import os
 
 import numpy as np
@@ -101,13 +100,17 @@ def test_a_tiered_table_trains_bit_for_bit_as_an_in_memory_one(tiers, optimizer,
     np.testing.assert_array_equal(tiered.read(every), memory.read(every))
 
 
-@pytest.mark.parametrize("policy", [
-    {"ttl_steps": 30, "evict_every": 10},
-    {"min_count": 3, "evict_every": 25},
-    {"max_rows": 1500, "evict_every": 7},
-    {"admit_after": 2, "ttl_steps": 50, "evict_every": 20},
-    {"admit_probability": 0.3, "max_rows": 800, "min_count": 2, "evict_every": 15},
-], ids=lambda p: ",".join(p))
+@pytest.mark.parametrize(
+    "policy",
+    [
+        {"ttl_steps": 30, "evict_every": 10},
+        {"min_count": 3, "evict_every": 25},
+        {"max_rows": 1500, "evict_every": 7},
+        {"admit_after": 2, "ttl_steps": 50, "evict_every": 20},
+        {"admit_probability": 0.3, "max_rows": 800, "min_count": 2, "evict_every": 15},
+    ],
+    ids=lambda p: ",".join(p),
+)
 def test_admission_and_eviction_rules_act_on_a_tiered_table_as_in_memory(tiers, policy):
     memory, tiered = pair(tiers, OPTIMIZERS["adagrad"], RowPolicy(**policy))
     train([memory, tiered], steps=150)
@@ -226,9 +229,12 @@ def test_a_tiered_table_figures_in_the_shard_metrics(tmp_path):
     store = TableStore(0, tiers=Tiers.create(BUDGET, str(tmp_path), 0))
     store.register("t", 8, OPTIMIZERS["sgd"], INIT)
     store.lookup("t", np.arange(5000, dtype=np.int64))
-    found = {(sample.name, sample.labels["table"]): sample.value
-             for family in ShardCollector(Shard(0, tables=store), store).collect() for sample in family.samples
-             if "table" in sample.labels}
+    found = {
+        (sample.name, sample.labels["table"]): sample.value
+        for family in ShardCollector(Shard(0, tables=store), store).collect()
+        for sample in family.samples
+        if "table" in sample.labels
+    }
     described = store.describe()["t"]
     assert found[("paramserver_table_rows", "t")] == 5000
     assert found[("paramserver_table_memory_rows", "t")] == described["memory_rows"] < 5000
@@ -237,25 +243,35 @@ def test_a_tiered_table_figures_in_the_shard_metrics(tmp_path):
     store.close()
 
 
+def died(space):
+    """What a killed PS leaves: its marked subdirectory, its lock free (the process is gone)."""
+    os.close(space._lock_fd)
+    os.close(space._root_fd)
+    space._lock_fd = space._root_fd = -1
+    return space.path
+
+
 def test_a_ps_removes_only_its_own_stale_spill_directories(tmp_path):
-    for name in ("shard-0-dead", "shard-0-live", "shard-1-other", ".shard-0-half", "notes"):
+    dead = died(SpillSpace.create(str(tmp_path), 0))
+    (dead / "rows.sst").write_bytes(b"x" * 100)
+    for name in ("shard-0-foreign", "shard-1-other", ".shard-0-half", "notes"):
         (tmp_path / name).mkdir()
-    (tmp_path / "shard-0-dead" / "LOCK").touch()
-    (tmp_path / "shard-0-dead" / "rows.sst").write_bytes(b"x" * 100)
+    (tmp_path / "shard-0-foreign" / "LOCK").touch()  # no marker: not made by a PS
     (tmp_path / ".shard-0-half" / "LOCK").touch()
-    lock = os.open(tmp_path / "shard-0-live" / "LOCK", os.O_CREAT | os.O_RDWR)
-    fcntl.flock(lock, fcntl.LOCK_EX)  # a live PS holds it
+    live = SpillSpace.create(str(tmp_path), 0)  # deletes the dead one; then a live PS holds its own
+    assert not dead.exists()
     try:
         space = SpillSpace.create(str(tmp_path), 0)
         left = sorted(p.name for p in tmp_path.iterdir())
-        assert left == sorted(["shard-0-live", "shard-1-other", "notes", space.path.name])
+        expected = ["shard-0-foreign", "shard-1-other", ".shard-0-half", "notes", live.path.name, space.path.name]
+        assert left == sorted(expected)
         assert space.path.name.startswith("shard-0-")
         assert remove_stale(tmp_path, 0) == []  # its own is locked while it lives
-        space.close()
-        assert not space.path.exists()
+        assert space.close() and not space.path.exists()
     finally:
-        os.close(lock)
-    assert [p.name for p in remove_stale(tmp_path, 0)] == ["shard-0-live"]  # its PS is gone now
+        died(live)
+    assert [p.name for p in remove_stale(tmp_path, 0)] == [live.path.name]  # its PS is gone now
+    assert (tmp_path / "shard-0-foreign" / "LOCK").exists()
 
 
 def test_the_memory_tier_drops_rows_by_moving_its_last_rows_into_their_places(both_kernel_paths):

@@ -163,6 +163,7 @@ class Options:
     tls_ca: str = ""  # PEM CA bundle; with it both ends verify each other (mutual TLS)
     auth_tokens: str = ""  # server side: JSON file of accepted tokens and their roles; "": no token checks
     token_file: str = ""  # client side: file holding the token this node presents
+    run_secret_file: str = ""  # file holding the secret of the `paramserver run` that started this node (Prove)
 
     def __post_init__(self) -> None:
         badly_typed = self._type_problems()

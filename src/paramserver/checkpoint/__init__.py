@@ -6,13 +6,16 @@ from collections.abc import Callable
 from typing import Any
 
 
-def shard_writer(directory: str, encoding: str = "none") -> Callable[[str, Any], dict[str, Any]] | None:
+def shard_writer(
+    directory: str, encoding: str = "none", allow_non_finite: bool = False
+) -> Callable[[str, Any], dict[str, Any]] | None:
     """The writer a ShardService is given: its Checkpoint calls, written under the node's own
     checkpoint directory (no path ever comes from the wire) with names in sequence only
-    (checkpoint/shard_writes.py), table values stored in `encoding` (checkpoint/quantize.py), or
-    None without one (Checkpoint is refused)."""
+    (checkpoint/shard_writes.py), table values stored in `encoding` (checkpoint/quantize.py),
+    each file checked as it is written with restore's checks (NaN and infinite values pass when
+    `allow_non_finite`: the PS's restore_non_finite), or None without one (Checkpoint is refused)."""
     if not directory:
         return None
     from .shard_writes import ShardWrites  # here: a PS that never checkpoints never loads safetensors or fsspec
 
-    return ShardWrites(directory, encoding)
+    return ShardWrites(directory, encoding, allow_non_finite)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -26,14 +27,15 @@ from typing import Any
 
 import numpy as np
 
-from ..base import kernels
-from ..base.hashing import shard_of
-from . import quantize, shard_meta, tensor_file
+from ..base.hashing import mix64
+from . import quantize, shard_meta, tensor_file, values
 from .shard_file import META_KEY
 from .store import MANIFEST, MAX_CHAIN, CheckpointError, CheckpointStore, ShardFile, os_reason
 from .tensor_file import TensorReader, TensorSpec
 
 SLICE_BYTES = 8 << 20  # bytes of rows read at a time
+MENTIONS_PER_PASS = 2 << 20  # ids the deltas of a chain name held at once (about 24 bytes each)
+UNIQUE_PER_PASS = 4 << 20  # ids held (and sorted) at once to find one named twice
 
 
 @dataclass
@@ -56,15 +58,29 @@ class SavedFile:
 class Link:
     """One checkpoint: its manifest and shard files (see the module docstring)."""
 
-    def __init__(self, store: CheckpointStore, name: str, verify: Iterable[int] | None, allow_non_finite: bool):
+    def __init__(
+        self,
+        store: CheckpointStore,
+        name: str,
+        verify: Iterable[int] | None,
+        allow_non_finite: bool,
+        manifest: dict[str, Any] | None = None,
+    ):
+        """`manifest`: the checkpoint's manifest in memory (one not yet committed), else read. Its
+        SHA-256s are the ones the writers took from the bytes they had just written (read back
+        after fsync): its files are checked whole, every check but hashing them again (half of
+        the cost); every other link is hashed."""
         self.store, self.name, self.allow_non_finite = store, name, allow_non_finite
-        self.manifest = store.manifest(name)
+        self.hashed = manifest is None
+        self.manifest = store.manifest(name) if manifest is None else store.check_manifest(name, manifest)
         self.step = self.manifest.get("step", 0)
         if type(self.step) is not int or self.step < 0:
             raise CheckpointError(f"checkpoint {name}: {MANIFEST} has step {str(self.step)[:40]!r}, not a count")
         entries = store.shard_files(name, self.manifest)
+        # a checkpoint this store saw pass whole (same files) is not read again: files never change
+        self.trusted = store.passed(name, self.manifest)
         wanted = {entry.index for entry in entries} if verify is None else set(verify)
-        self.verified: set[int] = set()
+        self.verified: set[int] = {entry.index for entry in entries} if self.trusted else set()
         self._lock = threading.Lock()  # one scan of a file at a time (readers on several threads)
         self.files: dict[int, SavedFile] = {}
         for entry in entries:
@@ -72,6 +88,52 @@ class Link:
             self.files[entry.index] = self._header(entry)
             if entry.index in wanted:
                 self.scan(entry.index)
+        if verify is None and not self.trusted:
+            for table in sorted({table for saved in self.files.values() for table in saved.meta["tables"]}):
+                self._check_unique(table)
+
+    def _check_unique(self, table: str) -> None:
+        """No id of `table` twice in this checkpoint (in one file or in two), in bounded memory: a
+        hash partition of the ids at a time (UNIQUE_PER_PASS ids held, sorted in place); and each
+        in the shard file of its shard."""
+        holding = [saved for saved in self.files.values() if table in saved.meta["tables"]]
+        total = sum(saved.tensors[f"table/{table}/ids"].shape[0] for saved in holding)
+        parts = _partitions(total, UNIQUE_PER_PASS)
+        for part in range(parts):
+            found = [np.zeros(0, np.int64)]
+            for saved in holding:
+                with self.reader(saved.entry.index) as reader:
+                    for ids in _id_slices(reader, f"table/{table}/ids"):
+                        hashed = mix64(ids)
+                        if part == 0:
+                            self._check_route(saved, table, ids, hashed)
+                        found.append(ids[_part_of_hash(hashed, parts) == np.uint64(part)] if parts > 1 else ids)
+            if part == 0 and self.num_shards > 1:  # a delta's deleted ids are its shard's too
+                for saved in holding:
+                    if f"table/{table}/deleted" in saved.tensors:
+                        with self.reader(saved.entry.index) as reader:
+                            for gone in _id_slices(reader, f"table/{table}/deleted"):
+                                self._check_route(saved, table, gone, mix64(gone))
+            ids = np.concatenate(found)
+            del found
+            if ids.shape[0] > 2 * UNIQUE_PER_PASS + 4096:  # hashes far from even: crafted, not written
+                raise CheckpointError(f"checkpoint {self.name}: table {table!r} holds ids crafted to collide")
+            ids.sort()
+            twice = np.flatnonzero(ids[1:] == ids[:-1])
+            if twice.shape[0]:
+                raise CheckpointError(f"checkpoint {self.name}: table {table!r} holds id {int(ids[twice[0]])} twice")
+
+    def _check_route(self, saved: SavedFile, table: str, ids: np.ndarray, hashed: np.ndarray) -> None:
+        """Every id of shard file i is shard i's (`shard_of`): a restore onto as many shards reads
+        each shard's own file and keeps its ids only, so another's row would be lost unseen."""
+        if self.num_shards < 2:
+            return
+        other = np.flatnonzero(hashed % np.uint64(self.num_shards) != np.uint64(saved.entry.index))
+        if other.shape[0]:
+            raise CheckpointError(
+                f"{saved.where}: table {table!r} holds id {int(ids[other[0]])}, which belongs to shard "
+                f"{int(hashed[other[0]] % np.uint64(self.num_shards))} of {self.num_shards}"
+            )
 
     @property
     def num_shards(self) -> int:
@@ -100,35 +162,25 @@ class Link:
             return
         saved = self.files[index]
         entry, where = saved.entry, saved.where
-        digest, size, problem = hashlib.sha256(), 0, None
+        digest, size, problem = hashlib.sha256() if self.hashed else None, 0, None
         with self.store.open_shard(self.name, entry) as handle:
             try:
                 for tensor, data in tensor_file.scan(handle, entry.bytes, saved.tensors, SLICE_BYTES, where):
-                    digest.update(data)
+                    if digest is not None:
+                        digest.update(data)
                     size += len(data)
                     if tensor is not None and problem is None:
                         problem = self._values_problem(saved, tensor, data)
             except OSError as exc:
                 raise CheckpointError(f"{where}: cannot read it: {os_reason(exc)}") from exc
-        self.store.check_digest(self.name, entry, size, digest.hexdigest())
+        self.store.check_digest(self.name, entry, size, digest.hexdigest() if digest is not None else None)
         if problem is not None:
             raise CheckpointError(f"{where}: {problem}")
         self.verified.add(index)
 
     def _values_problem(self, saved: SavedFile, tensor: str, data: bytes) -> str | None:
-        """What is wrong with a piece of `tensor`'s values: a NaN or infinity in a floating-point
-        (or bfloat16) tensor, unless allowed; an int8 encoding's scale out of its range, always."""
-        dtype = saved.tensors[tensor].dtype
-        array = np.frombuffer(data, dtype)
-        if tensor.endswith("/" + quantize.SCALE) and not quantize.scales_in_range(array):
-            return f"tensor {tensor!r} holds a scale that is negative, not finite or above {quantize.MAX_SCALE:.4g}"
-        if self.allow_non_finite:
-            return None
-        if dtype.kind == "f":
-            finite = kernels.all_finite(array)
-        else:
-            finite = dtype != quantize.BF16_BITS or quantize.bf16_finite(array)
-        return None if finite else f"tensor {tensor!r} holds NaN or infinite values"
+        """What is wrong with a piece of `tensor`'s values (values.py: the writer's own checks)."""
+        return values.problem(tensor, np.frombuffer(data, saved.tensors[tensor].dtype), self.allow_non_finite)
 
     @contextlib.contextmanager
     def reader(self, index: int) -> Iterator[TensorReader]:
@@ -136,12 +188,14 @@ class Link:
         saved = self.files[index]
         with self._lock:
             self.scan(index)
-        with self.store.open_shard(self.name, saved.entry) as handle:
-            yield TensorReader(handle, saved.entry.bytes, saved.where)
+        with self.store.open_shard(self.name, saved.entry) as handle:  # its header parsed once, when opened
+            yield TensorReader(handle, saved.entry.bytes, saved.where, saved.tensors)
 
 
 def file_chain(newest: Link, index: int, link: Any) -> list[SavedFile]:
-    """Shard file `index`'s chain, base first: `link(name)` opens (or finds) a parent checkpoint."""
+    """Shard file `index`'s chain, base first: `link(name)` opens (or finds) a parent checkpoint.
+    Every link of a table holds it with the newest's dim and optimizer, and the row tensors the
+    newest holds (a delta is applied row by row onto its parent's rows)."""
     files = [newest.files[index]]
     while parent := files[-1].entry.parent:
         if len(files) >= MAX_CHAIN:
@@ -153,15 +207,54 @@ def file_chain(newest: Link, index: int, link: Any) -> list[SavedFile]:
                 f"not {newest.num_shards}"
             )
         files.append(older.files[index])
+    for table, meta in files[0].meta["tables"].items():
+        names = _row_names(files[0], table)
+        for saved in files[1:]:
+            held = saved.meta["tables"].get(table)
+            if held is None:
+                continue
+            if (held["dim"], held["spec"]) != (meta["dim"], meta["spec"]) or not names <= _row_names(saved, table):
+                raise CheckpointError(
+                    f"checkpoint {newest.name}: {files[0].entry.file} is a delta on {saved.link.name}, whose table "
+                    f"{table!r} has dim {held['dim']} and optimizer {held['spec']} (or other row tensors), "
+                    f"not dim {meta['dim']} and {meta['spec']}"
+                )
     return files[::-1]
 
 
+def _row_names(saved: SavedFile, table: str) -> set[str]:
+    """The row tensors a file holds for `table` (its values in any encoding as "values")."""
+    prefix = f"table/{table}/"
+    names = {key[len(prefix) :] for key in saved.tensors if key.startswith(prefix) and "/" not in key[len(prefix) :]}
+    return names - {"ids", "deleted", quantize.SCALE}
+
+
+def check_rows(chain: list[SavedFile], table: str) -> None:
+    """The rows current at the chain's newest link are as many as its metadata says (a whole
+    file's are its ids, checked with its header): counted in bounded memory (`current_slices`)."""
+    newest = chain[-1]
+    if len(chain) == 1 or table not in newest.meta["tables"]:
+        return
+    said = newest.meta["tables"][table].get("rows")
+    if said is None:
+        return
+    count = sum(ids.shape[0] for ids, _ in current_slices(chain, table, []))
+    if count != said:
+        raise CheckpointError(f"{newest.where}: table {table!r} says {said} rows and its chain holds {count}")
+
+
 def file_slices(
-    saved: SavedFile, table: str, names: Iterable[str], shard: int = 0, num_shards: int = 1
+    saved: SavedFile,
+    table: str,
+    names: Iterable[str],
+    shard: int = 0,
+    num_shards: int = 1,
+    part: int = 0,
+    parts: int = 1,
 ) -> Iterator[tuple[np.ndarray, dict[str, np.ndarray]]]:
     """(ids, {array name: rows}) of the rows of `table` in one file that belong to `shard` of
-    `num_shards`, a slice at a time (the file is checked whole first); values as float32 whatever
-    their encoding (quantize.py)."""
+    `num_shards` (and hash partition `part` of `parts`), a slice at a time (the file is checked
+    whole first); values as float32 whatever their encoding (quantize.py)."""
     encoding = saved.meta["tables"][table].get("encoding", "float32")
     names = list(names)
     if encoding == "int8" and "values" in names:
@@ -172,20 +265,26 @@ def file_slices(
         step = max(1, SLICE_BYTES // max(1, 8 + sum(spec.row_bytes for spec in specs.values())))
         for lo in range(0, rows, step):
             ids = reader.read(f"table/{table}/ids", lo, lo + step)
-            mine = shard_of(ids, num_shards) == shard if num_shards > 1 else np.ones(ids.shape[0], bool)
-            if not mine.any():
+            mine = _mine(ids, shard, num_shards, part, parts)
+            if mine is not None and not mine.any():
                 continue
-            arrays = {name: reader.read(f"table/{table}/{name}", lo, lo + step)[mine] for name in specs}
+            arrays = {name: reader.read(f"table/{table}/{name}", lo, lo + step) for name in specs}
+            if mine is not None:
+                ids, arrays = ids[mine], {name: array[mine] for name, array in arrays.items()}
             if "values" in arrays and encoding != "float32":
                 arrays["values"] = quantize.decode(encoding, arrays["values"], arrays.pop(quantize.SCALE, None))
-            yield ids[mine], arrays
+            yield ids, arrays
 
 
-def deleted_ids(saved: SavedFile, table: str, shard: int = 0, num_shards: int = 1) -> np.ndarray:
-    """The ids a delta's table had evicted since its parent (those of `shard` of `num_shards`)."""
+def deleted_ids(
+    saved: SavedFile, table: str, shard: int = 0, num_shards: int = 1, part: int = 0, parts: int = 1
+) -> Iterator[np.ndarray]:
+    """The ids a delta's table had evicted since its parent (those of `shard` of `num_shards`, and
+    of hash partition `part` of `parts`), a slice at a time: a file says how many, and may lie."""
     with saved.reader() as reader:
-        ids = reader.read(f"table/{table}/deleted")
-    return ids[shard_of(ids, num_shards) == shard] if num_shards > 1 else ids
+        for ids in _id_slices(reader, f"table/{table}/deleted"):
+            mine = _mine(ids, shard, num_shards, part, parts)
+            yield ids if mine is None else ids[mine]
 
 
 def apply_chain(chain: list[SavedFile], table: Any, names: list[str], shard: int, num_shards: int) -> None:
@@ -195,7 +294,8 @@ def apply_chain(chain: list[SavedFile], table: Any, names: list[str], shard: int
         if table.name not in saved.meta["tables"]:
             continue
         if k > 0:
-            table.delete_ids(deleted_ids(saved, table.name, shard, num_shards))
+            for ids in deleted_ids(saved, table.name, shard, num_shards):
+                table.delete_ids(ids)
         for ids, arrays in file_slices(saved, table.name, names, shard, num_shards):
             table.load_rows(ids, arrays, overwrite=k > 0)
 
@@ -205,47 +305,107 @@ def current_slices(
 ) -> Iterator[tuple[np.ndarray, dict[str, np.ndarray]]]:
     """The rows of `table` current at the chain's newest link, a slice at a time: each link's
     rows that no later delta names (by row or by deletion); only those of links `first`.. (1: the
-    rows written after the chain's first link, for a delta export)."""
-    newest_ids, newest_code = _newest_mentions(chain, table)
-    for k, saved in enumerate(chain):
-        if k < first or table not in saved.meta["tables"]:
-            continue
-        for ids, arrays in file_slices(saved, table, names, shard, num_shards):
-            if newest_ids.shape[0]:
-                at = np.minimum(np.searchsorted(newest_ids, ids), newest_ids.shape[0] - 1)
-                keep = np.where(newest_ids[at] == ids, newest_code[at] == 2 * k + 1, k == 0)
-            else:
-                keep = np.full(ids.shape[0], k == 0)
-            if keep.any():
-                yield ids[keep], {name: array[keep] for name, array in arrays.items()}
+    rows written after the chain's first link, for a delta export). Memory: the ids the deltas
+    name, MENTIONS_PER_PASS at a time (more: a hash partition of them per pass, each pass over
+    the chain's rows again)."""
+    parts = _passes(chain, table)
+    for part in range(parts):
+        newest_ids, newest_code = _newest_mentions(chain, table, part, parts)
+        for k, saved in enumerate(chain):
+            if k < first or table not in saved.meta["tables"]:
+                continue
+            for ids, arrays in file_slices(saved, table, names, shard, num_shards, part, parts):
+                if newest_ids.shape[0]:
+                    at = np.minimum(np.searchsorted(newest_ids, ids), newest_ids.shape[0] - 1)
+                    keep = np.where(newest_ids[at] == ids, newest_code[at] == 2 * k + 1, k == 0)
+                else:
+                    keep = np.full(ids.shape[0], k == 0)
+                if keep.any():
+                    yield ids[keep], {name: array[keep] for name, array in arrays.items()}
 
 
 def deleted_since_first(chain: list[SavedFile], table: str) -> np.ndarray:
     """The ids the deltas of `chain` deleted that no later delta brought back (sorted): what was
     evicted after its first link, and is not a row at its newest."""
-    ids, codes = _newest_mentions(chain, table)
-    return ids[codes % 2 == 0]
+    found = []
+    for part in range(parts := _passes(chain, table)):
+        ids, codes = _newest_mentions(chain, table, part, parts)
+        found.append(ids[codes % 2 == 0])
+    return np.sort(np.concatenate(found)) if parts > 1 else found[0]
 
 
-def _newest_mentions(chain: list[SavedFile], table: str) -> tuple[np.ndarray, np.ndarray]:
-    """Every id the deltas of `chain` name, sorted, with the newest mention's code: 2k for a
-    deletion in link k, 2k + 1 for a row (a delta's rows come after its deletions)."""
-    ids, codes = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
+def _passes(chain: list[SavedFile], table: str) -> int:
+    """Hash partitions of the ids the deltas of `chain` name (from the headers), MENTIONS_PER_PASS each."""
+    named = sum(
+        saved.tensors[f"table/{table}/{name}"].shape[0]
+        for saved in chain[1:]
+        if table in saved.meta["tables"]
+        for name in ("ids", "deleted")
+    )
+    return _partitions(named, MENTIONS_PER_PASS)
+
+
+def _newest_mentions(chain: list[SavedFile], table: str, part: int, parts: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every id of hash partition `part` of `parts` the deltas of `chain` name, sorted, with the
+    newest mention's code: 2k for a deletion in link k, 2k + 1 for a row (a delta's rows come
+    after its deletions)."""
+    ids, codes = [np.zeros(0, np.int64)], [np.zeros(0, np.uint16)]
+    held = 0
     for k, saved in enumerate(chain[1:], start=1):
         if table not in saved.meta["tables"]:
             continue
-        deleted = deleted_ids(saved, table)
-        ids.append(deleted)
-        codes.append(np.full(deleted.shape[0], 2 * k, np.int64))
-        for rows, _ in file_slices(saved, table, []):
-            ids.append(rows)
-            codes.append(np.full(rows.shape[0], 2 * k + 1, np.int64))
+        deleted = ((found, 2 * k) for found in deleted_ids(saved, table, part=part, parts=parts))
+        rows = ((found, 2 * k + 1) for found, _ in file_slices(saved, table, [], 0, 1, part, parts))
+        for found, code in itertools.chain(deleted, rows):
+            held += found.shape[0]
+            if held > 2 * MENTIONS_PER_PASS + 4096:  # hashes far from even: ids crafted to collide
+                raise CheckpointError(f"{saved.where}: table {table!r} names ids crafted to collide")
+            ids.append(found)
+            codes.append(np.full(found.shape[0], code, np.uint16))
     all_ids, all_codes = np.concatenate(ids), np.concatenate(codes)
-    order = np.lexsort((all_codes, all_ids))  # by id, then code: each id's newest mention last
+    del ids, codes
+    order = np.argsort(all_ids, kind="stable")  # by id; each id's mentions stay in link order, newest last
     all_ids, all_codes = all_ids[order], all_codes[order]
+    del order
     last = np.ones(all_ids.shape[0], bool)
     last[:-1] = all_ids[1:] != all_ids[:-1]
     return all_ids[last], all_codes[last]
+
+
+def _mine(ids: np.ndarray, shard: int, num_shards: int, part: int, parts: int) -> np.ndarray | None:
+    """Which of `ids` belong to `shard` of `num_shards` and hash partition `part` of `parts` (None: all)."""
+    if num_shards == 1 and parts == 1:
+        return None
+    hashed = mix64(ids)
+    mine = hashed % np.uint64(num_shards) == shard if num_shards > 1 else None  # shard_of's rule
+    if parts > 1:
+        in_part = _part_of_hash(hashed, parts) == part
+        mine = in_part if mine is None else mine & in_part
+    return mine
+
+
+def _part_of(ids: np.ndarray, parts: int) -> np.ndarray:
+    """Each id's hash partition of `parts` (a power of two)."""
+    return _part_of_hash(mix64(ids), parts)
+
+
+def _part_of_hash(hashed: np.ndarray, parts: int) -> np.ndarray:
+    """The partition of `parts` (a power of two) of each hash: its high bits (its low ones choose
+    the shard, as `shard_of` takes it modulo the shard count)."""
+    return hashed >> np.uint64(64 - (parts.bit_length() - 1))
+
+
+def _partitions(count: int, per_pass: int) -> int:
+    """The power of two of hash partitions that holds `count` ids about `per_pass` at a time."""
+    return 1 if count <= per_pass else 1 << (-(-count // per_pass) - 1).bit_length()
+
+
+def _id_slices(reader: TensorReader, name: str) -> Iterator[np.ndarray]:
+    """A 1-D int64 tensor of ids, SLICE_BYTES at a time."""
+    rows = reader.tensors[name].shape[0]
+    step = SLICE_BYTES // 8
+    for lo in range(0, rows, step):
+        yield reader.read(name, lo, lo + step)
 
 
 def _ids_spec(reader: TensorReader, table: str) -> TensorSpec:

@@ -9,8 +9,11 @@ only what changed between the two checkpoints:
 - ``embeddings/<table>/deleted`` (int64, sorted): ids that are not rows at NAME and were rows at
   CKPT (evicted since; on a chain it may also name an id created and evicted between the two,
   which removing ignores);
-- metadata: ``format`` ("paramserver-export-delta"), ``checkpoint`` and ``step`` (NAME's),
-  ``since`` and ``since_step`` (CKPT's).
+- metadata: ``format`` ("paramserver-export-delta"), ``checkpoint``, ``step``,
+  ``checkpoint_sha256`` and ``run_id`` (NAME's), ``since``, ``since_step``, ``since_sha256`` and
+  ``since_run_id`` (CKPT's): the exact checkpoint the delta applies to (the SHA-256 of its
+  MANIFEST.json names its content) and its run, so that a served copy of another checkpoint of
+  the same name (another run's, or one written again) refuses it (worker/serving.py).
 
 `merge_rows` applies it: the deleted ids removed, then the rows written over the stored ones or
 added. A whole export of CKPT with the delta applied holds, id by id and bit for bit, the rows of
@@ -42,11 +45,11 @@ from typing import IO
 import numpy as np
 
 from . import chain, tensor_file
+from .export_file import DELTA_FORMAT, EMBEDDINGS, ExportFile, Lineage, check_distinct
 from .restore import RestoreSource
 from .store import CheckpointError, is_checkpoint_name
-from .tools import EMBEDDINGS, export_names, open_source, read_export_file, table_export_names, write_export_file
+from .tools import checkpoint_lineage, export_names, open_source, table_export_names, write_export_file
 
-DELTA_FORMAT = "paramserver-export-delta"
 PARTITION_BYTES = 256 << 20  # CKPT's rows held at once when the two checkpoints are compared
 MAX_PARTITIONS = 1024  # 256 GB of rows: a larger count read from a file is not believed
 _COPY_BYTES = 8 << 20
@@ -78,10 +81,10 @@ def export_delta(url: str, name: str | None, since: str, out: str | None, note=N
             shapes[f"{prefix}/deleted"] = (np.dtype(np.int64), deleted.shape)
         metadata = {
             "format": DELTA_FORMAT,
-            "checkpoint": new.name,
             "step": str(new.step),
-            "since": old.name,
             "since_step": str(old.step),
+            **checkpoint_lineage(new).metadata(""),
+            **checkpoint_lineage(old).metadata("since"),
         }
         layout = tensor_file.plan(shapes, metadata)
 
@@ -214,38 +217,40 @@ def _copy_spooled(spooled: str, handle: IO[bytes], offset: int) -> None:
 
 
 # ---- reading and applying ---------------------------------------------------------------------
-def load_delta(path: str) -> dict:
+def load_delta(path: str, allow_non_finite: bool = False) -> dict:
     """A delta export as ``{"state_dict": {name: tensor}, "embeddings": {table: {"ids", "weight",
-    "deleted"}}, "step", "checkpoint", "since", "since_step"}`` (torch tensors; all of it in memory),
-    its tables checked (distinct ids, one row of the table's width per id, 1-D int64 deleted ids)."""
-    metadata, state_dict, embeddings = read_export_file(path, DELTA_FORMAT, "delta export")
-    for table, arrays in embeddings.items():
-        _check_delta_table(path, table, arrays)
-    try:
-        steps = int(metadata["step"]), int(metadata["since_step"])
-        names = str(metadata["checkpoint"]), str(metadata["since"])
-    except (KeyError, ValueError):
-        raise CheckpointError(f"{path}: its metadata lacks a step or a checkpoint name") from None
+    "deleted"}}, "step", "checkpoint", "sha256", "run_id", "since", "since_step", "since_sha256",
+    "since_run_id"}`` (torch tensors; all of it in memory), every part checked as serving checks it
+    (export_file.py: dtypes, shapes, one row per id, distinct ids, finite values, the lineage)."""
+    import torch  # here: a PS never reads exports
+
+    with ExportFile(path, DELTA_FORMAT, allow_non_finite) as delta:
+        state_dict = {name: torch.from_numpy(value) for name, value in delta.dense_values().items()}
+        embeddings = {}
+        for table in delta.tables:
+            ids = delta.ids(table)
+            check_distinct(np.sort(ids), f"{path}: table {table!r}")
+            weight = np.empty((ids.shape[0], delta.dims()[table]), np.float32)
+            for lo, rows in delta.weight_slices(table):
+                weight[lo : lo + rows.shape[0]] = rows
+            embeddings[table] = {
+                "ids": torch.from_numpy(ids),
+                "weight": torch.from_numpy(weight),
+                "deleted": torch.from_numpy(delta.ids(table, "deleted")),
+            }
+        new, since, step, since_step = delta.lineage, delta.since, delta.step, delta.since_step
     return {
         "state_dict": state_dict,
         "embeddings": embeddings,
-        "step": steps[0],
-        "checkpoint": names[0],
-        "since": names[1],
-        "since_step": steps[1],
+        "step": step,
+        "checkpoint": new.checkpoint,
+        "sha256": new.sha256,
+        "run_id": new.run_id,
+        "since": since.checkpoint,
+        "since_step": since_step,
+        "since_sha256": since.sha256,
+        "since_run_id": since.run_id,
     }
-
-
-def _check_delta_table(path: str, table: str, arrays: dict) -> None:
-    ids, weight, deleted = arrays.get("ids"), arrays.get("weight"), arrays.get("deleted")
-    if ids is None or weight is None or deleted is None:
-        raise CheckpointError(f"{path}: table {table!r} lacks ids, weight or deleted")
-    if ids.dim() != 1 or deleted.dim() != 1 or weight.dim() != 2 or weight.shape[0] != ids.shape[0]:
-        raise CheckpointError(f"{path}: table {table!r} has {tuple(ids.shape)} ids for {tuple(weight.shape)} rows")
-    if str(ids.dtype) != "torch.int64" or str(deleted.dtype) != "torch.int64":
-        raise CheckpointError(f"{path}: table {table!r} ids are not int64")
-    if ids.unique().shape[0] != ids.shape[0]:
-        raise CheckpointError(f"{path}: table {table!r} names an id twice")
 
 
 def merge_rows(
@@ -265,8 +270,10 @@ def apply_to_export(saved: dict, delta: dict) -> dict:
     the later checkpoint's, in the same shape (each table's rows sorted by id)."""
     import torch  # here: load_export's tensors are torch's
 
-    if saved["checkpoint"] != delta["since"]:
-        raise CheckpointError(f"a delta since {delta['since']} does not apply to {saved['checkpoint']}")
+    held = Lineage(saved["checkpoint"], saved.get("sha256", ""), saved.get("run_id", ""))
+    since = Lineage(delta["since"], delta["since_sha256"], delta["since_run_id"])
+    if held != since:
+        raise CheckpointError(f"a delta since {since.describe()} does not apply to {held.describe()}")
     embeddings = {}
     for table, rows in saved["embeddings"].items():
         change = delta["embeddings"].get(table)
@@ -288,4 +295,6 @@ def apply_to_export(saved: dict, delta: dict) -> dict:
         "embeddings": embeddings,
         "step": delta["step"],
         "checkpoint": delta["checkpoint"],
+        "sha256": delta["sha256"],
+        "run_id": delta["run_id"],
     }

@@ -13,8 +13,11 @@ A table's ``values`` (the rows themselves, not their optimizer state) may be wri
 The encoding is named in the table's metadata (``"encoding"``; absent means float32) and checked
 against the tensors before anything is read (shard_meta.py). Decoding is exact and deterministic,
 so a row written twice with the same values reads back with the same bits (a chain still equals a
-whole checkpoint). A scale is refused unless finite, not negative and small enough that no decoded
-value overflows (`scales_in_range`, on the pass that hashes the file).
+whole checkpoint). Every check of an encoding is here: the tensors a table's encoding needs, of
+their dtypes and shapes (`layout_problem`, when a file's header is read), and each int8 scale
+finite, not negative and small enough that no decoded value overflows, whatever its code: q runs
+from -128 to 127, so 128 times the scale must be finite (`scales_in_range`, on the pass that
+hashes the file).
 """
 
 from __future__ import annotations
@@ -27,9 +30,11 @@ from .store import CheckpointError
 NONE = "none"
 ENCODINGS = ("none", "bf16", "int8")  # the option's values; "none" writes float32 as before
 SCALE = "values.scale"  # the int8 encoding's per-row scales, beside "values"
-_INT8_MAX = 127
-# the largest scale whose 127 times is finite in float32 (a larger one could decode to an infinity)
-MAX_SCALE = np.nextafter(np.float32(np.finfo(np.float32).max / _INT8_MAX), np.float32(0))
+_INT8_MAX = 127  # the codes this writer uses: -127..127
+_INT8_LARGEST = 128  # the largest |q| a file may hold (q = -128)
+# the largest scale whose 128 times is finite in float32 (exact: 128 is a power of two); a larger
+# one could decode q = -128 to an infinity
+MAX_SCALE = np.float32(np.finfo(np.float32).max / _INT8_LARGEST)
 BF16_BITS = np.dtype(np.uint16)  # how bfloat16 values are held (numpy has no bfloat16)
 _STORED: dict[str, np.dtype] = {"bf16": BF16_BITS, "int8": np.dtype(np.int8)}
 
@@ -45,6 +50,22 @@ def layout(encoding: str, dim_shape: tuple[int, ...]) -> dict[str, tuple[np.dtyp
     if encoding == "int8":
         found[SCALE] = (np.dtype(np.float32), ())
     return found
+
+
+def layout_problem(
+    encoding: str, dim: int, tensors: dict[str, tuple[np.dtype, tuple[int, ...]]], rows: int
+) -> str | None:
+    """What is wrong with the value tensors of a table of `rows` rows of `dim` stored in `encoding`
+    (`tensors`: its tensors by name, "values", "values.scale", as (dtype, shape)), or None."""
+    if encoding not in _STORED and encoding != "float32":
+        return f"is stored in an unknown encoding {str(encoding)[:40]!r}"
+    for name, (dtype, row_shape) in layout(encoding, (dim,)).items():
+        found = tensors.get(name)
+        want = (rows, *row_shape)
+        if found is None or np.dtype(found[0]) != dtype or tuple(found[1]) != want:
+            shown = f"{np.dtype(found[0])} of shape {tuple(found[1])}" if found is not None else "missing"
+            return f"is {encoding}-encoded, its {name} must be {dtype} of shape {want}, not {shown}"
+    return None
 
 
 def encode(values: np.ndarray, encoding: str) -> dict[str, np.ndarray]:

@@ -88,12 +88,16 @@ class RestoreSource:
         verify: Iterable[int] | None = None,
         allow_non_finite: bool = False,
         links: dict[str, Link | CheckpointError] | None = None,
+        manifest: dict[str, Any] | None = None,
     ) -> None:
         """`links`: checkpoints opened before (or the error that opening one raised), by name:
-        shared by the tries of `latest`, so that no file of a chain is checked twice."""
+        shared by the tries of `latest`, so that no file of a chain is checked twice.
+        `manifest`: checkpoint `name`'s manifest in memory, before it is written (its files are)."""
         self.store, self.name, self.allow_non_finite = store, name, allow_non_finite
         self._verify = None if verify is None else set(verify)
         self._links = links if links is not None else {}
+        if manifest is not None:
+            self._links[name] = Link(store, name, self._verify, allow_non_finite, manifest)
         newest = self._link(name)
         self.manifest, self.step, self.num_shards = newest.manifest, newest.step, newest.num_shards
         self._files: dict[int, SavedFile] = newest.files
@@ -105,6 +109,13 @@ class RestoreSource:
                 self.positions[int(worker)] = max(self.positions.get(int(worker), 0), position)
         self._groups, self._pieces = self._dense_index()
         self.tables = self._table_index()  # table -> meta (counters summed, steps the most)
+        if self._verify is None:  # every row a chain makes current, counted against what it says
+            for _, files in sorted(self._chains.items()):
+                for table in files[-1].meta["tables"]:
+                    chain.check_rows(files, table)
+            if not allow_non_finite:  # what passed every check is not read again by this store
+                for link in {saved.link for files in self._chains.values() for saved in files}:
+                    store.note_passed(link.name, link.manifest)
 
     @classmethod
     def latest(cls, store: CheckpointStore, allow_non_finite: bool = False) -> RestoreSource | None:
@@ -272,6 +283,11 @@ class RestoreSource:
                     raise CheckpointError(
                         f"{saved.where}: table {table!r} has another dim or optimizer than in another file"
                     )
+                if info.get("shards") not in (None, self.num_shards):
+                    raise CheckpointError(
+                        f"{saved.where}: table {table!r} was written routed over {info['shards']} shards, "
+                        f"the checkpoint has {self.num_shards}"
+                    )
                 merged["steps"] = max(merged["steps"], info["steps"])
                 for key, count in info["counters"].items():
                     merged["counters"][key] = merged["counters"].get(key, 0) + count
@@ -357,23 +373,6 @@ class RestoreSource:
                 raise CheckpointError(
                     f"{saved.where}: table {table!r} {name} is {found}, not {np.dtype(dtype)} rows of {row_shape}"
                 )
-
-    def saved_table(self, table: str) -> SavedTable:
-        """Every saved row of `table` (ids and values) in memory: for an evaluator's model."""
-        meta = self.tables[table]
-        ids = np.empty(meta["rows"], np.int64)
-        values = np.empty((meta["rows"], meta["dim"]), np.float32)
-        at = 0
-        for index in self.table_files(table):
-            for chunk_ids, arrays in self.table_slices(table, index, ["values"]):
-                if at + chunk_ids.shape[0] > meta["rows"]:
-                    raise CheckpointError(f"checkpoint {self.name}: table {table!r} holds more rows than it says")
-                ids[at : at + chunk_ids.shape[0]] = chunk_ids
-                values[at : at + chunk_ids.shape[0]] = arrays["values"]
-                at += chunk_ids.shape[0]
-        if at != meta["rows"]:
-            raise CheckpointError(f"checkpoint {self.name}: table {table!r} holds {at} rows, it says {meta['rows']}")
-        return SavedTable(meta, ids, {"values": values})
 
 
 def _state_names(tensors: dict[str, TensorSpec], part: str) -> list[str]:

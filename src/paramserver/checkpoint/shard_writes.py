@@ -20,6 +20,11 @@ PS that did not write `parent` itself (it restarted since) writes a whole file, 
 says so (no ``parent``). The parent must be older than the name (names only grow).
 
 Refusals raise before any snapshot or lock (the dispatcher audits them like every refusal).
+
+Each file is checked as it is written with the checks restore applies (shard_file.py): a file
+that fails them is not written, and the Checkpoint call fails with a CheckpointError naming the
+problem (FAILED_PRECONDITION on the wire), so the chief never commits the checkpoint and counts
+it failed (worker/checkpoints.py).
 """
 
 from __future__ import annotations
@@ -40,13 +45,15 @@ _EPOCHS_KEPT = 8  # snapshot epochs remembered, of the names written last (a del
 class ShardWrites:
     """The Checkpoint calls of one PS, writing under its own `directory`. Thread-safe: one write at a time."""
 
-    def __init__(self, directory: str, encoding: str = quantize.NONE) -> None:
-        """`encoding`: how table values are stored (checkpoint/quantize.py; "none": float32)."""
+    def __init__(self, directory: str, encoding: str = quantize.NONE, allow_non_finite: bool = False) -> None:
+        """`encoding`: how table values are stored (checkpoint/quantize.py; "none": float32).
+        `allow_non_finite`: a file holding NaN or infinite values is written (the PS's
+        restore_non_finite: restore will take it); otherwise it is refused as it is written."""
         if encoding not in quantize.ENCODINGS:
             raise InvalidArgumentError(
                 f"checkpoint encoding {encoding!r} is not one of {', '.join(quantize.ENCODINGS)}"
             )
-        self.store, self.encoding = CheckpointStore(directory), encoding
+        self.store, self.encoding, self.allow_non_finite = CheckpointStore(directory), encoding, allow_non_finite
         self._lock = threading.Lock()
         self._last: str | None = None  # the name this PS wrote last
         self._committed: str | None = None  # the newest of its names known to be committed
@@ -66,7 +73,14 @@ class ShardWrites:
                 log.info("checkpoint %s: this PS has no snapshot of %s; its file is whole", name, parent)
             forget = self._epochs.get(parent or self._committed or "")
             entry = shard_file.write(
-                self.store, name, shard, shard.tables, parent=on, forget=forget, encoding=self.encoding
+                self.store,
+                name,
+                shard,
+                shard.tables,
+                parent=on,
+                forget=forget,
+                encoding=self.encoding,
+                allow_non_finite=self.allow_non_finite,
             )
             self._last = name
             self._epochs[name] = shard.tables.snapshot_epoch

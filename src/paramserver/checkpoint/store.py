@@ -16,10 +16,12 @@ is raised as a CheckpointError naming the checkpoint, the path and the OS's reas
 (``checkpoint ckpt-000000020: cannot write /d/ckpt-000000020/shard-1.safetensors: No space left on
 device (ENOSPC)``).
 
-Retention (`prune`) counts verified checkpoints only: complete, and every file of the size and
-SHA-256 its manifest names. A damaged checkpoint never counts toward `keep`, so a damaged newer
-one never makes a good one go. An incremental checkpoint (a delta: its manifest's shard entries
-name a ``parent``) counts when its whole chain does, and keeps its chain (`chain`) from deletion.
+Retention (`prune`) counts verified checkpoints only: those that pass the verdict resume applies
+(verdict.py: complete, every file of the size and SHA-256 its manifest names, and every check of
+restore's). A damaged checkpoint never counts toward `keep`, so a damaged newer one never makes a
+good one go, and the newest one that passes is never deleted. An incremental checkpoint (a
+delta: its manifest's shard entries name a ``parent``) counts when its whole chain does, and keeps
+its chain (`chain`) from deletion.
 
 Thread-safety: a store may be used from several threads for different files.
 """
@@ -29,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import importlib
 import json
 import logging
 import os
@@ -46,17 +49,18 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from ..base.errors import AlreadyExistsError, FailedPreconditionError, InvalidArgumentError
+from ..base.names import checkpoint_name_problem
 
 log = logging.getLogger(__name__)
 MANIFEST = "MANIFEST.json"
 FORMAT = "paramserver-checkpoint"
 FORMAT_VERSION = 1
 _PREFIX = "ckpt-"
-_NAME = re.compile(r"^ckpt-\d{9}$")
 _TEMPORARY = re.compile(r"^(?P<target>.+)\.tmp-[0-9a-f]+$")  # `<file>.tmp-<hex>`: a write in progress or dead
 _CHUNK = 8 << 20  # bytes hashed at a time when a file is verified
 MAX_CHAIN = 256  # checkpoints one chain may hold (base + deltas): far above any --checkpoint-base-every
 MAX_MANIFEST_BYTES = 16 << 20  # a manifest names one small entry per shard: far below this
+Checker = Callable[[IO[bytes], int], None]  # a written file's check: (handle open for reading, its size)
 
 
 class CheckpointError(FailedPreconditionError):
@@ -79,7 +83,7 @@ def checkpoint_name(step: int) -> str:
 
 def is_checkpoint_name(text: object) -> bool:
     """Whether `text` is a checkpoint's name (ckpt-<9 digits>)."""
-    return isinstance(text, str) and _NAME.match(text) is not None
+    return checkpoint_name_problem(text) is None
 
 
 def shard_file_name(index: int) -> str:
@@ -107,16 +111,17 @@ class CheckpointStore:
         # retention's memory: checkpoints known good (committed here, or hashed once) and known damaged
         self._good: set[str] = set()
         self._damaged: dict[str, str] = {}
+        self._passed: dict[str, str] = {}  # checkpoint -> its files' fingerprint, when they passed the verdict
 
     def path(self, name: str, *parts: str) -> str:
-        if not _NAME.match(name):  # names come over the wire: never a path of their own
+        if not is_checkpoint_name(name):  # names come over the wire: never a path of their own
             raise CheckpointError(f"{name!r} is not a checkpoint name (ckpt-<9 digits>)")
         return posixpath.join(self.root, name, *parts)
 
     def check_new(self, name: str) -> None:
         """Raise unless `name` may be written by a shard: InvalidArgumentError for what is not a
         checkpoint name, AlreadyExistsError for a committed checkpoint (never overwritten)."""
-        if not isinstance(name, str) or not _NAME.match(name):
+        if not is_checkpoint_name(name):
             raise InvalidArgumentError(f"{str(name)[:80]!r} is not a checkpoint name (ckpt-<9 digits>)")
         manifest = self.path(name, MANIFEST)
         with self._os("read", manifest, name):
@@ -137,24 +142,31 @@ class CheckpointStore:
         """Write one shard's file of checkpoint `name` from bytes; returns its manifest entry."""
         return self.write_shard_with(name, index, lambda handle: handle.write(data))
 
-    def write_shard_with(self, name: str, index: int, fill: Callable[[IO[bytes]], Any]) -> ShardFile:
+    def write_shard_with(
+        self, name: str, index: int, fill: Callable[[IO[bytes]], Any], check: Checker | None = None
+    ) -> ShardFile:
         """Write one shard's file of checkpoint `name` by `fill(handle)` (it may seek: the handle
         is a local file); returns its manifest entry, whose size and SHA-256 are read back from
-        what was written (a chunk at a time). Local: written under a temporary name, fsynced,
-        renamed. Object store: spooled to a local temporary file, then uploaded whole."""
+        what was written (a chunk at a time, from the page cache). `check(handle, size)`: run on
+        the written file (open for reading) before it takes its name; a CheckpointError it raises
+        leaves nothing behind. Local: written under a temporary name, fsynced, renamed. Object
+        store: spooled to a local temporary file, checked, then uploaded whole."""
         path = self.path(name, shard_file_name(index))
         if self.local:
-            size, digest = self._write_atomic(name, path, fill)
+            size, digest = self._write_atomic(name, path, fill, check)
         else:
-            size, digest = self._upload(name, path, fill)
+            size, digest = self._upload(name, path, fill, check)
         return ShardFile(index, shard_file_name(index), size, digest)
 
     def commit(self, name: str, manifest: dict[str, Any]) -> None:
         """Write the manifest (the commit point) of a checkpoint whose shard files are written."""
         body = {"format": FORMAT, "version": FORMAT_VERSION, "name": name, "time": time.time(), **manifest}
+        checked = self.passed(name, body)
         self._forget(name)
         self._write_bytes(name, self.path(name, MANIFEST), json.dumps(body, indent=1, sort_keys=True).encode())
-        self._good.add(name)  # its entries hash the very bytes the shards wrote: sizes are checked at prune
+        if checked:  # it passed the verdict before its commit (checkpoint/verdict.py): sizes are checked at prune
+            self._good.add(name)
+            self.note_passed(name, body)
 
     def mark_final(self, name: str) -> None:
         """Add ``"final": true`` to the manifest of committed checkpoint `name` (the final one of a
@@ -213,7 +225,7 @@ class CheckpointStore:
             for upload in self.fs.list_multipart_uploads(bucket):
                 key = upload["Key"]
                 checkpoint = key[len(head) :].split("/")[0] if key.startswith(head) else ""
-                if _NAME.match(checkpoint) and name in (None, checkpoint):
+                if is_checkpoint_name(checkpoint) and name in (None, checkpoint):
                     self.fs.abort_mpu(bucket, key, upload["UploadId"])
                     aborted.append(f"{bucket}/{key}")
         if aborted:
@@ -281,9 +293,9 @@ class CheckpointStore:
         return chain if all(self._counts(link) for link in chain) else []
 
     def _counts(self, name: str) -> bool:
-        """Whether checkpoint `name` counts for retention: complete and verified. A checkpoint this
-        store committed, or one hashed whole before, is checked by its files' sizes; any other is
-        read back and hashed. Damage is logged once."""
+        """Whether checkpoint `name` counts for retention: it passes the verdict that resume
+        applies (checkpoint/verdict.py). One this store committed after it passed, or that passed
+        here before, is checked by its files' sizes; any other is checked whole. Damage is logged once."""
         if name in self._damaged:
             return False
         try:
@@ -292,7 +304,7 @@ class CheckpointStore:
                 for entry in self.shard_files(name, manifest):
                     self._check_size(name, entry)
             else:
-                self.verify(name)
+                _verdict()(self, name)
         except CheckpointError as exc:
             self._good.discard(name)
             self._damaged[name] = str(exc)
@@ -304,6 +316,16 @@ class CheckpointStore:
     def _forget(self, name: str) -> None:
         self._good.discard(name)
         self._damaged.pop(name, None)
+        self._passed.pop(name, None)
+
+    def note_passed(self, name: str, manifest: dict[str, Any]) -> None:
+        """Remember that checkpoint `name`, with the files `manifest` names, passed every check
+        (checkpoint/verdict.py): its files are not read again by this store (files never change)."""
+        self._passed[name] = _fingerprint(manifest)
+
+    def passed(self, name: str, manifest: dict[str, Any]) -> bool:
+        """Whether checkpoint `name` with the files `manifest` names passed every check here."""
+        return self._passed.get(name) == _fingerprint(manifest)
 
     def _write_bytes(self, name: str, path: str, data: bytes) -> None:
         if not self.local:
@@ -325,7 +347,9 @@ class CheckpointStore:
             self._remove_quietly(path)  # a filesystem that writes in place may hold part of it
             raise
 
-    def _upload(self, name: str, path: str, fill: Callable[[IO[bytes]], Any]) -> tuple[int, str]:
+    def _upload(
+        self, name: str, path: str, fill: Callable[[IO[bytes]], Any], check: Checker | None = None
+    ) -> tuple[int, str]:
         """Spool a file locally, then upload it in one call (`put_file`: one PUT, or a multipart
         upload completed only when every part is sent, aborted on failure)."""
         directory = posixpath.dirname(path)
@@ -337,6 +361,7 @@ class CheckpointStore:
                 spool.flush()
             with self._os("read", spool.name, name):
                 size, digest = _digest(spool.name)
+                _run_check(check, spool.name, size)
             try:
                 with self._os("write", path, name):
                     self.fs.put_file(spool.name, path)
@@ -345,8 +370,10 @@ class CheckpointStore:
                 raise
         return size, digest
 
-    def _write_atomic(self, name: str, path: str, fill: Callable[[IO[bytes]], Any]) -> tuple[int, str]:
-        """Write a local file under a temporary name, fsync, rename; returns its size and SHA-256."""
+    def _write_atomic(
+        self, name: str, path: str, fill: Callable[[IO[bytes]], Any], check: Checker | None = None
+    ) -> tuple[int, str]:
+        """Write a local file under a temporary name, fsync, `check`, rename; returns its size and SHA-256."""
         directory = posixpath.dirname(path)
         with self._os("create directory", directory, name):
             self.fs.makedirs(directory, exist_ok=True)
@@ -363,6 +390,7 @@ class CheckpointStore:
                     os.fsync(handle.fileno())
             with self._os("read", tmp, name):
                 size, digest = _digest(tmp)
+                _run_check(check, tmp, size)
             with self._os(f"rename {tmp} to", path, name):
                 os.replace(tmp, path)
         except CheckpointError:
@@ -382,7 +410,7 @@ class CheckpointStore:
         except OSError as exc:
             raise CheckpointError(f"checkpoint {name}: cannot list {directory}: {os_reason(exc)}") from exc
         for entry in entries:
-            match = _TEMPORARY.match(posixpath.basename(entry.rstrip("/")))
+            match = _TEMPORARY.fullmatch(posixpath.basename(entry.rstrip("/")))
             if match and (target is None or match.group("target") == target):
                 with self._os("delete", entry, name):
                     self.fs.rm(entry)
@@ -431,7 +459,7 @@ class CheckpointStore:
                 f"checkpoint directory {self.url}: cannot list {self.root}: {os_reason(exc)}"
             ) from exc
         names = [posixpath.basename(entry.rstrip("/")) for entry in entries]
-        return sorted(name for name in names if _NAME.match(name))
+        return sorted(name for name in names if is_checkpoint_name(name))
 
     def complete(self) -> list[str]:
         """Names of checkpoints with a manifest, oldest first."""
@@ -442,19 +470,44 @@ class CheckpointStore:
                     names.append(name)
         return names
 
-    def manifest(self, name: str) -> dict[str, Any]:
+    def check_manifest(self, name: str, manifest: dict[str, Any]) -> dict[str, Any]:
+        """The manifest that `commit(name, manifest)` would write, as restore would read it back
+        (refused as `manifest` refuses it): to check a checkpoint before it is committed."""
+        body = {"format": FORMAT, "version": FORMAT_VERSION, "name": name, **manifest}
+        try:
+            text = json.dumps(body, sort_keys=True)
+        except (TypeError, ValueError) as exc:
+            raise CheckpointError(f"checkpoint {name}: its manifest cannot be written as JSON ({exc})") from None
+        if len(text) > MAX_MANIFEST_BYTES:
+            raise CheckpointError(f"checkpoint {name}: {MANIFEST} is larger than {MAX_MANIFEST_BYTES} bytes")
+        return self._checked_manifest(name, json.loads(text))
+
+    def manifest_bytes(self, name: str) -> bytes:
+        """The bytes of checkpoint `name`'s MANIFEST.json (at most MAX_MANIFEST_BYTES; memory: its size)."""
         path = self.path(name, MANIFEST)
         try:
-            if self._regular_size(name, path) > MAX_MANIFEST_BYTES:
+            size = self._regular_size(name, path)
+            if size > MAX_MANIFEST_BYTES:
                 raise CheckpointError(f"checkpoint {name}: {MANIFEST} is larger than {MAX_MANIFEST_BYTES} bytes")
-            with self.fs.open(path, "rb") as handle:
-                manifest = json.loads(handle.read(MAX_MANIFEST_BYTES + 1))
+            with self.fs.open(path, "rb") as handle:  # read(n) allocates n bytes first: the size, not the bound
+                data = handle.read(size + 1)
         except FileNotFoundError:
             raise CheckpointError(f"checkpoint {name}: no {MANIFEST} (incomplete checkpoint)") from None
-        except ValueError as exc:
-            raise CheckpointError(f"checkpoint {name}: {MANIFEST} is not valid JSON ({exc})") from None
         except OSError as exc:
             raise CheckpointError(f"checkpoint {name}: cannot read {path}: {os_reason(exc)}") from exc
+        if len(data) != size:
+            raise CheckpointError(f"checkpoint {name}: {MANIFEST} changed while it was read")
+        return data
+
+    def manifest(self, name: str) -> dict[str, Any]:
+        try:
+            manifest = json.loads(self.manifest_bytes(name))
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested past the parser's depth
+            raise CheckpointError(f"checkpoint {name}: {MANIFEST} is not valid JSON ({exc})") from None
+        return self._checked_manifest(name, manifest)
+
+    @staticmethod
+    def _checked_manifest(name: str, manifest: Any) -> dict[str, Any]:
         if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
             raise CheckpointError(f"checkpoint {name}: {MANIFEST} is not a {FORMAT} manifest")
         if manifest.get("version") != FORMAT_VERSION:
@@ -478,7 +531,7 @@ class CheckpointStore:
                     f"{entry.index}, not {shard_file_name(entry.index)}"
                 )
         for entry in entries:  # a delta's parent is an earlier checkpoint of this directory, by name
-            if entry.parent and not (_NAME.match(entry.parent) and entry.parent < name):
+            if entry.parent and not (is_checkpoint_name(entry.parent) and entry.parent < name):
                 raise CheckpointError(
                     f"checkpoint {name}: {MANIFEST} names {entry.parent[:80]!r} as the parent of {entry.file}, "
                     "not an earlier checkpoint"
@@ -550,6 +603,9 @@ class CheckpointStore:
         locally, a link to elsewhere (another directory, /dev/zero) is refused before any read."""
         if not self.local:
             return int(self.fs.size(path))
+        status = os.lstat(path)  # a regular file, not a link: in its directory (one call, at every open)
+        if stat.S_ISREG(status.st_mode):
+            return status.st_size
         real = os.path.realpath(path)
         status = os.stat(real)
         if os.path.dirname(real) != os.path.realpath(self.path(name)) or not stat.S_ISREG(status.st_mode):
@@ -570,6 +626,23 @@ class CheckpointStore:
             raise CheckpointError(
                 f"checkpoint {name}: shard file {entry.file} does not match its SHA-256 (changed after it was written)"
             )
+
+
+def _verdict() -> Callable[[CheckpointStore, str], None]:
+    """checkpoint/verdict.py's check_checkpoint. Bound late, by name: the verdict is restore's own
+    check, which reads checkpoints through this module, so this module cannot import it."""
+    return importlib.import_module(f"{__package__}.verdict").check_checkpoint
+
+
+def _fingerprint(manifest: dict[str, Any]) -> str:
+    """What names a checkpoint's files: its manifest's shard entries (each file's size and SHA-256)."""
+    return hashlib.sha256(json.dumps(manifest.get("shards"), sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _run_check(check: Checker | None, path: str, size: int) -> None:
+    if check is not None:
+        with open(path, "rb") as handle:
+            check(handle, size)
 
 
 def _digest(path: str) -> tuple[int, str]:

@@ -87,10 +87,18 @@ def plan(tensors: dict[str, tuple[np.dtype, tuple[int, ...]]], metadata: dict[st
 
 
 def write_rows(handle: IO[bytes], layout: TensorPlan, name: str, row: int, array: np.ndarray) -> None:
-    """Write `array` (rows of tensor `name`, from row `row` on) at its place in the file."""
+    """Write `array` (rows of tensor `name`, from row `row` on) at its place in the file; a
+    TensorFileError for rows of another dtype or row shape, or past the tensor's end (they would
+    land in another tensor's bytes)."""
     array = np.ascontiguousarray(array)
-    if array.dtype != layout.tensors[name].dtype:
-        raise TypeError(f"tensor {name}: writing {array.dtype} into a {layout.tensors[name].dtype} tensor")
+    spec = layout.tensors[name]
+    rows = spec.shape[0] if spec.shape else 1
+    fits = array.shape[1:] == spec.shape[1:] and 0 <= row and row + (array.shape[0] if array.shape else 1) <= rows
+    if array.dtype != spec.dtype or not (fits or array.shape == spec.shape):
+        raise TensorFileError(
+            f"tensor {name!r}: rows {row}.. of {array.dtype} {array.shape} do not fit "
+            f"a {spec.dtype} tensor of {spec.shape}"
+        )
     if array.nbytes:
         handle.seek(layout.offset(name, row))
         handle.write(array.reshape(-1).view(np.uint8).data)
@@ -101,9 +109,15 @@ class TensorReader:
 
     Not thread-safe (one handle, one position)."""
 
-    def __init__(self, handle: IO[bytes], size: int, where: str) -> None:
+    def __init__(self, handle: IO[bytes], size: int, where: str, tensors: dict[str, TensorSpec] | None = None) -> None:
+        """`tensors`: the file's tensors as a reader of the same bytes found them (the header is then
+        not read again; no metadata)."""
         self.handle, self.where = handle, where
-        self.metadata, self.tensors = _parse_header(handle, size, where)
+        self.metadata: dict[str, str] = {}
+        if tensors is not None:
+            self.tensors = tensors
+        else:
+            self.metadata, self.tensors = _parse_header(handle, size, where)
 
     def read(self, name: str, lo: int = 0, hi: int | None = None) -> np.ndarray:
         """Rows lo..hi (axis 0) of tensor `name`, a fresh writable array."""
@@ -139,7 +153,7 @@ def _parse_header(handle: IO[bytes], size: int, where: str) -> tuple[dict[str, s
         raise TensorFileError(f"{where}: header of {length} bytes does not fit a {size}-byte file")
     try:
         header = json.loads(handle.read(length))
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested past the parser's depth
         raise TensorFileError(f"{where}: header is not JSON ({exc})") from None
     if not isinstance(header, dict):
         raise TensorFileError(f"{where}: header is not a JSON object")

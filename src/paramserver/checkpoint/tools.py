@@ -6,10 +6,12 @@ tables' size): each dense variable under its parameter name, and each table as
 <table> named as the parameters are: without the optimizer's ``optK.`` prefix, so the module's
 path (``user`` for the HashEmbedding whose state_dict key is ``user.placeholder``), or the
 module's own ``name=``;
-its metadata holds ``format`` ("paramserver-export"), ``step`` and ``checkpoint``.
+its metadata holds ``format`` ("paramserver-export"), ``step`` and ``checkpoint``, and the
+checkpoint's lineage: ``checkpoint_sha256`` (the SHA-256 of its MANIFEST.json) and ``run_id``.
 ``safetensors.torch.load_file(path)`` reads it, and `load_export(path)` gives ``{"state_dict":
 {parameter name: tensor}, "embeddings": {table: {"ids": ..., "weight": ...}}, "step": n,
-"checkpoint": name}``. inspect reads the files' headers only.
+"checkpoint": name, "sha256": ..., "run_id": ...}``, every part checked (export_file.py).
+inspect reads the files' headers only.
 
 Parameter names are the model's when the optimizer was given ``model.named_parameters()``;
 ``model.load_state_dict({**model.state_dict(), **saved["state_dict"]})`` loads them, failing on
@@ -20,6 +22,7 @@ An optimizer given ``model.parameters()`` saw no names: its variables are ``para
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -30,13 +33,13 @@ from collections.abc import Callable
 import numpy as np
 
 from . import tensor_file
+from .export_file import EMBEDDINGS, EXPORT_FORMAT, ExportFile, Lineage, is_run_id, sorted_rows
 from .restore import RestoreSource
-from .store import CheckpointError, CheckpointStore
+from .store import MANIFEST, CheckpointError, CheckpointStore
+from .verdict import newest_passing_name
 
 _POSITIONAL = re.compile(r"^(?:opt\d+\.)?param\d+$")
 _OPTIMIZER_PREFIX = re.compile(r"^opt\d+\.")
-EXPORT_FORMAT = "paramserver-export"
-EMBEDDINGS = "embeddings"  # tensor names of a table: embeddings/<table>/ids and embeddings/<table>/weight
 
 
 def list_checkpoints(url: str) -> list[dict]:
@@ -74,17 +77,33 @@ def list_checkpoints(url: str) -> list[dict]:
     return rows
 
 
-def open_source(url: str, name: str | None, links: dict | None = None) -> RestoreSource:
-    """Checkpoint `name` of `url` (default: the newest complete one), every file checked as a resume
-    checks it (`links`: see RestoreSource)."""
+def open_source(url: str, name: str | None, links: dict | None = None, allow_non_finite: bool = False) -> RestoreSource:
+    """Checkpoint `name` of `url`, every file checked as a resume checks it (`links`: see
+    RestoreSource); default: the newest that passes that check, as resume chooses (verdict.py:
+    each newer one is logged with what is wrong and skipped)."""
     store = CheckpointStore(url)
     store.require()
     if name is None:
-        complete = store.complete()
-        if not complete:
-            raise CheckpointError(f"no complete checkpoint in {url}")
-        name = complete[-1]
-    return RestoreSource(store, name, links=links)
+        name = newest_passing_name(store, allow_non_finite)
+        if name is None:
+            raise CheckpointError(f"no complete checkpoint that passes restore's checks in {url}")
+    return RestoreSource(store, name, links=links, allow_non_finite=allow_non_finite)
+
+
+def checkpoint_lineage(source: RestoreSource) -> Lineage:
+    """Which checkpoint `source` is, exactly: its name, the SHA-256 of its MANIFEST.json (the
+    manifest names every file's SHA-256, so this hash names the checkpoint's content) and its run."""
+    data = source.store.manifest_bytes(source.name)
+    try:
+        same = json.loads(data) == source.manifest
+    except ValueError:
+        same = False
+    if not same:
+        raise CheckpointError(f"checkpoint {source.name}: {MANIFEST} changed while it was read")
+    run_id = source.manifest.get("run_id", "")
+    if run_id != "" and not is_run_id(run_id):
+        raise CheckpointError(f"checkpoint {source.name}: {MANIFEST} has run_id {str(run_id)[:40]!r}, not a run id")
+    return Lineage(source.name, hashlib.sha256(data).hexdigest(), run_id)
 
 
 def inspect(url: str, name: str | None = None) -> dict:
@@ -196,7 +215,7 @@ def export(url: str, name: str | None, out: str | None, note=None) -> str:
     for table, meta in source.tables.items():
         shapes[f"{EMBEDDINGS}/{tables[table]}/ids"] = (np.dtype(np.int64), (meta["rows"],))
         shapes[f"{EMBEDDINGS}/{tables[table]}/weight"] = (np.dtype(np.float32), (meta["rows"], meta["dim"]))
-    metadata = {"format": EXPORT_FORMAT, "step": str(source.step), "checkpoint": source.name}
+    metadata = {"format": EXPORT_FORMAT, "step": str(source.step), **checkpoint_lineage(source).metadata("")}
     layout = tensor_file.plan(shapes, metadata)
 
     def write_tables(handle) -> None:
@@ -245,35 +264,29 @@ def _copy_table(source: RestoreSource, table: str, exported: str, handle, layout
         raise CheckpointError(f"checkpoint {source.name}: table {table!r} holds {at} rows, it says {rows}")
 
 
-def read_export_file(path: str, file_format: str, what: str) -> tuple[dict, dict, dict]:
-    """(metadata, state_dict, embeddings) of an export file of `file_format` (`what` names the kind in
-    the error): dense tensors by name, in the optimizer's order, and each table's tensors by field."""
-    from safetensors import safe_open  # here: serving needs it, a PS never
-
-    state_dict: dict = {}
-    embeddings: dict[str, dict] = {}
-    with safe_open(path, framework="pt") as handle:
-        metadata = handle.metadata() or {}
-        if metadata.get("format") != file_format:
-            raise CheckpointError(f"{path} is not a paramserver {what} (format {metadata.get('format')!r})")
-        for key in sorted(handle.keys(), key=_natural):  # positional names in the optimizer's order
-            if key.startswith(f"{EMBEDDINGS}/"):
-                table, _, field = key[len(EMBEDDINGS) + 1 :].rpartition("/")
-                embeddings.setdefault(table, {})[field] = handle.get_tensor(key)
-            else:
-                state_dict[key] = handle.get_tensor(key)
-    return metadata, state_dict, embeddings
-
-
-def load_export(path: str) -> dict:
+def load_export(path: str, allow_non_finite: bool = False) -> dict:
     """An exported file as ``{"state_dict": {name: tensor}, "embeddings": {table: {"ids": int64
-    tensor, "weight": float tensor}}, "step": n, "checkpoint": name}`` (all of it in memory)."""
-    metadata, state_dict, embeddings = read_export_file(path, EXPORT_FORMAT, "export")
+    tensor, "weight": float32 tensor}}, "step": n, "checkpoint": name, "sha256": its manifest's
+    SHA-256, "run_id": ...}`` (all of it in memory; each table's rows sorted by id), every part
+    checked as serving checks it (export_file.py): a CheckpointError names what is wrong."""
+    import torch  # here: a PS never reads exports
+
+    with ExportFile(path, EXPORT_FORMAT, allow_non_finite) as saved:
+        state_dict = {name: torch.from_numpy(value) for name, value in saved.dense_values().items()}
+        embeddings = {}
+        for table in sorted(saved.tables, key=_natural):
+            ids = saved.ids(table)
+            rows = ((ids[lo : lo + len(chunk)], chunk) for lo, chunk in saved.weight_slices(table))
+            sorted_ids, weight = sorted_rows(ids, rows, saved.dims()[table], f"{path}: table {table!r}")
+            embeddings[table] = {"ids": torch.from_numpy(sorted_ids), "weight": torch.from_numpy(weight)}
+        lineage, step = saved.lineage, saved.step
     return {
-        "state_dict": state_dict,
+        "state_dict": {name: state_dict[name] for name in sorted(state_dict, key=_natural)},
         "embeddings": embeddings,
-        "step": int(metadata["step"]),
-        "checkpoint": metadata["checkpoint"],
+        "step": step,
+        "checkpoint": lineage.checkpoint,
+        "sha256": lineage.sha256,
+        "run_id": lineage.run_id,
     }
 
 

@@ -10,7 +10,7 @@ may be called from one thread at a time per client (one training loop).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,6 +94,12 @@ class PushRecord:
         """Register replies, by shard."""
         for shard, reply in replies.items():
             self.base_versions[shard] = reply.version
+        self.note_position(replies.values())
+
+    def note_position(self, replies: Iterable[msg.RegisterReply | msg.RegisterTableReply]) -> None:
+        """This worker's data position and restored step from Register or RegisterTable replies: one
+        position whether the model holds dense variables, tables or both."""
+        for reply in replies:
             self.restored = max(self.restored, reply.restored)
             self.position = max(self.position, reply.position)
 

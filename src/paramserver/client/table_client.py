@@ -137,6 +137,7 @@ class TableClient:
         consistency: dict | None = None,
         worker: int | None = None,
         compressor: GradientCompressor | None = None,
+        on_registered: Callable[[list[msg.RegisterTableReply]], None] | None = None,
     ) -> None:
         self.channels = channels
         self.stubs = [ShardStub(channel) for channel in channels]
@@ -151,16 +152,23 @@ class TableClient:
         self._requests: list[msg.RegisterTableRequest] = []  # every table registered, in order
         # partial recovery: called when a lookup finds a shard gone; it brings the shard back, the lookup is sent again
         self.on_lost: Callable[[ParamServerError], None] | None = None
+        # given every shard's RegisterTable replies: the worker's data position, as Register's replies give
+        # it (PushRecord.note_position), so that a model of tables only resumes its data too
+        self.on_registered = on_registered
 
     def replace_channel(self, shard: int, channel: ShardChannel) -> None:
         """Talk to `shard` through `channel` from now on (its process restarted; PSClient closes the old one)."""
         self.channels[shard] = channel
         self.stubs[shard] = ShardStub(channel)
 
-    def register_again(self, shard: int, timeout: float) -> None:
-        """Register every table with `shard` again (a new process: it restores them from its checkpoint)."""
+    def register_again(self, shard: int, timeout: float) -> int:
+        """Register every table with `shard` again (a new process: it restores them from its checkpoint);
+        returns this worker's position as the shard counts it (0: no table)."""
+        position = 0
         for request in self._requests:
-            self.stubs[shard].register_table(request, timeout).wait(timeout)
+            reply, _ = self.stubs[shard].register_table(request, timeout).wait(timeout)
+            position = max(position, reply.position)
+        return position
 
     def register(
         self,
@@ -194,9 +202,11 @@ class TableClient:
             worker=self.worker,
             dtype=wire,
         )
-        gather([stub.register_table(request, self.rpc_timeout_s) for stub in self.stubs], self.rpc_timeout_s)
+        replies = gather([stub.register_table(request, self.rpc_timeout_s) for stub in self.stubs], self.rpc_timeout_s)
         self.codecs[table] = compression
         self._requests.append(request)
+        if self.on_registered is not None:
+            self.on_registered([reply for reply, _ in replies])
 
     def lookup(self, table: str, ids: np.ndarray) -> np.ndarray:
         """Rows (len(ids) x dim) of distinct int64 `ids`, in their order; missing rows are created."""

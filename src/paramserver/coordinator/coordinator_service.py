@@ -2,8 +2,9 @@
 
 Methods of service ``paramserver.Coordinator`` (frames without tensors): Hello, Join, Heartbeat,
 Finish, Barrier (a long poll: the reply says "open", or the workers still "waiting"), Leave,
-RequestCheckpoint. Requests and the reply (CoordinatorReply) are the messages of
-wire/messages.py (COORDINATOR_METHODS), documented there and in docs/protocol.md.
+RequestCheckpoint (each replies with the view, CoordinatorReply), and Prove (no token needed: the
+host answers a challenge with its run's secret, security/run_secret.py). Requests and replies are
+the messages of wire/messages.py (COORDINATOR_METHODS), documented there and in docs/protocol.md.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..base.deadline import Deadline
-from ..base.errors import DeadlineExceededError, ParamServerError, UnavailableError
+from ..base.errors import DeadlineExceededError, FailedPreconditionError, ParamServerError, UnavailableError
 from ..base.lifecycle import Lifecycle, ReadyFlag
 from ..security.auth import Claim, Guard
+from ..security.run_secret import COORDINATOR_NODE, RunSecret
 from ..wire import codec
 from ..wire import messages as msg
 from ..wire.calls import Request, decode_request
@@ -37,8 +39,10 @@ class CoordinatorService:
 
     calls: CallMetrics  # set by a host that records its calls (transport/dispatch.py reads it when present)
 
-    def __init__(self, coordinator: Coordinator) -> None:
+    def __init__(self, coordinator: Coordinator, run_secret: RunSecret | None = None) -> None:
+        """`run_secret`: the secret of the run that started the host (Prove), if one did."""
         self.coordinator = coordinator
+        self.run_secret = run_secret
         self.methods: dict[str, Callable[[Any], dict]] = {
             "Hello": lambda request: coordinator.view(),
             "Join": lambda request: coordinator.join(request.worker),
@@ -49,6 +53,7 @@ class CoordinatorService:
             ),
             "Leave": lambda request: coordinator.leave(request.worker),
             "RequestCheckpoint": lambda request: coordinator.request_checkpoint(request.worker),
+            "Prove": self._prove,
         }
         self.guard: Guard | None = None  # tokens, roles and audit (transport/dispatch.py), given by the host
 
@@ -62,7 +67,13 @@ class CoordinatorService:
 
     def serve(self, request: Request, sink: Callable[[list], Any] = b"".join) -> Any:
         view = self.methods[request.method](request.message)
-        return sink(codec.encode_parts(msg.CoordinatorReply(**view).to_meta()))
+        _, reply = msg.COORDINATOR_METHODS[request.method]
+        return sink(codec.encode_parts(reply(**view).to_meta()))
+
+    def _prove(self, request: msg.ProveRequest) -> dict:
+        if self.run_secret is None:
+            raise FailedPreconditionError("the coordinator holds no run secret: no `paramserver run` started it")
+        return {"proof": self.run_secret.prove(COORDINATOR_NODE, request.nonce)}
 
     def call(self, method: str, payload: Any, sink: Callable[[list], Any] = b"".join) -> Any:
         """Decode and serve one request frame (what dispatch does, less the guard)."""

@@ -9,11 +9,15 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..base.byte_size import parse_byte_size
 from ..base.config import ClusterSpec, Options, config_from_environ, load_cluster_file, options_from_environ
 from ..base.errors import ConfigError, ParamServerError
 from .logs import configure_logging
+
+if TYPE_CHECKING:
+    from ..security.run_secret import RunSecret
 
 log = logging.getLogger(__name__)
 
@@ -554,14 +558,22 @@ def _status_access(args: argparse.Namespace):
 
 def _cluster_spec(path: str | None) -> ClusterSpec:
     """The cluster of a cluster file, else of TF_CONFIG, else of the `paramserver run` on this machine."""
+    return _target(path)[0]
+
+
+def _target(path: str | None) -> tuple[ClusterSpec, RunSecret | None]:
+    """The cluster of a cluster file, else of TF_CONFIG, else of this user's `paramserver run` on this
+    machine, whose files must show it is to be trusted (launch/run_files.py); with that run's secret,
+    which its nodes must prove they hold before they are sent anything (None: a cluster the caller named)."""
     if path:
-        return load_cluster_file(path, "ps", 0).cluster
+        return load_cluster_file(path, "ps", 0).cluster, None
     config = config_from_environ(os.environ, Options())
     if config is None:
         from .run_files import local_run
 
-        return load_cluster_file(local_run(), "ps", 0).cluster
-    return config.cluster
+        run = local_run()
+        return run.cluster, run.secret
+    return config.cluster, None
 
 
 def _demo_script() -> Path:
@@ -600,11 +612,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "status":
             from .status import run_status
 
-            return run_status(_cluster_spec(args.cluster), args.json, args.interval, args.timeout, _status_access(args))
+            cluster, secret = _target(args.cluster)
+            return run_status(cluster, args.json, args.interval, args.timeout, _status_access(args), secret)
         if args.command == "shutdown":
             from .status import shutdown_cluster
 
-            return shutdown_cluster(_cluster_spec(args.cluster), args.timeout, _status_access(args), args.reason)
+            cluster, secret = _target(args.cluster)
+            return shutdown_cluster(cluster, args.timeout, _status_access(args), args.reason, secret)
         from .node import run_node
 
         script_args = _strip_dashes(args.args)

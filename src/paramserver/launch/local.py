@@ -25,7 +25,7 @@ the interrupt, not those the workers took while stopping.
 A run given a checkpoint directory asks for checkpoints (periodic ones, and the final one at a
 clean end). The chief reports how many it wrote and how many failed (the closing JSON line's
 `checkpoints_written`, `checkpoints_failed`, `checkpoint_error`); a run that trained to its end
-but wrote none exits with NO_CHECKPOINT (3) and says why.
+but had a checkpoint fail exits with NO_CHECKPOINT (3) and says why.
 """
 
 from __future__ import annotations
@@ -45,22 +45,22 @@ from typing import Any, TextIO, cast
 import psutil
 
 from ..base.config import OPTIONS_ENV, TF_CONFIG_ENV, Options
-from ..base.errors import FailedPreconditionError, UnavailableError
+from ..base.errors import ConfigError, FailedPreconditionError, UnavailableError
 from ..base.lifecycle import RESTART_EXIT_CODE, Lifecycle, ReadyFlag
 from ..worker.progress import ProgressBoard
 from . import threads
 from .certs import ps_node_name, with_node_tls, worker_node_name
 from .processes import Child, LineWriter, stop_all, wait_any
 from .ps_process import READY_PREFIX
-from .run_files import remove_run_file, write_run_file
-from .shard_restart import restart_line, why_not_alone
+from .run_files import LauncherFiles
+from .shard_restart import how_lost, lost_shard, restart_line, why_not_alone
 from .tokens import with_node_token
 
 log = logging.getLogger(__name__)
 _MEMORY_EVERY_S = 0.5  # how often the nodes' resident memory is sampled for the peak figures
 _TREE_EVERY_S = 2.0  # how often the nodes' child processes (data loaders) are listed again
 _PROGRESS_EOF_S = 5.0  # how long to wait for a dead worker's last progress lines (normally instant)
-NO_CHECKPOINT = 3  # exit code: the run succeeded but wrote none of the checkpoints it asked for
+NO_CHECKPOINT = 3  # exit code: the run succeeded but a checkpoint it asked for failed
 _PS_OPTIMIZERS = (
     "a cluster trains through paramserver optimizers (ps.optim.SGD, ps.optim.Adam, ps.Trainer, ...), "
     "which push each step to the PS; a torch.optim optimizer trains a private copy on each worker, which "
@@ -142,6 +142,7 @@ class LocalCluster(Lifecycle):
         self.wall_s = 0.0
         self._watcher: threading.Thread | None = None
         self.run_file: Path | None = None  # this run's cluster file, while it runs
+        self._run_files: LauncherFiles | None = None  # its secret (every node's) and run file (launch/run_files.py)
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self, timeout: float = 120.0) -> None:
@@ -154,7 +155,9 @@ class LocalCluster(Lifecycle):
         self.ready.set()
 
     def _start(self, timeout: float) -> None:
-        self._started_at = self._started_at or time.monotonic()
+        if not self._started_at:  # the first start, not a roll-back's
+            self._started_at = time.monotonic()
+            self._make_run_files()
         for i in range(self.num_ps):
             argv = self._node_argv("--role", "ps", "--index", str(i), "--bind", "127.0.0.1:0")
             self.ps.append(self._spawn(f"ps{i}", argv, self._env(self._node_options(ps_node_name(i)))))
@@ -176,12 +179,22 @@ class LocalCluster(Lifecycle):
             )
             self.evaluator = self._spawn_reporting("evaluator0", EVALUATOR_PROGRESS, self.options, config)
 
+    def _make_run_files(self) -> None:
+        """The run's secret, which every node is handed, before any starts (launch/run_files.py). A runs
+        directory that is refused (or cannot be written) costs the run its run file, not its start."""
+        try:
+            self._run_files = LauncherFiles.create()
+        except (ConfigError, OSError) as exc:
+            self._lines.write("run", f"no run file: {exc}; `paramserver status` needs a cluster file")
+
     def _write_run_file(self) -> None:
         """Where `paramserver status` (no argument) finds this run (launch/run_files.py); said once."""
+        if self._run_files is None:
+            return
         cluster = {"ps": [a for a in self.ps_addresses if a], "worker": self.worker_addresses}
         first = self.run_file is None
         try:
-            self.run_file = write_run_file(cluster)
+            self.run_file = self._run_files.write(cluster)
         except OSError as exc:
             self._lines.write("run", f"cannot write the cluster file: {exc}; `paramserver status` needs a cluster file")
             return
@@ -289,10 +302,12 @@ class LocalCluster(Lifecycle):
         return True
 
     def _killed_with_restarts_left(self, child: Child) -> bool:
-        """Killed by a signal, or a worker asking for the roll-back it learned of (RESTART_EXIT_CODE)."""
+        """Killed by a signal, a PS whose spill store failed (shard_restart.lost_shard), or a worker
+        asking for the roll-back it learned of (RESTART_EXIT_CODE)."""
         code = child.poll()
         asked = code == RESTART_EXIT_CODE and child in self.workers
-        return code is not None and (code < 0 or asked) and self.restarts < self.max_restarts
+        lost = lost_shard(code) if child in self.ps else code is not None and code < 0
+        return code is not None and (lost or asked) and self.restarts < self.max_restarts
 
     def _restartable_alone(self, child: Child) -> bool:
         # in every mode: a restarted worker joins the sync step under way (docs/consistency.md); one that
@@ -342,7 +357,7 @@ class LocalCluster(Lifecycle):
         self.restarts += 1
         started = time.monotonic()
         code = _exit_code(child)
-        why = "asked for a roll-back" if code == RESTART_EXIT_CODE else f"was killed (signal {-code})"
+        why = how_lost(code)
         self._lines.write(
             "run",
             f"{child.label} {why}; rolling the whole cluster back "
@@ -373,8 +388,8 @@ class LocalCluster(Lifecycle):
             nodes = self.workers + self.ps
             nodes += [child for child in self._spawned if child not in nodes and child.poll() is None]
         self.ready.fail(UnavailableError("the local cluster was stopped"))
-        if self.run_file is not None:
-            remove_run_file(self.run_file)
+        if self._run_files is not None:
+            self._run_files.remove()
         self.wall_s = time.monotonic() - self._started_at if self._started_at else 0.0
         stop_all(nodes, max(grace, self.options.drain_grace_s + 1))
         deadline = time.monotonic() + _PROGRESS_EOF_S  # the nodes are gone: their pipes end now
@@ -387,8 +402,8 @@ class LocalCluster(Lifecycle):
         return self.board.freeze()
 
     def run(self, timeout: float = 120.0) -> int:
-        """start + wait + stop, turning Ctrl-C into a clean stop (exit code 130); a run that wrote
-        none of the checkpoints it asked for ends with NO_CHECKPOINT (see `checkpoint_verdict`).
+        """start + wait + stop, turning Ctrl-C into a clean stop (exit code 130); a run with a failed
+        checkpoint ends with NO_CHECKPOINT (see `checkpoint_verdict`).
 
         With a checkpoint_dir the first Ctrl-C (or SIGTERM) lets the workers write a checkpoint at
         their next step first (`preempt`); a second one, even while the nodes stop, kills them at once."""
@@ -449,8 +464,8 @@ class LocalCluster(Lifecycle):
         with self._nodes_lock:
             self._stopped.set()
             nodes = list(self._spawned)
-        if self.run_file is not None:
-            remove_run_file(self.run_file)
+        if self._run_files is not None:
+            self._run_files.remove()
         for child in nodes:
             child.kill()
         for child in nodes:
@@ -479,21 +494,22 @@ class LocalCluster(Lifecycle):
 
     def checkpoint_verdict(self, code: int) -> int:
         """The run's exit code once its checkpoints are counted: NO_CHECKPOINT (and a line saying
-        why) when it ended with 0 and a checkpoint directory, but its chief wrote no checkpoint
-        and reported failures; else `code`. Call after `stop()`: every worker's progress lines
+        why) when it ended with 0 and a checkpoint directory but its chief reported a failed
+        checkpoint (one not written: it would not restore, or could not be stored), whether or not
+        others were written; else `code`. Call after `stop()`: every worker's progress lines
         are read first (their pipes end when the nodes are gone)."""
         if code != 0 or not self.options.checkpoint_dir:
             return code
         for index in range(len(self.workers)):
             self._drain_progress(index)
         chief = self.board.results.get(0, {})
-        if chief.get("checkpoints_written", 1) > 0:  # no count: its script never trained, nothing to save
+        failed, written = chief.get("checkpoints_failed", 0), chief.get("checkpoints_written", 0)
+        if not failed:  # none failed (or its script never trained: nothing to save)
             return code
         self._lines.write(
             "run",
-            f"no checkpoint was written to {self.options.checkpoint_dir}: "
-            f"{chief.get('checkpoints_failed', 0)} failed, the last with: "
-            f"{chief.get('checkpoint_error', 'see the errors above')}; "
+            f"{failed} checkpoint(s) to {self.options.checkpoint_dir} failed and {written} were written; "
+            f"the last failure: {chief.get('checkpoint_error', 'see the errors above')}; "
             f"exiting with code {NO_CHECKPOINT}",
         )
         return NO_CHECKPOINT
@@ -526,8 +542,12 @@ class LocalCluster(Lifecycle):
 
     # ---- internals -------------------------------------------------------------------------
     def _node_options(self, node: str) -> Options:
-        """The options of node `node` ("ps-0", "worker-1"): its own certificate and token, when given."""
-        return with_node_token(with_node_tls(self.options, self.certs, node), self.tokens, node)
+        """The options of node `node` ("ps-0", "worker-1"): its own certificate and token, when given,
+        and the run's secret."""
+        options = with_node_token(with_node_tls(self.options, self.certs, node), self.tokens, node)
+        if self._run_files is None:
+            return options
+        return replace(options, run_secret_file=str(self._run_files.secret_path))
 
     def _node_argv(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "paramserver", "--log-level", self.log_level, "node", *args]

@@ -4,6 +4,12 @@ admin's, or the chief's at the end of the run with `stop_ps_at_end`).
 Once ready (`PSNode.wait_ready`), `run_ps_node` prints one line ``PARAMSERVER_READY ps <index>
 <host:port>`` to stdout: the launcher (or whoever started the process) reads it to learn that the
 PS serves and on which port (it binds port 0).
+
+Exit codes: 0 after a Shutdown or a signal (128 + the signal when the run ends its PS and a signal
+came first); RESTART_EXIT_CODE (75) after a roll-back's restart; SPILL_FAILED_EXIT_CODE (74,
+EX_IOERR) when its spill store failed (server/spill_condition.py): the shard's state is lost and
+its launcher (or restart loop) recovers it from the checkpoint as for a killed PS (partial
+recovery: that shard alone; otherwise a roll-back of the cluster).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from ..node.ps_node import PSNode
 
 log = logging.getLogger(__name__)
 READY_PREFIX = "PARAMSERVER_READY"
+SPILL_FAILED_EXIT_CODE = 74  # EX_IOERR: the spill store failed; recover this shard from its checkpoint
 
 
 def run_ps_node(
@@ -33,7 +40,7 @@ def run_ps_node(
     PS process gives the process that started it."""
     raise_open_file_limit()
     stopping = threading.Event()
-    causes: list[int | str] = []  # what stopped it, in order: signal numbers, "restart", "end"
+    causes: list[int | str] = []  # what stopped it, in order: signal numbers, "restart", "end", "spill"
 
     def stop(cause: int | str) -> None:
         causes.append(cause)
@@ -47,22 +54,27 @@ def run_ps_node(
 
     with PSNode(bind, index, options, cluster_address) as node:
         node.service.on_shutdown = shutdown
+        node.on_spill_failure = lambda cause: stop("spill")
         node.wait_ready(ready_timeout)
         print(f"{READY_PREFIX} ps {index} {node.address}", flush=True)
         while not stopping.wait(1.0):
-            pass
+            node.check_spill()  # a spill directory removed, a disk full for too long
         node.drain(options.drain_grace_s)
     sys.stdout.flush()
     return _exit_code(options, causes, index)
 
 
 def _exit_code(options: Options, causes: list[int | str], index: int) -> int:
-    """RESTART_EXIT_CODE after a roll-back's restart (whatever else came); 0 after a Shutdown, or a
+    """RESTART_EXIT_CODE after a roll-back's restart (whatever else came), SPILL_FAILED_EXIT_CODE after
+    its spill store failed; 0 after a Shutdown, or a
     signal; but when the run ends its PS (`stop_ps_at_end`) and a signal stopped this one first,
     128 + the signal: a Job then counts an evicted or deleted PS as failed and replaces it, not as done."""
     if "restart" in causes:
         log.info("ps %d: exiting with %d for its restart loop (a roll-back)", index, RESTART_EXIT_CODE)
         return RESTART_EXIT_CODE
+    if "spill" in causes:  # its shard's state is lost: whatever stopped it too, it must be recovered
+        log.warning("ps %d: exiting with %d: its spill store failed", index, SPILL_FAILED_EXIT_CODE)
+        return SPILL_FAILED_EXIT_CODE
     first = causes[0] if causes else "end"
     if not options.stop_ps_at_end or not isinstance(first, int):
         return 0

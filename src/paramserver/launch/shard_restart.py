@@ -2,6 +2,8 @@
 its newest checkpoint (`resume`); the other PS and every worker go on (worker/partial.py). When that
 cannot be (worker/partial.py, `refusal`: the chief lost, no complete checkpoint yet, a mode other
 than async), the launcher says why and rolls the whole cluster back as with `--recovery rollback`.
+A PS that exits with SPILL_FAILED_EXIT_CODE (its spill store failed: launch/ps_process.py) lost its
+shard's state as a killed one did, and is recovered from the same way (`lost_shard`).
 """
 
 from __future__ import annotations
@@ -10,6 +12,22 @@ from ..base.config import Options
 from ..base.lifecycle import RESTART_EXIT_CODE
 from ..checkpoint.store import CheckpointError, CheckpointStore
 from ..worker.partial import refusal
+from .ps_process import SPILL_FAILED_EXIT_CODE
+
+
+def lost_shard(code: int | None) -> bool:
+    """Whether a PS that ended with `code` lost its shard's state and is recovered from (a signal
+    killed it, or its spill store failed), rather than stopped on purpose."""
+    return code is not None and (code < 0 or code == SPILL_FAILED_EXIT_CODE)
+
+
+def how_lost(code: int) -> str:
+    """How a node lost its state, in words: "was killed (signal 9)", "lost its spill store (exit 74)"."""
+    if code == RESTART_EXIT_CODE:
+        return "asked for a roll-back"
+    if code == SPILL_FAILED_EXIT_CODE:
+        return f"lost its spill store (exit {code})"
+    return f"was killed (signal {-code})" if code < 0 else f"exited with code {code}"
 
 
 def complete_checkpoints(directory: str) -> list[str]:
@@ -33,7 +51,7 @@ def why_not_alone(options: Options, is_ps: bool, code: int | None) -> str | None
 def restart_line(label: str, code: int, shard: int, options: Options, address: str, restarts: str) -> str:
     """The launcher's line when it restores shard `shard` alone."""
     return (
-        f"{label} was killed (signal {-code}); restoring shard {shard} alone from its newest checkpoint in "
+        f"{label} {how_lost(code)}; restoring shard {shard} alone from its newest checkpoint in "
         f"{options.checkpoint_dir}, on {address}; the other shards and the workers go on (partial recovery, "
         f"restart {restarts})"
     )

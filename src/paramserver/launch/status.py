@@ -7,6 +7,11 @@ states. Every call has a deadline and the nodes are asked at once: the command n
 node that does not answer; that node shows as UNREACHABLE, or TLS_REQUIRED when it serves TLS and
 no --tls-* flag was given. Without CLUSTER: TF_CONFIG's cluster, else the local `paramserver run`'s
 (launch/run_files.py).
+
+A local run's nodes are asked to prove they belong to it first (`prove`: a challenge on the run's
+secret, over the Prove RPC, which carries no token): a node that does not is asked nothing else, so
+no token, Hello or Shutdown reaches a listener that took a node's address (UNPROVEN). With --tls-ca
+the TLS handshake checks each node's certificate against that CA before any call as well.
 """
 
 from __future__ import annotations
@@ -22,14 +27,18 @@ from typing import Any
 import grpc
 
 from ..base.config import ClusterSpec
+from ..base.errors import ParamServerError
 from ..coordinator.coordinator_service import SERVICE as COORDINATOR
 from ..security.auth import NO_CREDENTIALS, Credentials
+from ..security.run_secret import COORDINATOR_NODE, RunSecret, new_nonce, ps_node
 from ..security.tls import TlsMaterial, open_channel
 from ..transport.grpc_transport import SERVICE as SHARD
 from ..transport.health import UNREACHABLE, check
 from ..wire import codec
+from ..wire import messages as msg
 
 TLS_REQUIRED = "TLS_REQUIRED"  # the node serves TLS: status and health need --tls-ca (and a certificate for mTLS)
+UNPROVEN = "UNPROVEN"  # a local run's node that did not prove it belongs to the run: asked nothing else
 _COLUMNS = (
     ("role", "ROLE"),
     ("index", "INDEX"),
@@ -84,6 +93,30 @@ def speaks_tls(address: str, timeout: float) -> bool:
         return False
 
 
+def prove(address: str, service: str, node: str, secret: RunSecret, timeout: float, tls: TlsMaterial | None) -> bool:
+    """Whether the node at `address` proves, within `timeout`, that it is node `node` of the run whose
+    secret is `secret`: it answers a fresh nonce with the MAC only that run's node `node` can make.
+    The call carries no token."""
+    with open_channel(address, tls) as channel:
+        return proves(channel, service, node, secret, timeout)
+
+
+def proves(channel: grpc.Channel, service: str, node: str, secret: RunSecret, timeout: float) -> bool:
+    """`prove` on an open channel (which the caller then uses for what it asks of a node that proved itself)."""
+    nonce = new_nonce()
+    try:
+        reply = channel.unary_unary(f"/{service}/Prove")(
+            codec.encode(msg.ProveRequest(nonce=nonce).to_meta()), timeout=timeout
+        )
+    except grpc.RpcError:
+        return False
+    try:
+        proof = msg.ProveReply.from_meta(codec.decode(reply).meta).proof
+    except (ParamServerError, ValueError):
+        return False
+    return secret.verify(node, nonce, proof)
+
+
 def hello(address: str, service: str, timeout: float, access: Credentials = NO_CREDENTIALS) -> dict[str, Any] | None:
     """The meta of `service`'s Hello reply at `address` (with the process's memory), or None if it did
     not answer within `timeout`."""
@@ -98,29 +131,63 @@ def hello(address: str, service: str, timeout: float, access: Credentials = NO_C
 
 
 def cluster_status(
-    cluster: ClusterSpec, interval: float = 1.0, timeout: float = 2.0, access: Credentials = NO_CREDENTIALS
+    cluster: ClusterSpec,
+    interval: float = 1.0,
+    timeout: float = 2.0,
+    access: Credentials = NO_CREDENTIALS,
+    secret: RunSecret | None = None,
 ) -> list[NodeStatus]:
-    """Every node of `cluster`: PS first, then the chief and the workers."""
+    """Every node of `cluster`: PS first, then the chief and the workers. With the `secret` of a local
+    run, a PS or the coordinator that does not prove it belongs to the run is UNPROVEN and asked nothing else."""
     nodes = [NodeStatus("ps", i, a) for i, a in enumerate(cluster.ps)]
     nodes += [NodeStatus("chief", i, a) for i, a in enumerate(cluster.chief)]
     nodes += [NodeStatus("worker", i, a) for i, a in enumerate(cluster.worker)]
     workers = [n for n in nodes if n.role != "ps"]  # in worker-number order: the chief is worker 0
     with futures.ThreadPoolExecutor(max_workers=min(32, 2 * len(nodes) + 1), thread_name_prefix="status") as pool:
         healths = [pool.submit(tls_aware_check, n.address, timeout, "", access.tls) for n in nodes]
-        view = pool.submit(hello, workers[0].address, COORDINATOR, timeout, access)
-        first = _sample(pool, cluster.ps, timeout, access)
+        proven = _proven(pool, cluster, secret, timeout, access.tls)
+        ps_proven, coordinator_proven = proven[:-1], proven[-1]
+        view = pool.submit(hello, workers[0].address, COORDINATOR, timeout, access) if coordinator_proven else None
+        first = _sample(pool, cluster.ps, ps_proven, timeout, access)
         time.sleep(interval)  # the sampling interval of pushes/s, nothing waits on it
-        second = _sample(pool, cluster.ps, timeout, access)
+        second = _sample(pool, cluster.ps, ps_proven, timeout, access)
         for node, health in zip(nodes, healths):
             node.health = health.result()
+        for node, ok in zip([*nodes[: len(cluster.ps)], workers[0]], proven):
+            node.health = node.health if ok else UNPROVEN
         _fill_ps(nodes[: len(cluster.ps)], first, second)
-        _fill_workers(workers, view.result())
+        _fill_workers(workers, view.result() if view is not None else None)
     return nodes
 
 
-def _sample(pool: futures.ThreadPoolExecutor, addresses: tuple[str, ...], timeout: float, access: Credentials) -> list:
-    calls = [pool.submit(hello, address, SHARD, timeout, access) for address in addresses]
-    return [(call.result(), time.monotonic()) for call in calls]
+def _proven(
+    pool: futures.ThreadPoolExecutor,
+    cluster: ClusterSpec,
+    secret: RunSecret | None,
+    timeout: float,
+    tls: TlsMaterial | None,
+) -> list[bool]:
+    """Whether each PS, and last the coordinator (worker 0), proved it belongs to the run of `secret`
+    (all of them, without a secret: a cluster the caller named)."""
+    if secret is None:
+        return [True] * (len(cluster.ps) + 1)
+    nodes = [(address, SHARD, ps_node(i)) for i, address in enumerate(cluster.ps)]
+    nodes.append(((*cluster.chief, *cluster.worker)[0], COORDINATOR, COORDINATOR_NODE))
+    calls = [pool.submit(prove, address, service, node, secret, timeout, tls) for address, service, node in nodes]
+    return [call.result() for call in calls]
+
+
+def _sample(
+    pool: futures.ThreadPoolExecutor,
+    addresses: tuple[str, ...],
+    proven: list[bool],
+    timeout: float,
+    access: Credentials,
+) -> list:
+    calls = [
+        pool.submit(hello, address, SHARD, timeout, access) if ok else None for address, ok in zip(addresses, proven)
+    ]
+    return [(call.result() if call is not None else None, time.monotonic()) for call in calls]
 
 
 def _fill_ps(nodes: list[NodeStatus], first: list, second: list) -> None:
@@ -160,23 +227,38 @@ def _cell(node: NodeStatus, key: str) -> str:
 
 
 def run_status(
-    cluster: ClusterSpec, as_json: bool, interval: float, timeout: float, access: Credentials = NO_CREDENTIALS
+    cluster: ClusterSpec,
+    as_json: bool,
+    interval: float,
+    timeout: float,
+    access: Credentials = NO_CREDENTIALS,
+    secret: RunSecret | None = None,
 ) -> int:
     """Print the cluster's status; exit code 0 when every node is SERVING, else 1."""
-    nodes = cluster_status(cluster, interval, timeout, access)
+    nodes = cluster_status(cluster, interval, timeout, access, secret)
     print(json.dumps([asdict(n) for n in nodes]) if as_json else table(nodes), flush=True)
     return 0 if all(n.health == "SERVING" for n in nodes) else 1
 
 
 def shutdown_cluster(
-    cluster: ClusterSpec, timeout: float, access: Credentials = NO_CREDENTIALS, reason: str = ""
+    cluster: ClusterSpec,
+    timeout: float,
+    access: Credentials = NO_CREDENTIALS,
+    reason: str = "",
+    secret: RunSecret | None = None,
 ) -> int:
     """Ask every PS of `cluster` to drain and stop (an admin call when the PS check tokens); prints one
-    JSON line per PS with its answer. Exit code 0 when every PS accepted, else 1."""
+    JSON line per PS with its answer. Exit code 0 when every PS accepted, else 1. With the `secret` of a
+    local run, a PS that does not prove it belongs to the run is sent nothing (its line says so)."""
     request = codec.encode({"reason": reason} if reason else {})
     accepted = 0
     for index, address in enumerate(cluster.ps):
         with open_channel(address, access.tls) as channel:
+            if secret is not None and not proves(channel, SHARD, ps_node(index), secret, timeout):
+                why = f"{UNPROVEN}: the node at {address} did not prove it is ps {index} of this run"
+                why += "; nothing was sent to it"
+                print(json.dumps({"ps": index, "address": address, "draining": False, "error": why}), flush=True)
+                continue
             try:
                 reply = codec.decode(
                     channel.unary_unary(f"/{SHARD}/Shutdown")(request, timeout=timeout, metadata=access.metadata)

@@ -16,6 +16,7 @@ from ..coordinator.coordinator_service import SERVICE as COORDINATOR
 from ..coordinator.coordinator_service import CoordinatorService
 from ..coordinator.membership import Coordinator
 from ..security.auth import COORDINATOR_ACTIONS, Credentials, Guard
+from ..security.run_secret import RunSecret
 from ..transport.channel import ShardChannel
 from ..transport.grpc_transport import GrpcChannel, GrpcServer
 from ..transport.health import Health
@@ -59,7 +60,7 @@ class CoordinatorHost(Lifecycle):
         self.credentials = credentials or Credentials()
         self.coordinator = Coordinator(num_workers, options.heartbeat_timeout_s)
         self.guard = Guard.from_options(options, "coordinator", COORDINATOR_ACTIONS)  # token store and audit log
-        service = CoordinatorService(self.coordinator)
+        service = CoordinatorService(self.coordinator, RunSecret.from_options(options))  # Prove: the run's secret
         service.guard = self.guard
         if metrics is not None:
             service.calls = metrics.calls(COORDINATOR, service.methods)

@@ -14,7 +14,12 @@ for its restart loop to start it again from the latest checkpoint.
 
 With a `table_memory_budget`, the PS's tables keep the rows beyond it on local disk, in a
 subdirectory of `spill_dir` of its own (server/tiers.py, docs/scaling.md): made at start (after the
-stale ones a killed PS of the same index left are deleted), deleted by `stop`.
+stale ones a killed PS of the same index left are deleted), deleted by `stop`. When the spill store
+fails (server/spill_condition.py) the PS says so: health NOT_SERVING and a log line with the cause
+(also in Hello's table description: "spill_state", "spill_error"). A full disk is NOT_SERVING
+until a write succeeds again (rows in memory still answer meanwhile); a store that failed for good
+(or a disk full for too long) calls `on_spill_failure(cause)`: launch/ps_process.py then drains
+the PS and exits with the code that makes its launcher recover the shard from its checkpoint.
 """
 
 from __future__ import annotations
@@ -23,21 +28,24 @@ import logging
 import secrets
 import threading
 import time
+from collections.abc import Callable
 
 from ..base.config import Options
 from ..base.lifecycle import Lifecycle
 from ..base.metrics import MetricsEndpoint, NodeMetrics
 from ..checkpoint import shard_writer
 from ..security.auth import SHARD_ACTIONS, Guard
+from ..security.run_secret import RunSecret
 from ..security.tls import tls_from_options
 from ..server.limits import TableLimits
 from ..server.shard import Shard
 from ..server.shard_metrics import ShardCollector
 from ..server.shard_service import ShardService
+from ..server.spill_condition import FAILED, FULL
 from ..server.table_store import TableStore
 from ..server.tiers import Tiers
 from ..transport.grpc_transport import SERVICE, GrpcServer
-from ..transport.health import Health
+from ..transport.health import NOT_SERVING, Health
 from ..transport.stream import host_id
 from ..transport.stream_server import StreamServer
 
@@ -48,8 +56,9 @@ class PSNode(Lifecycle):
     """One shard served over gRPC and the tensor stream.
 
     Lifecycle (base/lifecycle.py): `start()` returns the gRPC address; `wait_ready(timeout)`;
-    `stop(grace)` from any thread: gRPC calls in flight get `grace` seconds, then the stream's
-    connections are cut; every thread of both servers is joined (bounded) before it returns.
+    `stop(grace)` from any thread: both servers take nothing new at once, calls in flight on gRPC
+    and on the tensor stream get `grace` seconds to finish and reply, then what is left is cut;
+    every thread of both servers is joined (bounded) before it returns.
     `drain(grace)`: health NOT_SERVING first, then `stop(grace)`, within about `grace` seconds.
     """
 
@@ -57,6 +66,7 @@ class PSNode(Lifecycle):
         """`cluster_address`: where the cluster spec says this PS is (said in the log next to `bind`)."""
         self.index = index
         self.cluster_address = cluster_address
+        run_secret = RunSecret.from_options(options)  # read once: what answers the run's challenge (Prove)
         self.guard = Guard.from_options(options, f"ps-{index}", SHARD_ACTIONS)  # token store and audit log
         try:
             restore = _restore_source(options, self.guard)
@@ -79,9 +89,10 @@ class PSNode(Lifecycle):
         self.shard = Shard(index, wait_timeout_s=options.rpc_timeout_s, restore=restore, tables=tables)
         self.metrics = NodeMetrics()
         # None without a checkpoint_dir: Checkpoint is refused
-        save = shard_writer(options.checkpoint_dir, options.checkpoint_quantize)
+        save = shard_writer(options.checkpoint_dir, options.checkpoint_quantize, options.restore_non_finite)
         self.service = ShardService(self.shard, save_checkpoint=save and self.metrics.checkpoint_metrics().around(save))
         self.service.guard = self.guard
+        self.service.run_secret = run_secret
         if options.resume:  # a PS that may restart into a running cluster: pushes only from its own registrants
             self.shard.sessions = set()
         self.incarnation = secrets.token_hex(8)
@@ -117,6 +128,43 @@ class PSNode(Lifecycle):
         self.address: str | None = None
         self._stop_lock = threading.Lock()
         self._stopped = False
+        self.tiers = tiers
+        self.on_spill_failure: Callable[[str], None] | None = None  # set by whoever runs the node
+        if tiers is not None:
+            tiers.condition.listen(self._spill_changed)
+
+    def _spill_changed(self, state: str, cause: str) -> None:
+        """The spill store's state changed (any thread, a request's or the main one)."""
+        if state == FULL:
+            log.warning(
+                "ps %d: health NOT_SERVING: the spill disk is full (%s)",
+                self.index,
+                cause,
+                extra={"event": "spill_full"},
+            )
+            for stream in self.health.servicer.set(NOT_SERVING):  # a state it leaves again, unlike a drain
+                self.health.servicer.tell(stream)
+        elif state == FAILED:
+            log.error(
+                "ps %d: health NOT_SERVING: the spill store failed: %s; the PS stops, for its shard to be "
+                "recovered from its checkpoint",
+                self.index,
+                cause,
+                extra={"event": "spill_failed"},
+            )
+            for stream in self.health.servicer.set(NOT_SERVING):
+                self.health.servicer.tell(stream)
+            if self.on_spill_failure is not None:
+                self.on_spill_failure(cause)
+        else:
+            log.warning("ps %d: health SERVING: %s", self.index, cause, extra={"event": "spill_ok"})
+            self.health.set_serving()
+
+    def check_spill(self) -> None:
+        """Look at the spill directory and how long a full disk lasted (about once a second); a
+        problem found is told as any other (`_spill_changed`)."""
+        if self.tiers is not None:
+            self.tiers.check()
 
     def start(self) -> str:
         self.service.announce.update(stream_port=self.stream.start(), host_id=host_id(), incarnation=self.incarnation)
@@ -161,6 +209,9 @@ class PSNode(Lifecycle):
             self._stopped = True
         started = time.monotonic()
         self.health.set_draining()
+        if self.tiers is not None:  # calls that found the spill store failed are answered from now on
+            self.tiers.condition.stopping.set()
+        self.stream.drain()  # no new stream request from now on, as on gRPC; those in flight go on
         self.server.stop(grace)
         self.stream.stop(max(0.5, started + grace - time.monotonic()))  # both within about `grace`
         if self.endpoint is not None:

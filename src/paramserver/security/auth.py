@@ -51,6 +51,7 @@ class Principal:
 
 
 ANONYMOUS = Principal("anonymous", "admin")  # the caller of a node without a token store: no checks
+UNNAMED = Principal("unnamed", "ps")  # a caller without a token, of an open method of a node that checks tokens
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,7 @@ class Action:
     audited: bool = False  # an accepted call goes to the audit log too (refusals always do)
     any_worker: bool = False  # its caller may name a worker other than its own (the chief forgetting a dead one)
     form_of: str = ""  # the method this action is a form of (Forget: a Leave), "" for a method itself
+    open: bool = False  # callable without a token (Prove: a node shows it holds its run's secret)
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,7 @@ _WORKER, _CHIEF = Action("worker"), Action("chief", audited=True)
 # own token: mode switches and Forget are chief actions (an admin may do them too). docs/security.md.
 SHARD_ACTIONS: dict[str, Action] = {
     "Hello": Action("ps"),
+    "Prove": Action("ps", open=True),  # asked before any token is sent to the node (security/run_secret.py)
     "Register": _WORKER,
     "PushPull": _WORKER,
     "RegisterTable": _WORKER,
@@ -93,6 +96,7 @@ SHARD_ACTIONS: dict[str, Action] = {
 }
 COORDINATOR_ACTIONS: dict[str, Action] = {
     "Hello": Action("ps"),
+    "Prove": Action("ps", open=True),
     "Join": Action("worker", audited=True),
     "Heartbeat": _WORKER,
     "Finish": Action("worker", audited=True),
@@ -291,8 +295,14 @@ class Guard:
     def checks(self) -> bool:
         return self.authorizer is not None
 
-    def authenticate(self, token: str | None) -> Principal:
-        return ANONYMOUS if self.authorizer is None else self.authorizer.authenticate(token)
+    def authenticate(self, token: str | None, method: str = "") -> Principal:
+        """The caller of `method` (a call without a token, of an open method, is UNNAMED)."""
+        if self.authorizer is None:
+            return ANONYMOUS
+        rule = self.actions.get(method)
+        if not token and rule is not None and rule.open:
+            return UNNAMED
+        return self.authorizer.authenticate(token)
 
     def permit_method(self, principal: Principal, method: str) -> None:
         """What can be checked before a request is read: may `principal` call `method` in some form?"""

@@ -8,7 +8,8 @@ where the reply must go, e.g. into shared memory; the default joins them into by
 raised as typed ParamServerError subclasses; the transport turns them into status codes.
 
 Methods: Hello, Register, PushPull, SetMode, Leave, RegisterTable, Lookup, Checkpoint, Assign,
-Shutdown (admin: the node drains and stops). Requests and replies are the messages of
+Shutdown (admin: the node drains and stops), Prove (needs no token: the node answers a challenge with
+its run's secret, security/run_secret.py). Requests and replies are the messages of
 wire/messages.py (docs/protocol.md is generated from them). A PushPull is one training step
 (Shard.step): compressed gradients (`codecs`, wire/gradient_codec.py) are decoded to float32 here,
 everything else is the Shard's. Thread-safe.
@@ -27,6 +28,7 @@ from ..base.consistency_spec import ConsistencySpec
 from ..base.errors import FailedPreconditionError, MalformedFrameError
 from ..base.metrics import CallMetrics, rss_bytes
 from ..security.auth import Claim, Guard
+from ..security.run_secret import RunSecret, ps_node
 from ..wire import codec
 from ..wire import messages as msg
 from ..wire.calls import Request, decode_request
@@ -53,6 +55,7 @@ class ShardService:
             None  # security.auth.Guard: tokens, roles and audit (transport/dispatch.py), given by the node
         )
         self.on_shutdown: Callable[[bool], None] | None = None  # what Shutdown sets off: the node's drain (restart?)
+        self.run_secret: RunSecret | None = None  # the secret of the run that started the node, given by it (Prove)
         self.methods: dict[str, Callable[[Any, dict[str, np.ndarray], Sink], Any]] = {
             "Hello": self.hello,
             "Register": self.register,
@@ -64,6 +67,7 @@ class ShardService:
             "Checkpoint": self.checkpoint,
             "Assign": self.assign,
             "Shutdown": self.shutdown,
+            "Prove": self.prove,
         }
 
     @property
@@ -174,7 +178,11 @@ class ShardService:
         self.shard.open_session(request.worker)
         if spec is not None:
             self.shard.adopt_mode(spec)
-        return _send(sink, msg.RegisterTableReply())
+        # the worker's data position, as Register's reply says it: a model of tables only resumes there too
+        reply = msg.RegisterTableReply(
+            position=self.shard.position(request.worker), restored=self.shard.restored_position(request.worker)
+        )
+        return _send(sink, reply)
 
     def lookup(self, request: msg.LookupRequest, tensors: dict, sink: Sink) -> Any:
         rows = self.tables.lookup(request.table, _tensor(tensors, "ids", "Lookup"))
@@ -204,6 +212,11 @@ class ShardService:
         version = self.shard.version
         self.on_shutdown(request.restart)  # only sets a flag: the node drains after this reply is sent
         return _send(sink, msg.ShutdownReply(version=version))
+
+    def prove(self, request: msg.ProveRequest, tensors: dict, sink: Sink) -> Any:
+        if self.run_secret is None:
+            raise FailedPreconditionError(f"shard {self.shard.index} holds no run secret (no `paramserver run`)")
+        return _send(sink, msg.ProveReply(proof=self.run_secret.prove(ps_node(self.shard.index), request.nonce)))
 
     def leave(self, request: msg.LeaveRequest, tensors: dict, sink: Sink) -> Any:
         if request.gone is None:

@@ -18,6 +18,11 @@ with 16 KiB blocks, measured): gets go 4096 keys at a time, with 4 KiB blocks. W
 
 The spill is a cache of the training state, rebuilt from a checkpoint on restart: no write-ahead
 log, no fsync, and a store is never reopened (SpillSpace deletes what a dead PS left).
+Every failure is reported to the PS's SpillCondition (spill_condition.py): a full disk (rows not
+written stay in memory; RocksDB resumes writing once there is room), or anything else (the store
+cannot be trusted: the shard is recovered from its checkpoint). A write never waits without
+a deadline: RocksDB is asked not to stall it (no_slowdown); a write that would stall is tried again
+for WRITE_STALL_S, then fails.
 Not thread-safe: the owning table serializes calls (TableStore's lock). A get spreads its
 multi-gets over READERS threads of the store's own ("spill-read"), and waits for them.
 """
@@ -26,6 +31,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import logging
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import cast
@@ -33,26 +40,39 @@ from typing import cast
 import numpy as np
 import rocksdict
 
+from ..base.deadline import Deadline
 from ..base.errors import ResourceExhaustedError
 from .row_record import RowRecord
+from .spill_condition import SpillCondition
+
+log = logging.getLogger(__name__)
 
 GET_BATCH = 4096  # keys per multi-get: each may hold a block (4 KiB) until the batch is served
 PUT_BATCH = 65536  # rows per write batch
 READERS = 2  # threads of a store that serve a get's multi-gets side by side (a PS has few cores)
+WRITE_STALL_S = 30.0  # longest a write is tried again while RocksDB would stall it (flushes behind)
+_STALL_PAUSE_S = 0.01
 _SIGN = np.uint64(1 << 63)  # big-endian keys with the sign bit flipped: byte order = signed id order
 
 
 class SpillError(ResourceExhaustedError):
     """The spill store could not read or write (a full disk, an I/O error): names its directory
-    and RocksDB's reason. The request fails; rows not written out stay in memory."""
+    and RocksDB's reason. The request fails; rows not written out stay in memory. `full`: the disk
+    is full (the store works again once there is room); else the store cannot be trusted."""
+
+    def __init__(self, message: str, full: bool = False) -> None:
+        super().__init__(message)
+        self.full = full
 
 
-@contextlib.contextmanager
-def _failing_as_spill_error(path: str, action: str) -> Iterator[None]:
-    try:
-        yield
-    except Exception as exc:  # rocksdict raises plain Exceptions carrying RocksDB's status
-        raise SpillError(f"spill store {path}: cannot {action}: {exc}") from exc
+def _is_full(exc: Exception) -> bool:
+    """Whether RocksDB's status says the disk is full (rocksdict gives only its text: ENOSPC's words)."""
+    return "No space left on device" in str(exc) or "NoSpace" in str(exc)
+
+
+def _is_stall(exc: Exception) -> bool:
+    """Whether a no_slowdown write was refused because RocksDB would have stalled it (Status::Incomplete)."""
+    return "Incomplete" in str(exc) or "incomplete" in str(exc)
 
 
 class StoreMemory:
@@ -114,13 +134,17 @@ def ids_of(keys: list[bytes]) -> np.ndarray:
 class SpillStore:
     """Records (row_record.RowRecord) of a table's rows by id, in a RocksDB directory of its own."""
 
-    def __init__(self, path: str, record: RowRecord, memory: StoreMemory) -> None:
+    def __init__(
+        self, path: str, record: RowRecord, memory: StoreMemory, condition: SpillCondition | None = None
+    ) -> None:
         self.path, self.record = path, record
+        self.condition = condition or SpillCondition()
         self._options = _options(memory)
-        with _failing_as_spill_error(path, "open"):
+        with self._failing_as_spill_error("open"):
             self._db = rocksdict.Rdict(path, self._options)
         self._write = rocksdict.WriteOptions()
         self._write.disable_wal = True  # type: ignore[method-assign,assignment]  # a property (the stub says a method)
+        self._write.no_slowdown = True  # a stall fails at once: _write_batch tries again, within a deadline
         reads = rocksdict.ReadOptions()
         # a row read moves to memory, so its block is not read again soon: caching it costs an
         # insert and an eviction per read for nothing (takes a bool, though the stub says none)
@@ -128,6 +152,23 @@ class SpillStore:
         self._db.set_read_options(reads)
         self.reads = self.writes = 0  # rows read from and written to disk
         self._readers = ThreadPoolExecutor(READERS, thread_name_prefix="spill-read")
+
+    @contextlib.contextmanager
+    def _failing_as_spill_error(self, action: str) -> Iterator[None]:
+        """RocksDB's failures as SpillError, each reported to the condition (full disk, or failed)."""
+        if self.condition.failed:  # a store that failed is not touched again
+            raise SpillError(f"spill store {self.path}: cannot {action}: {self.condition.cause}")
+        try:
+            yield
+        except SpillError:
+            raise
+        except Exception as exc:  # rocksdict raises plain Exceptions carrying RocksDB's status
+            error = SpillError(f"spill store {self.path}: cannot {action}: {exc}", full=_is_full(exc))
+            if error.full:
+                self.condition.disk_full(str(error))
+            else:
+                self.condition.fail(str(error))
+            raise error from exc
 
     def get(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(found, records): whether each id has a record here, and the records of those found, in order.
@@ -141,7 +182,7 @@ class SpillStore:
 
     def _multi_get(self, ids: np.ndarray) -> tuple[np.ndarray, bytes]:
         """(found, the records found, packed) of one chunk of ids."""
-        with _failing_as_spill_error(self.path, "read rows"):
+        with self._failing_as_spill_error("read rows"):
             got = cast(list, self._db.get(keys_of(ids)))
         return np.array([value is not None for value in got], bool), b"".join(filter(None, got))
 
@@ -154,17 +195,29 @@ class SpillStore:
             batch = rocksdict.WriteBatch(raw_mode=True)
             puts = map(batch.put, keys_of(ids[lo : lo + PUT_BATCH]), values_of(records[lo : lo + PUT_BATCH]))
             collections.deque(puts, maxlen=0)  # runs them without a Python loop per row
-            with _failing_as_spill_error(self.path, "write rows"):
-                self._db.write(batch, self._write)
+            self._write_batch(batch, "write rows")
         self.writes += ids.shape[0]
+        self.condition.wrote()
 
     def delete(self, ids: np.ndarray) -> None:
         for lo in range(0, ids.shape[0], PUT_BATCH):
             batch = rocksdict.WriteBatch(raw_mode=True)
             for key in keys_of(ids[lo : lo + PUT_BATCH]):
                 batch.delete(key)
-            with _failing_as_spill_error(self.path, "delete rows"):
-                self._db.write(batch, self._write)
+            self._write_batch(batch, "delete rows")
+
+    def _write_batch(self, batch: rocksdict.WriteBatch, action: str) -> None:
+        """Write `batch`; while RocksDB would stall it, try again (for WRITE_STALL_S at most)."""
+        deadline = Deadline(WRITE_STALL_S)
+        with self._failing_as_spill_error(action):
+            while True:
+                try:
+                    self._db.write(batch, self._write)
+                    return
+                except Exception as exc:
+                    if not _is_stall(exc) or deadline.passed():
+                        raise
+                time.sleep(_STALL_PAUSE_S)  # RocksDB flushes meanwhile; the deadline above is the verdict
 
     def scan(self, chunk_rows: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """(ids, records) of every row, in id order, `chunk_rows` at a time. The iterator reads one
@@ -174,7 +227,7 @@ class SpillStore:
         while iterator.valid():
             keys: list[bytes] = []
             values: list[bytes] = []
-            with _failing_as_spill_error(self.path, "read rows"):
+            with self._failing_as_spill_error("read rows"):
                 while iterator.valid() and len(keys) < chunk_rows:
                     keys.append(iterator.key())
                     values.append(iterator.value())
@@ -194,8 +247,17 @@ class SpillStore:
             for p in ("rocksdb.estimate-table-readers-mem", "rocksdb.cur-size-all-mem-tables")
         )
 
-    def close(self) -> None:
-        """Close and delete the store's files."""
+    def close(self, delete: bool = True) -> None:
+        """Close the store and, with `delete`, its files (not when its directory may not be its own
+        any more: SpillSpace.problem). Never raises: a store that failed is closed as well as it can be."""
         self._readers.shutdown()
-        self._db.close()
-        rocksdict.Rdict.destroy(self.path, self._options)
+        try:
+            self._db.close()
+        except Exception as exc:
+            log.warning("spill store %s: closing: %s", self.path, exc)
+        if not delete:
+            return
+        try:
+            rocksdict.Rdict.destroy(self.path, self._options)
+        except Exception as exc:
+            log.warning("spill store %s: deleting its files: %s", self.path, exc)

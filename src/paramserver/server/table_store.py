@@ -9,25 +9,37 @@ With `tiers` (a PS with a table_memory_budget, server/tiers.py) every table is a
 whose rows beyond its share of the budget live on local disk; without, an EmbeddingTable. Both
 offer the same calls, made here under the lock alone. `close` closes the tiers (deleting the spill
 files): the PS's last call.
+
+When the tiers' spill store fails (spill_condition.py), a call that needed it fails: with the
+store's SpillError (RESOURCE_EXHAUSTED) while its disk is full (rows in memory still answer), or,
+once the store failed for good, every table call with UnavailableError, as from a PS that is gone
+(the PS stops and its shard is recovered from its checkpoint: a worker waits for it as for a
+killed PS). That answer waits until the PS stops taking calls (at most FAILED_REPLY_WAIT_S), so
+that a worker asking again reaches the new process, not this one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
+from typing import NoReturn
 
 import numpy as np
 
 from ..base import kernels
 from ..base.deadline import Deadline
-from ..base.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
+from ..base.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError, UnavailableError
 from ..base.hashing import count_distinct
 from ..wire.half import WIRE_DTYPES, from_wire, to_wire
 from .embedding_table import EmbeddingTable, RowPolicy
 from .limits import Table, TableLimits, check_new_rows, check_new_table, row_bytes, table_bytes
 from .row_snapshot import FrozenSnapshot, RowSnapshot
 from .sparse_optimizers import build_sparse_optimizer
+from .spill_condition import SpillCondition
+from .spill_store import SpillError
 from .tiers import Tiers
 
 log = logging.getLogger(__name__)
@@ -37,6 +49,7 @@ SNAPSHOT_BUDGET = 0.05  # rows kept aside for a checkpoint, as a share of the ta
 SNAPSHOT_MIN_BUDGET = 32 << 20  # ...or at least this many bytes
 SNAPSHOT_WAIT_S = 30.0  # longest a change waits for a checkpoint's writer to catch up
 MAX_CAPACITY = 1 << 30  # rows one shard's table may reserve up front
+FAILED_REPLY_WAIT_S = 2.0  # how long the answer of a call that found the spill store failed waits for the PS to stop
 
 
 class TableStore:
@@ -57,6 +70,7 @@ class TableStore:
         self.tiers = tiers
         self._tables: dict[str, Table] = {}
         self._wire: dict[str, str] = {}  # wire dtype by table
+        self.shard_counts: dict[str, int] = {}  # the shards each table's ids are routed over (its registration's)
         self._lock = threading.Lock()
         self._writer_moved = threading.Condition(self._lock)  # a checkpoint's writer took a slice
         self._snapshots: dict[str, RowSnapshot | FrozenSnapshot] = {}  # of the checkpoint being written
@@ -83,7 +97,7 @@ class TableStore:
             raise InvalidArgumentError(f"table {name!r}: capacity {capacity} is outside [0, {MAX_CAPACITY}]")
         if wire not in WIRE_DTYPES:
             raise InvalidArgumentError(f"table {name!r}: wire dtype {wire!r} is not one of {sorted(WIRE_DTYPES)}")
-        with self._lock:
+        with self._spill_checked(), self._lock:
             existing = self._tables.get(name)
             if existing is None:
                 optimizer = build_sparse_optimizer(optimizer_spec)
@@ -95,6 +109,7 @@ class TableStore:
                 if self.restore is not None and self.restore.fill_table(table, self.shard_index, num_shards):
                     log.info("shard %d: table %s restored with %d rows", self.shard_index, name, table.size)
                 self._tables[name], self._wire[name] = table, wire
+                self.shard_counts[name] = num_shards
                 log.info("shard %d: table %s (dim %d, %s)", self.shard_index, name, dim, optimizer.name)
             elif (existing.dim, existing.spec, existing.init) != (dim, optimizer_spec, init):
                 raise FailedPreconditionError(
@@ -146,14 +161,14 @@ class TableStore:
     def lookup_checked(self, lookups: list[CheckedLookup]) -> list[np.ndarray]:
         """Read (and create) the rows; the limits are checked again here, under the lock, before
         any row is created (the check in `check_lookup` ran before the request changed anything)."""
-        with self._lock:
+        with self._spill_checked(), self._lock:
             self._wait_for_writer()
             for lookup in lookups:
                 check_new_rows(self.limits, lookup.table, lookup.ids, self._bytes())
             return [to_wire(lookup.table.read(lookup.ids), self._wire[lookup.table.name]) for lookup in lookups]
 
     def push_checked(self, pushes: list[CheckedPush]) -> None:
-        with self._lock:
+        with self._spill_checked(), self._lock:
             self._wait_for_writer()
             for push in pushes:
                 push.table.apply(push.ids, push.grads)
@@ -168,7 +183,7 @@ class TableStore:
         by_table: dict[str, list[CheckedPush]] = {}
         for push in (push for pushes in by_worker for push in pushes):
             by_table.setdefault(push.table.name, []).append(push)
-        with self._lock:
+        with self._spill_checked(), self._lock:
             self._wait_for_writer()
             for pushes in by_table.values():
                 ids, inverse = np.unique(np.concatenate([p.ids for p in pushes]), return_inverse=True)
@@ -176,6 +191,30 @@ class TableStore:
                 np.add.at(summed, inverse.reshape(-1), np.concatenate([p.grads for p in pushes]))
                 summed /= np.float32(len(by_worker))
                 pushes[0].table.apply(ids, summed)
+
+    @contextlib.contextmanager
+    def _spill_checked(self) -> Iterator[None]:
+        """Around a call that may need the spill store (enter before the lock): once the store
+        failed for good, UnavailableError, sent when the PS stops taking calls (module docstring)."""
+        condition = None if self.tiers is None else self.tiers.condition
+        if condition is None:
+            yield
+            return
+        if condition.failed:
+            self._lost(condition, None)
+        try:
+            yield
+        except SpillError as exc:
+            if not condition.failed:
+                raise  # a full disk: this call fails, the others go on
+            self._lost(condition, exc)
+
+    def _lost(self, condition: SpillCondition, cause: SpillError | None) -> NoReturn:
+        condition.wait_stopping(FAILED_REPLY_WAIT_S)
+        raise UnavailableError(
+            f"shard {self.shard_index} lost its spill store ({condition.cause}); "
+            f"its PS stops, to be recovered from its checkpoint"
+        ) from cause
 
     # ---- a checkpoint's view of the rows (see RowSnapshot) -----------------------------------
     def begin_snapshot(

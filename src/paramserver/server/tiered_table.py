@@ -35,6 +35,7 @@ from .row_admission import Admission
 from .row_record import RowRecord
 from .row_snapshot import FrozenSnapshot
 from .sparse_optimizers import SparseOptimizer
+from .spill_condition import OK, SpillCondition
 from .spill_store import SpillStore, StoreMemory
 from .tiered_eviction import keep_rule
 
@@ -57,6 +58,7 @@ class TieredTable:
         capacity: int,
         store_dir: str,
         memory: StoreMemory,
+        condition: SpillCondition | None = None,
     ) -> None:
         if not isinstance(dim, int) or dim < 1:
             raise InvalidArgumentError(f"table {name!r}: dim must be a positive integer, got {dim!r}")
@@ -66,7 +68,7 @@ class TieredTable:
         self.tracks_use = bool(policy.ttl_steps or policy.min_count or policy.max_rows)
         self.record = RowRecord(dim, optimizer, self.tracks_use)
         self.hot = HotRows(self.record, capacity)
-        self.store = SpillStore(store_dir, self.record, memory)
+        self.store = SpillStore(store_dir, self.record, memory, condition)
         self.admission = Admission(policy)
         self.counters = {"admitted": 0, "not_admitted_lookups": 0, "dropped_gradients": 0, "evicted": 0}
         self.steps = 0
@@ -302,11 +304,17 @@ class TieredTable:
             "disk_bytes": self.store.disk_bytes(),
             "disk_reads": self.store.reads,
             "disk_writes": self.store.writes,
+            **self._spill_state(),
         }
 
-    def close(self) -> None:
-        """Close the store and delete its files (the table is not used again)."""
-        self.store.close()
+    def _spill_state(self) -> dict[str, str]:
+        """The spill store's state when it is not "ok" ("full", "failed") and its cause."""
+        condition = self.store.condition
+        return {} if condition.state == OK else {"spill_state": condition.state, "spill_error": condition.cause}
+
+    def close(self, delete: bool = True) -> None:
+        """Close the store and (with `delete`) delete its files (the table is not used again)."""
+        self.store.close(delete)
 
 
 def _rechunked(pieces: Iterator[dict[str, np.ndarray]], chunk_rows: int) -> Iterator[dict[str, np.ndarray]]:

@@ -79,7 +79,7 @@ def _answer(service, method: str, payload, peer: str, sink: Callable[[list], Any
     principal, claim = None, None
     try:
         if guard is not None:
-            principal = guard.authenticate(token)
+            principal = guard.authenticate(token, method)
         request = service.decode(method, payload)
         if guard is not None and principal is ANONYMOUS and not loopback(peer):
             request = getattr(service, "for_anonymous", lambda request: request)(request)

@@ -11,6 +11,12 @@ token store, nothing large is read and no segment attached before the connection
 refusal made here (not by the service) is audited: an oversized or malformed message, a large
 message or an attach before a token, an oversized auth message, a failed TLS handshake, a
 connection that did not prove itself in time or was displaced, one past max_connections.
+
+Draining (`drain`, then `stop(grace)`): no connection is accepted and no new request taken from
+then on, while the requests in flight (their prefix read: being received, served or answered) go
+on and send their replies; `stop` waits for them, at most `grace` seconds, before it closes every
+connection. A request read after the drain began is answered UNAVAILABLE and its connection closed
+(not audited: nothing is wrong with it).
 """
 
 from __future__ import annotations
@@ -73,8 +79,10 @@ class StreamServer(Lifecycle):
 
     Lifecycle (base/lifecycle.py): the port is bound when built; `start()` starts the accepting
     thread ("ps-stream-accept") and returns the port; `wait_ready(timeout)`; `stop(grace)` closes
-    the listener and every connection (a call being answered is cut off) and joins the threads
-    ("ps-stream-<peer port>"), at most `grace` seconds in all.
+    the listener, lets the requests in flight finish and send their replies, closes every
+    connection and joins the threads ("ps-stream-<peer port>"), at most `grace` seconds in all.
+    `drain()` takes nothing new and lets the requests in flight finish (module docstring); `stop`
+    drains first and waits for them at most `grace` seconds, then cuts what is left.
     A connection is pending until it proves itself (stream_slots.py): only admitted connections take
     one of `max_connections` slots. With `tls` (a server SSLContext), each connection's thread first
     runs the TLS handshake; `refused` counts the peers that failed it.
@@ -111,7 +119,10 @@ class StreamServer(Lifecycle):
         self.ready = ReadyFlag(f"tensor stream on port {self.port}")
         self.slots = Slots(max_connections)
         self._lock = threading.Lock()
-        self._stopping = threading.Event()
+        self._quiet = threading.Condition(self._lock)  # notified whenever a request in flight ends
+        self._in_flight = 0  # requests whose prefix was read and whose reply is not sent yet
+        self._stopping = threading.Event()  # draining or stopped: nothing new is taken
+        self._stopped = False
         self._acceptor = threading.Thread(target=self._accept, name="ps-stream-accept", daemon=True)
 
     def start(self) -> int:
@@ -126,17 +137,46 @@ class StreamServer(Lifecycle):
         """Accepting as soon as `start` returned: this only says whether it did (and waits for it)."""
         self.ready.wait(timeout)
 
-    def stop(self, grace: float = 2.0) -> None:
+    @property
+    def in_flight(self) -> int:
+        """Requests whose prefix was read and whose reply is not sent yet."""
+        return self._in_flight
+
+    @property
+    def draining(self) -> bool:
+        """Whether the drain (or stop) began: nothing new is taken."""
+        return self._stopping.is_set()
+
+    def drain(self) -> None:
+        """Take no new connection or request from now on; the requests in flight go on (`stop`
+        waits for them). Returns at once; idempotent."""
         with self._lock:
             if self._stopping.is_set():
                 return
             self._stopping.set()
             self.ready.fail(UnavailableError(f"tensor stream on port {self.port} stopped"))
-        connections = self.slots.close()  # no connection is taken from now on
+            in_flight = self._in_flight
+        self.slots.close()  # no connection is taken from now on
         shut(self._listener)  # wakes the accepting thread (a plain close does not, on Linux)
+        log.info("tensor stream on port %d draining: %d requests in flight", self.port, in_flight)
+
+    def stop(self, grace: float = 2.0) -> None:
+        deadline = time.monotonic() + grace
+        self.drain()
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+            if not self._quiet.wait_for(lambda: self._in_flight == 0, max(0.0, deadline - time.monotonic())):
+                log.warning(
+                    "tensor stream on port %d: %d requests still in flight after %.1fs: cut off",
+                    self.port,
+                    self._in_flight,
+                    grace,
+                )
+        connections = self.slots.close()  # the connections left (closed already: none is added)
         for connection in connections:
             wake(connection.sock)  # its thread wakes and closes it
-        deadline = time.monotonic() + grace
         threads = [self._acceptor, *(c.thread for c in connections if c.thread is not None)]
         for thread in threads:
             if thread.ident is not None:  # started
@@ -252,8 +292,39 @@ class StreamServer(Lifecycle):
         send_error(conn, error.code, method_id, str(error))
 
     def _serve_one(self, conn: socket.socket, peer, inbox: Inbox, state: Connection) -> bool:
-        """Read and answer one message; False when the connection must close."""
+        """Read and answer one message (UNAVAILABLE once draining); False when the connection must close."""
         kind, _, method_id, size = read_prefix(conn)
+        with self._lock:
+            draining = self._stopping.is_set()
+            if not draining:
+                self._in_flight += 1
+        if draining:
+            return self._refuse_draining(conn, state, (kind, method_id, size), inbox)
+        try:
+            return self._serve_message(conn, peer, inbox, state, (kind, method_id, size))
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+                self._quiet.notify_all()
+
+    def _refuse_draining(self, conn: socket.socket, state: Connection, prefix: tuple, inbox: Inbox) -> bool:
+        """Answer a message read after the drain began UNAVAILABLE; False: its connection closes. Its
+        inline bytes are read first (as many as it may send), so that closing does not reset the
+        connection, which could lose the answer."""
+        kind, method_id, size = prefix
+        anonymous = state.token is None and needs_token(self.service)
+        if kind & ~MORE in (REQUEST, ATTACH, AUTH) and size <= (
+            _ANONYMOUS_BYTES if anonymous else self.max_message_bytes
+        ):
+            inbox.receive(conn, size)
+        log.info("tensor stream from %s: %s refused: the PS is draining", state.peer, _method_name(method_id))
+        error = UnavailableError(f"tensor stream on port {self.port} is draining: it takes no new requests")
+        send_error(conn, error.code, method_id, str(error))
+        return False
+
+    def _serve_message(self, conn: socket.socket, peer, inbox: Inbox, state: Connection, prefix: tuple) -> bool:
+        """Read the rest of one message whose prefix was read, and answer it; False when the connection must close."""
+        kind, method_id, size = prefix
         error: ParamServerError
         if not state.admitted and not needs_token(self.service) and not self._admit(conn, method_id, state):
             return False  # without tokens, a well-formed prefix is all a connection can prove

@@ -91,4 +91,4 @@ def decode_request(service: str, methods: Methods, method: str, payload: Any) ->
     if method not in methods:
         raise NotFoundError(f"{service} has no method {method!r}")
     frame = codec.decode(payload)
-    return Request(method, methods[method][0].from_meta(frame.meta), frame.tensors)
+    return Request(method, methods[method][0].from_frame(frame.meta, frame.tensors), frame.tensors)

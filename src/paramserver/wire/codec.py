@@ -10,9 +10,11 @@ Layout (all integers little-endian)::
     then       padding to a multiple of 8, then the data section; each tensor's raw bytes
                (C order) start at its offset inside the data section, aligned to 8 bytes.
 
-Tensors are never pickled: a decoder only ever builds read-only numpy views over the
-received bytes. A peer with another major version is refused with ProtocolVersionError.
-Stateless and thread-safe.
+The header is strict UTF-8: bytes that are not (a surrogate's bytes among them) and JSON escapes of
+lone surrogates are refused (MalformedFrameError), so every string a peer sends can be written to a
+file and read back (base/names.py says which strings are names). Tensors are never pickled: a
+decoder only ever builds read-only numpy views over the received bytes. A peer with another major
+version is refused with ProtocolVersionError. Stateless and thread-safe.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from ..base.errors import MalformedFrameError, ProtocolVersionError
 
 MAGIC = b"PSFR"
 PROTOCOL_MAJOR = 2  # 2: a step's dense parts, row pushes and lookups named by typed fields (PushPull)
-PROTOCOL_MINOR = 0
+PROTOCOL_MINOR = 1  # 1: RegisterTable's reply says the worker's data position (docs/protocol.md)
 _PREFIX = struct.Struct("<4sHHI")
 _ALIGN = 8
 _MAX_DIMS = 32  # numpy's limit is 64; no variable of this project has more than a few
@@ -164,15 +166,23 @@ def _header(payload) -> tuple[dict, list, int]:
     header_end = _PREFIX.size + header_len
     if header_end > len(payload):
         raise MalformedFrameError(f"header length {header_len} runs past the frame's {len(payload)} bytes")
+    text = bytes(payload[_PREFIX.size : header_end])
+    try:  # strict UTF-8: a surrogate's bytes (ED A0 80) or any other invalid byte is refused
+        decoded = text.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        bad = text[exc.start : exc.start + 3]
+        if _SURROGATE_BYTES.match(bad):
+            why = f"a lone surrogate's bytes (U+D800-U+DFFF) at byte {exc.start}{_surrogate_at(text, 'surrogatepass')}"
+        else:
+            why = f"{exc.reason} at byte {exc.start} ({bad!r})"
+        raise MalformedFrameError(f"frame header is not UTF-8 text: {why}") from None
+    if _SURROGATE_ESCAPE.search(text):  # names reach files, logs and labels: an escape must make UTF-8 too
+        where = _surrogate_at(text, "strict")
+        if where:
+            raise MalformedFrameError(f"frame header holds a lone surrogate (\\ud800-\\udfff){where}: not UTF-8 text")
     try:
-        # NaN and Infinity are not JSON: refused like any other bad header
-        text = bytes(payload[_PREFIX.size : header_end])
-        header = _HEADER_DECODER.decode(text.decode(json.detect_encoding(text), "surrogatepass"))  # as json.loads
+        header = _HEADER_DECODER.decode(decoded)  # NaN and Infinity are not JSON: refused like any other bad header
         meta, entries = header["meta"], header["tensors"]
-        if _SURROGATE_ESCAPE.search(text):  # names reach files, logs and labels: they must be UTF-8
-            json.dumps(header, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        raise MalformedFrameError("frame header holds a lone surrogate (\\ud800-\\udfff): not UTF-8 text") from None
     except (ValueError, KeyError, TypeError, RecursionError) as exc:
         why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)[:200]
         raise MalformedFrameError(f"frame header is not valid: {why}") from None
@@ -182,6 +192,30 @@ def _header(payload) -> tuple[dict, list, int]:
 
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # a JSON escape of a surrogate, paired or not
+_SURROGATE_BYTES = re.compile(rb"\xed[\xa0-\xbf]")  # how CESU-8 and "surrogatepass" write U+D800-U+DFFF
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # in decoded JSON, where a pair of escapes is one character
+
+
+def _surrogate_at(text: bytes, errors: str) -> str:
+    """Where a header (decoded with `errors`) holds a lone surrogate: " in ['meta']['group']" (a
+    string) or " in a key of ['meta']"; "" where it is not JSON or holds none (then it is refused
+    as not valid, or not refused)."""
+    try:
+        stack = [(_HEADER_DECODER.decode(text.decode("utf-8", errors)), "")]
+    except (ValueError, RecursionError):
+        return ""
+    while stack:
+        value, where = stack.pop()
+        if isinstance(value, str) and _LONE_SURROGATE.search(value):
+            return f" in {where}"
+        if isinstance(value, dict):
+            for key in value:
+                if _LONE_SURROGATE.search(key):
+                    return f" in a key of {where or 'the header'}"
+            stack.extend((value[key], f"{where}[{ascii(key)[:60]}]") for key in reversed(value))  # in order
+        elif isinstance(value, list):
+            stack.extend((value[at], f"{where}[{at}]") for at in reversed(range(len(value))))
+    return ""
 
 
 def _no_constant(name: str) -> Any:

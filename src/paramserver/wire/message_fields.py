@@ -20,6 +20,7 @@ import typing
 from collections.abc import Callable
 from typing import Any, ClassVar, NamedTuple, Self
 
+from ..base import names
 from ..base.errors import MalformedFrameError
 
 _UNIONS = (typing.Union, types.UnionType)
@@ -36,15 +37,25 @@ def doc_field(doc: str, *, default: Any = dataclasses.MISSING, check: Callable[[
 
 
 @typing.dataclass_transform(frozen_default=True, field_specifiers=(doc_field,))
-def message(title: str, tensors: str = "") -> Callable[[type[M]], type[M]]:
+def message(
+    title: str, tensors: str = "", check_tensors: Callable[[dict[str, Any]], str | None] | None = None
+) -> Callable[[type[M]], type[M]]:
     """Class decorator: a frozen dataclass named `title` in errors and docs ("PushPull request"),
-    whose frame carries `tensors` (words, for the docs: tensors never travel in the meta)."""
+    whose frame carries `tensors` (words, for the docs: tensors never travel in the meta).
+    `check_tensors(tensors)` returns why a frame's tensors (name -> array) do not fit the message, or None."""
 
     def wrap(cls: type[M]) -> type[M]:
         cls.TITLE, cls.TENSORS, cls.DOC = title, tensors, cls.__dict__.get("__doc__") or ""
+        cls.CHECK_TENSORS = staticmethod(check_tensors) if check_tensors is not None else None
         return dataclasses.dataclass(frozen=True)(cls)
 
     return wrap
+
+
+def part_tensors(tensors: dict[str, Any]) -> str | None:
+    """Why tensors named by part (a group's variables) cannot be registered and restored, or None:
+    each name a name (base/names.py), a ``var[lo:hi]`` part of hi - lo rows, no two parts overlapping."""
+    return names.parts_problem({name: tuple(array.shape) for name, array in tensors.items()})
 
 
 class Field(NamedTuple):
@@ -67,6 +78,7 @@ class Message:
     TITLE: ClassVar[str] = ""
     TENSORS: ClassVar[str] = ""
     DOC: ClassVar[str] = ""  # the class's own docstring (a dataclass makes one up otherwise)
+    CHECK_TENSORS: ClassVar[Callable[[dict[str, Any]], str | None] | None] = None
 
     def to_meta(self) -> dict[str, Any]:
         """The meta as plain JSON values, in field order; optional fields at their default are left out."""
@@ -100,6 +112,16 @@ class Message:
             if why:
                 raise MalformedFrameError(f"{cls.TITLE}: {spec.name!r} {why}, got {_show(value)}")
         return cls(**values)
+
+    @classmethod
+    def from_frame(cls, meta: Any, tensors: dict[str, Any]) -> Self:
+        """The message in a decoded frame: `from_meta`, then its tensors checked (the message's
+        `check_tensors`); MalformedFrameError naming the message and what is wrong."""
+        parsed = cls.from_meta(meta)
+        why = cls.CHECK_TENSORS(tensors) if cls.CHECK_TENSORS is not None else None
+        if why:
+            raise MalformedFrameError(f"{cls.TITLE}: {why}")
+        return parsed
 
 
 def fields_of(cls: type) -> tuple[Field, ...]:

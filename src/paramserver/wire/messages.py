@@ -17,16 +17,19 @@ prints them, ``--write docs/protocol.md`` replaces them in place (tests check th
 
 from typing import Any, NamedTuple
 
-from .message_fields import Message, doc_field, message
+from ..base import names
+from .message_fields import Message, doc_field, message, part_tensors
 
 _NON_EMPTY = lambda value: None if value else "must not be empty"
+_name = names.name_problem  # a group or table name: what a checkpoint can hold (base/names.py)
+_strings = names.strings_problem  # strings inside a spec that the checkpoint's metadata holds
+_checkpoint = names.checkpoint_name_problem
+_worker = names.worker_problem  # a worker index a checkpoint's positions can name
 
 
-def _name(value: str) -> str | None:
-    """Why a group or table name is not one: names reach files, log lines and metric labels."""
-    if not 0 < len(value) <= 256:
-        return "must be 1 to 256 characters"
-    return "must not hold control characters" if any(ord(c) < 32 or ord(c) == 127 for c in value) else None
+def _nonce(value: str) -> str | None:
+    """A challenge is the client's to choose; the node only bounds what it puts through its MAC."""
+    return None if 0 < len(value) <= 256 else "must be 1 to 256 characters"
 
 
 class RowPush(NamedTuple):
@@ -84,16 +87,22 @@ class HelloReply(Message):
     )
 
 
-@message("Register request", tensors="the group's initial values (float32), by part name")
+@message(
+    "Register request",
+    tensors="the group's initial values (float32), by part name (a name; `var[lo:hi]`: hi - lo rows)",
+    check_tensors=part_tensors,
+)
 class RegisterRequest(Message):
     """Register a group of variables; the first registration wins, later ones adopt its values."""
 
-    group: str = doc_field("the optimizer param group's name (1-256 characters, no control characters)", check=_name)
-    optimizer: dict[str, Any] = doc_field('{"name", "hyper"}: the optimizer and its hyper-parameters')
+    group: str = doc_field(
+        "the optimizer param group's name (a name: 1-256 characters, no control characters, no `/`)", check=_name
+    )
+    optimizer: dict[str, Any] = doc_field('{"name", "hyper"}: the optimizer and its hyper-parameters', check=_strings)
     consistency: dict[str, Any] | None = doc_field(
         '{"mode", "workers", "backups", "staleness"}: a mode other than the shard\'s is refused', default=None
     )
-    worker: int | None = doc_field("the registering worker's index", default=None)
+    worker: int | None = doc_field("the registering worker's index", default=None, check=_worker)
     dtypes: dict[str, str] = doc_field(
         "wire dtype by part name, for parts whose gradients and values travel as `bfloat16` (uint16 bits) or "
         "`float16`; absent: float32. The PS keeps float32 values either way",
@@ -118,7 +127,7 @@ class PushPullRequest(Message):
     and pull values, in one round trip. Every part is checked before any is applied."""
 
     pull: list[str] | None = doc_field("part names to pull (absent: the pushed names)", default=None)
-    worker: int | None = doc_field("the pusher's index", default=None)
+    worker: int | None = doc_field("the pusher's index", default=None, check=_worker)
     step: int | None = doc_field("the sync step it pushes for", default=None)
     rows: list[RowPush] = doc_field("row pushes: [table, ids tensor, gradients tensor]", default=[])
     lookups: list[RowLookup] = doc_field(
@@ -179,15 +188,15 @@ class LeaveReply(SetModeReply):
 class RegisterTableRequest(Message):
     """Create an embedding table's part on this shard."""
 
-    table: str = doc_field("the table's name (1-256 characters, no control characters)", check=_name)
+    table: str = doc_field("the table's name (a name: 1-256 characters, no control characters, no `/`)", check=_name)
     dim: int = doc_field("values per row")
-    optimizer: dict[str, Any] = doc_field('{"name", "hyper"}: the row-wise optimizer')
-    init: dict[str, Any] = doc_field('{"kind", ...}: the rows\' initializer')
-    policy: dict[str, Any] = doc_field("row admission and eviction (RowPolicy)", default={})
+    optimizer: dict[str, Any] = doc_field('{"name", "hyper"}: the row-wise optimizer', check=_strings)
+    init: dict[str, Any] = doc_field('{"kind", ...}: the rows\' initializer', check=_strings)
+    policy: dict[str, Any] = doc_field("row admission and eviction (RowPolicy)", default={}, check=_strings)
     capacity: int = doc_field("rows this shard reserves up front (at most 2^30)", default=0)
     num_shards: int = doc_field("the shards the table spreads over", default=1)
     consistency: dict[str, Any] | None = doc_field("the mode, for a shard that holds no dense variable", default=None)
-    worker: int | None = doc_field("the registering worker's index", default=None)
+    worker: int | None = doc_field("the registering worker's index", default=None, check=_worker)
     dtype: str = doc_field(
         "wire dtype of the rows and row gradients: `float32`, `bfloat16` (uint16 bits) or "
         "`float16`; the PS keeps float32 rows either way",
@@ -197,7 +206,14 @@ class RegisterTableRequest(Message):
 
 @message("RegisterTable reply")
 class RegisterTableReply(Message):
-    pass
+    """The worker's data position, as a Register reply gives it: a model of tables only resumes there too."""
+
+    position: int = doc_field(
+        "batches this worker trained, as the shard counted them (resumable data; absent: 0, before 2.1)", default=0
+    )
+    restored: int = doc_field(
+        "this worker's step in the checkpoint the shard started from (0: none; absent: 0, before 2.1)", default=0
+    )
 
 
 @message("Lookup request", tensors="`ids` (int64, 1-D, distinct)")
@@ -217,11 +233,12 @@ class CheckpointRequest(Message):
     """Write this shard's file of a checkpoint, under the PS's own checkpoint directory (`--checkpoint-dir`):
     no path comes from the wire. A name that holds a committed checkpoint is refused (ALREADY_EXISTS)."""
 
-    name: str = doc_field("the checkpoint's name (ckpt-<9 digits>)")
+    name: str = doc_field("the checkpoint's name (ckpt-<9 digits>)", check=_checkpoint)
     parent: str = doc_field(
         "write a delta on this earlier checkpoint: only the rows changed since this PS's file of it "
         "(a PS without one writes a whole file)",
         default="",
+        check=lambda parent: _checkpoint(parent) if parent else None,
     )
 
 
@@ -243,7 +260,7 @@ class AssignRequest(Message):
     same shape, float32, finite) before any is written; optimizer state, step counts and the version
     stay as they are."""
 
-    worker: int | None = doc_field("the writing worker's index", default=None)
+    worker: int | None = doc_field("the writing worker's index", default=None, check=_worker)
 
 
 @message("Assign reply")
@@ -277,6 +294,22 @@ class ShutdownReply(Message):
     version: int = doc_field("the shard's version when the drain was asked for")
 
 
+@message("Prove request")
+class ProveRequest(Message):
+    """A challenge: prove that this node belongs to the `paramserver run` that started it (it holds the
+    run's secret, docs/security.md "Run files"). Needs no token: `paramserver status` and `shutdown` ask it
+    before they send one. A node that holds no run secret refuses it (FAILED_PRECONDITION)."""
+
+    nonce: str = doc_field("a random challenge (1-256 characters; `status` sends 64 hex digits)", check=_nonce)
+
+
+@message("Prove reply")
+class ProveReply(Message):
+    proof: str = doc_field(
+        "HMAC-SHA256 of the node's name (`ps-<i>` or `coordinator`) and the nonce, keyed with the run's secret, hex"
+    )
+
+
 SHARD_METHODS: dict[str, tuple[type[Message], type[Message]]] = {
     "Hello": (HelloRequest, HelloReply),
     "Register": (RegisterRequest, RegisterReply),
@@ -288,6 +321,7 @@ SHARD_METHODS: dict[str, tuple[type[Message], type[Message]]] = {
     "Checkpoint": (CheckpointRequest, CheckpointReply),
     "Assign": (AssignRequest, AssignReply),
     "Shutdown": (ShutdownRequest, ShutdownReply),
+    "Prove": (ProveRequest, ProveReply),
 }
 
 
@@ -368,6 +402,7 @@ COORDINATOR_METHODS: dict[str, tuple[type[Message], type[Message]]] = {
     "Barrier": (BarrierRequest, CoordinatorReply),
     "Leave": (CoordinatorLeaveRequest, CoordinatorReply),
     "RequestCheckpoint": (RequestCheckpointRequest, CoordinatorReply),
+    "Prove": (ProveRequest, ProveReply),
 }
 
 SERVICES = {"paramserver.Shard": SHARD_METHODS, "paramserver.Coordinator": COORDINATOR_METHODS}

@@ -68,6 +68,11 @@ class ShardStub(Stub):
     ) -> Pending[msg.ShutdownReply]:
         return self.call("Shutdown", request, timeout, tensors, owned)
 
+    def prove(
+        self, request: msg.ProveRequest, timeout: float, tensors: Tensors = (), owned: bool = False
+    ) -> Pending[msg.ProveReply]:
+        return self.call("Prove", request, timeout, tensors, owned)
+
 
 class CoordinatorStub(Stub):
     """The coordinator's RPCs on one channel."""
@@ -109,6 +114,11 @@ class CoordinatorStub(Stub):
         self, request: msg.RequestCheckpointRequest, timeout: float, tensors: Tensors = (), owned: bool = False
     ) -> Pending[msg.CoordinatorReply]:
         return self.call("RequestCheckpoint", request, timeout, tensors, owned)
+
+    def prove(
+        self, request: msg.ProveRequest, timeout: float, tensors: Tensors = (), owned: bool = False
+    ) -> Pending[msg.ProveReply]:
+        return self.call("Prove", request, timeout, tensors, owned)
 
 
 __all__: list[Any] = ["ShardStub", "CoordinatorStub"]

@@ -37,6 +37,19 @@ committed (the rows changed since, docs/checkpoints.md), until K checkpoints mak
 the deltas since the base add up to more than CHAIN_SHARE of the base's bytes: then a new base.
 So a restore reads at most a base and K - 1 deltas, and about 1 + CHAIN_SHARE bases' bytes. A
 failed checkpoint leaves the chain as it was; a chief (re)started begins with a base.
+
+Names go on from a resume: a checkpoint is named by the run's step, the step of the checkpoint the
+run resumed from plus the steps trained since (worker/lineage.py), for any model. Every manifest
+names its run (``"run_id"``, kept across resumes).
+
+A checkpoint counts only once it passed restore's checks: each PS checks its own file with them
+as it writes it (the values and row counts of every slice, the header and metadata read back:
+checkpoint/shard_file.py; a file that fails is not written and its Checkpoint call fails), and
+before the manifest is written the chief checks what no single file shows (checkpoint/verdict.py
+with contents=False, the manifest given in memory: every file's size, header and metadata, dense
+parts tiling their variables, the chain's links), reading a few KB per file. One that fails is
+a failed checkpoint like any other (logged with why, counted in `checkpoints_failed`, its files
+deleted): never committed, never counted as written, and never the reason an older one is deleted.
 """
 
 from __future__ import annotations
@@ -52,6 +65,7 @@ from ..base.metrics import CheckpointMetrics
 from ..checkpoint.store import CheckpointError, CheckpointStore, checkpoint_name, os_reason
 from ..coordinator.membership import checkpoint_barrier
 from . import current
+from .lineage import Lineage
 from .rollback import restarted_shard
 
 log = logging.getLogger(__name__)
@@ -85,14 +99,23 @@ class Checkpointer:
         report: Callable[[dict[str, Any]], None] | None = None,
         in_step: bool = False,
         base_every: int = 1,
+        allow_non_finite: bool = False,
     ) -> None:
         """`report(values)`: where the chief hands its counts (default: this process's Context's
         `report_result`, which puts them in `paramserver run`'s closing JSON line). `in_step`: the
         workers train in step (dense_sync "allreduce": every step is an all-reduce of them all), so
         each must pause at the same step: every worker asks at its own `every`-th steps, which are
         the chief's, and the coordinator merges their requests into one. `base_every`: a base
-        checkpoint every this many, deltas between (1: every checkpoint whole)."""
+        checkpoint every this many, deltas between (1: every checkpoint whole). `allow_non_finite`:
+        a checkpoint holding NaN or infinite values passes the checks (as restore_non_finite lets
+        restore take it).
+
+        The steps given to `due`, `on_step` and `save_final` are this worker's optimizer's count;
+        checkpoints are named by the run's step (`lineage`, set by `resumed` once the shards are
+        known). `save` takes the run's step itself."""
         self.base_every = base_every
+        self.allow_non_finite = allow_non_finite
+        self.lineage = Lineage()  # a fresh run until `resumed` says otherwise
         self._chain: _Chain | None = None  # what the next delta extends (None: the next is a base)
         self.client = client
         self.store = store
@@ -123,11 +146,35 @@ class Checkpointer:
         # the workers train by all-reduce (worker/dense_sync.py)
         self.before_save: list[Callable[[float], None]] = []
 
+    def resumed(self, lineage: Lineage) -> None:
+        """The run this worker belongs to, and the checkpoint it resumed from (once, when it joins)."""
+        self.lineage = lineage
+        if self.worker_index == 0:
+            if lineage.resumed_from is None:
+                log.info("run %s: a fresh start; checkpoints name it in their manifests", lineage.run_id)
+            else:
+                log.info(
+                    "run %s: resumed from %s at step %d; checkpoint names go on from there",
+                    lineage.run_id,
+                    lineage.resumed_from,
+                    lineage.resumed_step,
+                )
+
+    def run_step(self, step: int) -> int:
+        """The run's step after `step` steps of this worker's optimizer: the step of the checkpoint
+        resumed from plus the steps trained since (worker/lineage.py)."""
+        return self.lineage.step_of(step, self.client.record.restored)
+
     def due(self, step: int) -> bool:
-        """Whether the workers meet after `step`; decided here, once, so that the optimizer can
-        make sure nothing of this worker is in flight before `on_step(step)` meets them. The
-        chief asks the coordinator for a checkpoint when its step count or clock says so; every
-        worker meets at the checkpoint the coordinator announced last, if it has not met it yet."""
+        """Whether the workers meet after `step` (this worker's optimizer's count); decided here,
+        once, so that the optimizer can make sure nothing of this worker is in flight before
+        `on_step(step)` meets them. The chief asks the coordinator for a checkpoint when the run's
+        step or its clock says so; every worker meets at the checkpoint the coordinator announced
+        last, if it has not met it yet."""
+        return self._due(self.run_step(step))
+
+    def _due(self, step: int) -> bool:
+        """`due` at the run's step `step`."""
         self._step = step
         if step in self._barrier_after:
             return True
@@ -174,7 +221,9 @@ class Checkpointer:
         return int(self.coordinator.view.get("checkpoints_requested", 0)) if self.coordinator is not None else 0
 
     def on_step(self, step: int, timeout: float) -> None:
-        if self.due(step):
+        """After step `step` of this worker's optimizer: meet the others when a checkpoint is due."""
+        step = self.run_step(step)
+        if self._due(step):
             self._meet(self._barrier_after.pop(step), step, timeout)
 
     def _meet(self, barrier: str, step: int, timeout: float) -> None:
@@ -194,13 +243,14 @@ class Checkpointer:
 
         The workers meet at "checkpoint:final" (a worker waits there for the others to finish
         their data: as long as they are alive, or at most `wait` seconds), the chief writes
-        checkpoint `step` (its own step) within `timeout`, and "checkpoint:final:written" lets
-        everyone go. The chief does not write when the latest complete checkpoint is the one it
-        wrote last, at this step, and the shards' counters (version, pushes, sync step, mode,
-        tables) are what they were then. Returns the final checkpoint's name on the chief (written
-        or already there); None on the other workers, and when it could not be written or the
-        workers did not all arrive: that is logged as an error (and counted, on the chief) and
-        never raised.
+        the checkpoint of the run's step after its optimizer's `step` within `timeout`, and
+        "checkpoint:final:written" lets everyone go. The chief does not write when the latest
+        complete checkpoint is the one it wrote last, at this step, and the shards' counters
+        (version, pushes, sync step, mode, tables) are what they were then; nor when it is the
+        one the run resumed from and no shard took a push since. Returns the final checkpoint's
+        name on the chief (written or already there); None on the other workers, and when it
+        could not be written or the workers did not all arrive: that is logged as an error (and
+        counted, on the chief) and never raised.
         """
         if self.store is None:
             return None
@@ -214,7 +264,7 @@ class Checkpointer:
         name = None
         try:
             if self.worker_index == 0:
-                name = self._save_final(step, timeout)
+                name = self._save_final(self.run_step(step), timeout)
         finally:
             try:
                 self.barrier(f"{FINAL}:written", wait)
@@ -231,7 +281,7 @@ class Checkpointer:
         except CheckpointError as exc:  # not known what is there: write it (the write says what fails)
             log.warning("final checkpoint %s: %s", name, exc)
             complete = []
-        if counters is not None and self._written == (name, counters) and complete[-1:] == [name]:
+        if complete[-1:] == [name] and (self._written == (name, counters) or self._resumed_unchanged(name, counters)):
             log.info("final checkpoint: %s (step %d) holds the final state already", name, step)
             return self._mark_final(name)
         if complete and complete[-1] > name:
@@ -245,6 +295,15 @@ class Checkpointer:
             return self.save(step, timeout, counters, final=True)
         except CheckpointError:
             return None  # logged and counted by save()
+
+    def _resumed_unchanged(self, name: str, counters: list | None) -> bool:
+        """Whether checkpoint `name` is the one the run resumed from and no shard took a push since
+        (written again, a failure would cost the run the checkpoint it stands on)."""
+        return (
+            name == self.lineage.resumed_from
+            and counters is not None
+            and all(shard.get("pushes") == 0 for shard in counters)
+        )
 
     def _mark_final(self, name: str) -> str:
         """Mark the periodic checkpoint `name` as the final one (an evaluator ends after it); a
@@ -269,9 +328,9 @@ class Checkpointer:
         ]
 
     def save(self, step: int, timeout: float, counters: list | None = None, final: bool = False) -> str:
-        """Write checkpoint `step` now (chief only; no push may be in flight). Returns its name;
-        raises CheckpointError (logged and counted here) when it could not be committed, after
-        deleting what it had written.
+        """Write checkpoint `step` (the run's step) now (chief only; no push may be in flight).
+        Returns its name; raises CheckpointError (logged and counted here) when it could not be
+        committed or what the shards wrote fails restore's checks, after deleting what it had written.
 
         A complete checkpoint of the same name is uncommitted first and written again, so that
         its manifest never names files of another state."""
@@ -298,11 +357,15 @@ class Checkpointer:
                 "num_shards": len(entries),
                 "shards": entries,
                 "mode": self.client.consistency.to_dict(),
+                "run_id": self.lineage.run_id,
             }
             delta = any(entry.get("parent") for entry in entries)
             if delta and self._chain is not None:
                 manifest.update(parent=parent, base=self._chain.base)
-            store.commit(name, {**manifest, "final": True} if final else manifest)
+            if final:
+                manifest["final"] = True
+            self._check_written(store, name, manifest)
+            store.commit(name, manifest)
         except (ParamServerError, OSError) as exc:  # a shard's error, a deadline, the store's CheckpointError
             reason = str(exc) if isinstance(exc, ParamServerError) else f"{type(exc).__name__}: {os_reason(exc)}"
             took = time.monotonic() - started
@@ -344,6 +407,22 @@ class Checkpointer:
             extra={"event": "checkpoint_saved", "step": step, "duration_s": round(took, 3)},
         )
         return name
+
+    def _check_written(self, store: CheckpointStore, name: str, manifest: dict[str, Any]) -> None:
+        """Raise CheckpointError naming the first problem when checkpoint `name`, as `manifest` would
+        commit it, fails a check restore applies (checkpoint/verdict.py): those across its files;
+        each PS checked its own file's contents as it wrote it."""
+        from ..checkpoint.verdict import check_checkpoint  # imported here: only a chief that writes needs it
+
+        try:
+            check_checkpoint(store, name, manifest=manifest, allow_non_finite=self.allow_non_finite, contents=False)
+        except ParamServerError as exc:  # a CheckpointError naming the problem, or any refusal of the checks
+            raise CheckpointError(f"not committed, it fails restore's checks: {exc}") from exc
+        except OSError:
+            raise  # a store that cannot be read: the failure as it is
+        except Exception as exc:  # a check that broke proves nothing: the checkpoint is not known to restore
+            log.exception("checkpoint %s: its checks raised", name)
+            raise CheckpointError(f"not committed, its checks raised {type(exc).__name__}: {exc}") from exc
 
     def _parent_for(self, name: str) -> str | None:
         """The checkpoint the next one, `name`, is a delta on; None: a base (see the module docstring)."""

@@ -208,10 +208,12 @@ def _pauses(config: NodeConfig, client: PSClient, coordinator: CoordinatorClient
         from ..checkpoint.store import CheckpointStore
         from .checkpoints import FINAL as final
         from .checkpoints import Checkpointer
+        from .lineage import Lineage
 
+        store = CheckpointStore(options.checkpoint_dir)
         checkpointer = Checkpointer(
             client,
-            CheckpointStore(options.checkpoint_dir),
+            store,
             options.checkpoint_every,
             options.checkpoint_keep,
             config.worker_index,
@@ -220,5 +222,9 @@ def _pauses(config: NodeConfig, client: PSClient, coordinator: CoordinatorClient
             coordinator,
             in_step=options.dense_sync == "allreduce",
             base_every=options.checkpoint_base_every,
+            allow_non_finite=options.restore_non_finite,
         )
+        # the run's id and step, from the checkpoint the shards restored (after a roll-back: the one
+        # they restored then, `client` being connected to the restarted shards)
+        checkpointer.resumed(Lineage.of(store, [getattr(c, "hello", None) or {} for c in client.channels]))
     return checkpointer, meet

@@ -127,6 +127,7 @@ class Context:
             self.client.consistency.to_dict(),
             self.client.worker,
             self.client.compressor,
+            self.client.record.note_position,  # a model of tables only learns its data position here
         )
         if self.partial is not None:  # a lookup that finds a shard gone waits for it (worker/partial.py)
             tables.on_lost = self.partial.after_failed_lookup

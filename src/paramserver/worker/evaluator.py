@@ -3,7 +3,9 @@
 An evaluator only reads checkpoints: it never calls a PS, never joins the coordinator, and nothing
 waits for it, so it can neither slow nor stop training. It polls `checkpoint_dir` for the newest
 complete checkpoint (one with a manifest: a checkpoint being written is never read), loads it into
-the user's model with no PS (worker/checkpoint_model.py), calls the user's function and logs its
+the user's model with no PS (worker/checkpoint_model.py) once it passes the verdict that resume
+applies (checkpoint/verdict.py; one that does not is logged, and the newest one before it that
+passes and was not evaluated yet is evaluated instead), calls the user's function and logs its
 metrics (event "evaluation") and, with a `logdir`, writes them to TensorBoard as `eval/<metric>`
 under `<logdir>/eval`. When it falls behind it skips to the newest checkpoint, as TF's does. A
 checkpoint that cannot be read, or a function that raises, is logged and the evaluator waits for
@@ -29,6 +31,7 @@ from ..base.config import EVALUATOR, NodeConfig, Options
 from ..base.errors import ConfigError, FailedPreconditionError
 from ..checkpoint.restore import RestoreSource
 from ..checkpoint.store import CheckpointError, CheckpointStore
+from ..checkpoint.verdict import check_checkpoint
 from . import current
 from .checkpoint_model import load_into
 from .summaries import event_writer
@@ -69,6 +72,9 @@ class Evaluator:
         self._stopped = threading.Event()
         self._tried: tuple[str, Any] | None = None  # (name, manifest time) of the checkpoint tried last
         self._warned = ""  # the listing error logged last: once, not at every poll
+        self._loaded = ""  # the checkpoint loaded last
+        self._refused = ""  # the checkpoint the verdict refused last (checkpoint/verdict.py)
+        self._listed: list[str] = []  # the complete checkpoints, as listed last
 
     def stop(self) -> None:
         self._stopped.set()
@@ -97,6 +103,8 @@ class Evaluator:
                 log.info("evaluator: evaluated the final checkpoint %s (marked final since); done", name)
                 break  # marked final since: the same state
             done.append(self._evaluate(name, manifest))
+            if done[-1].error is not None and self._refused == name and (older := self._newest_passing_before(name)):
+                done.append(self._evaluate(*older))  # the newest that passes the verdict, not evaluated yet
             if done[-1].final:
                 log.info("evaluator: evaluated the final checkpoint %s; done", name)
                 break
@@ -106,7 +114,7 @@ class Evaluator:
         """The newest complete checkpoint and its manifest, unless it was tried already (same name
         and manifest) and is not final; None too when there is none or it cannot be read."""
         try:
-            complete = self.store.complete()
+            complete = self._listed = self.store.complete()
             if not complete or (self._tried is not None and complete[-1] < self._tried[0]):
                 return None
             manifest = self.store.manifest(complete[-1])
@@ -118,6 +126,18 @@ class Evaluator:
             return None
         return complete[-1], manifest
 
+    def _newest_passing_before(self, name: str) -> tuple[str, dict] | None:
+        """The newest checkpoint before `name` (refused) and after the one loaded last that passes
+        the verdict, with its manifest; None when there is none (each refused one is logged)."""
+        candidates = [older for older in self._listed if self._loaded < older < name]
+        for older in reversed(candidates):
+            try:
+                check_checkpoint(self.store, older)
+                return older, self.store.manifest(older)
+            except CheckpointError as exc:
+                log.warning("evaluator: %s does not pass its checks either: %s", older, exc)
+        return None
+
     def _warn(self, message: str) -> None:
         if message != self._warned:
             log.warning("%s", message)
@@ -128,9 +148,14 @@ class Evaluator:
         step, started = int(manifest.get("step", 0)), time.monotonic()
         self._tried = (name, manifest.get("time"))
         try:
-            source = RestoreSource(self.store, name)  # every file checked against the manifest
+            try:
+                source = RestoreSource(self.store, name)  # the verdict resume applies (checkpoint/verdict.py)
+            except CheckpointError:
+                self._refused = name
+                raise
             self._tried = (name, source.manifest.get("time"))  # (a same-name rewrite read meanwhile)
             load_into(self.model, source)
+            self._loaded = name
         except Exception as exc:  # damaged, pruned meanwhile, another model: the next one may do
             log.error(
                 "evaluator: cannot load %s: %s; waiting for the next checkpoint",

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..base import names
 from ..base.errors import InvalidArgumentError, NotInitializedError
 from ..base.hashing import distinct
 from .distinct_ids import SpreadRows, sum_rows
@@ -66,7 +67,8 @@ class HashEmbedding(nn.Module):
     """`ids` of any shape -> `ids.shape + (dim,)` embeddings, from a PS table.
 
     init: "normal" (std), "uniform" (scale, values in [-scale, scale]) or "zeros".
-    name: the table's name on the PS (default: given by the optimizer, from the parameter name).
+    name: the table's name on the PS (default: given by the optimizer, from the parameter name); a
+    name as docs/protocol.md "Names" says (1-256 characters, no control characters, no '/').
     optimizer: a row-wise optimizer spec for this table, e.g. {"name": "ftrl", "hyper": {"lr": 0.05}};
     by default the counterpart of the PS optimizer that owns the module's parameters.
     policy: admission and eviction, e.g. {"admit_after": 3, "ttl_steps": 100000, "evict_every": 1000}
@@ -107,7 +109,7 @@ class HashEmbedding(nn.Module):
             self.init["scale"] = scale
         self.optimizer_spec = optimizer
         self.policy = policy or {}
-        self.table_name = name
+        self.table_name = name if name is None else names.check_name(name, "embedding name")
         self.placeholder = nn.Parameter(torch.empty(0, dtype=dtype))  # its dtype is the module's
         self._wire = dtype  # the dtype the table was registered to travel in (set by `attach`)
         # how the PS optimizer recognizes this table (tensors take attributes; torch's stubs declare none)

@@ -87,10 +87,11 @@ class ShardRecovery:
             channel.close()
             self._roll_back(f"ps {shard} came back with no checkpoint to restore its shard from")
         ctx.client.replace_channel(shard, channel)
+        table_position = 0  # a model of tables only learns the shard's count of its steps from RegisterTable
         if "tables" in ctx.__dict__:  # the TableClient exists (cached_property): it has tables to restore
             ctx.tables.replace_channel(shard, channel)
-            ctx.tables.register_again(shard, ctx.options.rpc_timeout_s)
-        position = ctx.client.register_again(shard, ctx.options.rpc_timeout_s, self._load)
+            table_position = ctx.tables.register_again(shard, ctx.options.rpc_timeout_s)
+        position = max(table_position, ctx.client.register_again(shard, ctx.options.rpc_timeout_s, self._load))
         lost, took = max(0, step - position), time.monotonic() - started
         log.warning(
             "ps %d is back, restored from %s after %.2fs: its shard lost %d step(s) of worker %d%s; training goes on",
