@@ -266,10 +266,11 @@ def test_a_shards_error_from_the_wire_is_a_counted_checkpoint_error(tmp_path, ca
         assert chief.save_final(7, 1.0) is None
     assert barriers == ["checkpoint:final", "checkpoint:final:written"]
     assert chief.counts() == reports[-1] == {"checkpoints_written": 0, "checkpoints_failed": 2,
-                                             "checkpoint_error": "127.0.0.1:5001 Checkpoint: deadline exceeded"}
+                                             "checkpoint_error": "127.0.0.1:5001 Checkpoint: deadline exceeded",
+                                             "checkpoint_last_failed": True}
     client.fail = None
     assert chief.save_final(7, 1.0) == "ckpt-000000007"  # tried again, and written
-    assert reports[-1]["checkpoints_written"] == 1
+    assert reports[-1]["checkpoints_written"] == 1 and reports[-1]["checkpoint_last_failed"] is False
 
 
 def test_old_checkpoints_that_cannot_be_deleted_leave_the_new_one_committed(tmp_path, caplog):
@@ -283,7 +284,7 @@ def test_old_checkpoints_that_cannot_be_deleted_leave_the_new_one_committed(tmp_
     assert chief.store.complete() == ["ckpt-000000003", "ckpt-000000006"]
     assert any("could not be deleted" in r.getMessage() and "Permission denied (EACCES)" in r.getMessage()
                for r in caplog.records)
-    assert chief.counts() == {"checkpoints_written": 2, "checkpoints_failed": 0}
+    assert chief.counts() == {"checkpoints_written": 2, "checkpoints_failed": 0, "checkpoint_last_failed": False}
 
 
 def test_the_chief_removes_the_temporary_files_of_an_earlier_run_before_its_first_write(tmp_path):
@@ -309,15 +310,19 @@ def test_the_launcher_exits_non_zero_saying_why_when_a_checkpoint_of_the_run_fai
         "checkpoint_error": "checkpoint ckpt-000000020: cannot write /d/x: No space left on device (ENOSPC)"}}))
     assert cluster.checkpoint_verdict(0) == NO_CHECKPOINT != 0
     said = out.getvalue()
-    assert f"3 checkpoint(s) to {tmp_path} failed and 0 were written" in said and "(ENOSPC)" in said
+    assert f"the latest checkpoint to {tmp_path} failed (3 failed, 0 written)" in said and "(ENOSPC)" in said
     summary = cluster.summary()
     assert summary["auc"] == 0.9 and summary["checkpoints_written"] == 0 and summary["checkpoints_failed"] == 3
     assert cluster.checkpoint_verdict(1) == 1  # a run that failed keeps its own code
 
     cluster.board.feed(json.dumps({"worker": 0, "result": {"checkpoints_written": 1, "checkpoints_failed": 3}}))
-    assert cluster.checkpoint_verdict(0) == NO_CHECKPOINT  # one was written, but 3 failed: still reported
-    cluster.board.feed(json.dumps({"worker": 0, "result": {"checkpoints_written": 4, "checkpoints_failed": 0}}))
-    assert cluster.checkpoint_verdict(0) == 0  # every checkpoint written: the run succeeded
+    assert cluster.checkpoint_verdict(0) == NO_CHECKPOINT  # one was written, then the latest failed
+    cluster.board.feed(json.dumps({"worker": 0, "result": {"checkpoints_written": 2, "checkpoints_failed": 3,
+                                                           "checkpoint_last_failed": True}}))
+    assert cluster.checkpoint_verdict(0) == NO_CHECKPOINT  # the run's newest progress is in no checkpoint
+    cluster.board.feed(json.dumps({"worker": 0, "result": {"checkpoints_written": 3, "checkpoints_failed": 3,
+                                                           "checkpoint_last_failed": False}}))
+    assert cluster.checkpoint_verdict(0) == 0  # a later checkpoint was written: counted, not fatal
 
     quiet, _ = launcher(tmp_path)
     assert quiet.checkpoint_verdict(0) == 0  # no counts: the script never trained, there was nothing to save
@@ -443,7 +448,7 @@ def test_names_go_on_from_the_restored_step_and_the_run_keeps_its_id(tmp_path, m
     assert barriers == [], model  # 41..45: no checkpoint due
     assert resumed.save_final(position + 5, 1.0) == "ckpt-000000045", model
     assert store.complete()[-1] == "ckpt-000000045" and store.manifest("ckpt-000000045")["run_id"] == run_id
-    assert resumed.counts() == {"checkpoints_written": 1, "checkpoints_failed": 0}
+    assert resumed.counts() == {"checkpoints_written": 1, "checkpoints_failed": 0, "checkpoint_last_failed": False}
     for step in range(position + 6, position + 16):
         resumed.on_step(step, 1.0)
     assert store.complete()[-1] == "ckpt-000000050"  # every 10 of the run's steps, as before the resume
@@ -517,7 +522,8 @@ def test_a_checkpoint_failing_restores_checks_is_failed_never_committed_counted_
     assert chief.counts() == reports[-1] == {
         "checkpoints_written": 1, "checkpoints_failed": 2,
         "checkpoint_error": "not committed, it fails restore's checks: checkpoint ckpt-000000012: "
-                            "shard-0.safetensors: metadata is malformed"}
+                            "shard-0.safetensors: metadata is malformed",
+        "checkpoint_last_failed": True}
 
 
 def test_a_checkpoint_whose_file_changed_after_it_was_written_is_not_committed(tmp_path, caplog):

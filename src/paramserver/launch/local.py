@@ -25,7 +25,7 @@ the interrupt, not those the workers took while stopping.
 A run given a checkpoint directory asks for checkpoints (periodic ones, and the final one at a
 clean end). The chief reports how many it wrote and how many failed (the closing JSON line's
 `checkpoints_written`, `checkpoints_failed`, `checkpoint_error`); a run that trained to its end
-but had a checkpoint fail exits with NO_CHECKPOINT (3) and says why.
+but whose latest checkpoint failed exits with NO_CHECKPOINT (3) and says why.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ log = logging.getLogger(__name__)
 _MEMORY_EVERY_S = 0.5  # how often the nodes' resident memory is sampled for the peak figures
 _TREE_EVERY_S = 2.0  # how often the nodes' child processes (data loaders) are listed again
 _PROGRESS_EOF_S = 5.0  # how long to wait for a dead worker's last progress lines (normally instant)
-NO_CHECKPOINT = 3  # exit code: the run succeeded but a checkpoint it asked for failed
+NO_CHECKPOINT = 3  # exit code: the run succeeded but its latest checkpoint failed
 _PS_OPTIMIZERS = (
     "a cluster trains through paramserver optimizers (ps.optim.SGD, ps.optim.Adam, ps.Trainer, ...), "
     "which push each step to the PS; a torch.optim optimizer trains a private copy on each worker, which "
@@ -402,8 +402,8 @@ class LocalCluster(Lifecycle):
         return self.board.freeze()
 
     def run(self, timeout: float = 120.0) -> int:
-        """start + wait + stop, turning Ctrl-C into a clean stop (exit code 130); a run with a failed
-        checkpoint ends with NO_CHECKPOINT (see `checkpoint_verdict`).
+        """start + wait + stop, turning Ctrl-C into a clean stop (exit code 130); a run whose latest
+        checkpoint failed ends with NO_CHECKPOINT (see `checkpoint_verdict`).
 
         With a checkpoint_dir the first Ctrl-C (or SIGTERM) lets the workers write a checkpoint at
         their next step first (`preempt`); a second one, even while the nodes stop, kills them at once."""
@@ -494,23 +494,24 @@ class LocalCluster(Lifecycle):
 
     def checkpoint_verdict(self, code: int) -> int:
         """The run's exit code once its checkpoints are counted: NO_CHECKPOINT (and a line saying
-        why) when it ended with 0 and a checkpoint directory but its chief reported a failed
-        checkpoint (one not written: it would not restore, or could not be stored), whether or not
-        others were written; else `code`. Call after `stop()`: every worker's progress lines
-        are read first (their pipes end when the nodes are gone)."""
+        why) when it ended with 0 and a checkpoint directory but its chief's latest checkpoint failed
+        (not written: it would not restore, or could not be stored), so that the run's newest
+        progress is in no checkpoint; else `code`. A failure that a later written checkpoint made
+        good (say one cut by a killed PS, before the roll-back) is counted in the closing line only.
+        Call after `stop()`: every worker's progress lines are read first (their pipes end when the
+        nodes are gone)."""
         if code != 0 or not self.options.checkpoint_dir:
             return code
         for index in range(len(self.workers)):
             self._drain_progress(index)
         chief = self.board.results.get(0, {})
         failed, written = chief.get("checkpoints_failed", 0), chief.get("checkpoints_written", 0)
-        if not failed:  # none failed (or its script never trained: nothing to save)
-            return code
+        if not failed or (written and not chief.get("checkpoint_last_failed", True)):
+            return code  # none failed (or the script never trained), or a later one was written
         self._lines.write(
             "run",
-            f"{failed} checkpoint(s) to {self.options.checkpoint_dir} failed and {written} were written; "
-            f"the last failure: {chief.get('checkpoint_error', 'see the errors above')}; "
-            f"exiting with code {NO_CHECKPOINT}",
+            f"the latest checkpoint to {self.options.checkpoint_dir} failed ({failed} failed, {written} written): "
+            f"{chief.get('checkpoint_error', 'see the errors above')}; exiting with code {NO_CHECKPOINT}",
         )
         return NO_CHECKPOINT
 

@@ -140,6 +140,7 @@ class Checkpointer:
         self.written = 0  # checkpoints this chief committed
         self.failed = 0  # and those it could not write (each attempt counts)
         self.last_error: str | None = None
+        self.last_failed = False  # the latest attempt failed: the run's newest progress is in no checkpoint
         self._swept = False  # temporary files a killed earlier run left: removed before the first write
         self.metrics: CheckpointMetrics | None = None  # durations and failures, for the node's Prometheus endpoint
         # what the chief runs before the shards write, `hook(timeout)`: e.g. writing the dense values
@@ -389,6 +390,7 @@ class Checkpointer:
         self._written = (name, counters) if counters is not None else None
         self._extend_chain(name, delta, sum(e["bytes"] for e in entries))
         self.written += 1
+        self.last_failed = False
         self._report()
         try:
             removed = store.prune(self.keep, protect=name) + self._discard_strays(name)
@@ -481,11 +483,16 @@ class Checkpointer:
     def _count_failure(self, reason: str) -> None:
         self.failed += 1
         self.last_error = reason
+        self.last_failed = True
         self._report()
 
     def counts(self) -> dict[str, Any]:
         """What the chief hands to the closing JSON line of `paramserver run`."""
-        values: dict[str, Any] = {"checkpoints_written": self.written, "checkpoints_failed": self.failed}
+        values: dict[str, Any] = {
+            "checkpoints_written": self.written,
+            "checkpoints_failed": self.failed,
+            "checkpoint_last_failed": self.last_failed,  # always sent: a chief restarted by a roll-back replaces it
+        }
         if self.last_error is not None:
             values["checkpoint_error"] = self.last_error
         return values
