@@ -104,6 +104,13 @@ def wait_draining(server: StreamServer) -> None:
         time.sleep(0.01)
 
 
+def wait_idle(server: StreamServer) -> None:
+    deadline = time.monotonic() + 10
+    while server.in_flight > 0:
+        assert time.monotonic() < deadline, "a request answered is still counted in flight"
+        time.sleep(0.01)
+
+
 def wait_in_flight(server: StreamServer) -> None:
     deadline = time.monotonic() + 10
     while server.in_flight < 1:
@@ -161,6 +168,7 @@ def test_a_request_whose_bytes_are_still_arriving_when_the_drain_begins_is_serve
     try:
         send(sock, HELLO, {})
         assert served(reply(sock)) == "Hello"
+        wait_idle(server)  # the Hello counts in flight until just after its reply is sent
         frame = codec.encode({"table": "t"})
         message = PREFIX.pack(stream_mod.MAGIC, stream_mod.REQUEST, 0, HELLO, len(frame)) + frame
         sock.sendall(message[: PREFIX.size + 4])  # in flight: its prefix is read, its frame is not
