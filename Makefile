@@ -30,11 +30,13 @@ $(CHECKOV_VENV)/.installed: deploy/checkov-skips.yaml
 demo: setup
 	$(BIN)/paramserver demo
 
-# ruff (lint + format) and mypy on src/, configured in pyproject.toml; both tiers start with it.
+# ruff (lint + format), mypy and the import layers (lint-imports) on src/, configured in pyproject.toml;
+# both tiers start with it.
 lint: setup
 	$(BIN)/ruff check src
 	$(BIN)/ruff format --check src
 	$(BIN)/mypy
+	$(BIN)/lint-imports --no-cache
 
 # The fast tier, for every edit: no test starts a process (tests/conftest.py refuses it); about a minute (under 2).
 test: lint

@@ -19,9 +19,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from paramserver.launch.tokens import write_tokens  # noqa: E402
-from paramserver.wire import codec  # noqa: E402
+from paramserver.security.tokens import write_tokens  # noqa: E402
 from paramserver.transport.grpc_transport import GrpcChannel  # noqa: E402
+from paramserver.wire import codec  # noqa: E402
 
 SEED_MLP = {"w1": (1024, 784), "b1": (1024,), "w2": (512, 1024), "b2": (512,), "w3": (10, 512), "b3": (10,)}
 SMALL = {"b": (256,)}

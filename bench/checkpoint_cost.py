@@ -5,7 +5,7 @@ write path (checkpoint/shard_writes.py: the snapshot, the streamed safetensors f
 SHA-256, then the manifest). Steps, each timed:
 
 1. a whole checkpoint (the base): bytes and seconds (`base_s`: the write, with its checks as
-   written, the chief's check before the commit as worker/checkpoints.py runs it, and the
+   written, the chief's check before the commit as worker/recovery/checkpoints.py runs it, and the
    commit; `base_check_s`: that check alone, absent where the code has none; `base_rehash_s`: one
    more SHA-256 pass over the base file just written, from the page cache, for scale);
 2. about 1% of the rows trained (one Adagrad step each), then a delta: bytes and seconds;
@@ -45,9 +45,9 @@ import numpy as np
 from paramserver.checkpoint.restore import RestoreSource
 from paramserver.checkpoint.shard_writes import ShardWrites
 from paramserver.checkpoint.store import checkpoint_name
-from paramserver.server.limits import TableLimits
 from paramserver.server.shard import Shard
-from paramserver.server.table_store import TableStore
+from paramserver.tables.limits import TableLimits
+from paramserver.tables.table_store import TableStore
 
 try:  # the chief's check before a commit; absent from older code (then not timed)
     from paramserver.checkpoint.verdict import check_checkpoint
@@ -128,7 +128,7 @@ def restore(writes: ShardWrites, step: int, rows: int) -> tuple[float, int]:
 
 def delta_exports(workdir: str, deltas: int) -> dict:
     """`export --since` the newest checkpoint's parent, then the base: (bytes, seconds) of each file."""
-    from paramserver.checkpoint.delta_export import export_delta
+    from paramserver.checkpoint.export.delta_export import export_delta
 
     found = {}
     for label, since in (("one_delta", deltas), ("ten_deltas", 1)):

@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 from paramserver.base.config import Options
-from paramserver.launch.local import LocalCluster, default_torch_threads
+from paramserver.launch.local.supervisor import LocalCluster, default_torch_threads
 
 BENCH = Path(__file__).resolve().parent
 WORKER = str(BENCH / "dense_worker.py")

@@ -18,7 +18,7 @@ import paramserver as ps
 from paramserver.data import criteo
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from ctr import CTRModel  # noqa: E402  (the example's model)
+from ctr import CTRModel
 
 
 def main() -> None:

@@ -13,9 +13,9 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from embedding import run_ctr, write_ctr_data  # noqa: E402  (a sibling bench script)
+from embedding import run_ctr, write_ctr_data
 
-from paramserver.base.byte_size import parse_byte_size  # noqa: E402
+from paramserver.base.byte_size import parse_byte_size
 
 
 def main() -> None:

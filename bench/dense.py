@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 from paramserver.base.config import Options
-from paramserver.launch.local import LocalCluster
+from paramserver.launch.local.supervisor import LocalCluster
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from contend import busy_processes, load  # a sibling module

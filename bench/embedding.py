@@ -30,9 +30,9 @@ import torch
 from paramserver.base.config import Options
 from paramserver.client.ps_client import PSClient
 from paramserver.client.table_client import TableClient
-from paramserver.launch.local import LocalCluster, default_torch_threads
-from paramserver.server.embedding_table import EmbeddingTable
-from paramserver.server.sparse_optimizers import build_sparse_optimizer
+from paramserver.launch.local.supervisor import LocalCluster, default_torch_threads
+from paramserver.tables.embedding_table import EmbeddingTable
+from paramserver.tables.sparse_optimizers import build_sparse_optimizer
 from paramserver.transport.grpc_transport import GrpcChannel
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -103,8 +103,8 @@ def shard_throughput(count: int) -> dict:
 
 MEMORY_PROBE = """
 import sys, psutil, numpy as np
-from paramserver.server.embedding_table import EmbeddingTable
-from paramserver.server.sparse_optimizers import build_sparse_optimizer
+from paramserver.tables.embedding_table import EmbeddingTable
+from paramserver.tables.sparse_optimizers import build_sparse_optimizer
 spec = {"name": "adagrad", "hyper": {"lr": 0.01}}
 rows = int(sys.argv[1])
 before = psutil.Process().memory_info().rss

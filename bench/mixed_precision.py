@@ -20,8 +20,8 @@ import torch.nn as nn
 
 import paramserver as ps
 from paramserver.base.config import ClusterSpec, NodeConfig, Options, Task
+from paramserver.nn.wire_dtype import wire_array
 from paramserver.wire import codec
-from paramserver.worker.wire_dtype import wire_array
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TRANSPORTS = {"shm": dict(use_stream=True, shared_memory=True), "tcp": dict(use_stream=True, shared_memory=False)}

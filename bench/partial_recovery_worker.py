@@ -6,7 +6,7 @@ import sys
 import time
 from pathlib import Path
 
-from paramserver.worker.ps_optimizers import PSOptimizer
+from paramserver.optim.ps_optimizers import PSOptimizer
 
 CTR = str(Path(__file__).resolve().parents[1] / "examples" / "ctr.py")
 _step = PSOptimizer.step

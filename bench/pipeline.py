@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from embedding import run_ctr, write_ctr_data  # noqa: E402  (a sibling benchmark script)
+from embedding import run_ctr, write_ctr_data
 
 HAND = str(Path(__file__).resolve().parent / "ctr_hand_pipelined.py")
 

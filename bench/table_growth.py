@@ -18,8 +18,8 @@ import time
 
 import numpy as np
 
-from paramserver.server.embedding_table import EmbeddingTable
-from paramserver.server.sparse_optimizers import build_sparse_optimizer
+from paramserver.tables.embedding_table import EmbeddingTable
+from paramserver.tables.sparse_optimizers import build_sparse_optimizer
 
 ADAGRAD = {"name": "adagrad", "hyper": {"lr": 0.1}}
 _SPREAD = np.int64(-7046029254386353131)  # an odd multiplier: distinct ids stay distinct, spread over int64

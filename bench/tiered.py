@@ -28,9 +28,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from paramserver.base.byte_size import parse_byte_size  # noqa: E402
-from paramserver.server.embedding_table import RowPolicy  # noqa: E402
-from paramserver.server.sparse_optimizers import build_sparse_optimizer  # noqa: E402
-from paramserver.server.tiers import Tiers  # noqa: E402
+from paramserver.tables.embedding_table import RowPolicy  # noqa: E402
+from paramserver.tables.sparse_optimizers import build_sparse_optimizer  # noqa: E402
+from paramserver.tables.tiered.tiers import Tiers  # noqa: E402
 
 ADAGRAD = {"name": "adagrad", "hyper": {"lr": 0.05}}
 
@@ -106,7 +106,7 @@ if kind == "lmdb":
         with env.begin() as txn:
             return [txn.get(x) for x in k]
 else:
-    from paramserver.server.spill_store import GET_BATCH, StoreMemory, _options
+    from paramserver.tables.tiered.spill_store import GET_BATCH, StoreMemory, _options
     import rocksdict
     db = rocksdict.Rdict(path, _options(StoreMemory()))
     write = rocksdict.WriteOptions()

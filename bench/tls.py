@@ -16,8 +16,8 @@ import tempfile
 from pathlib import Path
 
 from paramserver.base.config import Options
-from paramserver.launch.certs import write_certs
-from paramserver.launch.local import LocalCluster, default_torch_threads
+from paramserver.launch.local.supervisor import LocalCluster, default_torch_threads
+from paramserver.security.certs import write_certs
 
 WORKER = str(Path(__file__).with_name("dense_worker.py"))
 NUM_PS, NUM_WORKERS = 1, 2

@@ -15,7 +15,7 @@ import signal
 import subprocess
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 
 class RestartLoop:
@@ -38,7 +38,7 @@ class RestartLoop:
         self._changed = threading.Condition()
         self._thread = threading.Thread(target=self._run, name=f"restart-loop-{name}", daemon=True)
 
-    def start(self) -> "RestartLoop":
+    def start(self) -> RestartLoop:
         self._thread.start()
         return self
 

@@ -18,9 +18,9 @@ import importlib
 from typing import Any
 
 # first: gRPC reads its fork setting when it loads, and base.errors imports it
-from .base import grpc_fork  # noqa: F401  (isort: skip)
-from .base.config import ClusterSpec, NodeConfig, Options, Task
-from .base.errors import (
+from paramserver.base import grpc_fork  # noqa: F401  (isort: skip)
+from paramserver.base.config import ClusterSpec, NodeConfig, Options, Task
+from paramserver.base.errors import (
     AlreadyExistsError,
     ConfigError,
     DeadlineExceededError,
@@ -44,14 +44,15 @@ _LAZY = {
     "set_mode": ("paramserver.worker.current", "set_mode"),
     "log_scalar": ("paramserver.worker.current", "log_scalar"),
     "pipeline": ("paramserver.worker.current", "pipeline"),
-    "Trainer": ("paramserver.worker.trainer", "Trainer"),
-    "EpochMetrics": ("paramserver.worker.trainer", "EpochMetrics"),
-    "evaluate": ("paramserver.worker.evaluator", "evaluate"),
-    "Evaluation": ("paramserver.worker.evaluator", "Evaluation"),
+    "Trainer": ("paramserver.trainer", "Trainer"),
+    "EpochMetrics": ("paramserver.trainer", "EpochMetrics"),
+    "evaluate": ("paramserver.evaluation.evaluator", "evaluate"),
+    "Evaluation": ("paramserver.evaluation.evaluator", "Evaluation"),
     "load_export": ("paramserver.checkpoint.tools", "load_export"),
     "optim": ("paramserver.optim", None),
     "nn": ("paramserver.nn", None),
     "serving": ("paramserver.serving", None),
+    "evaluation": ("paramserver.evaluation", None),
 }
 
 __all__ = [

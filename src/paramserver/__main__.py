@@ -1,5 +1,5 @@
 import sys
 
-from .launch.cli import main
+from paramserver.launch.cli import main
 
 sys.exit(main())

@@ -5,18 +5,18 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING
 
-from .base.config import NodeConfig
-from .base.errors import ConfigError
-from .worker import current
+from paramserver.base.config import NodeConfig
+from paramserver.base.errors import ConfigError
+from paramserver.worker import current
 
 if TYPE_CHECKING:
     from types import FrameType
 
-    from .worker.context import Context
+    from paramserver.worker.context import Context
 
 
 def init(config: NodeConfig | None = None, *, num_ps: int = 1) -> Context:
-    """Join the cluster and return this worker's Context (see paramserver.worker.join for
+    """Join the cluster and return this worker's Context (see paramserver.join for
     where the cluster's description comes from).
 
     On a PS task this serves the shard until the node is stopped and then exits the process,
@@ -34,10 +34,10 @@ def init(config: NodeConfig | None = None, *, num_ps: int = 1) -> Context:
             'the training under `if __name__ == "__main__":`, as torch documents for spawn'
         )
     if config is not None and config.task.type == "ps":
-        from .launch.ps_process import run_ps_node  # here: a worker never loads the PS node
+        from paramserver.node.ps_process import run_ps_node  # here: a worker never loads the PS node
 
         raise SystemExit(run_ps_node(config.listed_address(), config.task.index, config.options))
-    from .worker.join import join  # here: a PS task never loads torch
+    from paramserver.join import join  # here: a PS task never loads torch
 
     return join(config, num_ps)
 

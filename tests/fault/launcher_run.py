@@ -9,7 +9,6 @@ import threading
 import time
 
 import psutil
-
 from tests.conftest import ROOT
 from tests.wait import finished
 

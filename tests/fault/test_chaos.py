@@ -12,7 +12,6 @@ import random
 import time
 
 import pytest
-
 from tests.fault.launcher_run import LauncherRun
 
 pytestmark = pytest.mark.fault  # three short digits runs: about a minute

@@ -18,10 +18,10 @@ import sys
 import time
 
 import pytest
-
-from paramserver.base.lifecycle import RESTART_EXIT_CODE
 from tests.fault.test_lifecycle import WORKERS, check_every_batch_trained_once
 from tests.restart_loop import RestartLoop
+
+from paramserver.base.lifecycle import RESTART_EXIT_CODE
 
 pytestmark = pytest.mark.fault  # a cluster of five restart loops through three kills: one to three minutes
 

@@ -22,7 +22,6 @@ import sys
 import time
 
 import pytest
-
 from tests.conftest import ROOT
 from tests.fault.launcher_run import LauncherRun
 

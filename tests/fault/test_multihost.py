@@ -21,12 +21,11 @@ import signal
 import sys
 
 import pytest
-
-from paramserver.base.lifecycle import RESTART_EXIT_CODE
-
-from paramserver.transport.stream import host_id
 from tests.conftest import ROOT
 from tests.integration.test_node import shard_counters
+
+from paramserver.base.lifecycle import RESTART_EXIT_CODE
+from paramserver.transport.stream import host_id
 
 pytestmark = pytest.mark.fault  # five node processes with torch: 20-60 s on a loaded 2-core machine
 
@@ -55,7 +54,7 @@ def start_nodes(hosts, procs, path, options: dict, script: list[str], max_restar
     """Every node of the cluster file, each in its own namespace (PSs first: workers wait for them anyway).
 
     A PS node also gets the options in PARAMSERVER_OPTIONS: `paramserver node` hands a PS the options
-    of its flags and environment, not its cluster file's (launch/node.py, run_node); drop this once
+    of its flags and environment, not its cluster file's (launch/node_command.py, run_node); drop this once
     it does."""
     for role, index in ROLES:
         argv = [sys.executable, "-m", "paramserver", "--log-level", "INFO", "node", "--cluster", str(path),

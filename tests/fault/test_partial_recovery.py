@@ -19,12 +19,12 @@ import random
 import time
 
 import pytest
+from tests.fault.launcher_run import LauncherRun
+from tests.fault.test_in_cluster_recovery import start_cluster
 
 from paramserver.base.errors import ParamServerError
 from paramserver.client.ps_client import hello
 from paramserver.transport.grpc_transport import GrpcChannel
-from tests.fault.launcher_run import LauncherRun
-from tests.fault.test_in_cluster_recovery import start_cluster
 
 pytestmark = pytest.mark.fault  # two small clusters, one PS killed in each: about 40 s
 

@@ -22,7 +22,7 @@ from tests.fault.launcher_run import LauncherRun
 from paramserver.base.errors import ResourceExhaustedError
 from paramserver.client.ps_client import PSClient
 from paramserver.client.table_client import TableClient
-from paramserver.launch.ps_process import SPILL_FAILED_EXIT_CODE
+from paramserver.node.ps_process import SPILL_FAILED_EXIT_CODE
 from paramserver.transport import health
 from paramserver.transport.grpc_transport import GrpcChannel
 from paramserver.wire import codec

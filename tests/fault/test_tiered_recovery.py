@@ -10,6 +10,7 @@ import threading
 
 import numpy as np
 import pytest
+from tests.wait import finished
 
 from paramserver.base.hashing import shard_of
 from paramserver.checkpoint import tools
@@ -18,7 +19,6 @@ from paramserver.client.ps_client import PSClient
 from paramserver.client.table_client import TableClient
 from paramserver.transport.grpc_transport import GrpcChannel
 from paramserver.wire import codec
-from tests.wait import finished
 
 pytestmark = pytest.mark.fault  # kill -9 of a PS process
 

@@ -12,18 +12,18 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from tests.conftest import ROOT
+from tests.reference import batches, max_relative_error, mlp, train, twin
 
 import paramserver as ps
 from paramserver.base.config import ClusterSpec, NodeConfig, Options, Task
 from paramserver.base.errors import PermissionDeniedError, UnauthenticatedError, UnavailableError
 from paramserver.coordinator.coordinator_service import SERVICE as COORDINATOR
-from paramserver.launch.tokens import write_tokens
-from paramserver.wire import codec
+from paramserver.node.coordinator_host import CoordinatorHost
+from paramserver.security.tokens import write_tokens
 from paramserver.transport.grpc_transport import GrpcChannel
 from paramserver.transport.stream_client import StreamClient
-from paramserver.node.coordinator_host import CoordinatorHost
-from tests.conftest import ROOT
-from tests.reference import batches, max_relative_error, mlp, train, twin
+from paramserver.wire import codec
 
 pytestmark = pytest.mark.cluster  # real PS, coordinator and worker processes
 

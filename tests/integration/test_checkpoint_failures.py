@@ -10,10 +10,10 @@ import subprocess
 import sys
 
 import pytest
-
-from paramserver.launch.local import NO_CHECKPOINT
 from tests.conftest import ROOT
 from tests.unit.checkpoint_faults import files
+
+from paramserver.launch.local.supervisor import NO_CHECKPOINT
 
 pytestmark = pytest.mark.cluster  # training script processes
 
@@ -52,7 +52,7 @@ def test_a_run_whose_checkpoints_all_fail_trains_to_its_end_counts_them_and_exit
     assert reason in summary["checkpoint_error"]
     assert lines[-2].startswith(f"[run] the latest checkpoint to {directory} failed (3 failed, 0 written)")
     assert reason in lines[-2]
-    failures = [line for line in lines if "ERROR paramserver.worker.checkpoints" in line]
+    failures = [line for line in lines if "ERROR paramserver.worker.recovery.checkpoints" in line]
     assert len(failures) == 3 and all(reason in line for line in failures)
     assert all("the next checkpoint tries again" in line for line in failures)
     if limit is not None:  # each shard's write had put part of its file on disk...

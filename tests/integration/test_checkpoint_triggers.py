@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.cluster  # nine short two-worker runs: ~80 s

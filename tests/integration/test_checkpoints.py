@@ -10,13 +10,12 @@ import sys
 import numpy as np
 import pytest
 import torch
-
-from paramserver import load_export
-
-from paramserver.checkpoint.restore import RestoreSource
-from paramserver.checkpoint.store import CheckpointStore
 from tests.conftest import ROOT
 from tests.unit.test_checkpoint_trust import rewrite
+
+from paramserver import load_export
+from paramserver.checkpoint.restore import RestoreSource
+from paramserver.checkpoint.store import CheckpointStore
 
 pytestmark = pytest.mark.cluster  # several short clusters: ~60 s
 

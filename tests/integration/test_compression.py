@@ -7,11 +7,11 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from tests.conftest import ROOT
+from tests.reference import mlp, twin
 
 import paramserver as ps
 from paramserver.base.config import ClusterSpec, NodeConfig, Options, Task
-from tests.conftest import ROOT
-from tests.reference import mlp, twin
 
 pytestmark = pytest.mark.cluster  # a real PS process per test
 

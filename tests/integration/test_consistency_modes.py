@@ -8,16 +8,16 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from tests.integration.test_node import free_port
+from tests.reference import batches, max_relative_error, mlp, twin
+from tests.wait import finished
 
 import paramserver as ps
 from paramserver.base.config import ClusterSpec, NodeConfig, Options, Task
 from paramserver.client.ps_client import PSClient
-from paramserver.server.embedding_table import initial_rows
+from paramserver.tables.embedding_table import initial_rows
 from paramserver.transport.grpc_transport import GrpcChannel
 from paramserver.worker.cluster import cluster_context
-from tests.integration.test_node import free_port
-from tests.reference import batches, max_relative_error, mlp, twin
-from tests.wait import finished
 
 pytestmark = pytest.mark.cluster  # real PS processes
 
@@ -47,7 +47,7 @@ def run_workers(contexts, body):
     def run(ctx):
         try:
             body(ctx)
-        except BaseException as exc:  # noqa: BLE001 - handed to the test below
+        except BaseException as exc:
             errors.append(exc)
         finally:
             ctx.shutdown()  # as a worker process does when its script ends

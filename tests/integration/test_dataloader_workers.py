@@ -18,10 +18,10 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-
-from paramserver.base.grpc_fork import GRPC_FORK_SUPPORT_ENV
 from tests.conftest import ROOT
 from tests.integration.test_node import free_port
+
+from paramserver.base.grpc_fork import GRPC_FORK_SUPPORT_ENV
 
 pytestmark = pytest.mark.cluster  # 17 whole clusters: about a minute and a half for this file on 2 idle cores
 

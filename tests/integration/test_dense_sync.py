@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from tests.conftest import ROOT
 
 from paramserver.checkpoint.restore import RestoreSource
 from paramserver.checkpoint.store import CheckpointStore
-from tests.conftest import ROOT
 
 pytestmark = pytest.mark.cluster  # whole clusters of processes
 SCRIPT = str(ROOT / "tests" / "integration" / "scripts" / "train_hybrid.py")

@@ -10,7 +10,6 @@ import time
 
 import psutil
 import pytest
-
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.cluster

@@ -9,16 +9,15 @@ import subprocess
 import sys
 
 import pytest
-
-from paramserver import load_export
 import torch
 import torch.nn.functional as F
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-from paramserver.checkpoint import tools
-from paramserver.checkpoint.store import CheckpointStore
 from tests.conftest import ROOT
 from tests.integration.test_node import applied_pushes, free_port
+
+from paramserver import load_export
+from paramserver.checkpoint import tools
+from paramserver.checkpoint.store import CheckpointStore
 
 pytestmark = pytest.mark.cluster  # clusters of processes
 

@@ -7,11 +7,11 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from tests.conftest import ROOT
+from tests.reference import mlp
 from torch.utils.data import DataLoader, TensorDataset
 
 import paramserver as ps
-from tests.conftest import ROOT
-from tests.reference import mlp
 
 
 @pytest.mark.cluster

@@ -11,10 +11,10 @@ import time
 
 import psutil
 import pytest
-
-from paramserver.launch.processes import Child, stop_all
 from tests.conftest import ROOT
 from tests.wait import wait_until
+
+from paramserver.launch.local.processes import Child, stop_all
 
 pytestmark = pytest.mark.cluster  # whole clusters of processes: a minute for this file
 

@@ -12,9 +12,9 @@ import psutil
 import pytest
 
 import paramserver as ps
-from paramserver.wire import codec
 from paramserver.transport import stream_server
 from paramserver.transport.grpc_transport import GrpcChannel
+from paramserver.wire import codec
 
 PREFIX = struct.Struct("<4sBBHQ")
 BOUND_S = 60  # generous bound for waits on events; never a verdict

@@ -5,10 +5,10 @@ import json
 
 import pytest
 import torch
+from tests.reference import train
 
 import paramserver as ps
 from paramserver.base.config import ClusterSpec, NodeConfig, Options, Task
-from tests.reference import train
 
 pytestmark = pytest.mark.cluster  # real PS processes
 

@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from tests.reference import batches, mlp
 from torch.utils.data import DataLoader, TensorDataset
 
 import paramserver as ps
 from paramserver.base.config import ClusterSpec, NodeConfig, Options, Task
-from paramserver.server.embedding_table import initial_rows
+from paramserver.tables.embedding_table import initial_rows
 from paramserver.wire import codec
-from tests.reference import batches, mlp
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 OPTIMIZERS = {"sgd": ("SGD", dict(lr=2 ** -4, momentum=0.5), 0),  # (class, arguments, steps apart allowed)

@@ -6,11 +6,11 @@ import subprocess
 import sys
 
 import pytest
+from tests.conftest import ROOT
 
 from paramserver.launch.threads import PASSIVE_WAIT_ENV
-from paramserver.wire import codec
 from paramserver.transport.grpc_transport import GrpcChannel
-from tests.conftest import ROOT
+from paramserver.wire import codec
 
 pytestmark = pytest.mark.cluster  # `paramserver node` processes
 

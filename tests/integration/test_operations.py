@@ -17,15 +17,15 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
+from tests.conftest import ROOT, Procs
+from tests.integration.test_node import free_port
 
 from paramserver.base.config import ClusterSpec, NodeConfig, Options, Task
 from paramserver.base.metrics import NodeMetrics
 from paramserver.node.ps_node import PSNode
-from paramserver.wire import codec
 from paramserver.transport.health import check
+from paramserver.wire import codec
 from paramserver.worker.ops import WorkerOps
-from tests.conftest import ROOT, Procs
-from tests.integration.test_node import free_port
 
 SCRIPT = str(ROOT / "tests" / "integration" / "scripts" / "train_then_wait.py")
 STEPS = 10

@@ -10,7 +10,7 @@ import grpc
 import psutil
 import pytest
 
-from paramserver.launch.tokens import write_tokens
+from paramserver.security.tokens import write_tokens
 from paramserver.transport.grpc_transport import channel_options
 from paramserver.transport.health import check
 from paramserver.wire import codec

@@ -11,9 +11,9 @@ import sys
 import time
 
 import pytest
+from tests.conftest import ROOT
 
 from paramserver.checkpoint.store import CheckpointStore
-from tests.conftest import ROOT
 
 pytestmark = pytest.mark.cluster
 

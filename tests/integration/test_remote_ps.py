@@ -10,13 +10,13 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from tests.reference import batches, max_relative_error, mlp, train, twin
 
 import paramserver as ps
 from paramserver.base.config import ClusterSpec, NodeConfig, Options, Task
 from paramserver.client.ps_client import PSClient
-from paramserver.wire import codec
 from paramserver.transport.grpc_transport import GrpcChannel
-from tests.reference import batches, max_relative_error, mlp, train, twin
+from paramserver.wire import codec
 
 pytestmark = pytest.mark.cluster  # real PS processes
 

@@ -4,15 +4,15 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from tests.integration.test_node import free_port
 
 import paramserver as ps
 from paramserver.base.config import ClusterSpec, NodeConfig, Options, Task
 from paramserver.base.hashing import shard_of
 from paramserver.client.ps_client import PSClient
 from paramserver.client.table_client import TableClient
-from paramserver.wire import codec
 from paramserver.transport.grpc_transport import GrpcChannel
-from tests.integration.test_node import free_port
+from paramserver.wire import codec
 
 pytestmark = pytest.mark.cluster  # real PS processes
 

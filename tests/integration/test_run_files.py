@@ -1,6 +1,6 @@
 """Run files with real processes: `paramserver run` writes none into a runs directory another user
 could write; `status` and `shutdown` given no cluster send no token to a listener a swapped run file
-names, and `shutdown` drains no PS of another launcher (launch/run_files.py, docs/security.md)."""
+names, and `shutdown` drains no PS of another launcher (launch/local/run_files.py, docs/security.md)."""
 
 import json
 import os

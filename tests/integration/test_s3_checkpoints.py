@@ -15,11 +15,11 @@ import json
 
 import pytest
 import torch
-
-from paramserver.checkpoint.store import CheckpointStore
 from tests.fault.launcher_run import LauncherRun
 from tests.integration.s3_server import S3Server
 from tests.integration.test_checkpoints import RESUME, cli, export_file, run, same_end
+
+from paramserver.checkpoint.store import CheckpointStore
 
 pytestmark = pytest.mark.cluster  # an S3 server and launcher runs: three short clusters per test, ~25-30 s each
 
@@ -143,9 +143,10 @@ def test_a_store_sees_checkpoints_other_processes_commit_after_it_listed(s3):
 
 @pytest.mark.timeout(120)
 def test_a_chain_in_s3_restores_what_a_whole_checkpoint_restores_and_retention_keeps_it(s3, tmp_path):
+    from tests.unit.test_incremental_checkpoints import Cluster, assert_same, restored
+
     from paramserver.checkpoint.restore import RestoreSource
     from paramserver.checkpoint.store import checkpoint_name
-    from tests.unit.test_incremental_checkpoints import Cluster, assert_same, restored
 
     s3()
     cluster = Cluster(tmp_path, num_ps=2, chain_url=URL)

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from paramserver.launch import cli
-from paramserver.launch.tokens import write_tokens
-from paramserver.wire import codec
+from paramserver.security.tokens import write_tokens
 from paramserver.transport.grpc_transport import GrpcChannel
+from paramserver.wire import codec
 
 pytestmark = pytest.mark.cluster  # a real PS process
 

@@ -15,7 +15,7 @@ import numpy as np
 import psutil
 import pytest
 
-from paramserver.launch.tokens import write_tokens
+from paramserver.security.tokens import write_tokens
 from paramserver.transport.grpc_transport import GrpcChannel
 from paramserver.transport.stream_slots import HANDSHAKE_S, MAX_PENDING
 from paramserver.wire import codec

@@ -15,12 +15,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 from safetensors import safe_open
+from tests.conftest import ROOT
 
 from paramserver.base.hashing import shard_of
 from paramserver.checkpoint.store import CheckpointStore
 from paramserver.transport.grpc_transport import GrpcChannel
 from paramserver.wire import codec
-from tests.conftest import ROOT
 
 pytestmark = pytest.mark.cluster  # real PS processes and the checkpoint tool
 

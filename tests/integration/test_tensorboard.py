@@ -8,7 +8,6 @@ import sys
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.cluster  # a cluster of processes

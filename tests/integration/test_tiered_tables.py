@@ -13,7 +13,7 @@ import pytest
 
 from paramserver.client.ps_client import PSClient
 from paramserver.client.table_client import TableClient
-from paramserver.server.embedding_table import initial_rows
+from paramserver.tables.embedding_table import initial_rows
 from paramserver.transport.grpc_transport import GrpcChannel
 from paramserver.wire import codec
 

@@ -1,7 +1,7 @@
 """TLS and mutual TLS: a cluster trains over it as it does in plaintext, and a PS refuses every
 peer without a certificate from its CA, on gRPC and on the tensor stream, changing nothing.
 
-Certificates are made by the test (`paramserver.launch.certs`); nodes are real processes."""
+Certificates are made by the test (`paramserver.security.certs`); nodes are real processes."""
 
 import json
 import socket
@@ -15,19 +15,19 @@ import time
 import grpc
 import numpy as np
 import pytest
+from tests.conftest import ROOT, Procs
 
 from paramserver.base.config import Options
 from paramserver.base.errors import UnavailableError
+from paramserver.security.certs import node_tls_files, write_certs
 from paramserver.security.tls import TlsMaterial
-from paramserver.launch.certs import node_tls_files, write_certs
 from paramserver.server.shard import Shard
 from paramserver.server.shard_service import ShardService
-from paramserver.wire import codec
 from paramserver.transport.grpc_transport import GrpcChannel
 from paramserver.transport.stream import MAGIC, METHODS
 from paramserver.transport.stream_client import StreamClient
 from paramserver.transport.stream_server import StreamServer
-from tests.conftest import ROOT, Procs
+from paramserver.wire import codec
 
 SMALL = str(ROOT / "tests" / "integration" / "scripts" / "train_small.py")
 BOUND_S = 30.0  # how long a refusal may take to arrive; never reached (a refusal is immediate)

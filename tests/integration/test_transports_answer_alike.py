@@ -9,9 +9,9 @@ import pytest
 import paramserver as ps
 from paramserver.base.config import Options
 from paramserver.node.ps_node import PSNode
-from paramserver.wire import codec
 from paramserver.transport.grpc_transport import GrpcChannel
 from paramserver.transport.inprocess import InProcessChannel
+from paramserver.wire import codec
 
 SGD = {"name": "sgd", "hyper": {"lr": 1.0}}
 KINDS = ("grpc", "tcp", "shm", "inprocess")

@@ -8,8 +8,8 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from fsspec.implementations.local import LocalFileSystem
 
@@ -80,7 +80,7 @@ class _Budget:
     def close(self) -> None:
         self.handle.close()
 
-    def __enter__(self) -> "_Budget":
+    def __enter__(self) -> _Budget:
         return self
 
     def __exit__(self, *exc) -> None:

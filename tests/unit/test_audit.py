@@ -6,10 +6,10 @@ import threading
 from datetime import datetime
 
 import pytest
-
-from paramserver.security.audit import AuditLog
-from paramserver.base.errors import ConfigError
 from tests.wait import finished
+
+from paramserver.base.errors import ConfigError
+from paramserver.security.audit import AuditLog
 
 
 def test_records_are_json_lines_appended_to_what_was_there(tmp_path):

@@ -9,21 +9,27 @@ import struct
 import numpy as np
 import pytest
 
-from paramserver.wire import messages as msg
-from paramserver.base.errors import (AlreadyExistsError, FailedPreconditionError, InvalidArgumentError,
-                                     MalformedFrameError, NotFoundError, ResourceExhaustedError)
+from paramserver.base.errors import (
+    AlreadyExistsError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    MalformedFrameError,
+    NotFoundError,
+    ResourceExhaustedError,
+)
 from paramserver.checkpoint import shard_writer
 from paramserver.checkpoint.store import CheckpointStore
 from paramserver.coordinator.membership import Coordinator
-from paramserver.server.limits import TableLimits
 from paramserver.server.shard import Shard
 from paramserver.server.shard_service import ShardService
-from paramserver.server.table_store import TableStore
-from paramserver.wire import codec
+from paramserver.tables.limits import TableLimits
+from paramserver.tables.table_store import TableStore
 from paramserver.transport import stream as stream_mod
 from paramserver.transport import stream_server
 from paramserver.transport.shared_memory import Segment
 from paramserver.transport.stream_slots import Connection
+from paramserver.wire import codec
+from paramserver.wire import messages as msg
 
 SGD = {"name": "sgd", "hyper": {"lr": 0.5}}
 ROWS = {"name": "adagrad", "hyper": {"lr": 0.1}}
@@ -100,8 +106,8 @@ def test_far_future_checkpoint_names_cost_one_file_which_the_next_checkpoint_rem
 
 
 def test_a_checkpoint_name_behind_the_sequence_is_refused_audited_and_changes_nothing(tmp_path):
-    from paramserver.security.auth import SHARD_ACTIONS, Guard
     from paramserver.base.config import Options
+    from paramserver.security.auth import SHARD_ACTIONS, Guard
     from paramserver.transport.dispatch import answer as dispatch
 
     audit = tmp_path / "audit.jsonl"

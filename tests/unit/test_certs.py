@@ -1,4 +1,4 @@
-"""`paramserver certs` (launch/certs.py) and reading TLS material (security/tls.py)."""
+"""`paramserver certs` (security/certs.py) and reading TLS material (security/tls.py)."""
 
 import ipaddress
 import json
@@ -11,9 +11,9 @@ from cryptography.x509.verification import PolicyBuilder, Store, VerificationErr
 
 from paramserver.base.config import Options
 from paramserver.base.errors import ConfigError
-from paramserver.security.tls import TlsMaterial, tls_from_options
 from paramserver.launch import cli
-from paramserver.launch.certs import node_tls_files, write_certs
+from paramserver.security.certs import node_tls_files, write_certs
+from paramserver.security.tls import TlsMaterial, tls_from_options
 
 
 def cert(path) -> x509.Certificate:

@@ -32,7 +32,7 @@ from paramserver.checkpoint.shard_writes import ShardWrites
 from paramserver.checkpoint.store import CheckpointError, CheckpointStore, checkpoint_name
 from paramserver.checkpoint.verdict import verdict
 from paramserver.server.shard import Push, Shard
-from paramserver.server.table_store import TableStore
+from paramserver.tables.table_store import TableStore
 
 SEED = int(os.environ.get("PS_FAULT_SEED", "20261205"))
 CASES = 200

@@ -10,15 +10,16 @@ import re
 
 import numpy as np
 import pytest
+from tests.unit.checkpoint_faults import Disk, files, read_only
 
 from paramserver.base.hashing import shard_of
-from paramserver.checkpoint import shard_file, tools
+from paramserver.checkpoint import tools
+from paramserver.checkpoint.files import shard_file
 from paramserver.checkpoint.restore import RestoreSource
 from paramserver.checkpoint.store import CheckpointError, CheckpointStore, checkpoint_name
 from paramserver.client.placement import Placer
 from paramserver.server.shard import Push, Shard
-from paramserver.server.table_store import TableStore
-from tests.unit.checkpoint_faults import Disk, files, read_only
+from paramserver.tables.table_store import TableStore
 
 SGD = {"name": "sgd", "hyper": {"lr": 0.1, "momentum": 0.9}}
 ADAGRAD = {"name": "adagrad", "hyper": {"lr": 0.1}}

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 from safetensors import numpy as safetensors_numpy
 from safetensors import safe_open
+from tests.unit.test_checkpoint_files import cluster, save, train
 
 from paramserver.checkpoint import tools
 from paramserver.checkpoint.restore import RestoreSource
 from paramserver.checkpoint.store import CheckpointStore, checkpoint_name
-from tests.unit.test_checkpoint_files import cluster, save, train
 
 GOOD, CRAFTED = checkpoint_name(10), checkpoint_name(20)
 

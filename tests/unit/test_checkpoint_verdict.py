@@ -21,7 +21,8 @@ from tests.unit.test_incremental_checkpoints import Cluster, restored
 from tests.unit.test_quantized_checkpoints import craft, quantized_cluster
 
 import paramserver as ps
-from paramserver.checkpoint import chain, shard_file, tools
+from paramserver.checkpoint import chain, tools
+from paramserver.checkpoint.files import shard_file
 from paramserver.checkpoint.restore import RestoreSource
 from paramserver.checkpoint.store import CheckpointError, CheckpointStore, checkpoint_name
 from paramserver.checkpoint.verdict import check_checkpoint, newest_passing_name, verdict

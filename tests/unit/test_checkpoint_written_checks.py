@@ -14,12 +14,12 @@ from tests.unit.test_checkpoint_files import cluster, train
 from tests.unit.test_checkpointer import Client, checkpointer, files
 
 from paramserver.base.hashing import shard_of
-from paramserver.checkpoint import shard_file, shard_meta, tensor_file
+from paramserver.checkpoint.files import shard_file, shard_meta, tensor_file
 from paramserver.checkpoint.shard_writes import ShardWrites
 from paramserver.checkpoint.store import CheckpointError, CheckpointStore, checkpoint_name, is_checkpoint_name
 from paramserver.checkpoint.verdict import check_checkpoint
 from paramserver.server.shard import Shard
-from paramserver.server.table_store import TableStore
+from paramserver.tables.table_store import TableStore
 
 ADAGRAD = {"name": "adagrad", "hyper": {"lr": 0.1}}
 
@@ -148,7 +148,7 @@ class WritingClient(Client):
 def test_a_file_its_writer_refuses_is_a_failed_checkpoint_and_nothing_is_committed(tmp_path, caplog):
     chief, _, _ = checkpointer(tmp_path, 0)
     chief.client = WritingClient(None, str(tmp_path))
-    with caplog.at_level(logging.ERROR, logger="paramserver.worker.checkpoints"):
+    with caplog.at_level(logging.ERROR, logger="paramserver.worker.recovery.checkpoints"):
         with pytest.raises(CheckpointError, match="table/t/values' holds NaN"):
             chief.save(5, 1.0)
     assert CheckpointStore(str(tmp_path)).complete() == [] and files(tmp_path) == []

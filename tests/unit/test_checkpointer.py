@@ -21,14 +21,15 @@ from tests.unit.checkpoint_faults import Disk, files, read_only
 from paramserver import load_export
 from paramserver.base.config import Options
 from paramserver.base.errors import FailedPreconditionError, UnavailableError
-from paramserver.checkpoint import shard_file, tools
+from paramserver.checkpoint import tools
+from paramserver.checkpoint.files import shard_file
 from paramserver.checkpoint.store import CheckpointError, CheckpointStore, checkpoint_name
 from paramserver.client.ps_client import PushRecord
-from paramserver.launch.local import NO_CHECKPOINT, LocalCluster
+from paramserver.launch.local.supervisor import NO_CHECKPOINT, LocalCluster
 from paramserver.server.shard import Shard
-from paramserver.server.table_store import TableStore
-from paramserver.worker.checkpoints import Checkpointer
-from paramserver.worker.lineage import Lineage
+from paramserver.tables.table_store import TableStore
+from paramserver.worker.recovery.checkpoints import Checkpointer
+from paramserver.worker.recovery.lineage import Lineage
 
 
 class Coordinator:
@@ -210,7 +211,7 @@ def errors(caplog) -> list[str]:
 def test_a_full_disk_is_logged_counted_cleaned_up_and_the_next_checkpoint_tries_again(tmp_path, caplog):
     disk, reports = Disk(space=3), []  # a shard file is larger: it does not fit
     chief, barriers, client = checkpointer(tmp_path, 0, Coordinator(), every=5, fs=disk, report=reports.append)
-    with caplog.at_level(logging.ERROR, logger="paramserver.worker.checkpoints"):
+    with caplog.at_level(logging.ERROR, logger="paramserver.worker.recovery.checkpoints"):
         chief.on_step(5, 1.0)  # no exception: training goes on
     assert barriers == ["checkpoint#1", "checkpoint#1:written"]
     [error] = errors(caplog)
@@ -242,7 +243,7 @@ def test_a_read_only_directory_fails_every_checkpoint_and_training_goes_on(tmp_p
     reports = []
     with read_only(directory) as fs:  # chmod, or as root a filesystem saying EROFS
         chief, barriers, client = checkpointer(directory, 0, Coordinator(), every=5, fs=fs, report=reports.append)
-        with caplog.at_level(logging.ERROR, logger="paramserver.worker.checkpoints"):
+        with caplog.at_level(logging.ERROR, logger="paramserver.worker.recovery.checkpoints"):
             chief.on_step(5, 1.0)
             assert chief.save_final(7, 1.0) is None
     assert barriers == ["checkpoint#1", "checkpoint#1:written", "checkpoint:final", "checkpoint:final:written"]
@@ -259,7 +260,7 @@ def test_a_shards_error_from_the_wire_is_a_counted_checkpoint_error(tmp_path, ca
     client.fail = FailedPreconditionError("127.0.0.1:5001 Checkpoint: checkpoint ckpt-000000007: cannot write "
                                           "/d/ckpt-000000007/shard-1.safetensors.tmp-0a1b2c3d: Read-only file system "
                                           "(EROFS) [FAILED_PRECONDITION]")
-    with caplog.at_level(logging.ERROR, logger="paramserver.worker.checkpoints"):
+    with caplog.at_level(logging.ERROR, logger="paramserver.worker.recovery.checkpoints"):
         with pytest.raises(CheckpointError, match=r"checkpoint ckpt-000000007 not written: .*Read-only file system"):
             chief.save(7, 1.0)
         client.fail = UnavailableError("127.0.0.1:5001 Checkpoint: deadline exceeded")
@@ -279,7 +280,7 @@ def test_old_checkpoints_that_cannot_be_deleted_leave_the_new_one_committed(tmp_
     assert chief.save_final(3, 1.0) == "ckpt-000000003"
     disk.fail["rm"] = errno.EACCES
     client.pushes = 5
-    with caplog.at_level(logging.WARNING, logger="paramserver.worker.checkpoints"):
+    with caplog.at_level(logging.WARNING, logger="paramserver.worker.recovery.checkpoints"):
         assert chief.save_final(6, 1.0) == "ckpt-000000006"
     assert chief.store.complete() == ["ckpt-000000003", "ckpt-000000006"]
     assert any("could not be deleted" in r.getMessage() and "Permission denied (EACCES)" in r.getMessage()
@@ -340,7 +341,7 @@ def test_a_final_barrier_that_fails_writes_nothing_and_does_not_raise(tmp_path, 
 
     reports = []
     chief, _, client = checkpointer(tmp_path, 0, Coordinator(), barrier=barrier, report=reports.append)
-    with caplog.at_level(logging.ERROR, logger="paramserver.worker.checkpoints"):
+    with caplog.at_level(logging.ERROR, logger="paramserver.worker.recovery.checkpoints"):
         assert chief.save_final(9, 2.0) is None
     assert met == [("checkpoint:final", None)]  # waited as long as the others are alive; then nothing more
     assert client.saved == [] and "worker 1 is gone" in caplog.records[-1].getMessage()
@@ -473,7 +474,7 @@ def test_the_lineage_of_shards_that_restored_nothing_differently_or_an_unreadabl
     chief, _, _ = resumed_checkpointer(tmp_path)
     chief.save(7, 1.0)
     chief.save(9, 1.0)
-    with caplog.at_level(logging.WARNING, logger="paramserver.worker.lineage"):
+    with caplog.at_level(logging.WARNING, logger="paramserver.worker.recovery.lineage"):
         lineage = Lineage.of(store, [{"restored_from": "ckpt-000000007"}, {"restored_from": "ckpt-000000009"}])
     assert (lineage.resumed_from, lineage.resumed_step, lineage.run_id) == ("ckpt-000000009", 9, chief.lineage.run_id)
     assert "different checkpoints" in caplog.text
@@ -506,7 +507,7 @@ def test_a_checkpoint_failing_restores_checks_is_failed_never_committed_counted_
     store = CheckpointStore(str(tmp_path))
     assert store.complete() == ["ckpt-000000005"]
     calls = failing_checks(monkeypatch, "shard-0.safetensors: metadata is malformed")
-    with caplog.at_level(logging.ERROR, logger="paramserver.worker.checkpoints"):
+    with caplog.at_level(logging.ERROR, logger="paramserver.worker.recovery.checkpoints"):
         chief.on_step(10, 1.0)
         client.pushes = 3
         assert chief.save_final(12, 1.0) is None
@@ -530,7 +531,7 @@ def test_a_checkpoint_whose_file_changed_after_it_was_written_is_not_committed(t
     chief, _, client = resumed_checkpointer(tmp_path, keep=1)
     assert chief.save_final(5, 1.0) == "ckpt-000000005"
     client.damage, client.pushes = True, 1
-    with caplog.at_level(logging.ERROR, logger="paramserver.worker.checkpoints"):
+    with caplog.at_level(logging.ERROR, logger="paramserver.worker.recovery.checkpoints"):
         with pytest.raises(CheckpointError, match="not committed, it fails restore's checks: .*SHA-256"):
             chief.save(9, 1.0)
     assert CheckpointStore(str(tmp_path)).complete() == ["ckpt-000000005"]

@@ -3,13 +3,22 @@ import signal
 from dataclasses import fields, replace
 
 import pytest
+from tests.tfjob import tfjob_cluster, tfjob_tf_config
 
 from paramserver.base.byte_size import parse_byte_size
-from paramserver.base.config import (OPTIONS_ENV, ClusterSpec, NodeConfig, Options, Task, config_from_environ,
-                                     load_cluster_file, options_from_environ, parse_tf_config)
+from paramserver.base.config import (
+    OPTIONS_ENV,
+    ClusterSpec,
+    NodeConfig,
+    Options,
+    Task,
+    config_from_environ,
+    load_cluster_file,
+    options_from_environ,
+    parse_tf_config,
+)
 from paramserver.base.errors import ConfigError
 from paramserver.launch import cli
-from tests.tfjob import tfjob_cluster, tfjob_tf_config
 
 SEED = {"ps": ["localhost:2222"], "worker": ["localhost:2223", "localhost:2224"]}
 

@@ -4,12 +4,16 @@ import threading
 
 import numpy as np
 import pytest
+from tests.wait import finished, wait_until
 
 from paramserver.base.consistency_spec import ConsistencySpec
-from paramserver.base.errors import (DeadlineExceededError, FailedPreconditionError, InvalidArgumentError,
-                                     ParamServerError)
+from paramserver.base.errors import (
+    DeadlineExceededError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    ParamServerError,
+)
 from paramserver.server.shard import Push, Shard
-from tests.wait import finished, wait_until
 
 SGD1 = {"name": "sgd", "hyper": {"lr": 1.0}}
 

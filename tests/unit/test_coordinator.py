@@ -7,10 +7,10 @@ import logging
 import threading
 
 import pytest
+from tests.wait import finished, wait_until
 
 from paramserver.base.errors import FailedPreconditionError, InvalidArgumentError, UnavailableError
 from paramserver.coordinator.membership import Coordinator
-from tests.wait import finished, wait_until
 
 
 class Clock:

@@ -12,10 +12,10 @@ import sys
 
 import numpy as np
 import pytest
+from tests.conftest import ROOT
 
 from paramserver.base import kernels
 from paramserver.data import criteo
-from tests.conftest import ROOT
 
 LINE = "1\t" + "\t".join(["3", ""] + ["0"] * 11) + "\t" + "\t".join(["0000000a", ""] + ["ff"] * 24) + "\n"
 

@@ -9,13 +9,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
-
-import paramserver as ps
-from paramserver.checkpoint import delta_export, tools
-from paramserver.checkpoint.store import CheckpointError, checkpoint_name
-from paramserver.launch import cli
 from tests.unit.test_incremental_checkpoints import Cluster
 from tests.unit.test_serving import CTR, batch, checkpoint
+
+import paramserver as ps
+from paramserver.checkpoint import tools
+from paramserver.checkpoint.export import delta_export
+from paramserver.checkpoint.store import CheckpointError, checkpoint_name
+from paramserver.launch import cli
 
 BASES = (1, 5)  # steps whose chain checkpoint is a base (whole); the others are deltas on the one before
 

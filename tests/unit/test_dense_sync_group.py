@@ -1,4 +1,4 @@
-"""worker/dense_sync.py with two ranks in one process (threads, a real gloo group on 127.0.0.1): the
+"""optim/dense_sync.py with two ranks in one process (threads, a real gloo group on 127.0.0.1): the
 averages divide by the real contributors, a finished rank answers until every rank stepped out."""
 
 import threading
@@ -6,11 +6,11 @@ import time
 from types import SimpleNamespace
 
 import torch
+from tests.wait import finished
 
 from paramserver.base.config import Options
 from paramserver.coordinator.membership import Coordinator
-from paramserver.worker.dense_sync import PUBLISHED_KEY, DenseSync
-from tests.wait import finished
+from paramserver.optim.dense_sync import PUBLISHED_KEY, DenseSync
 
 LR = 0.5
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from paramserver.base.hashing import count_distinct, distinct
-from paramserver.worker.distinct_ids import SpreadRows, sum_rows
+from paramserver.nn.distinct_ids import SpreadRows, sum_rows
 
 
 @pytest.mark.parametrize("ids", [

@@ -5,12 +5,11 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-
-import paramserver as ps
-from paramserver.server.embedding_table import initial_rows
-
 from test_hash_embedding import record_calls
 from test_hash_embedding_bag import KJT
+
+import paramserver as ps
+from paramserver.tables.embedding_table import initial_rows
 
 VOCAB, DIM, BATCH = 40, 4, 6
 

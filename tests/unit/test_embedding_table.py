@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from paramserver.base.errors import InvalidArgumentError
-from paramserver.server.embedding_table import EmbeddingTable, RowPolicy, initial_rows
-from paramserver.server.sparse_optimizers import build_sparse_optimizer
+from paramserver.tables.embedding_table import EmbeddingTable, RowPolicy, initial_rows
+from paramserver.tables.sparse_optimizers import build_sparse_optimizer
 
 pytestmark = pytest.mark.usefixtures("both_kernel_paths")
 
@@ -175,7 +175,7 @@ def test_c_kernels_and_numpy_give_the_same_initial_rows_and_updates(monkeypatch)
 
 
 def test_a_reserved_capacity_takes_that_many_rows_without_regrowing():
-    from paramserver.server.table_store import TableStore
+    from paramserver.tables.table_store import TableStore
 
     store = TableStore(0)
     store.register("t", 4, {"name": "sgd", "hyper": {"lr": 0.1}}, {"kind": "zeros"}, capacity=5000)
@@ -191,7 +191,7 @@ def test_a_reserved_capacity_takes_that_many_rows_without_regrowing():
 def small_growth(monkeypatch):
     """Row arrays move to reserved address space from 4 KiB on, and the index grows a few slots
     per call, so small tables go through the reserved arrays and many index growths."""
-    from paramserver.server import embedding_table, hash_index
+    from paramserver.tables import embedding_table, hash_index
 
     monkeypatch.setattr(embedding_table, "_RESERVE_FROM", 4096)
     monkeypatch.setattr(hash_index, "_SHARE_MIN", 8)
@@ -269,7 +269,7 @@ def test_eviction_mid_growth_keeps_the_rows_it_should_and_new_rows_start_fresh(s
 
 
 def test_tables_grow_by_copying_where_address_space_cannot_be_reserved(small_growth, monkeypatch):
-    from paramserver.server import reserved
+    from paramserver.tables import reserved
 
     monkeypatch.setattr(reserved, "reserve", lambda rows, row_shape, dtype, huge=False: None)
     grown, reference = grown_and_reference()

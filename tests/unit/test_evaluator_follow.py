@@ -10,19 +10,19 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
+from tests.unit.test_checkpointer import Coordinator, checkpointer
 
 import paramserver as ps
 from paramserver.base.config import ClusterSpec, NodeConfig, Options, Task
 from paramserver.base.errors import FailedPreconditionError
-from paramserver.checkpoint import shard_file
+from paramserver.checkpoint.files import shard_file
 from paramserver.checkpoint.restore import RestoreSource
 from paramserver.checkpoint.store import CheckpointError, CheckpointStore, checkpoint_name
-from paramserver.server.embedding_table import initial_rows
+from paramserver.evaluation.evaluator import Evaluator
 from paramserver.server.shard import Shard
-from paramserver.server.table_store import TableStore
-from paramserver.worker.checkpoint_model import load_into
-from paramserver.worker.evaluator import Evaluator
-from tests.unit.test_checkpointer import Coordinator, checkpointer
+from paramserver.serving.checkpoint_model import load_into
+from paramserver.tables.embedding_table import initial_rows
+from paramserver.tables.table_store import TableStore
 
 SGD = {"name": "sgd", "hyper": {"lr": 0.1}}
 ADAGRAD = {"name": "adagrad", "hyper": {"lr": 0.1}}
@@ -152,7 +152,7 @@ def test_a_damaged_checkpoint_and_a_failing_function_are_logged_and_the_next_one
         if step == 30:
             raise ValueError("the user's bug")
         return {"w": model.fc.weight[0, 0]}
-    with caplog.at_level(logging.INFO, "paramserver.worker.evaluator"):
+    with caplog.at_level(logging.INFO, "paramserver.evaluation.evaluator"):
         done = Evaluator(Model(), fn, store, poll_s=0.01).run()
     assert [(e.step, e.metrics) for e in done] == [(10, {"w": 1.0}), (20, None), (30, None), (40, {"w": 4.0})]
     assert "SHA-256" in done[1].error and done[2].error == "ValueError: the user's bug" and done[3].final

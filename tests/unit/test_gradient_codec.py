@@ -6,15 +6,15 @@ import numpy as np
 import pytest
 import torch
 
-from paramserver.wire import gradient_codec as gc
 from paramserver.base.compression_spec import Codec, CompressionSpec
 from paramserver.base.errors import InvalidArgumentError
-from paramserver.wire.half import bf16_bits_to_float32
 from paramserver.client.compression import GradientCompressor
 from paramserver.client.table_client import TableClient
 from paramserver.server.shard import Shard
 from paramserver.server.shard_service import ShardService
 from paramserver.wire import codec
+from paramserver.wire import gradient_codec as gc
+from paramserver.wire.half import bf16_bits_to_float32
 
 FP16, BF16, INT8, TOPK = (Codec.parse(text) for text in ("fp16", "bf16", "int8", "topk:0.01"))
 

@@ -8,9 +8,9 @@ import pytest
 
 from paramserver.base.errors import UnavailableError
 from paramserver.coordinator.coordinator_service import SERVICE as COORDINATOR
-from paramserver.transport.grpc_transport import SERVICE as SHARD
 from paramserver.server.shard import Shard
 from paramserver.server.shard_service import ShardService
+from paramserver.transport.grpc_transport import SERVICE as SHARD
 from paramserver.transport.grpc_transport import GrpcChannel, GrpcServer
 
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import paramserver as ps
-from paramserver.server.embedding_table import initial_rows
+from paramserver.tables.embedding_table import initial_rows
 
 VOCAB, DIM = 40, 8
 

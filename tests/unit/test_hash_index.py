@@ -3,8 +3,8 @@ import sys
 import numpy as np
 import pytest
 
-from paramserver.server import reserved
-from paramserver.server.hash_index import HashIndex
+from paramserver.tables import reserved
+from paramserver.tables.hash_index import HashIndex
 
 pytestmark = pytest.mark.usefixtures("both_kernel_paths")
 
@@ -41,7 +41,7 @@ def test_colliding_ids_in_one_batch_all_find_a_slot():
 def small_shares(monkeypatch):
     """Growths move a few slots per call and fault in few ahead, and arrays are mapped from 64
     slots on, so small indexes go through many calls of every growth."""
-    from paramserver.server import hash_index
+    from paramserver.tables import hash_index
 
     monkeypatch.setattr(hash_index, "_SHARE_MIN", 8)
     monkeypatch.setattr(hash_index, "_AHEAD", 8)
@@ -50,7 +50,7 @@ def small_shares(monkeypatch):
 
 def unmoved_find(index, ids):
     """What `find` answers, without the slots it moves (a find of every id would end a move at once)."""
-    from paramserver.server.hash_index import _find, _find_growing
+    from paramserver.tables.hash_index import _find, _find_growing
 
     if index._next is None:
         return _find(index._slots, ids)
@@ -82,7 +82,7 @@ def test_an_index_growing_incrementally_finds_what_a_dict_does(small_shares):
 
 
 def test_ids_whose_probe_runs_into_the_moved_part_are_found_in_the_new_array(small_shares):
-    from paramserver.server import hash_index
+    from paramserver.tables import hash_index
 
     index = HashIndex(4096)
     first = np.arange(1, 1538, dtype=np.int64)

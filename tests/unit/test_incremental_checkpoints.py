@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from paramserver.base.hashing import shard_of
-from paramserver.checkpoint import shard_file
+from paramserver.checkpoint.files import shard_file
 from paramserver.checkpoint.restore import RestoreSource
 from paramserver.checkpoint.shard_writes import ShardWrites
 from paramserver.checkpoint.store import CheckpointError, CheckpointStore, checkpoint_name
 from paramserver.server.shard import Shard
-from paramserver.server.table_store import TableStore
+from paramserver.tables.table_store import TableStore
 
 ADAGRAD = {"name": "adagrad", "hyper": {"lr": 0.1}}
 POLICY = {"ttl_steps": 3, "evict_every": 2}  # rows not looked up for 3 updates go, every 2nd update
@@ -166,7 +166,7 @@ def current_rows(source: RestoreSource, table: str) -> tuple[np.ndarray, np.ndar
 
 
 def test_a_tiered_shard_writes_whole_files_when_asked_for_a_delta(tmp_path):
-    from paramserver.server.tiers import Tiers
+    from paramserver.tables.tiered.tiers import Tiers
 
     tiers = Tiers.create(1 << 20, str(tmp_path / "spill"), 0)
     tables = TableStore(0, tiers=tiers)
@@ -248,7 +248,7 @@ class ChainClient:
 
 
 def test_the_chief_writes_a_base_every_k_checkpoints_and_deltas_between(tmp_path):
-    from paramserver.worker.checkpoints import Checkpointer
+    from paramserver.worker.recovery.checkpoints import Checkpointer
 
     cluster = Cluster(tmp_path, policy={})
     cluster.train(1, universe=3000, batch=2000)
@@ -267,7 +267,7 @@ def test_the_chief_writes_a_base_every_k_checkpoints_and_deltas_between(tmp_path
 
 
 def test_a_chain_past_its_share_of_the_base_starts_a_new_base(tmp_path):
-    from paramserver.worker.checkpoints import Checkpointer
+    from paramserver.worker.recovery.checkpoints import Checkpointer
 
     cluster = Cluster(tmp_path)
     client = ChainClient(cluster)
@@ -304,7 +304,7 @@ def test_list_inspect_and_export_read_chains(tmp_path):
 
 
 def test_a_tiered_table_restores_the_rows_of_a_chain(tmp_path):
-    from paramserver.server.tiers import Tiers
+    from paramserver.tables.tiered.tiers import Tiers
 
     cluster = Cluster(tmp_path)
     for step in range(1, 5):

@@ -19,19 +19,19 @@ import kubernetes_validate
 import pytest
 import yaml
 from kubeflow.training.api_client import ApiClient
+from tests.conftest import ROOT
+from tests.pod_security import restricted_violations
+from tests.tfjob import tfjob_cluster, tfjob_tf_config
 
 from paramserver.base.config import Options
 from paramserver.base.errors import ConfigError
 from paramserver.launch import cli
-from paramserver.launch.certs import write_certs
-from paramserver.launch.k8s import Deployment, manifests, render
-from paramserver.launch.ps_process import _exit_code
+from paramserver.launch.kubernetes.manifests import Deployment, manifests, render
 from paramserver.launch.threads import PASSIVE_WAIT_ENV
-from paramserver.launch.tokens import write_tokens
+from paramserver.node.ps_process import _exit_code
+from paramserver.security.certs import write_certs
+from paramserver.security.tokens import write_tokens
 from paramserver.transport.health import check
-from tests.conftest import ROOT
-from tests.pod_security import restricted_violations
-from tests.tfjob import tfjob_cluster, tfjob_tf_config
 
 K8S_VERSIONS = ("1.25.0", "1.37.0")  # the oldest schema here (the objects need 1.24: gRPC probes) and the newest
 SMALL = str(ROOT / "tests" / "integration" / "scripts" / "train_small.py")

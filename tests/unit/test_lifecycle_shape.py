@@ -10,9 +10,10 @@ import io
 import itertools
 import threading
 import urllib.request
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import psutil
 import pytest
@@ -25,16 +26,16 @@ from paramserver.coordinator.coordinator_service import SERVICE as COORDINATOR
 from paramserver.coordinator.coordinator_service import CoordinatorClient, CoordinatorService
 from paramserver.coordinator.membership import Coordinator
 from paramserver.data.loader import BatchLoader
-from paramserver.launch.local import LocalCluster
+from paramserver.launch.local.supervisor import LocalCluster
 from paramserver.node.ps_node import PSNode
 from paramserver.server.shard import Shard
 from paramserver.server.shard_service import ShardService
-from paramserver.wire import codec
 from paramserver.transport.grpc_transport import GrpcChannel, GrpcServer
 from paramserver.transport.grpc_transport import health_server as make_health_server
 from paramserver.transport.health import Health, check
 from paramserver.transport.stream_client import StreamClient
 from paramserver.transport.stream_server import StreamServer
+from paramserver.wire import codec
 from paramserver.worker.cluster import CoordinatorHost
 from paramserver.worker.ops import WorkerOps
 

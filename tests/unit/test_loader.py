@@ -7,11 +7,11 @@ import time
 import numpy as np
 import psutil
 import pytest
+from tests.wait import wait_until
 
 from paramserver.base.errors import InvalidArgumentError
 from paramserver.data import criteo
 from paramserver.data.loader import BatchLoader, LoaderError
-from tests.wait import wait_until
 
 
 def line(rng: np.random.Generator) -> str:

@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from paramserver.launch import logs
-from paramserver.launch.processes import LineWriter
+from paramserver.launch.local.processes import LineWriter
 
 
 @pytest.fixture

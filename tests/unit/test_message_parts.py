@@ -11,10 +11,10 @@ from paramserver.base.config import Options
 from paramserver.base.errors import ResourceExhaustedError
 from paramserver.client.ps_client import PSClient
 from paramserver.node.ps_node import PSNode
-from paramserver.wire import codec
 from paramserver.transport import grpc_transport, stream, stream_client, stream_server
 from paramserver.transport.grpc_transport import GrpcChannel
 from paramserver.transport.stream import MORE, PREFIX, REQUEST, REQUEST_SHM
+from paramserver.wire import codec
 
 LIMIT = 4096
 PAYLOAD = 1 << 20

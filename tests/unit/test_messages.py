@@ -8,15 +8,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from paramserver.wire import messages as msg
 from paramserver.base.errors import MalformedFrameError, NotFoundError
-from paramserver.wire.message_fields import fields_of, markdown, replaced
 from paramserver.coordinator.coordinator_service import CoordinatorService
 from paramserver.coordinator.membership import Coordinator
 from paramserver.server.shard import Shard
 from paramserver.server.shard_service import ShardService
-from paramserver.wire import codec
 from paramserver.transport.stream import METHODS as STREAM_METHODS
+from paramserver.wire import codec
+from paramserver.wire import messages as msg
+from paramserver.wire.message_fields import fields_of, markdown, replaced
 
 ROOT = Path(__file__).resolve().parents[2]
 ALL = sorted({cls for methods in msg.SERVICES.values() for pair in methods.values() for cls in pair},

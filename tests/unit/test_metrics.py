@@ -10,10 +10,10 @@ from paramserver.base.metrics import NodeMetrics
 from paramserver.server.shard import Shard
 from paramserver.server.shard_metrics import ShardCollector
 from paramserver.server.shard_service import ShardService
-from paramserver.wire import codec
 from paramserver.transport.dispatch import answer
 from paramserver.transport.grpc_transport import SERVICE
 from paramserver.transport.health import Health
+from paramserver.wire import codec
 
 SGD = {"name": "sgd", "hyper": {"lr": 0.1}}
 ROWS = {"name": "adagrad", "hyper": {"lr": 0.1}}

@@ -6,13 +6,13 @@ import torch
 import torch.nn as nn
 
 import paramserver as ps
-from paramserver.wire.half import float32_to_bf16_bits
-from paramserver.checkpoint import shard_file
+from paramserver.checkpoint.files import shard_file
 from paramserver.checkpoint.restore import RestoreSource
 from paramserver.checkpoint.store import CheckpointStore, checkpoint_name
 from paramserver.server.shard import Push, Shard
-from paramserver.server.table_store import TableStore
-from paramserver.worker.checkpoint_model import load_into
+from paramserver.serving.checkpoint_model import load_into
+from paramserver.tables.table_store import TableStore
+from paramserver.wire.half import float32_to_bf16_bits
 
 SGD = {"name": "sgd", "hyper": {"lr": 0.1}}
 NAMES = ("opt0.weight", "opt0.bias")

@@ -13,7 +13,7 @@ from safetensors import safe_open
 
 from paramserver.base import names
 from paramserver.base.errors import InvalidArgumentError, MalformedFrameError
-from paramserver.checkpoint import shard_meta, tensor_file
+from paramserver.checkpoint.files import shard_meta, tensor_file
 from paramserver.checkpoint.store import CheckpointError
 from paramserver.wire import codec
 from paramserver.wire import messages as msg

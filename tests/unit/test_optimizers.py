@@ -4,12 +4,11 @@ import dataclasses
 
 import pytest
 import torch
+from tests.reference import batches, max_relative_error, mlp, train, twin
 
 import paramserver as ps
 from paramserver.base import kernels
 from paramserver.client.ps_client import PSClient
-from paramserver.server import optimizers
-from tests.reference import batches, max_relative_error, mlp, train, twin
 
 CASES = [
     ("SGD", dict(lr=0.05)),

@@ -14,9 +14,9 @@ from paramserver.base.config import Options
 from paramserver.base.errors import ConfigError, RollbackError, UnavailableError
 from paramserver.base.lifecycle import RESTART_EXIT_CODE
 from paramserver.client.ps_client import PushPullHandle
-from paramserver.launch.shard_restart import why_not_alone
-from paramserver.worker.partial import ShardRecovery, refusal, supported
+from paramserver.launch.local.shard_restart import why_not_alone
 from paramserver.worker.progress import ProgressBoard
+from paramserver.worker.recovery.partial import ShardRecovery, refusal, supported
 
 PARTIAL = Options(recovery="partial", checkpoint_dir="/tmp/ckpt")
 

@@ -3,11 +3,10 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from test_hash_embedding import record_calls
 
 import paramserver as ps
 from paramserver.worker import current as context_module
-
-from test_hash_embedding import record_calls
 
 VOCAB, DIM, STEPS = 50, 4, 10
 

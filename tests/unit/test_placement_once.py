@@ -6,7 +6,7 @@ import torch
 
 import paramserver as ps
 from paramserver.client import table_client
-from paramserver.worker.join import join
+from paramserver.join import join
 
 
 def test_each_batch_is_hashed_once(monkeypatch, fresh_context):

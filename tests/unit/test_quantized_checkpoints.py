@@ -10,14 +10,15 @@ import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
+from tests.unit.test_incremental_checkpoints import Cluster, assert_same, restored
 
 from paramserver.base.errors import InvalidArgumentError
-from paramserver.checkpoint import quantize, shard_file, tensor_file, tools
+from paramserver.checkpoint import tools
+from paramserver.checkpoint.files import quantize, shard_file, tensor_file
+from paramserver.checkpoint.files.tensor_file import TensorReader
 from paramserver.checkpoint.restore import RestoreSource
 from paramserver.checkpoint.shard_writes import ShardWrites
 from paramserver.checkpoint.store import CheckpointStore, checkpoint_name
-from paramserver.checkpoint.tensor_file import TensorReader
-from tests.unit.test_incremental_checkpoints import Cluster, assert_same, restored
 
 ENCODINGS = ["bf16", "int8"]
 

@@ -6,7 +6,7 @@ checkpoint files."""
 import numpy as np
 import pytest
 
-from paramserver.checkpoint import shard_file
+from paramserver.checkpoint.files import shard_file
 from paramserver.checkpoint.restore import RestoreSource
 from paramserver.checkpoint.store import CheckpointStore, checkpoint_name
 from paramserver.client.ps_client import PSClient

@@ -5,7 +5,7 @@ import sys
 import numpy as np
 import pytest
 
-from paramserver.server import reserved
+from paramserver.tables import reserved
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux address-space behaviour")
 
@@ -42,8 +42,8 @@ def vm_size() -> int:
 
 def test_under_an_address_space_limit_tables_fall_back_to_ordinary_arrays():
     resource = pytest.importorskip("resource")
-    from paramserver.server.embedding_table import EmbeddingTable
-    from paramserver.server.sparse_optimizers import build_sparse_optimizer
+    from paramserver.tables.embedding_table import EmbeddingTable
+    from paramserver.tables.sparse_optimizers import build_sparse_optimizer
 
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     if hard != resource.RLIM_INFINITY and hard < vm_size() + (2 << 30):

@@ -1,4 +1,4 @@
-"""security/auth.py: the token store, roles, acting as a worker; launch/tokens.py; the in-process twin's tokens."""
+"""security/auth.py: the token store, roles, acting as a worker; security/tokens.py; the in-process twin's tokens."""
 
 import json
 import re
@@ -7,15 +7,23 @@ import stat
 import numpy as np
 import pytest
 
-from paramserver.security.auth import (COORDINATOR_ACTIONS, SHARD_ACTIONS, Authorizer, Guard, Principal, TokenStore,
-                                   read_token, token_hash)
 from paramserver.base.config import Options
 from paramserver.base.errors import ConfigError, NotFoundError, PermissionDeniedError, UnauthenticatedError
-from paramserver.launch.tokens import local_nodes, with_node_token, write_tokens
+from paramserver.security.auth import (
+    COORDINATOR_ACTIONS,
+    SHARD_ACTIONS,
+    Authorizer,
+    Guard,
+    Principal,
+    TokenStore,
+    read_token,
+    token_hash,
+)
+from paramserver.security.tokens import local_nodes, with_node_token, write_tokens
 from paramserver.server.shard import Shard
 from paramserver.server.shard_service import ShardService
-from paramserver.wire import codec
 from paramserver.transport.inprocess import InProcessChannel
+from paramserver.wire import codec
 
 
 def store_of(*entries):

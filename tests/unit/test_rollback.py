@@ -5,20 +5,19 @@ from concurrent.futures import Future
 
 import numpy as np
 import pytest
+from tests.unit.test_bad_input import SGD, state
 
-from paramserver.wire import messages as msg
 from paramserver.base.errors import RollbackError, UnavailableError
 from paramserver.base.lifecycle import RESTART_EXIT_CODE
 from paramserver.coordinator.coordinator_service import CoordinatorClient, CoordinatorService
 from paramserver.coordinator.membership import Coordinator
 from paramserver.server.shard import Shard
 from paramserver.server.shard_service import ShardService
-from paramserver.server.table_store import TableStore
-from paramserver.wire import codec
 from paramserver.transport.channel import FutureCall
 from paramserver.transport.inprocess import InProcessChannel
-from paramserver.worker.rollback import RollbackFlag, restarted_shard, roll_back_shards
-from tests.unit.test_bad_input import SGD, state
+from paramserver.wire import codec
+from paramserver.wire import messages as msg
+from paramserver.worker.recovery.rollback import RollbackFlag, restarted_shard, roll_back_shards
 
 ROWS = {"name": "adagrad", "hyper": {"lr": 0.1}}
 

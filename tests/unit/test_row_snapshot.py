@@ -5,10 +5,10 @@ import threading
 
 import numpy as np
 import pytest
-
-from paramserver.server import table_store as table_store_module
-from paramserver.server.table_store import TableStore
 from tests.wait import finished
+
+from paramserver.tables import table_store as table_store_module
+from paramserver.tables.table_store import TableStore
 
 ADAGRAD = {"name": "adagrad", "hyper": {"lr": 0.1}}
 

@@ -1,4 +1,4 @@
-"""launch/run_files.py and security/run_secret.py: which runs directory and run files `status`,
+"""launch/local/run_files.py and security/run_secret.py: which runs directory and run files `status`,
 `health` and `shutdown` trust, and the challenge a node answers before it is sent a token."""
 
 import json
@@ -13,8 +13,8 @@ from paramserver.base.errors import ConfigError, FailedPreconditionError, Unauth
 from paramserver.coordinator.coordinator_service import SERVICE as COORDINATOR
 from paramserver.coordinator.coordinator_service import CoordinatorService
 from paramserver.coordinator.membership import Coordinator
-from paramserver.launch import run_files
-from paramserver.launch.run_files import LauncherFiles, check_runs_dir, local_run, read_run, start_time
+from paramserver.launch.local import run_files
+from paramserver.launch.local.run_files import LauncherFiles, check_runs_dir, local_run, read_run, start_time
 from paramserver.launch.status import prove
 from paramserver.security.auth import COORDINATOR_ACTIONS, SHARD_ACTIONS, Authorizer, Guard, TokenStore, token_hash
 from paramserver.security.run_secret import RunSecret, new_nonce, new_secret

@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 
 import paramserver as ps
-from paramserver.checkpoint import shard_file, tools
+from paramserver.checkpoint import tools
+from paramserver.checkpoint.files import shard_file
 from paramserver.checkpoint.store import CheckpointError, CheckpointStore, checkpoint_name
 from paramserver.worker import current
 

@@ -17,10 +17,10 @@ from safetensors.numpy import save_file
 from tests.unit.test_incremental_checkpoints import Cluster
 
 import paramserver as ps
-from paramserver.checkpoint import delta_export
+from paramserver.checkpoint.export import delta_export
 from paramserver.checkpoint.restore import RestoreSource
 from paramserver.checkpoint.store import MANIFEST, CheckpointError, CheckpointStore, checkpoint_name
-from paramserver.worker.checkpoint_model import load_into
+from paramserver.serving.checkpoint_model import load_into
 
 DIM = 4
 BASE = {"checkpoint": checkpoint_name(5), "checkpoint_sha256": "a" * 64, "run_id": "run-a"}

@@ -5,13 +5,13 @@ import threading
 import numpy as np
 import pytest
 import torch
+from tests.wait import finished
 
 from paramserver.base.consistency_spec import ConsistencySpec
 from paramserver.base.errors import FailedPreconditionError, InvalidArgumentError
-from paramserver.wire.half import bf16_bits_to_float32, float32_to_bf16_bits
 from paramserver.server.shard import Push, Shard, Step
-from paramserver.server.table_store import TableStore
-from tests.wait import finished
+from paramserver.tables.table_store import TableStore
+from paramserver.wire.half import bf16_bits_to_float32, float32_to_bf16_bits
 
 ADAM = {"name": "adam", "hyper": {"lr": 0.1}}
 MASTER = np.linspace(-2, 2, 6, dtype=np.float32).reshape(3, 2)  # not all bfloat16 values: pulls round

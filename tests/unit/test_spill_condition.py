@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from paramserver.base.errors import FailedPreconditionError, UnavailableError
-from paramserver.server.spill_condition import FAILED, FULL, OK, SpillCondition
-from paramserver.server.spill_space import MARKER, SpillSpace, remove_stale
-from paramserver.server.spill_store import SpillError
-from paramserver.server.table_store import TableStore
-from paramserver.server.tiers import Tiers
+from paramserver.tables.table_store import TableStore
+from paramserver.tables.tiered.spill_condition import FAILED, FULL, OK, SpillCondition
+from paramserver.tables.tiered.spill_space import MARKER, SpillSpace, remove_stale
+from paramserver.tables.tiered.spill_store import SpillError
+from paramserver.tables.tiered.tiers import Tiers
 
 BUDGET = 128 << 10
 ADAGRAD = {"name": "adagrad", "hyper": {"lr": 0.1}}
@@ -191,13 +191,13 @@ def test_a_store_that_fails_makes_every_table_call_unavailable_and_closes_withou
 
 
 def _adagrad():
-    from paramserver.server.sparse_optimizers import build_sparse_optimizer
+    from paramserver.tables.sparse_optimizers import build_sparse_optimizer
 
     return build_sparse_optimizer(ADAGRAD)
 
 
 def _policy():
-    from paramserver.server.embedding_table import RowPolicy
+    from paramserver.tables.embedding_table import RowPolicy
 
     return RowPolicy()
 

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 from safetensors import numpy as safetensors_numpy
 
-from paramserver.checkpoint import shard_file, tensor_file
+from paramserver.checkpoint.files import shard_file, tensor_file
+from paramserver.checkpoint.files.tensor_file import TensorFileError, TensorReader
 from paramserver.checkpoint.restore import RestoreSource
 from paramserver.checkpoint.store import CheckpointError, CheckpointStore
-from paramserver.checkpoint.tensor_file import TensorFileError, TensorReader
 from paramserver.server.shard import Shard
-from paramserver.server.table_store import TableStore
+from paramserver.tables.table_store import TableStore
 
 ADAGRAD = {"name": "adagrad", "hyper": {"lr": 0.1}}
 

@@ -46,7 +46,7 @@ def test_choose_combines_both():
 
 def test_the_local_launcher_puts_it_in_each_childs_environment(monkeypatch):
     from paramserver.base.config import Options
-    from paramserver.launch.local import LocalCluster
+    from paramserver.launch.local.supervisor import LocalCluster
 
     for name in PASSIVE_WAIT_ENV:
         monkeypatch.delenv(name, raising=False)

@@ -7,17 +7,17 @@ import numpy as np
 import pytest
 
 from paramserver.base.errors import InvalidArgumentError, ResourceExhaustedError
-from paramserver.checkpoint import shard_file
+from paramserver.checkpoint.files import shard_file
 from paramserver.checkpoint.restore import RestoreSource
 from paramserver.checkpoint.store import CheckpointStore, checkpoint_name
-from paramserver.server.embedding_table import EmbeddingTable, RowPolicy
-from paramserver.server.limits import TableLimits, table_bytes
 from paramserver.server.shard import Shard
 from paramserver.server.shard_metrics import ShardCollector
-from paramserver.server.sparse_optimizers import build_sparse_optimizer
-from paramserver.server.spill_space import SpillSpace, remove_stale
-from paramserver.server.table_store import TableStore
-from paramserver.server.tiers import Tiers
+from paramserver.tables.embedding_table import EmbeddingTable, RowPolicy
+from paramserver.tables.limits import TableLimits, table_bytes
+from paramserver.tables.sparse_optimizers import build_sparse_optimizer
+from paramserver.tables.table_store import TableStore
+from paramserver.tables.tiered.spill_space import SpillSpace, remove_stale
+from paramserver.tables.tiered.tiers import Tiers
 
 BUDGET = 128 << 10  # a few hundred to a thousand rows of dim 8 in memory
 INIT = {"kind": "normal", "std": 0.1}
@@ -275,8 +275,8 @@ def test_a_ps_removes_only_its_own_stale_spill_directories(tmp_path):
 
 
 def test_the_memory_tier_drops_rows_by_moving_its_last_rows_into_their_places(both_kernel_paths):
-    from paramserver.server.hot_rows import HotRows
-    from paramserver.server.row_record import RowRecord
+    from paramserver.tables.row_record import RowRecord
+    from paramserver.tables.tiered.hot_rows import HotRows
 
     record = RowRecord(4, build_sparse_optimizer(OPTIMIZERS["adagrad"]), tracks_use=False)
     hot = HotRows(record, 1000)
@@ -300,8 +300,8 @@ def test_the_memory_tier_drops_rows_by_moving_its_last_rows_into_their_places(bo
 
 @pytest.mark.parametrize("spread", [50, 10**9])  # counted per touch time, or partitioned
 def test_the_memory_tier_picks_its_least_recently_touched_rows_to_drop(spread):
-    from paramserver.server.hot_rows import HotRows
-    from paramserver.server.row_record import RowRecord
+    from paramserver.tables.row_record import RowRecord
+    from paramserver.tables.tiered.hot_rows import HotRows
 
     hot = HotRows(RowRecord(4, build_sparse_optimizer(OPTIMIZERS["sgd"]), tracks_use=False), 1000)
     rng = np.random.default_rng(6)

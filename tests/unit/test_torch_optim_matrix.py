@@ -7,9 +7,9 @@ or is refused before anything is registered, with a message naming the option.
 
 import pytest
 import torch
+from tests.reference import batches, max_relative_error, mlp, train, twin
 
 import paramserver as ps
-from tests.reference import batches, max_relative_error, mlp, train, twin
 
 pytestmark = pytest.mark.parity  # torch's whole optim_db matrix, trained on both sides
 
@@ -19,10 +19,11 @@ SIZES, STEPS = (32, 16, 10), 30
 
 def _matrix() -> list:
     try:  # a private module of torch's own tests: it may move between releases
-        from torch.testing._internal.common_optimizers import \
-            _get_optim_inputs_including_global_cliquey_kwargs as configs
+        from torch.testing._internal.common_optimizers import (
+            _get_optim_inputs_including_global_cliquey_kwargs as configs,
+        )
         from torch.testing._internal.common_optimizers import optim_db
-    except Exception as exc:  # noqa: BLE001 - any import failure means the matrix is unavailable
+    except Exception as exc:
         return [pytest.param(None, None, marks=pytest.mark.skip(reason=f"torch's optim_db unavailable: {exc}"))]
     return [pytest.param(info.optim_cls.__name__, config.kwargs, id=f"{info.optim_cls.__name__}-{config.desc}")
             for info in optim_db if info.optim_cls.__name__ in NAMES
@@ -78,7 +79,7 @@ def test_tensor_hyper_parameters_work_and_follow_a_scheduler(fresh_context):
     ps.init(num_ps=2)
     reference = mlp(sizes=SIZES)
     model = twin(reference)
-    kwargs = lambda: dict(lr=torch.tensor(0.01), betas=(torch.tensor(0.8), torch.tensor(0.99)))  # noqa: E731
+    kwargs = lambda: dict(lr=torch.tensor(0.01), betas=(torch.tensor(0.8), torch.tensor(0.99)))
     opt_ps, opt_torch = ps.optim.Adam(model.parameters(), **kwargs()), torch.optim.Adam(reference.parameters(), **kwargs())
     data = batches(20, features=SIZES[0])
     train(model, opt_ps, data, torch.optim.lr_scheduler.StepLR(opt_ps, step_size=5, gamma=0.5))

@@ -1,4 +1,4 @@
-"""A parameter's gradients and values as they travel (worker/wire_dtype.py), and the dtypes an optimizer takes."""
+"""A parameter's gradients and values as they travel (nn/wire_dtype.py), and the dtypes an optimizer takes."""
 
 import numpy as np
 import pytest
@@ -6,8 +6,8 @@ import torch
 
 import paramserver as ps
 from paramserver.base.errors import FailedPreconditionError, InvalidArgumentError
+from paramserver.nn.wire_dtype import wire_array, write_wire
 from paramserver.wire.half import float32_to_bf16_bits
-from paramserver.worker.wire_dtype import wire_array, write_wire
 
 
 def test_a_bfloat16_gradient_travels_as_a_view_of_its_bits():

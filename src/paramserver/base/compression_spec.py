@@ -17,7 +17,7 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass
 
-from .errors import InvalidArgumentError
+from paramserver.base.errors import InvalidArgumentError
 
 CODECS = ("none", "fp16", "bf16", "int8", "topk")
 

@@ -22,9 +22,9 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from .compression_spec import CompressionSpec
-from .consistency_spec import ConsistencySpec, ModeChange, parse_schedule
-from .errors import ConfigError, InvalidArgumentError
+from paramserver.base.compression_spec import CompressionSpec
+from paramserver.base.consistency_spec import ConsistencySpec, ModeChange, parse_schedule
+from paramserver.base.errors import ConfigError, InvalidArgumentError
 
 ROLES = ("chief", "worker", "ps")
 EVALUATOR = "evaluator"  # TF's sidecar evaluator: outside the training cluster, follows its checkpoints

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from .errors import InvalidArgumentError
+from paramserver.base.errors import InvalidArgumentError
 
 MODES = ("async", "sync", "ssp")
 

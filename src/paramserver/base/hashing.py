@@ -3,7 +3,7 @@
 `mix64` spreads ids (the murmur3 finalizer); an id lives on shard `shard_of(id)`; `distinct`
 finds a batch's distinct ids in one hashing pass (a batch's ids on the worker; a push's ids, and
 the new ids of a lookup, on a shard), starting from `empty_slots` (the shard's table index,
-server/hash_index.py, marks an empty slot with 0 instead, so that a zeroed array is empty without
+tables/hash_index.py, marks an empty slot with 0 instead, so that a zeroed array is empty without
 a fill pass). Thread-safe (no shared state).
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import kernels
+from paramserver.base import kernels
 
 _M1 = np.uint64(0xFF51AFD7ED558CCD)
 _M2 = np.uint64(0xC4CEB9FE1A85EC53)

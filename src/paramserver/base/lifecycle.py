@@ -32,7 +32,7 @@ import threading
 from abc import ABC, abstractmethod
 from typing import Any
 
-from .errors import ParamServerError, UnavailableError
+from paramserver.base.errors import ParamServerError, UnavailableError
 
 RESTART_EXIT_CODE = 75  # a node asks its restart loop (Kubernetes, a supervisor) to start it again: a roll-back
 

@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING, Any
 import psutil
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
 
-from .errors import UnavailableError
-from .lifecycle import Lifecycle, ReadyFlag
-from .metrics_http import serve_metrics
+from paramserver.base.errors import UnavailableError
+from paramserver.base.lifecycle import Lifecycle, ReadyFlag
+from paramserver.base.metrics_http import serve_metrics
 
 if TYPE_CHECKING:
-    from .metrics_http import PooledWSGIServer
+    from paramserver.base.metrics_http import PooledWSGIServer
 
 log = logging.getLogger(__name__)
 # latency buckets in seconds: a pull on one host is ~1 ms, a sync step may wait for the slowest worker

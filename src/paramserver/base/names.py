@@ -30,7 +30,7 @@ import unicodedata
 from collections.abc import Iterable
 from typing import Any
 
-from .errors import InvalidArgumentError
+from paramserver.base.errors import InvalidArgumentError
 
 MAX_CHARS = 256  # characters of a name (at most 1 KiB of UTF-8)
 SEPARATOR = "/"  # a checkpoint tensor key's separator: never inside a name

@@ -11,11 +11,13 @@ def shard_writer(
 ) -> Callable[[str, Any], dict[str, Any]] | None:
     """The writer a ShardService is given: its Checkpoint calls, written under the node's own
     checkpoint directory (no path ever comes from the wire) with names in sequence only
-    (checkpoint/shard_writes.py), table values stored in `encoding` (checkpoint/quantize.py),
+    (checkpoint/shard_writes.py), table values stored in `encoding` (checkpoint/files/quantize.py),
     each file checked as it is written with restore's checks (NaN and infinite values pass when
     `allow_non_finite`: the PS's restore_non_finite), or None without one (Checkpoint is refused)."""
     if not directory:
         return None
-    from .shard_writes import ShardWrites  # here: a PS that never checkpoints never loads safetensors or fsspec
+    from paramserver.checkpoint.shard_writes import (
+        ShardWrites,
+    )  # here: a PS that never checkpoints never loads safetensors or fsspec
 
     return ShardWrites(directory, encoding, allow_non_finite)

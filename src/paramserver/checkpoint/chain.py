@@ -7,7 +7,7 @@ A `Link` is one checkpoint of a chain: its manifest and every shard file's heade
 RestoreSource checks them (the header and metadata schema when opened; the SHA-256 and
 finiteness of the files in `verify` then, of the others on first read).
 
-Rows of a chain, in bounded memory (what the chain rule of worker/checkpoints.py bounds: the
+Rows of a chain, in bounded memory (what the chain rule of worker/recovery/checkpoints.py bounds: the
 deltas' ids): `apply_chain` writes base then each delta into a table (deleted ids removed, rows
 overwritten in place or added at the end, so the table's row order is the one a whole checkpoint
 would give); `current_slices` streams the rows that are current at the newest link, for readers
@@ -27,11 +27,11 @@ from typing import Any
 
 import numpy as np
 
-from ..base.hashing import mix64
-from . import quantize, shard_meta, tensor_file, values
-from .shard_file import META_KEY
-from .store import MANIFEST, MAX_CHAIN, CheckpointError, CheckpointStore, ShardFile, os_reason
-from .tensor_file import TensorReader, TensorSpec
+from paramserver.base.hashing import mix64
+from paramserver.checkpoint.files import quantize, shard_meta, tensor_file, values
+from paramserver.checkpoint.files.shard_file import META_KEY
+from paramserver.checkpoint.files.tensor_file import TensorReader, TensorSpec
+from paramserver.checkpoint.store import MANIFEST, MAX_CHAIN, CheckpointError, CheckpointStore, ShardFile, os_reason
 
 SLICE_BYTES = 8 << 20  # bytes of rows read at a time
 MENTIONS_PER_PASS = 2 << 20  # ids the deltas of a chain name held at once (about 24 bytes each)

@@ -35,11 +35,12 @@ from typing import Any
 
 import numpy as np
 
-from ..base.errors import InvalidArgumentError
-from . import chain, quantize
-from .chain import Link, SavedFile
-from .store import CheckpointError, CheckpointStore
-from .tensor_file import TensorReader, TensorSpec
+from paramserver.base.errors import InvalidArgumentError
+from paramserver.checkpoint import chain
+from paramserver.checkpoint.chain import Link, SavedFile
+from paramserver.checkpoint.files import quantize
+from paramserver.checkpoint.files.tensor_file import TensorReader, TensorSpec
+from paramserver.checkpoint.store import CheckpointError, CheckpointStore
 
 log = logging.getLogger(__name__)
 _SPLIT = re.compile(r"^(.*)\[(\d+):(\d+)\]$")

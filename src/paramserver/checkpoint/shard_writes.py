@@ -15,7 +15,7 @@ before the next is asked for. What a PS accepts follows from that:
   are never pruned, and are never resumed from).
 
 A delta (an incremental checkpoint: `parent` names an earlier checkpoint) is written on the
-snapshot this PS took for that checkpoint: the rows changed since (server/row_snapshot.py). A
+snapshot this PS took for that checkpoint: the rows changed since (tables/row_snapshot.py). A
 PS that did not write `parent` itself (it restarted since) writes a whole file, and its entry
 says so (no ``parent``). The parent must be older than the name (names only grow).
 
@@ -24,7 +24,7 @@ Refusals raise before any snapshot or lock (the dispatcher audits them like ever
 Each file is checked as it is written with the checks restore applies (shard_file.py): a file
 that fails them is not written, and the Checkpoint call fails with a CheckpointError naming the
 problem (FAILED_PRECONDITION on the wire), so the chief never commits the checkpoint and counts
-it failed (worker/checkpoints.py).
+it failed (worker/recovery/checkpoints.py).
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ import logging
 import threading
 from typing import Any
 
-from ..base.errors import FailedPreconditionError, InvalidArgumentError
-from . import quantize, shard_file
-from .store import MANIFEST, CheckpointError, CheckpointStore, is_checkpoint_name
+from paramserver.base.errors import FailedPreconditionError, InvalidArgumentError
+from paramserver.checkpoint.files import quantize, shard_file
+from paramserver.checkpoint.store import MANIFEST, CheckpointError, CheckpointStore, is_checkpoint_name
 
 log = logging.getLogger(__name__)
 _EPOCHS_KEPT = 8  # snapshot epochs remembered, of the names written last (a delta's parent is a recent one)
@@ -46,7 +46,7 @@ class ShardWrites:
     """The Checkpoint calls of one PS, writing under its own `directory`. Thread-safe: one write at a time."""
 
     def __init__(self, directory: str, encoding: str = quantize.NONE, allow_non_finite: bool = False) -> None:
-        """`encoding`: how table values are stored (checkpoint/quantize.py; "none": float32).
+        """`encoding`: how table values are stored (checkpoint/files/quantize.py; "none": float32).
         `allow_non_finite`: a file holding NaN or infinite values is written (the PS's
         restore_non_finite: restore will take it); otherwise it is refused as it is written."""
         if encoding not in quantize.ENCODINGS:

@@ -48,8 +48,8 @@ from typing import IO, Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from ..base.errors import AlreadyExistsError, FailedPreconditionError, InvalidArgumentError
-from ..base.names import checkpoint_name_problem
+from paramserver.base.errors import AlreadyExistsError, FailedPreconditionError, InvalidArgumentError
+from paramserver.base.names import checkpoint_name_problem
 
 log = logging.getLogger(__name__)
 MANIFEST = "MANIFEST.json"

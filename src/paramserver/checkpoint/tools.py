@@ -32,11 +32,18 @@ from collections.abc import Callable
 
 import numpy as np
 
-from . import tensor_file
-from .export_file import EMBEDDINGS, EXPORT_FORMAT, ExportFile, Lineage, is_run_id, sorted_rows
-from .restore import RestoreSource
-from .store import MANIFEST, CheckpointError, CheckpointStore
-from .verdict import newest_passing_name
+from paramserver.checkpoint.export.export_file import (
+    EMBEDDINGS,
+    EXPORT_FORMAT,
+    ExportFile,
+    Lineage,
+    is_run_id,
+    sorted_rows,
+)
+from paramserver.checkpoint.files import tensor_file
+from paramserver.checkpoint.restore import RestoreSource
+from paramserver.checkpoint.store import MANIFEST, CheckpointError, CheckpointStore
+from paramserver.checkpoint.verdict import newest_passing_name
 
 _POSITIONAL = re.compile(r"^(?:opt\d+\.)?param\d+$")
 _OPTIMIZER_PREFIX = re.compile(r"^opt\d+\.")

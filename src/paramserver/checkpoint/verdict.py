@@ -33,8 +33,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from .restore import RestoreSource
-from .store import CheckpointError, CheckpointStore
+from paramserver.checkpoint.restore import RestoreSource
+from paramserver.checkpoint.store import CheckpointError, CheckpointStore
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..base.compression_spec import NONE, Codec
-from ..wire import gradient_codec
+from paramserver.base.compression_spec import NONE, Codec
+from paramserver.wire import gradient_codec
 
 FEEDBACK = ("int8", "topk")  # the codecs that lose enough to need a residual
 

@@ -16,17 +16,17 @@ from typing import Any
 
 import numpy as np
 
-from ..base.compression_spec import Codec
-from ..base.consistency_spec import ConsistencySpec
-from ..base.deadline import Deadline
-from ..base.errors import InvalidArgumentError, ParamServerError, RollbackError, UnavailableError
-from ..transport.channel import ShardChannel
-from ..wire import messages as msg
-from ..wire.calls import Pending, gather
-from ..wire.stubs import ShardStub
-from .compression import GradientCompressor
-from .placement import DEFAULT_SPLIT_BYTES, Part, Placer
-from .table_client import StepRiders, StepRows
+from paramserver.base.compression_spec import Codec
+from paramserver.base.consistency_spec import ConsistencySpec
+from paramserver.base.deadline import Deadline
+from paramserver.base.errors import InvalidArgumentError, ParamServerError, RollbackError, UnavailableError
+from paramserver.client.compression import GradientCompressor
+from paramserver.client.placement import DEFAULT_SPLIT_BYTES, Part, Placer
+from paramserver.client.table_client import StepRiders, StepRows
+from paramserver.transport.channel import ShardChannel
+from paramserver.wire import messages as msg
+from paramserver.wire.calls import Pending, gather
+from paramserver.wire.stubs import ShardStub
 
 log = logging.getLogger(__name__)
 HELLO_TIMEOUT_S = 5.0  # a peer that does not answer Hello within this counts as down (it is restarting)

@@ -13,14 +13,14 @@ from typing import TypeVar
 
 import numpy as np
 
-from ..base.compression_spec import NONE, Codec
-from ..base.errors import InvalidArgumentError, ParamServerError, RollbackError, UnavailableError
-from ..base.hashing import shard_of
-from ..transport.channel import ShardChannel
-from ..wire import messages as msg
-from ..wire.calls import Pending, gather
-from ..wire.stubs import ShardStub
-from .compression import GradientCompressor
+from paramserver.base.compression_spec import NONE, Codec
+from paramserver.base.errors import InvalidArgumentError, ParamServerError, RollbackError, UnavailableError
+from paramserver.base.hashing import shard_of
+from paramserver.client.compression import GradientCompressor
+from paramserver.transport.channel import ShardChannel
+from paramserver.wire import messages as msg
+from paramserver.wire.calls import Pending, gather
+from paramserver.wire.stubs import ShardStub
 
 T = TypeVar("T")
 Piece = tuple[int, np.ndarray | slice, np.ndarray]  # (shard, positions in the ids, the ids it holds)

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .membership import Coordinator
+from paramserver.coordinator.membership import Coordinator
 
 _STATES = ("joining", "training", "finished", "exited", "dead")
 

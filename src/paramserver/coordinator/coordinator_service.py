@@ -15,19 +15,19 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ..base.deadline import Deadline
-from ..base.errors import DeadlineExceededError, FailedPreconditionError, ParamServerError, UnavailableError
-from ..base.lifecycle import Lifecycle, ReadyFlag
-from ..security.auth import Claim, Guard
-from ..security.run_secret import COORDINATOR_NODE, RunSecret
-from ..wire import codec
-from ..wire import messages as msg
-from ..wire.calls import Request, decode_request
-from ..wire.stubs import CoordinatorStub
-from .membership import Coordinator
+from paramserver.base.deadline import Deadline
+from paramserver.base.errors import DeadlineExceededError, FailedPreconditionError, ParamServerError, UnavailableError
+from paramserver.base.lifecycle import Lifecycle, ReadyFlag
+from paramserver.coordinator.membership import Coordinator
+from paramserver.security.auth import Claim, Guard
+from paramserver.security.run_secret import COORDINATOR_NODE, RunSecret
+from paramserver.wire import codec
+from paramserver.wire import messages as msg
+from paramserver.wire.calls import Request, decode_request
+from paramserver.wire.stubs import CoordinatorStub
 
 if TYPE_CHECKING:
-    from ..base.metrics import CallMetrics
+    from paramserver.base.metrics import CallMetrics
 
 log = logging.getLogger(__name__)
 SERVICE = "paramserver.Coordinator"

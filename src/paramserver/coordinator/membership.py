@@ -34,8 +34,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from ..base.errors import FailedPreconditionError, InvalidArgumentError, UnavailableError
-from .barriers import Barriers
+from paramserver.base.errors import FailedPreconditionError, InvalidArgumentError, UnavailableError
+from paramserver.coordinator.barriers import Barriers
 
 log = logging.getLogger(__name__)
 _INT64 = 1 << 63
@@ -175,7 +175,7 @@ class Coordinator:
     # ---- what the host asks ------------------------------------------------------------------
     def publish(self, key: str, value: str) -> None:
         """Tell every worker `value` under `key`, in every view from now on (e.g. where the dense
-        all-reduce meets: worker/dense_sync.py)."""
+        all-reduce meets: optim/dense_sync.py)."""
         with self._cond:
             self._published[key] = value
             self._cond.notify_all()

@@ -19,8 +19,8 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from ..base.errors import InvalidArgumentError, ParamServerError
-from ..base.lifecycle import Lifecycle, ReadyFlag
+from paramserver.base.errors import InvalidArgumentError, ParamServerError
+from paramserver.base.lifecycle import Lifecycle, ReadyFlag
 
 _PUT_TICK_S = 0.2  # how often a producer blocked on a full queue looks whether it was stopped
 

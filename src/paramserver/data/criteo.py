@@ -21,7 +21,7 @@ as 0; sparse int64 (B, 26) = feature << 56 | (h & (2**56 - 1)), the feature inde
 8 bits, so one shared table keeps the 26 features apart; labels float32 (B,).
 
 h, the hash of a value's n UTF-8 bytes: with mix64 the murmur3 finalizer
-(paramserver.server.hash_index.mix64) and w0, w1, ... the bytes zero-padded to 8-byte words
+(paramserver.tables.hash_index.mix64) and w0, w1, ... the bytes zero-padded to 8-byte words
 read in native byte order (little-endian on x86 and ARM):
     h = mix64(w0 ^ mix64(w1))             -- the whole hash when n <= 16
     h = mix64(h ^ wk) for k = 2, 3, ...   -- n > 16: every further word,
@@ -42,11 +42,11 @@ from typing import Any, cast
 
 import numpy as np
 
-from ..base import kernels
-from ..base.errors import InvalidArgumentError
-from ..base.hashing import mix64
-from .background import BackgroundBatches
-from .loader import BatchLoader
+from paramserver.base import kernels
+from paramserver.base.errors import InvalidArgumentError
+from paramserver.base.hashing import mix64
+from paramserver.data.background import BackgroundBatches
+from paramserver.data.loader import BatchLoader
 
 NUM_DENSE, NUM_SPARSE = 13, 26
 NUM_FIELDS = 1 + NUM_DENSE + NUM_SPARSE

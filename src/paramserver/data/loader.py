@@ -32,10 +32,10 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import IO, Any
 
-from ..base.errors import InvalidArgumentError, ParamServerError
-from ..base.lifecycle import Lifecycle, ReadyFlag
-from ..base.parent_death import die_with_parent
-from .background import queued_batches
+from paramserver.base.errors import InvalidArgumentError, ParamServerError
+from paramserver.base.lifecycle import Lifecycle, ReadyFlag
+from paramserver.base.parent_death import die_with_parent
+from paramserver.data.background import queued_batches
 
 log = logging.getLogger(__name__)
 _LENGTH = struct.Struct("<Q")

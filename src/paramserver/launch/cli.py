@@ -11,13 +11,13 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..base.byte_size import parse_byte_size
-from ..base.config import ClusterSpec, Options, config_from_environ, load_cluster_file, options_from_environ
-from ..base.errors import ConfigError, ParamServerError
-from .logs import configure_logging
+from paramserver.base.byte_size import parse_byte_size
+from paramserver.base.config import ClusterSpec, Options, config_from_environ, load_cluster_file, options_from_environ
+from paramserver.base.errors import ConfigError, ParamServerError
+from paramserver.launch.logs import configure_logging
 
 if TYPE_CHECKING:
-    from ..security.run_secret import RunSecret
+    from paramserver.security.run_secret import RunSecret
 
 log = logging.getLogger(__name__)
 
@@ -416,7 +416,7 @@ def mode_options(args: argparse.Namespace) -> dict:
 
 
 def _run_local(args: argparse.Namespace, script: str, script_args: list[str]) -> int:
-    from .local import LocalCluster, default_torch_threads
+    from paramserver.launch.local.supervisor import LocalCluster, default_torch_threads
 
     if args.ps < 1 or args.workers < 1:
         raise ConfigError(f"--ps and --workers must be at least 1, got {args.ps} and {args.workers}")
@@ -432,7 +432,7 @@ def _run_local(args: argparse.Namespace, script: str, script_args: list[str]) ->
     if not Path(script).is_file():
         raise ConfigError(f"training script {script} does not exist")
     if args.tokens:
-        from .tokens import STORE_FILE, local_nodes, write_tokens
+        from paramserver.security.tokens import STORE_FILE, local_nodes, write_tokens
 
         if not (Path(args.tokens) / STORE_FILE).exists():
             write_tokens(Path(args.tokens), local_nodes(args.ps, args.workers))
@@ -461,7 +461,7 @@ def _cert_dir(args: argparse.Namespace, options: Options) -> Path | None:
     """`--certs DIR`, once it holds every node's files (and no --tls-* flag competes with it)."""
     if not args.certs:
         return None
-    from .certs import check_cert_dir, ps_node_name, worker_node_name
+    from paramserver.security.certs import check_cert_dir, ps_node_name, worker_node_name
 
     if options.tls_cert or options.tls_ca:
         raise ConfigError("--certs gives every node its own --tls-cert, --tls-key and --tls-ca: give one or the other")
@@ -471,7 +471,7 @@ def _cert_dir(args: argparse.Namespace, options: Options) -> Path | None:
 
 
 def _k8s(args: argparse.Namespace) -> int:
-    from .k8s import Deployment, render
+    from paramserver.launch.kubernetes.manifests import Deployment, render
 
     deployment = Deployment(
         name=args.name,
@@ -507,8 +507,8 @@ def _k8s(args: argparse.Namespace) -> int:
 def _health(args: argparse.Namespace) -> int:
     """One node's health. Without --tls-* flags, TLS as PARAMSERVER_OPTIONS says: in a node's container
     (a Kubernetes exec probe) the node's own certificate."""
-    from ..security.tls import tls_from_options
-    from .status import tls_aware_check
+    from paramserver.launch.status import tls_aware_check
+    from paramserver.security.tls import tls_from_options
 
     access = _status_access(args)
     tls = access.tls if args.tls_cert or args.tls_ca else tls_from_options(options_from_environ(os.environ))
@@ -525,12 +525,12 @@ def _health(args: argparse.Namespace) -> int:
 
 
 def _make_certs(args: argparse.Namespace) -> int:
-    from .certs import write_certs
+    from paramserver.security.certs import write_certs
 
     nodes = _names(args.nodes)
     written = write_certs(Path(args.dir), nodes, _names(args.hosts), args.days)
     if args.tokens:
-        from .tokens import STORE_FILE, write_tokens
+        from paramserver.security.tokens import STORE_FILE, write_tokens
 
         write_tokens(Path(args.dir), nodes)
         written += [Path(args.dir) / f"{node}.token" for node in nodes] + [Path(args.dir) / STORE_FILE]
@@ -544,7 +544,7 @@ def _names(text: str) -> list[str]:
 
 def _status_access(args: argparse.Namespace):
     """How `status` and `shutdown` reach the nodes: the TLS material and token given as flags."""
-    from ..security.auth import Credentials
+    from paramserver.security.auth import Credentials
 
     return Credentials.from_options(
         Options(
@@ -563,13 +563,13 @@ def _cluster_spec(path: str | None) -> ClusterSpec:
 
 def _target(path: str | None) -> tuple[ClusterSpec, RunSecret | None]:
     """The cluster of a cluster file, else of TF_CONFIG, else of this user's `paramserver run` on this
-    machine, whose files must show it is to be trusted (launch/run_files.py); with that run's secret,
+    machine, whose files must show it is to be trusted (launch/local/run_files.py); with that run's secret,
     which its nodes must prove they hold before they are sent anything (None: a cluster the caller named)."""
     if path:
         return load_cluster_file(path, "ps", 0).cluster, None
     config = config_from_environ(os.environ, Options())
     if config is None:
-        from .run_files import local_run
+        from paramserver.launch.local.run_files import local_run
 
         run = local_run()
         return run.cluster, run.secret
@@ -603,23 +603,23 @@ def main(argv: list[str] | None = None) -> int:
             return _health(args)
         if args.command == "checkpoint":
             if args.since is not None:
-                from ..checkpoint.delta_export import run_delta_export
+                from paramserver.checkpoint.export.delta_export import run_delta_export
 
                 return run_delta_export(args.action, args.dir, args.name, args.out, args.since)
-            from ..checkpoint.tools import run_tool
+            from paramserver.checkpoint.tools import run_tool
 
             return run_tool(args.action, args.dir, args.name, args.out)
         if args.command == "status":
-            from .status import run_status
+            from paramserver.launch.status import run_status
 
             cluster, secret = _target(args.cluster)
             return run_status(cluster, args.json, args.interval, args.timeout, _status_access(args), secret)
         if args.command == "shutdown":
-            from .status import shutdown_cluster
+            from paramserver.launch.status import shutdown_cluster
 
             cluster, secret = _target(args.cluster)
             return shutdown_cluster(cluster, args.timeout, _status_access(args), args.reason, secret)
-        from .node import run_node
+        from paramserver.launch.node_command import run_node
 
         script_args = _strip_dashes(args.args)
         return run_node(args.cluster, args.role, args.index, args.bind, args.script, script_args, mode_options(args))

@@ -6,7 +6,7 @@ seconds apart, for its pushes per second, and the coordinator's Hello for the wo
 states. Every call has a deadline and the nodes are asked at once: the command never hangs on a
 node that does not answer; that node shows as UNREACHABLE, or TLS_REQUIRED when it serves TLS and
 no --tls-* flag was given. Without CLUSTER: TF_CONFIG's cluster, else the local `paramserver run`'s
-(launch/run_files.py).
+(launch/local/run_files.py).
 
 A local run's nodes are asked to prove they belong to it first (`prove`: a challenge on the run's
 secret, over the Prove RPC, which carries no token): a node that does not is asked nothing else, so
@@ -26,16 +26,16 @@ from typing import Any
 
 import grpc
 
-from ..base.config import ClusterSpec
-from ..base.errors import ParamServerError
-from ..coordinator.coordinator_service import SERVICE as COORDINATOR
-from ..security.auth import NO_CREDENTIALS, Credentials
-from ..security.run_secret import COORDINATOR_NODE, RunSecret, new_nonce, ps_node
-from ..security.tls import TlsMaterial, open_channel
-from ..transport.grpc_transport import SERVICE as SHARD
-from ..transport.health import UNREACHABLE, check
-from ..wire import codec
-from ..wire import messages as msg
+from paramserver.base.config import ClusterSpec
+from paramserver.base.errors import ParamServerError
+from paramserver.coordinator.coordinator_service import SERVICE as COORDINATOR
+from paramserver.security.auth import NO_CREDENTIALS, Credentials
+from paramserver.security.run_secret import COORDINATOR_NODE, RunSecret, new_nonce, ps_node
+from paramserver.security.tls import TlsMaterial, open_channel
+from paramserver.transport.grpc_transport import SERVICE as SHARD
+from paramserver.transport.health import UNREACHABLE, check
+from paramserver.wire import codec
+from paramserver.wire import messages as msg
 
 TLS_REQUIRED = "TLS_REQUIRED"  # the node serves TLS: status and health need --tls-ca (and a certificate for mTLS)
 UNPROVEN = "UNPROVEN"  # a local run's node that did not prove it belongs to the run: asked nothing else

@@ -6,20 +6,20 @@ import logging
 import threading
 from collections.abc import Callable
 
-from ..base.config import Options, bind_address
-from ..base.errors import ParamServerError
-from ..base.lifecycle import Lifecycle
-from ..base.metrics import NodeMetrics
-from ..client.ps_client import PSClient, hello
-from ..coordinator.collector import CoordinatorCollector
-from ..coordinator.coordinator_service import SERVICE as COORDINATOR
-from ..coordinator.coordinator_service import CoordinatorService
-from ..coordinator.membership import Coordinator
-from ..security.auth import COORDINATOR_ACTIONS, Credentials, Guard
-from ..security.run_secret import RunSecret
-from ..transport.channel import ShardChannel
-from ..transport.grpc_transport import GrpcChannel, GrpcServer
-from ..transport.health import Health
+from paramserver.base.config import Options, bind_address
+from paramserver.base.errors import ParamServerError
+from paramserver.base.lifecycle import Lifecycle
+from paramserver.base.metrics import NodeMetrics
+from paramserver.client.ps_client import PSClient, hello
+from paramserver.coordinator.collector import CoordinatorCollector
+from paramserver.coordinator.coordinator_service import SERVICE as COORDINATOR
+from paramserver.coordinator.coordinator_service import CoordinatorService
+from paramserver.coordinator.membership import Coordinator
+from paramserver.security.auth import COORDINATOR_ACTIONS, Credentials, Guard
+from paramserver.security.run_secret import RunSecret
+from paramserver.transport.channel import ShardChannel
+from paramserver.transport.grpc_transport import GrpcChannel, GrpcServer
+from paramserver.transport.health import Health
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ class CoordinatorHost(Lifecycle):
     Lifecycle (base/lifecycle.py): `start()` returns the address to reach it; `wait_ready(timeout)`;
     `wait_done(grace)` while workers may need it; `stop(grace)`. A named thread
     ("coordinator-watch") tells the shards of workers found dead (`tell_shards`), and calls
-    `on_restart(reason)` when a shard is no longer the process it was (worker/rollback.py).
+    `on_restart(reason)` when a shard is no longer the process it was (worker/recovery/rollback.py).
     """
 
     def __init__(

@@ -6,12 +6,12 @@ crosses the same codec and services as over gRPC (transport/inprocess.py).
 
 from __future__ import annotations
 
-from ..coordinator.coordinator_service import CoordinatorService
-from ..coordinator.membership import Coordinator
-from ..server.shard import Shard
-from ..server.shard_service import ShardService
-from ..transport.channel import ShardChannel
-from ..transport.inprocess import InProcessChannel
+from paramserver.coordinator.coordinator_service import CoordinatorService
+from paramserver.coordinator.membership import Coordinator
+from paramserver.server.shard import Shard
+from paramserver.server.shard_service import ShardService
+from paramserver.transport.channel import ShardChannel
+from paramserver.transport.inprocess import InProcessChannel
 
 
 def in_process_shards(num_ps: int) -> list[ShardChannel]:

@@ -1,4 +1,4 @@
-"""A PS node: one shard served over gRPC and the tensor stream (launch/ps_process.py runs it as a process).
+"""A PS node: one shard served over gRPC and the tensor stream (node/ps_process.py runs it as a process).
 
 Operations (docs/operations.md): the gRPC port also serves grpc.health.v1 (NOT_SERVING until
 `wait_ready` passed, SERVING, NOT_SERVING once draining); with `metrics_port` >= 0 a Prometheus
@@ -13,12 +13,12 @@ roll-back asks a PS to restart (a Shutdown with `restart`): it drains and exits 
 for its restart loop to start it again from the latest checkpoint.
 
 With a `table_memory_budget`, the PS's tables keep the rows beyond it on local disk, in a
-subdirectory of `spill_dir` of its own (server/tiers.py, docs/scaling.md): made at start (after the
+subdirectory of `spill_dir` of its own (tables/tiered/tiers.py, docs/scaling.md): made at start (after the
 stale ones a killed PS of the same index left are deleted), deleted by `stop`. When the spill store
-fails (server/spill_condition.py) the PS says so: health NOT_SERVING and a log line with the cause
+fails (tables/tiered/spill_condition.py) the PS says so: health NOT_SERVING and a log line with the cause
 (also in Hello's table description: "spill_state", "spill_error"). A full disk is NOT_SERVING
 until a write succeeds again (rows in memory still answer meanwhile); a store that failed for good
-(or a disk full for too long) calls `on_spill_failure(cause)`: launch/ps_process.py then drains
+(or a disk full for too long) calls `on_spill_failure(cause)`: node/ps_process.py then drains
 the PS and exits with the code that makes its launcher recover the shard from its checkpoint.
 """
 
@@ -30,24 +30,24 @@ import threading
 import time
 from collections.abc import Callable
 
-from ..base.config import Options
-from ..base.lifecycle import Lifecycle
-from ..base.metrics import MetricsEndpoint, NodeMetrics
-from ..checkpoint import shard_writer
-from ..security.auth import SHARD_ACTIONS, Guard
-from ..security.run_secret import RunSecret
-from ..security.tls import tls_from_options
-from ..server.limits import TableLimits
-from ..server.shard import Shard
-from ..server.shard_metrics import ShardCollector
-from ..server.shard_service import ShardService
-from ..server.spill_condition import FAILED, FULL
-from ..server.table_store import TableStore
-from ..server.tiers import Tiers
-from ..transport.grpc_transport import SERVICE, GrpcServer
-from ..transport.health import NOT_SERVING, Health
-from ..transport.stream import host_id
-from ..transport.stream_server import StreamServer
+from paramserver.base.config import Options
+from paramserver.base.lifecycle import Lifecycle
+from paramserver.base.metrics import MetricsEndpoint, NodeMetrics
+from paramserver.checkpoint import shard_writer
+from paramserver.security.auth import SHARD_ACTIONS, Guard
+from paramserver.security.run_secret import RunSecret
+from paramserver.security.tls import tls_from_options
+from paramserver.server.shard import Shard
+from paramserver.server.shard_metrics import ShardCollector
+from paramserver.server.shard_service import ShardService
+from paramserver.tables.limits import TableLimits
+from paramserver.tables.table_store import TableStore
+from paramserver.tables.tiered.spill_condition import FAILED, FULL
+from paramserver.tables.tiered.tiers import Tiers
+from paramserver.transport.grpc_transport import SERVICE, GrpcServer
+from paramserver.transport.health import NOT_SERVING, Health
+from paramserver.transport.stream import host_id
+from paramserver.transport.stream_server import StreamServer
 
 log = logging.getLogger(__name__)
 
@@ -236,8 +236,8 @@ def _restore_source(options: Options, guard: Guard):
     What the PS starts from is audited."""
     if not options.resume:  # Options made sure a resume has its checkpoint_dir
         return None
-    from ..checkpoint.restore import RestoreSource  # only a resuming PS loads safetensors and fsspec
-    from ..checkpoint.store import CheckpointStore
+    from paramserver.checkpoint.restore import RestoreSource  # only a resuming PS loads safetensors and fsspec
+    from paramserver.checkpoint.store import CheckpointStore
 
     started = time.monotonic()
     source = RestoreSource.latest(CheckpointStore(options.checkpoint_dir), options.restore_non_finite)

@@ -16,7 +16,7 @@ import threading
 from datetime import UTC, datetime
 from typing import Any
 
-from ..base.errors import ConfigError
+from paramserver.base.errors import ConfigError
 
 log = logging.getLogger("paramserver.audit")
 

@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
-from ..base.errors import ConfigError, ParamServerError, PermissionDeniedError, UnauthenticatedError
-from .audit import AuditLog
-from .tls import TlsMaterial, tls_from_options
+from paramserver.base.errors import ConfigError, ParamServerError, PermissionDeniedError, UnauthenticatedError
+from paramserver.security.audit import AuditLog
+from paramserver.security.tls import TlsMaterial, tls_from_options
 
 log = logging.getLogger(__name__)
 STORE_FORMAT = "paramserver-tokens"

@@ -17,7 +17,7 @@ import re
 import secrets
 from pathlib import Path
 
-from ..base.errors import ConfigError
+from paramserver.base.errors import ConfigError
 
 SECRET_BYTES = 32
 NONCE_BYTES = 32

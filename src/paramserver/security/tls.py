@@ -23,8 +23,8 @@ from pathlib import Path
 
 import grpc
 
-from ..base.config import Options
-from ..base.errors import ConfigError
+from paramserver.base.config import Options
+from paramserver.base.errors import ConfigError
 
 # TLS 1.2 suites of the tensor stream: forward-secret and AEAD only (no CBC), as gRPC's port offers
 TLS12_CIPHERS = "ECDHE+AESGCM:ECDHE+CHACHA20"

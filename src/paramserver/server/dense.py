@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..base import kernels
-from ..base.errors import InvalidArgumentError
-from ..wire.half import WIRE_DTYPES, from_wire, to_wire
-from .optimizers import Optimizer
+from paramserver.base import kernels
+from paramserver.base.errors import InvalidArgumentError
+from paramserver.server.optimizers import Optimizer
+from paramserver.wire.half import WIRE_DTYPES, from_wire, to_wire
 
 
 @dataclass(frozen=True)

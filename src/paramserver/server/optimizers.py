@@ -17,10 +17,10 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from ..base import kernels
-from ..base.errors import InvalidArgumentError
-from ..base.kernels import ptr as _ptr
-from .hyper import hyper_arguments
+from paramserver.base import kernels
+from paramserver.base.errors import InvalidArgumentError
+from paramserver.base.hyper import hyper_arguments
+from paramserver.base.kernels import ptr as _ptr
 
 log = logging.getLogger(__name__)
 _CHUNK = 65536  # elements per pass: 256 KiB of float32, fits in L2 with the scratch buffers

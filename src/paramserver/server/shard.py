@@ -18,9 +18,9 @@ from typing import TypeVar
 
 import numpy as np
 
-from ..base import kernels
-from ..base.consistency_spec import ConsistencySpec
-from ..base.errors import (
+from paramserver.base import kernels
+from paramserver.base.consistency_spec import ConsistencySpec
+from paramserver.base.errors import (
     DeadlineExceededError,
     FailedPreconditionError,
     InvalidArgumentError,
@@ -29,12 +29,12 @@ from ..base.errors import (
     RollbackError,
     UnavailableError,
 )
-from ..wire.half import WIRE_DTYPES
-from .consistency import SyncRound
-from .dense import DenseGroup
-from .optimizers import build_optimizer, check_lr
-from .quorum import Quorum
-from .table_store import CheckedPush, TableStore
+from paramserver.server.consistency import SyncRound
+from paramserver.server.dense import DenseGroup
+from paramserver.server.optimizers import build_optimizer, check_lr
+from paramserver.server.quorum import Quorum
+from paramserver.tables.table_store import CheckedPush, TableStore
+from paramserver.wire.half import WIRE_DTYPES
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

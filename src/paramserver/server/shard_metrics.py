@@ -8,8 +8,8 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .shard import Shard
-from .table_store import TableStore
+from paramserver.server.shard import Shard
+from paramserver.tables.table_store import TableStore
 
 # a table's describe() counter -> (metric name without _total, help)
 _TABLE_COUNTERS = {

@@ -24,16 +24,16 @@ from typing import Any
 
 import numpy as np
 
-from ..base.consistency_spec import ConsistencySpec
-from ..base.errors import FailedPreconditionError, MalformedFrameError
-from ..base.metrics import CallMetrics, rss_bytes
-from ..security.auth import Claim, Guard
-from ..security.run_secret import RunSecret, ps_node
-from ..wire import codec
-from ..wire import messages as msg
-from ..wire.calls import Request, decode_request
-from ..wire.gradient_codec import decode_tensors
-from .shard import Shard, Step, StepOutcome
+from paramserver.base.consistency_spec import ConsistencySpec
+from paramserver.base.errors import FailedPreconditionError, MalformedFrameError
+from paramserver.base.metrics import CallMetrics, rss_bytes
+from paramserver.security.auth import Claim, Guard
+from paramserver.security.run_secret import RunSecret, ps_node
+from paramserver.server.shard import Shard, Step, StepOutcome
+from paramserver.wire import codec
+from paramserver.wire import messages as msg
+from paramserver.wire.calls import Request, decode_request
+from paramserver.wire.gradient_codec import decode_tensors
 
 log = logging.getLogger(__name__)
 SERVICE = "paramserver.Shard"

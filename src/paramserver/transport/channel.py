@@ -5,7 +5,7 @@ from __future__ import annotations
 from concurrent.futures import Future
 from typing import Protocol
 
-from ..base.errors import DeadlineExceededError
+from paramserver.base.errors import DeadlineExceededError
 
 
 class CallHandle:

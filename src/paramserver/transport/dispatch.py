@@ -24,8 +24,8 @@ from typing import Any
 
 import grpc
 
-from ..base.errors import ParamServerError, UnauthenticatedError, error_for_status
-from ..security.auth import ANONYMOUS, Claim, Guard
+from paramserver.base.errors import ParamServerError, UnauthenticatedError, error_for_status
+from paramserver.security.auth import ANONYMOUS, Claim, Guard
 
 log = logging.getLogger(__name__)
 

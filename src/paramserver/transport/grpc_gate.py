@@ -19,8 +19,8 @@ import logging
 
 import grpc
 
-from ..base.errors import ParamServerError
-from ..security.auth import ANONYMOUS, Guard, Principal, bearer_token
+from paramserver.base.errors import ParamServerError
+from paramserver.security.auth import ANONYMOUS, Guard, Principal, bearer_token
 
 log = logging.getLogger(__name__)
 

@@ -21,20 +21,20 @@ from concurrent.futures import Future
 
 import grpc
 
-from ..base.config import Options
-from ..base.errors import ResourceExhaustedError, UnavailableError, error_for_status
-from ..base.lifecycle import Lifecycle, ReadyFlag
-from ..security.auth import bearer_metadata, bearer_token
-from ..security.tls import TlsMaterial
-from ..wire import codec
-from ..wire.codec import split_parts
-from .channel import CallHandle, FutureCall
-from .dispatch import answer
-from .grpc_gate import TokenGate
-from .health import Health
-from .stream import METHODS as STREAM_METHODS
-from .stream import host_id
-from .stream_client import StreamClient
+from paramserver.base.config import Options
+from paramserver.base.errors import ResourceExhaustedError, UnavailableError, error_for_status
+from paramserver.base.lifecycle import Lifecycle, ReadyFlag
+from paramserver.security.auth import bearer_metadata, bearer_token
+from paramserver.security.tls import TlsMaterial
+from paramserver.transport.channel import CallHandle, FutureCall
+from paramserver.transport.dispatch import answer
+from paramserver.transport.grpc_gate import TokenGate
+from paramserver.transport.health import Health
+from paramserver.transport.stream import METHODS as STREAM_METHODS
+from paramserver.transport.stream import host_id
+from paramserver.transport.stream_client import StreamClient
+from paramserver.wire import codec
+from paramserver.wire.codec import split_parts
 
 log = logging.getLogger(__name__)
 SERVICE = "paramserver.Shard"

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ..security.tls import TlsMaterial, open_channel
+from paramserver.security.tls import TlsMaterial, open_channel
 
 log = logging.getLogger(__name__)
 SERVING = health_pb2.HealthCheckResponse.SERVING

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 
-from ..wire import codec
-from .channel import CallHandle, FutureCall
-from .dispatch import answer
+from paramserver.transport.channel import CallHandle, FutureCall
+from paramserver.transport.dispatch import answer
+from paramserver.wire import codec
 
 
 class InProcessChannel:

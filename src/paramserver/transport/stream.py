@@ -51,10 +51,10 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from ..base import kernels
-from ..base.errors import MalformedFrameError, ResourceExhaustedError, error_for_status
-from ..wire.codec import float32_spans, header_bytes, split_parts
-from .shared_memory import write_parts
+from paramserver.base import kernels
+from paramserver.base.errors import MalformedFrameError, ResourceExhaustedError, error_for_status
+from paramserver.transport.shared_memory import write_parts
+from paramserver.wire.codec import float32_spans, header_bytes, split_parts
 
 MAGIC = b"PSTS"
 METHODS = ("Hello", "Register", "PushPull", "SetMode", "Leave", "RegisterTable", "Lookup")

@@ -12,8 +12,8 @@ import time
 
 import grpc
 
-from ..base.config import Options
-from ..base.errors import (
+from paramserver.base.config import Options
+from paramserver.base.errors import (
     DeadlineExceededError,
     MalformedFrameError,
     ParamServerError,
@@ -21,10 +21,9 @@ from ..base.errors import (
     UnavailableError,
     error_for_status,
 )
-from ..wire import codec
-from .channel import CallHandle
-from .shared_memory import Segment, write_parts
-from .stream import (
+from paramserver.transport.channel import CallHandle
+from paramserver.transport.shared_memory import Segment, write_parts
+from paramserver.transport.stream import (
     ATTACH,
     AUTH,
     CODES,
@@ -43,6 +42,7 @@ from .stream import (
     send_parts,
     tune,
 )
+from paramserver.wire import codec
 
 log = logging.getLogger(__name__)
 _SHM_MIN_BYTES = 64 * 1024  # smaller messages go inline: not worth a segment

@@ -30,8 +30,8 @@ import time
 
 import grpc
 
-from ..base.config import Options
-from ..base.errors import (
+from paramserver.base.config import Options
+from paramserver.base.errors import (
     DeadlineExceededError,
     InvalidArgumentError,
     MalformedFrameError,
@@ -40,10 +40,10 @@ from ..base.errors import (
     UnauthenticatedError,
     UnavailableError,
 )
-from ..base.lifecycle import Lifecycle, ReadyFlag
-from .dispatch import answer, introduce, needs_token, turned_away
-from .shared_memory import Segment, SegmentError
-from .stream import (
+from paramserver.base.lifecycle import Lifecycle, ReadyFlag
+from paramserver.transport.dispatch import answer, introduce, needs_token, turned_away
+from paramserver.transport.shared_memory import Segment, SegmentError
+from paramserver.transport.stream import (
     ATTACH,
     AUTH,
     METHODS,
@@ -63,7 +63,7 @@ from .stream import (
     tune,
     wake,
 )
-from .stream_slots import HANDSHAKE_S, AcceptFailures, Connection, Slots
+from paramserver.transport.stream_slots import HANDSHAKE_S, AcceptFailures, Connection, Slots
 
 log = logging.getLogger(__name__)
 _ANONYMOUS_BYTES = 64 * 1024  # the most a PS that checks tokens reads from a connection before its token

@@ -21,8 +21,8 @@ import threading
 import time
 from collections import OrderedDict
 
-from .shared_memory import Segment
-from .stream import Inbox
+from paramserver.transport.shared_memory import Segment
+from paramserver.transport.stream import Inbox
 
 log = logging.getLogger(__name__)
 MAX_PENDING = 64  # connections not yet proven, at once: a worker's proves itself within milliseconds

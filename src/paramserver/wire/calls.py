@@ -13,10 +13,10 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 
-from ..base.deadline import Deadline
-from ..base.errors import NotFoundError
-from . import codec
-from .message_fields import Message
+from paramserver.base.deadline import Deadline
+from paramserver.base.errors import NotFoundError
+from paramserver.wire import codec
+from paramserver.wire.message_fields import Message
 
 R = TypeVar("R", bound=Message)
 Tensors = Iterable[tuple[str, np.ndarray]]

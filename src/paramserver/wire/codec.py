@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from ..base.errors import MalformedFrameError, ProtocolVersionError
+from paramserver.base.errors import MalformedFrameError, ProtocolVersionError
 
 MAGIC = b"PSFR"
 PROTOCOL_MAJOR = 2  # 2: a step's dense parts, row pushes and lookups named by typed fields (PushPull)

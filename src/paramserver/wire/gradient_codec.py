@@ -25,9 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from ..base.compression_spec import Codec
-from ..base.errors import InvalidArgumentError
-from .half import bf16_bits_to_float32, float32_to_bf16_bits
+from paramserver.base.compression_spec import Codec
+from paramserver.base.errors import InvalidArgumentError
+from paramserver.wire.half import bf16_bits_to_float32, float32_to_bf16_bits
 
 CHUNK = 1024  # values per int8 scale of a dense gradient (a table's rows: one scale per row)
 _INT8_MAX = 127.0

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..base import kernels
+from paramserver.base import kernels
 
 BF16_NAN = np.uint16(0x7FC0)
 # how each wire dtype's arrays travel in a frame

@@ -20,8 +20,8 @@ import typing
 from collections.abc import Callable
 from typing import Any, ClassVar, NamedTuple, Self
 
-from ..base import names
-from ..base.errors import MalformedFrameError
+from paramserver.base import names
+from paramserver.base.errors import MalformedFrameError
 
 _UNIONS = (typing.Union, types.UnionType)
 M = typing.TypeVar("M", bound="Message")

@@ -17,8 +17,8 @@ prints them, ``--write docs/protocol.md`` replaces them in place (tests check th
 
 from typing import Any, NamedTuple
 
-from ..base import names
-from .message_fields import Message, doc_field, message, part_tensors
+from paramserver.base import names
+from paramserver.wire.message_fields import Message, doc_field, message, part_tensors
 
 _NON_EMPTY = lambda value: None if value else "must not be empty"
 _name = names.name_problem  # a group or table name: what a checkpoint can hold (base/names.py)
@@ -409,6 +409,6 @@ SERVICES = {"paramserver.Shard": SHARD_METHODS, "paramserver.Coordinator": COORD
 
 
 if __name__ == "__main__":
-    from .message_fields import main
+    from paramserver.wire.message_fields import main
 
     main(SERVICES)

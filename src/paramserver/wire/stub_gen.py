@@ -12,8 +12,8 @@ import re
 import sys
 from pathlib import Path
 
-from .message_fields import Message
-from .messages import COORDINATOR_METHODS, SHARD_METHODS
+from paramserver.wire.message_fields import Message
+from paramserver.wire.messages import COORDINATOR_METHODS, SHARD_METHODS
 
 TARGET = Path(__file__).with_name("stubs.py")
 HEADER = '''"""Typed stubs: one method per RPC, `stub.push_pull(request, timeout, tensors) -> Pending[reply]`.
@@ -26,8 +26,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import messages as msg
-from .calls import Channel, Pending, Stub, Tensors
+from paramserver.wire import messages as msg
+from paramserver.wire.calls import Channel, Pending, Stub, Tensors
 '''
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import messages as msg
-from .calls import Channel, Pending, Stub, Tensors
+from paramserver.wire import messages as msg
+from paramserver.wire.calls import Channel, Pending, Stub, Tensors
 
 
 class ShardStub(Stub):

@@ -6,24 +6,24 @@ import logging
 
 import torch
 
-from ..base.config import NodeConfig, Options
-from ..base.consistency_spec import ConsistencySpec
-from ..base.grpc_fork import GRPC_FORK_SUPPORT_ENV, grpc_fork_handlers_on
-from ..base.metrics import NodeMetrics
-from ..client.ps_client import PSClient
-from ..coordinator.coordinator_service import SERVICE as COORDINATOR
-from ..coordinator.coordinator_service import CoordinatorClient
-from ..node.coordinator_host import CoordinatorHost, channel_to
-from ..node.in_process import in_process_coordinator, in_process_shards
-from ..security.auth import Credentials
-from ..transport.channel import ShardChannel
-from .context import Context
-from .modes import ModeSwitcher
-from .ops import WorkerCollector, WorkerOps
-from .partial import ShardRecovery, supported
-from .progress import ProgressWriter
-from .rollback import RollbackFlag, roll_back_shards
-from .summaries import open_summaries
+from paramserver.base.config import NodeConfig, Options
+from paramserver.base.consistency_spec import ConsistencySpec
+from paramserver.base.grpc_fork import GRPC_FORK_SUPPORT_ENV, grpc_fork_handlers_on
+from paramserver.base.metrics import NodeMetrics
+from paramserver.client.ps_client import PSClient
+from paramserver.coordinator.coordinator_service import SERVICE as COORDINATOR
+from paramserver.coordinator.coordinator_service import CoordinatorClient
+from paramserver.node.coordinator_host import CoordinatorHost, channel_to
+from paramserver.node.in_process import in_process_coordinator, in_process_shards
+from paramserver.security.auth import Credentials
+from paramserver.transport.channel import ShardChannel
+from paramserver.worker.context import Context
+from paramserver.worker.modes import ModeSwitcher
+from paramserver.worker.ops import WorkerCollector, WorkerOps
+from paramserver.worker.progress import ProgressWriter
+from paramserver.worker.recovery.partial import ShardRecovery, supported
+from paramserver.worker.recovery.rollback import RollbackFlag, roll_back_shards
+from paramserver.worker.summaries import open_summaries
 
 log = logging.getLogger(__name__)
 
@@ -205,10 +205,10 @@ def _pauses(config: NodeConfig, client: PSClient, coordinator: CoordinatorClient
         coordinator.barrier(name, training_only=not (final and name.startswith(final)), between=between)
 
     if options.checkpoint_dir:  # imported here: a worker that never checkpoints never loads fsspec
-        from ..checkpoint.store import CheckpointStore
-        from .checkpoints import FINAL as final
-        from .checkpoints import Checkpointer
-        from .lineage import Lineage
+        from paramserver.checkpoint.store import CheckpointStore
+        from paramserver.worker.recovery.checkpoints import FINAL as final
+        from paramserver.worker.recovery.checkpoints import Checkpointer
+        from paramserver.worker.recovery.lineage import Lineage
 
         store = CheckpointStore(options.checkpoint_dir)
         checkpointer = Checkpointer(

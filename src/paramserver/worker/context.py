@@ -1,4 +1,4 @@
-"""Context: a worker's view of the cluster, made by worker/join.py (`paramserver.init()`)."""
+"""Context: a worker's view of the cluster, made by join.py (`paramserver.init()`)."""
 
 from __future__ import annotations
 
@@ -9,17 +9,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from ..base.config import Options
-from ..base.consistency_spec import ConsistencySpec
-from ..client.ps_client import PSClient
-from ..client.table_client import TableClient
-from ..coordinator.coordinator_service import CoordinatorClient
-from . import current, preemption
-from .modes import ModeSwitcher
-from .pipeline import for_context
-from .progress import ProgressWriter
-from .resumable import ResumableBatches
-from .rollback import restarted_shard
+from paramserver.base.config import Options
+from paramserver.base.consistency_spec import ConsistencySpec
+from paramserver.client.ps_client import PSClient
+from paramserver.client.table_client import TableClient
+from paramserver.coordinator.coordinator_service import CoordinatorClient
+from paramserver.worker import current
+from paramserver.worker.modes import ModeSwitcher
+from paramserver.worker.pipeline import for_context
+from paramserver.worker.progress import ProgressWriter
+from paramserver.worker.recovery import preemption
+from paramserver.worker.recovery.rollback import restarted_shard
+from paramserver.worker.resumable import ResumableBatches
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +94,7 @@ class Context:
     def _step_out(self, always: bool) -> None:
         """With dense_sync "allreduce", before this worker waits (out of the shards' quorums already,
         or its data done): answer the others' dense all-reduces until every worker stepped out too
-        (worker/dense_sync.py). At a barrier always; at the end of the script when it trained or
+        (optim/dense_sync.py). At a barrier always; at the end of the script when it trained or
         finished its data since it last stepped out."""
         group = self.dense_group
         if group is None or not (always or group.join_due):
@@ -129,7 +130,7 @@ class Context:
             self.client.compressor,
             self.client.record.note_position,  # a model of tables only learns its data position here
         )
-        if self.partial is not None:  # a lookup that finds a shard gone waits for it (worker/partial.py)
+        if self.partial is not None:  # a lookup that finds a shard gone waits for it (worker/recovery/partial.py)
             tables.on_lost = self.partial.after_failed_lookup
         return tables
 
@@ -239,7 +240,7 @@ class Context:
             self._stop_for_preemption(step)
 
     def _stop_for_preemption(self, step: int) -> None:
-        """SIGTERM or a first Ctrl-C arrived (worker/preemption.py): the chief has a checkpoint written
+        """SIGTERM or a first Ctrl-C arrived (worker/recovery/preemption.py): the chief has a checkpoint written
         now, at this step boundary, the others leave; then Preempted ends the script."""
         signum = preemption.requested()
         assert signum is not None

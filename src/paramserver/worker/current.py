@@ -1,6 +1,6 @@
 """The process's one Context, and the module-level functions that act on it.
 
-Set by worker/join.py (`paramserver.init()`), cleared when the Context shuts down. `paramserver
+Set by join.py (`paramserver.init()`), cleared when the Context shuts down. `paramserver
 node` names the config a script's `init()` uses before it runs the script. Not thread-safe: called
 from the training script's main thread.
 """
@@ -10,13 +10,13 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
-from ..base import config as config_mod
-from ..base.config import NodeConfig
-from ..base.consistency_spec import ConsistencySpec
-from ..base.errors import NotInitializedError
+from paramserver.base import config as config_mod
+from paramserver.base.config import NodeConfig
+from paramserver.base.consistency_spec import ConsistencySpec
+from paramserver.base.errors import NotInitializedError
 
 if TYPE_CHECKING:
-    from .context import Context
+    from paramserver.worker.context import Context
 
 _current: Any = None  # the Context (or EvaluatorContext) of this process
 _launched: NodeConfig | None = None  # set by `paramserver node` before it runs the script

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..base.consistency_spec import ConsistencySpec, ModeChange
-from ..base.errors import ParamServerError
+from paramserver.base.consistency_spec import ConsistencySpec, ModeChange
+from paramserver.base.errors import ParamServerError
 
 
 class ModeSwitcher:

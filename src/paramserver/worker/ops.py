@@ -20,13 +20,13 @@ from collections.abc import Iterator
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ..base.config import NodeConfig, bind_address
-from ..base.errors import UnavailableError
-from ..base.lifecycle import Lifecycle, ReadyFlag
-from ..base.metrics import MetricsEndpoint, NodeMetrics
-from ..security.tls import TlsMaterial
-from ..transport.grpc_transport import health_server
-from ..transport.health import Health
+from paramserver.base.config import NodeConfig, bind_address
+from paramserver.base.errors import UnavailableError
+from paramserver.base.lifecycle import Lifecycle, ReadyFlag
+from paramserver.base.metrics import MetricsEndpoint, NodeMetrics
+from paramserver.security.tls import TlsMaterial
+from paramserver.transport.grpc_transport import health_server
+from paramserver.transport.health import Health
 
 log = logging.getLogger(__name__)
 

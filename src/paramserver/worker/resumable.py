@@ -30,8 +30,8 @@ import logging
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from ..base.errors import InvalidArgumentError, NotInitializedError
-from . import current, pipeline
+from paramserver.base.errors import InvalidArgumentError, NotInitializedError
+from paramserver.worker import current, pipeline
 
 log = logging.getLogger(__name__)
 

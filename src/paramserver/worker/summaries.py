@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..base.lifecycle import Lifecycle
+from paramserver.base.lifecycle import Lifecycle
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter

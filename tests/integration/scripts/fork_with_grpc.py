@@ -14,10 +14,11 @@ import threading
 
 import paramserver  # noqa: F401  - first, as `paramserver run` and `paramserver node` import it
 from paramserver.base.config import Options
-from paramserver.coordinator.coordinator_service import SERVICE as COORDINATOR, CoordinatorClient
-from paramserver.wire import codec
-from paramserver.transport.grpc_transport import GrpcChannel
+from paramserver.coordinator.coordinator_service import SERVICE as COORDINATOR
+from paramserver.coordinator.coordinator_service import CoordinatorClient
 from paramserver.node.coordinator_host import CoordinatorHost
+from paramserver.transport.grpc_transport import GrpcChannel
+from paramserver.wire import codec
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--forks", type=int, default=10)

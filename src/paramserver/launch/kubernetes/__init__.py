@@ -1,0 +1,1 @@
+"""`paramserver k8s`: Kubernetes manifests (a Job per role, or a Kubeflow TFJob) and their pods' commands."""

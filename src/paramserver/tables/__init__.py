@@ -1,0 +1,5 @@
+"""A shard's embedding tables: the table store, the in-memory table and its hash index, row admission and
+snapshots, the row-wise optimizers and the operator's limits. tiered/ holds tables bigger than memory.
+
+Nothing here imports torch or gRPC; the shard core (server/) holds the tables through TableStore.
+"""

@@ -1,0 +1,1 @@
+"""A worker's part in recovery: checkpoints it asks for, roll-backs, partial recovery, preemption, lineage."""
