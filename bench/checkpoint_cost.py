@@ -120,7 +120,7 @@ def restore(writes: ShardWrites, step: int, rows: int) -> tuple[float, int]:
     source = RestoreSource(writes.store, checkpoint_name(step))
     tables = new_store(rows, restore=source)
     took = time.perf_counter() - started
-    size = tables._tables["emb"].size
+    size = tables.table("emb").size
     del tables, source
     gc.collect()
     return took, size
@@ -176,7 +176,7 @@ def main() -> None:
             check_time(f"delta {step - 1}")
             touch(tables, args.rows, args.touch, rng)
             later.append(checkpoint(writes, shard, step, checkpoint_name(step - 1)))
-        live_rows = tables._tables["emb"].size
+        live_rows = tables.table("emb").size
         del shard, tables
         gc.collect()
         check_time("the restores")

@@ -68,7 +68,7 @@ def table(args) -> dict:
             out[f"{name}_disk_reads_per_row"] = round((t.store.reads - reads) / touched, 3)
         out["memory_bytes_per_row"] = round(t.hot.nbytes / t.hot.capacity, 1)
         out["disk_bytes_per_row"] = round(t.store.disk_bytes() / t.size, 1)
-        t.store._db.compact_range(None, None)
+        t.store.db.compact_range(None, None)
         out["disk_bytes_per_row_compacted"] = round(t.store.disk_bytes() / t.size, 1)
         out["store_memory_bytes_per_row"] = round(t.store.memory_bytes() / t.size, 2)
         started = time.perf_counter()

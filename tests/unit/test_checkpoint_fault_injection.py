@@ -152,7 +152,7 @@ def resumed(root: str) -> tuple[str | None, dict, dict]:
     for index in range(2):
         tables = TableStore(index, restore=source)
         tables.register("emb", 4, ADAGRAD, INIT, policy=POLICY, num_shards=2)
-        table = tables._tables["emb"]
+        table = tables.table("emb")
         ids, values = table.array("ids")[: table.size], table.array("values")[: table.size]
         rows.update({int(i): v.tobytes() for i, v in zip(ids, values)})
     return source.name, dense, rows

@@ -104,7 +104,7 @@ def one_table(encoding="none", bad=np.nan, allow_non_finite=False):
     tables = TableStore(0)
     tables.register("t", 4, ADAGRAD, {"kind": "normal", "std": 0.1})
     tables.lookup("t", np.arange(10, dtype=np.int64))
-    tables._tables["t"].values[3, 1] = bad
+    tables.table("t").values[3, 1] = bad
     return Shard(0, tables=tables), tables
 
 
@@ -178,7 +178,7 @@ def test_only_ascii_checkpoint_names_are_names_and_listed(tmp_path):
     ):
         assert not is_checkpoint_name(name), ascii(name)
         (tmp_path / name).mkdir()
-    assert CheckpointStore(str(tmp_path))._all() == []
+    assert CheckpointStore(str(tmp_path)).names() == []
 
 
 def test_a_metadata_problem_is_one_line_whatever_the_key_holds():

@@ -179,12 +179,12 @@ def test_a_reserved_capacity_takes_that_many_rows_without_regrowing():
 
     store = TableStore(0)
     store.register("t", 4, {"name": "sgd", "hyper": {"lr": 0.1}}, {"kind": "zeros"}, capacity=5000)
-    values = store._tables["t"].values
+    values = store.table("t").values
     store.lookup("t", np.arange(5000, dtype=np.int64) * 31)
-    assert store._tables["t"].values is values and store._tables["t"].size == 5000
+    assert store.table("t").values is values and store.table("t").size == 5000
     with pytest.raises(InvalidArgumentError, match="capacity -1"):
         store.register("u", 4, {"name": "sgd", "hyper": {"lr": 0.1}}, {"kind": "zeros"}, capacity=-1)
-    assert "u" not in store._tables
+    assert "u" not in store.describe()
 
 
 @pytest.fixture
@@ -238,7 +238,7 @@ def test_a_table_grown_through_many_index_growths_keeps_every_row_and_its_state(
         touched.update(feed([grown, reference], rng, 30).tolist())
         phases.add(grown.index.growing)
     assert grown.capacity < reference.capacity and phases == {True, False}
-    assert grown._reserved and grown.values.shape[0] == grown.capacity
+    assert grown.in_reserved_space and grown.values.shape[0] == grown.capacity
     ids = np.array(sorted(touched), np.int64)
     np.testing.assert_array_equal(grown.read(ids), reference.read(ids))
     ours, theirs = saved_rows(grown), saved_rows(reference)
@@ -274,7 +274,7 @@ def test_tables_grow_by_copying_where_address_space_cannot_be_reserved(small_gro
     monkeypatch.setattr(reserved, "reserve", lambda rows, row_shape, dtype, huge=False: None)
     grown, reference = grown_and_reference()
     ids = feed([grown, reference], np.random.default_rng(7), 60)
-    assert not grown._reserved and grown.values.shape[0] == grown.capacity < reference.capacity
+    assert not grown.in_reserved_space and grown.values.shape[0] == grown.capacity < reference.capacity
     np.testing.assert_array_equal(grown.read(ids), reference.read(ids))
     np.testing.assert_array_equal(saved_rows(grown)["sum"], saved_rows(reference)["sum"])
 

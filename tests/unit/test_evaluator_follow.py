@@ -47,7 +47,7 @@ def write(directory, step, scale, final=False, names=("opt0.fc.weight", "opt0.fc
     shard.register("opt0.group0", SGD, {names[0]: np.full((1, 2), scale, np.float32),
                                         names[1]: np.ones(1, np.float32)})
     tables.register(table, 2, ADAGRAD, INIT, num_shards=1)
-    saved = tables._table(table)  # rows as a restore would put them
+    saved = tables.table(table)  # rows as a restore would put them
     saved.load_rows(SAVED_IDS, {"values": scale * np.array([[1, 1], [2, 2], [3, 3]], np.float32)})
     store, name = CheckpointStore(str(directory)), checkpoint_name(step)
     entries = [shard_file.write(store, name, shard, tables).__dict__]

@@ -48,15 +48,6 @@ def small_shares(monkeypatch):
     monkeypatch.setattr(hash_index, "_RESERVE_FROM", 64)
 
 
-def unmoved_find(index, ids):
-    """What `find` answers, without the slots it moves (a find of every id would end a move at once)."""
-    from paramserver.tables.hash_index import _find, _find_growing
-
-    if index._next is None:
-        return _find(index._slots, ids)
-    return _find_growing(index._slots, index._start, index._moved, index._next, ids)
-
-
 def test_an_index_growing_incrementally_finds_what_a_dict_does(small_shares):
     rng = np.random.default_rng(1)
     index, reference, growths = HashIndex(16), {}, 0
@@ -70,8 +61,10 @@ def test_an_index_growing_incrementally_finds_what_a_dict_does(small_shares):
         growths += index.growing and not was_growing
         reference.update(zip(batch.tolist(), rows.tolist()))
         stored += batch.size
-        everything = pool[:stored]  # each stored id is where a find looks, even right at a moved stretch's end
-        np.testing.assert_array_equal(unmoved_find(index, everything), [reference[i] for i in everything.tolist()])
+        # each stored id is where a find looks, even right at a moved stretch's end (find_still: a find
+        # of every id would end a move at once)
+        everything = pool[:stored]
+        np.testing.assert_array_equal(index.find_still(everything), [reference[i] for i in everything.tolist()])
         probe = rng.choice(pool, 100)  # stored and maybe not
         np.testing.assert_array_equal(index.find(probe), [reference.get(i, -1) for i in probe.tolist()])
         assert index.size == len(reference)
@@ -91,11 +84,12 @@ def test_ids_whose_probe_runs_into_the_moved_part_are_found_in_the_new_array(sma
     assert index.growing
     ids = np.arange(10_000, 2_000_000, dtype=np.int64)
     homes = (hash_index.mix64(ids) & np.uint64(4095)).astype(np.int64)
-    last = ids[homes == (index._start - 1) % 4096][:3]  # homes just before the slot kept empty
+    last = ids[homes == (index.growth.start - 1) % 4096][:3]  # homes just before the slot kept empty
     for id_ in last:
         index.insert(np.array([id_], np.int64))
-    assert index.growing and index._slots[index._start, 1] == 0
-    assert np.isin(last, index._next[:, 0]).any()  # a probe ran into the kept-empty slot: placed in the new array
+    growth = index.growth
+    assert growth is not None and growth.old[growth.start, 1] == 0
+    assert np.isin(last, growth.new[:, 0]).any()  # a probe ran into the kept-empty slot: placed in the new array
     np.testing.assert_array_equal(index.find(last), np.arange(1537, 1540))
     np.testing.assert_array_equal(index.find(first), np.arange(1537))
 
@@ -105,9 +99,9 @@ def test_items_and_bytes_count_both_arrays_while_slots_move(small_shares):
     ids = np.arange(1, 1001, dtype=np.int64) * 7919
     for chunk in np.array_split(ids, 50):
         index.insert(chunk)
-        if index.growing and index._moved:
+        if index.growing and index.growth.moved:
             break
-    assert index.growing and 0 < index._moved < 1024
+    assert index.growing and 0 < index.growth.moved < 1024
     keys, rows = index.items()
     np.testing.assert_array_equal(keys, ids[: index.size])
     np.testing.assert_array_equal(rows, np.arange(index.size))
@@ -200,16 +194,16 @@ def huge_page_kib(address: int) -> dict[str, int]:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore, /proc/self/smaps")
 def test_a_growth_hands_the_old_slots_back_as_it_moves_them_without_splitting_huge_pages():
     index = HashIndex(1 << 21)  # 32 MiB of slots, faulted in
-    old = index._slots
+    old = index.slots
     ids = np.arange(1, (1 << 21) * 3 // 8 + 2, dtype=np.int64)
     index.insert(ids)  # past 3/8: a growth starts
     huge = huge_page_kib(old.ctypes.data).get("AnonHugePages", 0) > 0  # transparent huge pages at work here
     fresh = 1 << 40
-    while index.growing and index._moved < old.shape[0] // 2:
+    while index.growing and index.growth.moved < old.shape[0] // 2:
         index.insert(np.arange(fresh, fresh + 20_000, dtype=np.int64))
         fresh += 20_000
     assert index.growing
-    unmoved = (old.shape[0] - index._moved) * 16
+    unmoved = (old.shape[0] - index.growth.moved) * 16
     assert resident_bytes(old) <= unmoved + 2 * reserved.HUGE_PAGE, (resident_bytes(old), unmoved)
     if huge:  # every page of the two arrays still whole
         figures = huge_page_kib(old.ctypes.data)

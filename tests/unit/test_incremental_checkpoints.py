@@ -79,7 +79,7 @@ def restored(store, name, num_ps):
     for index in range(num_ps):
         tables = TableStore(index, restore=source)
         tables.register("t", 4, ADAGRAD, INIT, policy=POLICY, num_shards=num_ps)
-        table = tables._tables["t"]
+        table = tables.table("t")
         arrays = {key: table.array(key)[: table.size].copy() for key in table.layout()}
         out.append((arrays, dict(table.counters), table.steps))
     return out
@@ -105,12 +105,12 @@ def test_a_chain_restores_what_a_whole_checkpoint_restores_at_every_point(tmp_pa
         entries = cluster.checkpoint(step, delta=step > 1)
         assert bool(entries[0].get("parent")) == (step > 1)
         names.append(checkpoint_name(step))
-    table = cluster.shards[0].tables._tables["t"]
+    table = cluster.shards[0].tables.table("t")
     assert table.counters["evicted"] > 0  # rows were evicted between the checkpoints
     for name in names:
         assert_same(restored(cluster.chain, name, 1), restored(cluster.whole, name, 1))
     cluster.checkpoint(9)  # nothing changed since 8: a delta of no rows
-    delta = RestoreSource(cluster.chain, checkpoint_name(9))._files[0].tensors
+    delta = RestoreSource(cluster.chain, checkpoint_name(9)).shard_file(0).tensors
     assert delta["table/t/ids"].shape == (0,) and delta["table/t/deleted"].shape == (0,)
     assert_same(restored(cluster.chain, checkpoint_name(9), 1), restored(cluster.whole, checkpoint_name(9), 1))
 
@@ -119,13 +119,13 @@ def test_evicted_rows_stay_deleted_and_a_deleted_id_may_come_back(tmp_path):
     cluster = Cluster(tmp_path)
     cluster.train(2, universe=100)
     cluster.checkpoint(1, delta=False)
-    table = cluster.shards[0].tables._tables["t"]
+    table = cluster.shards[0].tables.table("t")
     before = set(table.row_ids[: table.size].tolist())
     cluster.train(4, universe=50)  # ids 50..99 are not looked up again: evicted
     cluster.checkpoint(2)
     gone = before - set(table.row_ids[: table.size].tolist())
     assert gone
-    deleted = RestoreSource(cluster.chain, checkpoint_name(2))._chains[0][-1]
+    deleted = RestoreSource(cluster.chain, checkpoint_name(2)).shard_file(0)
     assert deleted.tensors["table/t/deleted"].shape[0] >= len(gone)
     (arrays, _, _), = restored(cluster.chain, checkpoint_name(2), 1)
     assert not gone & set(arrays["ids"].tolist())
@@ -315,7 +315,7 @@ def test_a_tiered_table_restores_the_rows_of_a_chain(tmp_path):
         tiers = Tiers.create(1 << 16, str(tmp_path / where), 0)  # a small budget: most rows on disk
         tables = TableStore(0, restore=RestoreSource(store, checkpoint_name(4)), tiers=tiers)
         tables.register("t", 4, ADAGRAD, INIT, policy=POLICY)
-        chunks = [arrays for _, arrays in tables._tables["t"].row_chunks(64)]
+        chunks = [arrays for _, arrays in tables.table("t").row_chunks(64)]
         arrays = {key: np.concatenate([chunk[key] for chunk in chunks]) for key in chunks[0]}
         order = np.argsort(arrays["ids"])
         tiers.close()

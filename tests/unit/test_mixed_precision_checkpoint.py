@@ -79,7 +79,7 @@ def test_a_bfloat16_hash_embedding_loads_its_tables_saved_float32_rows_rounded(t
     tables = TableStore(0)
     tables.register("opt0.emb", 2, SGD, {"kind": "normal", "std": 0.5}, wire="bfloat16")
     saved_rows = np.array([[0.1, -0.2], [0.3, 0.4]], np.float32)  # no bfloat16 holds these
-    tables._table("opt0.emb").load_rows(np.array([3, 10], np.int64), {"values": saved_rows})
+    tables.table("opt0.emb").load_rows(np.array([3, 10], np.int64), {"values": saved_rows})
     store, name = CheckpointStore(str(tmp_path)), checkpoint_name(1)
     shard = Shard(0)
     shard.register("opt0.group0", SGD, {"opt0.fc.weight": np.ones((1, 2), np.float32)})

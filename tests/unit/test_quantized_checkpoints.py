@@ -53,7 +53,7 @@ def test_a_quantized_chain_restores_the_whole_checkpoint_and_values_within_the_r
         assert_same(restored(cluster.chain, name, 2), restored(cluster.whole, name, 2))
         assert_same(restored(cluster.chain, name, 3), restored(cluster.whole, name, 3))
     for index, shard in enumerate(cluster.shards):  # against the live rows of the last checkpoint
-        table = shard.tables._tables["t"]
+        table = shard.tables.table("t")
         live = by_id({key: table.array(key)[: table.size] for key in table.layout()})
         got = by_id(restored(cluster.chain, checkpoint_name(4), 2)[index][0])
         assert np.array_equal(got["ids"], live["ids"])

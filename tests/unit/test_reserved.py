@@ -57,7 +57,7 @@ def test_under_an_address_space_limit_tables_fall_back_to_ordinary_arrays():
         table.read(ids)
     finally:
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
-    assert not table._reserved and table.capacity >= 300_000 and table.values.shape[0] == table.capacity
+    assert not table.in_reserved_space and table.capacity >= 300_000 and table.values.shape[0] == table.capacity
     assert (table.state["sum"][:300_000] == 0.5).all() and (table.read(ids) == 0).all()
 
 

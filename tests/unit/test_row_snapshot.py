@@ -21,7 +21,7 @@ def store_with_rows(rows=5000, dim=4, policy=None):
 
 
 def rows_now(tables, name="t"):
-    table = tables._table(name)
+    table = tables.table(name)
     return {key: table.array(key)[: table.size].copy() for key in table.layout()}
 
 
@@ -63,7 +63,7 @@ def test_the_snapshot_holds_the_rows_as_they_were_while_updates_and_new_rows_com
     tables.end_snapshot()
     for key in before:
         np.testing.assert_array_equal(np.concatenate(saved[key]), before[key], err_msg=f"{key}, seed {seed}")
-    assert tables._table("t").size > 5000  # the new rows were created meanwhile, outside the snapshot
+    assert tables.table("t").size > 5000  # the new rows were created meanwhile, outside the snapshot
     assert not np.array_equal(rows_now(tables)["values"][:5000], before["values"])
 
 
@@ -72,21 +72,20 @@ def test_eviction_waits_for_the_snapshot_to_end():
     tables.begin_snapshot()
     push(tables, np.arange(3, dtype=np.int64) * 3)
     push(tables, np.arange(3, dtype=np.int64) * 3)  # every other row is stale now, but a snapshot is open
-    assert tables._table("t").size == 200
+    assert tables.table("t").size == 200
     assert drain(tables)["ids"].shape[0] == 200
     tables.end_snapshot()
     tables.lookup("t", np.arange(3, dtype=np.int64) * 3)  # seen now: they stay
     push(tables, np.arange(3, dtype=np.int64) * 3)
-    assert tables._table("t").size == 3
+    assert tables.table("t").size == 3
 
 
 def test_changes_wait_while_the_rows_kept_aside_pass_their_budget_and_go_on_when_the_writer_moves(monkeypatch):
     monkeypatch.setattr(table_store_module, "SNAPSHOT_MIN_BUDGET", 1000)
     monkeypatch.setattr(table_store_module, "SNAPSHOT_SLICE_BYTES", 50_000)
     tables = store_with_rows()
-    tables.begin_snapshot()
+    _, snapshot = tables.begin_snapshot()["t"]
     push(tables, np.arange(5000, dtype=np.int64)[-1000:] * 3)  # rows far ahead of the writer: kept aside
-    snapshot = tables._snapshots["t"]
     assert snapshot.over_budget
     waiter = threading.Thread(target=push, args=(tables, np.arange(10, dtype=np.int64) * 3))
     waiter.start()

@@ -20,6 +20,11 @@ def values(shard):
     return shard.pull(["w", "b"], lambda version, views: (version, [v.copy() for _, v in views]))
 
 
+def group(shard, name):
+    """The dense group `name` (with its optimizer state), as a checkpoint reads it."""
+    return shard.snapshot(lambda groups, version, sync_step: groups[name])
+
+
 @pytest.mark.parametrize("grads, error, fragment", [
     ({"w": np.ones((2, 3), np.float32)}, InvalidArgumentError, "shape"),
     ({"w": np.ones((3, 2), np.float64)}, InvalidArgumentError, "dtype"),
@@ -76,11 +81,11 @@ def test_bad_assigned_values_are_refused_and_nothing_changes(shard, assigned, er
 
 def test_assign_writes_values_and_keeps_version_and_optimizer_state(shard):
     shard.push(Push({"w": np.ones((3, 2), np.float32), "b": np.ones(2, np.float32)}))
-    state = {key: array.copy() for key, array in shard._groups["g"].state.items()}
+    state = {key: array.copy() for key, array in group(shard, "g").state.items()}
     assert shard.assign({"w": np.full((3, 2), 5.0, np.float32)}) == 1
     version, (w, b) = values(shard)
     assert version == 1
     np.testing.assert_array_equal(w, np.full((3, 2), 5.0, np.float32))
     np.testing.assert_allclose(b, np.full(2, -0.1, np.float32), rtol=1e-6)  # Adam: -lr * sign, untouched
-    for key, array in shard._groups["g"].state.items():
+    for key, array in group(shard, "g").state.items():
         np.testing.assert_array_equal(array, state[key])

@@ -119,7 +119,7 @@ def test_a_half_table_serves_rows_in_its_wire_dtype_and_refuses_row_gradients_in
     tables = TableStore(0)
     tables.register("t", 2, {"name": "sgd", "hyper": {"lr": 1.0}}, {"kind": "normal", "std": 0.5}, wire="bfloat16")
     ids = np.array([3, 8], np.int64)
-    float_rows = tables._table("t").read(ids)
+    float_rows = tables.table("t").read(ids)
     rows = tables.lookup("t", ids)
     assert rows.dtype == np.uint16
     np.testing.assert_array_equal(rows, float32_to_bf16_bits(float_rows))
@@ -129,7 +129,7 @@ def test_a_half_table_serves_rows_in_its_wire_dtype_and_refuses_row_gradients_in
             tables.apply_rows([[tables.check_push("t", ids, bad)]])
         np.testing.assert_array_equal(tables.lookup("t", ids), rows)
     tables.apply_rows([[tables.check_push("t", ids, float32_to_bf16_bits(np.full((2, 2), 0.5, np.float32)))]])
-    np.testing.assert_array_equal(tables._table("t").read(ids), float_rows - 0.5)
+    np.testing.assert_array_equal(tables.table("t").read(ids), float_rows - 0.5)
     with pytest.raises(FailedPreconditionError, match="'t' was registered to travel as bfloat16, not float16"):
         tables.register("t", 2, {"name": "sgd", "hyper": {"lr": 1.0}}, {"kind": "normal", "std": 0.5},
                         wire="float16")

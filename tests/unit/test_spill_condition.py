@@ -22,9 +22,7 @@ NO_SPACE = "IO error: No space left on device: While appending to file: 000009.s
 
 def died(space):
     """What a killed PS leaves: its marked subdirectory, its lock free."""
-    os.close(space._lock_fd)
-    os.close(space._root_fd)
-    space._lock_fd = space._root_fd = -1
+    space.abandon()
     return space.path
 
 
@@ -159,7 +157,7 @@ def test_while_the_disk_is_full_rows_in_memory_answer_and_a_call_needing_the_dis
     hot = np.arange(5000, 5100, dtype=np.int64)
     before = tables.lookup("t", hot)  # in memory now
     table = tables.tiers.tables[0]
-    table.store._db = FailingDb(table.store._db, write_error=NO_SPACE)
+    table.store.db = FailingDb(table.store.db, write_error=NO_SPACE)
     with pytest.raises(SpillError, match="No space left on device") as raised:
         tables.lookup("t", np.arange(10_000, 12_000, dtype=np.int64))  # needs room: rows go to disk
     assert raised.value.full and tables.tiers.condition.state == FULL
@@ -167,7 +165,7 @@ def test_while_the_disk_is_full_rows_in_memory_answer_and_a_call_needing_the_dis
     np.testing.assert_array_equal(tables.lookup("t", hot), before)
     tables.push_checked([tables.check_push("t", hot, np.ones((100, 8), np.float32))])
     assert (tables.lookup("t", hot) < before).all()  # the push was applied
-    table.store._db.write_error = None  # room again
+    table.store.db.write_error = None  # room again
     tables.lookup("t", np.arange(10_000, 12_000, dtype=np.int64))
     assert tables.tiers.condition.state == OK and "spill_state" not in tables.describe()["t"]
     tables.close()
@@ -178,7 +176,7 @@ def test_a_store_that_fails_makes_every_table_call_unavailable_and_closes_withou
     hot = np.arange(5000, 5100, dtype=np.int64)
     tables.lookup("t", hot)
     table = tables.tiers.tables[0]
-    table.store._db = FailingDb(table.store._db, read_error="Corruption: block checksum mismatch in 000007.sst")
+    table.store.db = FailingDb(table.store.db, read_error="Corruption: block checksum mismatch in 000007.sst")
     with pytest.raises(UnavailableError, match="lost its spill store.*checksum mismatch"):
         tables.lookup("t", np.arange(100, dtype=np.int64))  # on disk
     assert tables.tiers.condition.state == FAILED
@@ -205,7 +203,7 @@ def _policy():
 def test_spill_files_overwritten_under_the_store_fail_it_for_good(tmp_path):
     tables = tiered_store(tmp_path)
     store = tables.tiers.tables[0].store
-    store._db.flush()  # the rows on disk are in table files now
+    store.db.flush()  # the rows on disk are in table files now
     written = list((tmp_path / "spill").glob("shard-0-*/table-1/*.sst"))
     assert written
     for path in written:  # overwritten in place (the store holds them open)

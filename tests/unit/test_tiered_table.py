@@ -1,8 +1,6 @@
 """Tables bigger than memory: a TieredTable under a budget small enough to spill trains, evicts,
 saves and loads exactly as an in-memory EmbeddingTable does."""
 
-import os
-
 import numpy as np
 import pytest
 
@@ -13,7 +11,7 @@ from paramserver.checkpoint.store import CheckpointStore, checkpoint_name
 from paramserver.server.shard import Shard
 from paramserver.server.shard_metrics import ShardCollector
 from paramserver.tables.embedding_table import EmbeddingTable, RowPolicy
-from paramserver.tables.limits import TableLimits, table_bytes
+from paramserver.tables.limits import TableLimits
 from paramserver.tables.sparse_optimizers import build_sparse_optimizer
 from paramserver.tables.table_store import TableStore
 from paramserver.tables.tiered.spill_space import SpillSpace, remove_stale
@@ -175,20 +173,20 @@ def test_a_checkpoint_moves_a_table_between_memory_and_tiers_and_back(tmp_path):
         return RestoreSource(files, name)
 
     memory = trained_store()
-    train([memory._tables["t"]], steps=60)
+    train([memory.table("t")], steps=60)
     tiered = trained_store(restore=checkpoint(memory, 10), tiers=Tiers.create(1 << 16, str(tmp_path / "spill"), 0))
     assert tiered.describe()["t"]["disk_rows"] > 0
-    assert_alike(memory._tables["t"], tiered._tables["t"])
-    train([memory._tables["t"], tiered._tables["t"]], steps=20, seed=3)
+    assert_alike(memory.table("t"), tiered.table("t"))
+    train([memory.table("t"), tiered.table("t")], steps=20, seed=3)
     back = trained_store(restore=checkpoint(tiered, 20))
-    assert_alike(memory._tables["t"], back._tables["t"])
+    assert_alike(memory.table("t"), back.table("t"))
     tiered.close()
 
 
 def test_a_failing_disk_fails_the_request_and_keeps_the_rows_in_memory(tiers):
     memory, tiered = pair(tiers, OPTIMIZERS["adagrad"])
     train([memory, tiered], steps=30)
-    db = tiered.store._db
+    db = tiered.store.db
 
     class FullDisk:
         def __getattr__(self, name):
@@ -197,10 +195,10 @@ def test_a_failing_disk_fails_the_request_and_keeps_the_rows_in_memory(tiers):
         def write(self, *args):
             raise Exception("IO error: No space left on device")
 
-    tiered.store._db = FullDisk()
+    tiered.store.db = FullDisk()
     with pytest.raises(ResourceExhaustedError, match="spill store .*: cannot write rows: .*No space left"):
         tiered.read(np.arange(10_000, 13_000, dtype=np.int64))  # new rows: memory must make room
-    tiered.store._db = db
+    tiered.store.db = db
     every = saved(memory)["ids"]
     np.testing.assert_array_equal(tiered.read(every), memory.read(every))  # nothing trained was lost
 
@@ -215,7 +213,7 @@ def test_tables_share_the_budget_and_count_their_memory_tier_in_the_limits(tmp_p
     store.register("b", 16, OPTIMIZERS["sgd"], INIT)
     described = store.describe()
     assert described["a"]["memory_capacity"] < alone and described["a"]["rows"] == 2000
-    assert sum(table_bytes(t) for t in store._tables.values()) <= BUDGET
+    assert store.held_bytes() <= BUDGET
     assert sum(d["bytes"] for d in described.values()) <= BUDGET
     np.testing.assert_array_equal(store.lookup("a", np.arange(2000, dtype=np.int64)), before)
     with pytest.raises(ResourceExhaustedError, match="max_tiered_table_rows"):
@@ -245,9 +243,7 @@ def test_a_tiered_table_figures_in_the_shard_metrics(tmp_path):
 
 def died(space):
     """What a killed PS leaves: its marked subdirectory, its lock free (the process is gone)."""
-    os.close(space._lock_fd)
-    os.close(space._root_fd)
-    space._lock_fd = space._root_fd = -1
+    space.abandon()
     return space.path
 
 

@@ -41,6 +41,7 @@ from paramserver.checkpoint.chain import Link, SavedFile
 from paramserver.checkpoint.files import quantize
 from paramserver.checkpoint.files.tensor_file import TensorReader, TensorSpec
 from paramserver.checkpoint.store import CheckpointError, CheckpointStore
+from paramserver.tables.table import Table
 
 log = logging.getLogger(__name__)
 _SPLIT = re.compile(r"^(.*)\[(\d+):(\d+)\]$")
@@ -318,6 +319,11 @@ class RestoreSource:
         time (every file checked whole first)."""
         yield from chain.current_slices(self._chains[index], table, list(names), shard, num_shards)
 
+    def shard_file(self, index: int) -> SavedFile:
+        """This checkpoint's own shard file `index` (its header: `meta`, `tensors`), as checked when
+        the source was opened."""
+        return self._files[index]
+
     def chain_from(self, index: int, name: str) -> list[SavedFile] | None:
         """Shard file `index`'s chain from checkpoint `name`'s link on (that link first), or None
         when `name` is not a link of it."""
@@ -325,7 +331,7 @@ class RestoreSource:
         at = next((k for k, saved in enumerate(files) if saved.link.name == name), None)
         return None if at is None else files[at:]
 
-    def fill_table(self, table, shard: int, num_shards: int) -> bool:
+    def fill_table(self, table: Table, shard: int, num_shards: int) -> bool:
         """Load the saved rows of `table` that belong to `shard` of `num_shards` into it (an empty
         table with `layout`/`load_rows`/`restore_meta`; with `delete_ids` too, a chain is applied
         link by link, else its current rows are loaded); False if the checkpoint has no such table."""

@@ -129,13 +129,25 @@ class CheckpointStore:
                 raise AlreadyExistsError(f"checkpoint {name} is committed in {self.url}: it is never overwritten")
 
     @contextlib.contextmanager
-    def _os(self, action: str, path: str, name: str | None = None) -> Iterator[None]:
-        """Raise an OSError of the block as a CheckpointError: '[checkpoint NAME: ]cannot ACTION PATH: reason'."""
+    def _os(self, action: str, path: str, name: str | None = None, missing: str | None = None) -> Iterator[None]:
+        """Raise an OSError of the block as a CheckpointError (the one place this store maps them):
+        '[checkpoint NAME: ]cannot ACTION PATH: reason', or, with `missing`, a FileNotFoundError as
+        '[checkpoint NAME: ]MISSING'."""
+        where = f"checkpoint {name}: " if name else f"checkpoint directory {self.url}: "
         try:
             yield
         except OSError as exc:
-            where = f"checkpoint {name}: " if name else f"checkpoint directory {self.url}: "
+            if missing is not None and isinstance(exc, FileNotFoundError):
+                raise CheckpointError(f"{where}{missing}") from None
             raise CheckpointError(f"{where}cannot {action} {path}: {os_reason(exc)}") from exc
+
+    def _entries(self, directory: str, name: str | None = None) -> list[str]:
+        """The paths in `directory` (none where it does not exist)."""
+        with self._os("list", directory, name):
+            try:
+                return self.fs.ls(directory, detail=False)
+            except FileNotFoundError:
+                return []
 
     # ---- writing ---------------------------------------------------------------------------
     def write_shard(self, name: str, index: int, data: bytes) -> ShardFile:
@@ -209,7 +221,7 @@ class CheckpointStore:
         On S3, what a dead writer leaves is an unfinished multipart upload instead (invisible, but
         stored and billed): those under this directory are aborted."""
         removed = [] if self.local else self._abort_uploads(name)
-        for checkpoint in [name] if name is not None else self._all():
+        for checkpoint in [name] if name is not None else self.names():
             removed += self._remove_temporary(checkpoint, self.path(checkpoint))
         return removed
 
@@ -252,7 +264,7 @@ class CheckpointStore:
                 needed.update(chain)
         if len(kept) < keep:
             return []
-        doomed = [name for name in self._all() if name < kept[-1] and name != protect and name not in needed]
+        doomed = [name for name in self.names() if name < kept[-1] and name != protect and name not in needed]
         for name in doomed:
             self._forget(name)
             with self._os("delete", self.path(name), name):
@@ -279,7 +291,7 @@ class CheckpointStore:
         """Incomplete checkpoints newer than `name`: after the chief committed `name`, what no write of
         its own left (its names only grow) but a Checkpoint call with a name ahead of its step did."""
         complete = set(self.complete())
-        return [other for other in self._all() if other > name and other not in complete]
+        return [other for other in self.names() if other > name and other not in complete]
 
     def _chain_counts(self, name: str) -> list[str]:
         """Checkpoint `name`'s chain when every checkpoint of it counts (see `_counts`), else []."""
@@ -403,13 +415,7 @@ class CheckpointStore:
     def _remove_temporary(self, name: str, directory: str, target: str | None = None) -> list[str]:
         """Delete the temporary files in `directory` (those of `target` only, when given)."""
         removed: list[str] = []
-        try:
-            entries = self.fs.ls(directory, detail=False)
-        except FileNotFoundError:
-            return removed
-        except OSError as exc:
-            raise CheckpointError(f"checkpoint {name}: cannot list {directory}: {os_reason(exc)}") from exc
-        for entry in entries:
+        for entry in self._entries(directory, name):
             match = _TEMPORARY.fullmatch(posixpath.basename(entry.rstrip("/")))
             if match and (target is None or match.group("target") == target):
                 with self._os("delete", entry, name):
@@ -449,22 +455,16 @@ class CheckpointStore:
         if not self.exists():
             raise CheckpointError(f"checkpoint directory {self.url} does not exist")
 
-    def _all(self) -> list[str]:
-        try:
-            entries = self.fs.ls(self.root, detail=False)
-        except FileNotFoundError:
-            return []
-        except OSError as exc:
-            raise CheckpointError(
-                f"checkpoint directory {self.url}: cannot list {self.root}: {os_reason(exc)}"
-            ) from exc
-        names = [posixpath.basename(entry.rstrip("/")) for entry in entries]
+    def names(self) -> list[str]:
+        """Names of every checkpoint directory here, committed or not, oldest first (a directory
+        whose name is not a checkpoint name is not one)."""
+        names = [posixpath.basename(entry.rstrip("/")) for entry in self._entries(self.root)]
         return sorted(name for name in names if is_checkpoint_name(name))
 
     def complete(self) -> list[str]:
         """Names of checkpoints with a manifest, oldest first."""
         names = []
-        for name in self._all():
+        for name in self.names():
             with self._os("read", self.path(name, MANIFEST), name):
                 if self.fs.exists(self.path(name, MANIFEST)):
                     names.append(name)
@@ -485,16 +485,12 @@ class CheckpointStore:
     def manifest_bytes(self, name: str) -> bytes:
         """The bytes of checkpoint `name`'s MANIFEST.json (at most MAX_MANIFEST_BYTES; memory: its size)."""
         path = self.path(name, MANIFEST)
-        try:
+        with self._os("read", path, name, missing=f"no {MANIFEST} (incomplete checkpoint)"):
             size = self._regular_size(name, path)
             if size > MAX_MANIFEST_BYTES:
                 raise CheckpointError(f"checkpoint {name}: {MANIFEST} is larger than {MAX_MANIFEST_BYTES} bytes")
             with self.fs.open(path, "rb") as handle:  # read(n) allocates n bytes first: the size, not the bound
                 data = handle.read(size + 1)
-        except FileNotFoundError:
-            raise CheckpointError(f"checkpoint {name}: no {MANIFEST} (incomplete checkpoint)") from None
-        except OSError as exc:
-            raise CheckpointError(f"checkpoint {name}: cannot read {path}: {os_reason(exc)}") from exc
         if len(data) != size:
             raise CheckpointError(f"checkpoint {name}: {MANIFEST} changed while it was read")
         return data
@@ -574,28 +570,16 @@ class CheckpointStore:
         """An open binary handle (seek, read) of one shard file, a regular file inside the
         checkpoint's directory; OSErrors as CheckpointErrors."""
         path = self.path(name, entry.file)
-        try:
+        with self._os("read", path, name, missing=_missing(entry)):
             self._regular_size(name, path)
             handle = self.fs.open(path, "rb")
-        except FileNotFoundError:
-            raise CheckpointError(
-                f"checkpoint {name}: shard file {entry.file} named by the manifest is missing"
-            ) from None
-        except OSError as exc:
-            raise CheckpointError(f"checkpoint {name}: cannot read {path}: {os_reason(exc)}") from exc
         with handle:
             yield handle
 
     def _check_size(self, name: str, entry: ShardFile) -> None:
         path = self.path(name, entry.file)
-        try:
+        with self._os("read", path, name, missing=_missing(entry)):
             size = self._regular_size(name, path)
-        except FileNotFoundError:
-            raise CheckpointError(
-                f"checkpoint {name}: shard file {entry.file} named by the manifest is missing"
-            ) from None
-        except OSError as exc:
-            raise CheckpointError(f"checkpoint {name}: cannot read {path}: {os_reason(exc)}") from exc
         self.check_digest(name, entry, size, None)
 
     def _regular_size(self, name: str, path: str) -> int:
@@ -626,6 +610,10 @@ class CheckpointStore:
             raise CheckpointError(
                 f"checkpoint {name}: shard file {entry.file} does not match its SHA-256 (changed after it was written)"
             )
+
+
+def _missing(entry: ShardFile) -> str:
+    return f"shard file {entry.file} named by the manifest is missing"
 
 
 def _verdict() -> Callable[[CheckpointStore, str], None]:

@@ -11,7 +11,7 @@ Under a restart loop (Kubernetes' restartPolicy, a supervisor), recovery needs n
 - a PS or the chief that restarted makes the cluster roll back to that checkpoint: the chief
   restarts (or, restarted, finds the PS holding state), asks every PS to restart,
   and every worker that learns of it exits with RESTART_EXIT_CODE to be started again
-  (docs/deploy.md, "When a pod dies").
+  (docs/recovery.md, "When a pod dies").
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Operations (docs/operations.md): the gRPC port also serves grpc.health.v1 (NOT_S
 endpoint serves the node's metrics (its port is logged). SIGTERM drains: health goes NOT_SERVING,
 calls in flight get `drain_grace_s` seconds to finish, then the process exits 0.
 
-Restarts (docs/deploy.md, "When a pod dies"): each PS process has a random `incarnation`, announced
+Restarts (docs/recovery.md, "When a pod dies"): each PS process has a random `incarnation`, announced
 in Hello, so that a worker or the chief can tell a restarted PS from the one it registered with; a
 resuming one (a cluster's PS with a checkpoint_dir) accepts pushes only from workers that registered
 with it (Shard.sessions). The chief's

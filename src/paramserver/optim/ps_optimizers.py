@@ -3,7 +3,8 @@
 Creating one registers the parameters on the PS (the first worker's initial values win and
 every worker adopts them); `step()` pushes this worker's gradients and writes the PS's new
 values into the parameters, in one round trip per shard. The math runs on the PS
-(paramserver.server.optimizers) and matches torch.optim's.
+(paramserver.server.optimizers) and matches torch.optim's; the arguments and their defaults are
+those of base/optimizer_specs.py, checked here before anything is registered.
 
 With `overlap=True`, `step()` returns as soon as the gradients are sent, and the PS's reply
 is loaded at the start of the next `step()` (or by `pull()` / `synchronize()`): the next
@@ -32,10 +33,10 @@ import torch
 
 from paramserver.base.compression_spec import NONE, Codec
 from paramserver.base.errors import InvalidArgumentError
+from paramserver.base.optimizer_specs import DENSE, check_implementation
 from paramserver.client.ps_client import PushPullHandle
 from paramserver.nn.hash_embedding import sparse_counterpart
 from paramserver.nn.wire_dtype import WIRE_OF, wire_array, write_wire
-from paramserver.server.optimizers import OPTIMIZERS, build_optimizer, check_implementation
 from paramserver.worker.context import Context
 from paramserver.worker.current import current_context
 
@@ -105,6 +106,12 @@ class PSOptimizer(torch.optim.Optimizer):
         if self.context.rejoined and self.context.pauses_at(self.steps):
             self.context.pause(self.steps)  # the others may wait at the barrier this worker died at
 
+    @property
+    def variables(self) -> list[str]:
+        """The PS variable of each dense parameter, in registration order (what the client's
+        push_pull and the PS's replies name)."""
+        return [var for var, _ in self._vars]
+
     def _group_name(self, index: int) -> str:
         return f"{self.name}.group{index}"
 
@@ -113,9 +120,9 @@ class PSOptimizer(torch.optim.Optimizer):
         parameter)], [(name, embedding module, its table's spec)]); raises InvalidArgumentError.
         Unnamed parameters are numbered after the `dense_before` of earlier groups."""
         check_implementation(self.kind, group)
-        hyper = {k: plain_hyper(k, v) for k, v in group.items() if k in OPTIMIZERS[self.kind].defaults}
+        hyper = {k: plain_hyper(k, v) for k, v in group.items() if k in DENSE[self.kind].defaults}
         spec = {"name": self.kind, "hyper": hyper}
-        build_optimizer(spec)
+        DENSE[self.kind].arguments(hyper)  # refused here as the PS would refuse it
         names = group.get("param_names") or [f"param{dense_before + j}" for j in range(len(group["params"]))]
         dense, tables = [], []
         for name, param in zip(names, group["params"]):
@@ -287,6 +294,10 @@ class PSOptimizer(torch.optim.Optimizer):
             write_wire(part.name, param.data if part.whole else param.data[part.lo : part.hi], array)
 
 
+# each optimizer's defaults, as the PS applies them (one source: base/optimizer_specs.py)
+_SGD, _ADAGRAD, _ADAM, _ADAMW = (DENSE[kind].defaults for kind in ("sgd", "adagrad", "adam", "adamw"))
+
+
 def _table_name(optimizer: str, param_name: str, module) -> str:
     """An embedding module's table: its own name, or one made of the optimizer's and the parameter's."""
     return module.table_name or f"{optimizer}.{param_name.removesuffix('.placeholder')}"
@@ -294,7 +305,7 @@ def _table_name(optimizer: str, param_name: str, module) -> str:
 
 def _implementation(foreach, fused, capturable=False, differentiable=False) -> dict[str, Any]:
     """torch's implementation switches, kept in each param group as torch keeps them (checked at
-    registration: see server.optimizers.check_implementation)."""
+    registration: see base.optimizer_specs.check_implementation)."""
     return dict(foreach=foreach, fused=fused, capturable=capturable, differentiable=differentiable)
 
 
@@ -306,13 +317,13 @@ class SGD(PSOptimizer):
     def __init__(
         self,
         params,
-        lr: float = 1e-3,
-        momentum: float = 0.0,
-        dampening: float = 0.0,
-        weight_decay: float = 0.0,
-        nesterov: bool = False,
+        lr: float = _SGD["lr"],
+        momentum: float = _SGD["momentum"],
+        dampening: float = _SGD["dampening"],
+        weight_decay: float = _SGD["weight_decay"],
+        nesterov: bool = _SGD["nesterov"],
         *,
-        maximize: bool = False,
+        maximize: bool = _SGD["maximize"],
         foreach: bool | None = None,
         differentiable: bool = False,
         fused: bool | None = None,
@@ -343,14 +354,14 @@ class Adagrad(PSOptimizer):
     def __init__(
         self,
         params,
-        lr: float = 1e-2,
-        lr_decay: float = 0.0,
-        weight_decay: float = 0.0,
-        initial_accumulator_value: float = 0.0,
-        eps: float = 1e-10,
+        lr: float = _ADAGRAD["lr"],
+        lr_decay: float = _ADAGRAD["lr_decay"],
+        weight_decay: float = _ADAGRAD["weight_decay"],
+        initial_accumulator_value: float = _ADAGRAD["initial_accumulator_value"],
+        eps: float = _ADAGRAD["eps"],
         foreach: bool | None = None,
         *,
-        maximize: bool = False,
+        maximize: bool = _ADAGRAD["maximize"],
         differentiable: bool = False,
         fused: bool | None = None,
         overlap: bool = False,
@@ -380,18 +391,18 @@ class Adam(PSOptimizer):
     def __init__(
         self,
         params,
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-        amsgrad: bool = False,
+        lr: float = _ADAM["lr"],
+        betas: tuple[float, float] = _ADAM["betas"],
+        eps: float = _ADAM["eps"],
+        weight_decay: float = _ADAM["weight_decay"],
+        amsgrad: bool = _ADAM["amsgrad"],
         *,
         foreach: bool | None = None,
-        maximize: bool = False,
+        maximize: bool = _ADAM["maximize"],
         capturable: bool = False,
         differentiable: bool = False,
         fused: bool | None = None,
-        decoupled_weight_decay: bool = False,
+        decoupled_weight_decay: bool = _ADAM["decoupled_weight_decay"],
         overlap: bool = False,
         context: Context | None = None,
     ) -> None:
@@ -420,13 +431,13 @@ class AdamW(PSOptimizer):
     def __init__(
         self,
         params,
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 1e-2,
-        amsgrad: bool = False,
+        lr: float = _ADAMW["lr"],
+        betas: tuple[float, float] = _ADAMW["betas"],
+        eps: float = _ADAMW["eps"],
+        weight_decay: float = _ADAMW["weight_decay"],
+        amsgrad: bool = _ADAMW["amsgrad"],
         *,
-        maximize: bool = False,
+        maximize: bool = _ADAMW["maximize"],
         foreach: bool | None = None,
         capturable: bool = False,
         differentiable: bool = False,

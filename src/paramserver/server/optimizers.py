@@ -18,9 +18,8 @@ from typing import Any, ClassVar
 import numpy as np
 
 from paramserver.base import kernels
-from paramserver.base.errors import InvalidArgumentError
-from paramserver.base.hyper import hyper_arguments
 from paramserver.base.kernels import ptr as _ptr
+from paramserver.base.optimizer_specs import DENSE, OptimizerSpec, check_lr, dense_spec
 
 log = logging.getLogger(__name__)
 _CHUNK = 65536  # elements per pass: 256 KiB of float32, fits in L2 with the scratch buffers
@@ -28,16 +27,20 @@ _f32 = np.float32
 
 
 class Optimizer:
-    """Base of the server-side optimizers. Subclasses set `name`, `defaults`, `state_names`."""
+    """Base of the server-side optimizers. Subclasses set `spec` (their arguments, from
+    base/optimizer_specs.py) and `state_names`. The constructor takes arguments as checked by
+    `spec.arguments` (build_optimizer checks them); the ones not given take their defaults."""
 
-    name: ClassVar[str]
-    defaults: ClassVar[dict[str, Any]]
+    spec: ClassVar[OptimizerSpec]
     state_names: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, **hyper: Any) -> None:
-        self.hyper = dict(self.defaults)
-        self.hyper.update(hyper)
+        self.hyper = {**self.spec.defaults, **hyper}
         self._scratch = (np.empty(_CHUNK, _f32), np.empty(_CHUNK, _f32))
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
 
     def init_state(self, size: int) -> dict[str, np.ndarray]:
         """Fresh state arrays for `size` elements."""
@@ -70,15 +73,7 @@ class Optimizer:
 
 
 class SGD(Optimizer):
-    name = "sgd"
-    defaults = {
-        "lr": 1e-3,
-        "momentum": 0.0,
-        "dampening": 0.0,
-        "weight_decay": 0.0,
-        "nesterov": False,
-        "maximize": False,
-    }
+    spec = DENSE["sgd"]
     state_names = ("momentum_buffer",)
 
     def init_state(self, size: int) -> dict[str, np.ndarray]:
@@ -115,15 +110,7 @@ class SGD(Optimizer):
 
 
 class Adagrad(Optimizer):
-    name = "adagrad"
-    defaults = {
-        "lr": 1e-2,
-        "lr_decay": 0.0,
-        "weight_decay": 0.0,
-        "initial_accumulator_value": 0.0,
-        "eps": 1e-10,
-        "maximize": False,
-    }
+    spec = DENSE["adagrad"]
     state_names = ("sum",)
 
     def init_state(self, size: int) -> dict[str, np.ndarray]:
@@ -160,16 +147,7 @@ class Adagrad(Optimizer):
 
 
 class Adam(Optimizer):
-    name = "adam"
-    defaults = {
-        "lr": 1e-3,
-        "betas": (0.9, 0.999),
-        "eps": 1e-8,
-        "weight_decay": 0.0,
-        "amsgrad": False,
-        "maximize": False,
-        "decoupled_weight_decay": False,
-    }
+    spec = DENSE["adam"]
 
     @property
     def state_names(self) -> tuple[str, ...]:  # type: ignore[override]
@@ -234,74 +212,14 @@ class Adam(Optimizer):
 
 
 class AdamW(Adam):
-    name = "adamw"
-    defaults = {**Adam.defaults, "weight_decay": 1e-2, "decoupled_weight_decay": True}
+    spec = DENSE["adamw"]
 
 
-OPTIMIZERS: dict[str, type[Optimizer]] = {cls.name: cls for cls in (SGD, Adagrad, Adam, AdamW)}
-# torch.optim arguments that choose an implementation, not the math. foreach and fused only
-# choose how torch loops (the PS runs its own fused kernels), so they are accepted and ignored;
-# the other two ask for something a PS update cannot be, so they are refused.
-_IGNORED_IMPLEMENTATION_ARGS = frozenset({"foreach", "fused"})
-_REFUSED_IMPLEMENTATION_ARGS = {
-    "differentiable": "the PS applies updates outside autograd, so a step cannot be differentiated through",
-    "capturable": "it is for CUDA graph capture, and a PS step runs on the PS, outside any graph",
-}
-
-
-def check_implementation(name: str, args: dict[str, Any]) -> None:
-    """Refuse implementation switches a PS optimizer cannot honour, naming the switch and why."""
-    for key, why in _REFUSED_IMPLEMENTATION_ARGS.items():
-        if args.get(key):
-            raise InvalidArgumentError(f"{name}: {key}=True is not supported: {why}")
-    if args.get("foreach") and args.get("fused"):
-        raise InvalidArgumentError(f"{name}: `fused` and `foreach` cannot be `True` together")
+OPTIMIZERS: dict[str, type[Optimizer]] = {cls.spec.name: cls for cls in (SGD, Adagrad, Adam, AdamW)}
 
 
 def build_optimizer(spec: dict[str, Any]) -> Optimizer:
-    """Build an optimizer from {"name": ..., "hyper": {...}}, validating like torch.optim does."""
-    if not isinstance(spec, dict) or spec.get("name") not in OPTIMIZERS:
-        raise InvalidArgumentError(
-            f"unknown optimizer {spec.get('name') if isinstance(spec, dict) else spec!r}; known: {sorted(OPTIMIZERS)}"
-        )
-    cls = OPTIMIZERS[spec["name"]]
-    hyper = hyper_arguments(cls.name, spec, cls.defaults)
-    check_implementation(cls.name, hyper)
-    hyper = {
-        k: v for k, v in hyper.items() if k not in _IGNORED_IMPLEMENTATION_ARGS | set(_REFUSED_IMPLEMENTATION_ARGS)
-    }
-    unknown = sorted(set(hyper) - set(cls.defaults))
-    if unknown:
-        raise InvalidArgumentError(f"{cls.name}: unknown arguments {unknown}; known: {sorted(cls.defaults)}")
-    optimizer = cls(**hyper)
-    _validate(optimizer.hyper, cls.name)
-    return optimizer
-
-
-def _check_range(name: str, value: Any, low: float, high: float = math.inf, high_open: bool = False) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    ok = ok and low <= value and (value < high if high_open else value <= high)
-    if not ok:
-        raise InvalidArgumentError(f"invalid {name}: {value!r} (must be a finite number in [{low}, {high}])")
-
-
-def check_lr(lr: Any) -> None:
-    """Raise InvalidArgumentError unless `lr` is a finite non-negative number."""
-    _check_range("lr", lr, 0.0)
-
-
-def _validate(h: dict[str, Any], name: str) -> None:
-    _check_range("lr", h["lr"], 0.0)
-    _check_range("weight_decay", h["weight_decay"], 0.0)
-    for key in ("eps", "momentum", "dampening", "lr_decay", "initial_accumulator_value"):
-        if key in h:
-            _check_range(key, h[key], 0.0)
-    if "betas" in h:
-        betas = h["betas"]
-        if not (isinstance(betas, (list, tuple)) and len(betas) == 2):
-            raise InvalidArgumentError(f"{name}: betas must be a pair, got {betas!r}")
-        for i, beta in enumerate(betas):
-            _check_range(f"beta parameter at index {i}", beta, 0.0, 1.0, high_open=True)
-        h["betas"] = (float(betas[0]), float(betas[1]))
-    if h.get("nesterov") and (h["momentum"] <= 0 or h["dampening"] != 0):
-        raise InvalidArgumentError("sgd: nesterov momentum requires a momentum and zero dampening")
+    """Build an optimizer from {"name": ..., "hyper": {...}}, its arguments checked as torch.optim
+    checks them (base/optimizer_specs.py); InvalidArgumentError naming what is wrong otherwise."""
+    found = dense_spec(spec)
+    return OPTIMIZERS[found.name](**found.arguments(spec.get("hyper", {})))

@@ -29,9 +29,10 @@ from paramserver.base.errors import (
     RollbackError,
     UnavailableError,
 )
+from paramserver.base.optimizer_specs import check_lr
 from paramserver.server.consistency import SyncRound
 from paramserver.server.dense import DenseGroup
-from paramserver.server.optimizers import build_optimizer, check_lr
+from paramserver.server.optimizers import build_optimizer
 from paramserver.server.quorum import Quorum
 from paramserver.tables.table_store import CheckedPush, TableStore
 from paramserver.wire.half import WIRE_DTYPES

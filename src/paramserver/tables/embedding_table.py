@@ -45,7 +45,9 @@ from paramserver.tables.row_snapshot import RowSnapshot
 from paramserver.tables.sparse_optimizers import SparseOptimizer
 
 _GROWTH = 1.5  # capacity growth of the row arrays: bounds wasted memory at a third
-_RESERVE_FROM = 8 << 20  # bytes of a table's row arrays from which they live in reserved address space
+# bytes of a table's row arrays from which they live in reserved address space (a test seam:
+# tests set it small to reach that path with small tables)
+_RESERVE_FROM = 8 << 20
 _RESERVE_BYTES = 64 << 30  # address space reserved per row array (past it, one more copy into a larger one)
 
 
@@ -177,6 +179,12 @@ class EmbeddingTable:
     @property
     def size(self) -> int:
         return self.index.size
+
+    @property
+    def in_reserved_space(self) -> bool:
+        """Whether the row arrays live in reserved address space (they grow in place), not in
+        ordinary arrays (they grow by copying)."""
+        return self._reserved
 
     @property
     def capacity(self) -> int:

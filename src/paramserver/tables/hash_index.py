@@ -43,6 +43,7 @@ Not thread-safe, `find` included (it moves slots): the owning table serializes c
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -53,9 +54,22 @@ from paramserver.tables import reserved
 GROW_AT = 3 / 8  # load at which a growth starts
 _MAX_LOAD = 11 / 16  # load past which an insert finishes a growth at once (a batch outrunning it)
 _SLACK = 1.1  # a growth's shares are sized to end it when 1/_SLACK of its room is used
+# Tests set these three small (a test seam) so that small indexes go through many calls of a growth.
 _SHARE_MIN = 1 << 12  # old slots moved per call however few its ids
 _AHEAD = 1 << 12  # old homes past the moved part whose new slots are faulted in already
 _RESERVE_FROM = 1 << 16  # slots from which an array is mapped (and hands moved pages back) rather than np.zeros
+
+
+@dataclass(frozen=True)
+class Growth:
+    """A growth under way, to look at (HashIndex.growth): the `old` and `new` slot arrays (views
+    of the index's own: not to be written), `start` (the old slot the move began at, kept empty)
+    and `moved` (old slots moved so far, counted from `start`)."""
+
+    old: np.ndarray
+    new: np.ndarray
+    start: int
+    moved: int
 
 
 class HashIndex:
@@ -86,6 +100,19 @@ class HashIndex:
         return self._next is not None
 
     @property
+    def slots(self) -> np.ndarray:
+        """The slot array ids are found in, (id, row + 1) pairs (while growing, the old one: see
+        `growth`); a view of the index's own, to look at, not to write."""
+        return self._slots
+
+    @property
+    def growth(self) -> Growth | None:
+        """The growth under way, or None."""
+        if self._next is None:
+            return None
+        return Growth(self._slots, self._next, self._start, self._moved)
+
+    @property
     def nbytes(self) -> int:
         """Bytes the slot arrays hold: of a growth's old array what is not handed back yet, of
         its new one what is faulted in (where they are reserved; an ordinary array holds all)."""
@@ -102,6 +129,14 @@ class HashIndex:
         if self._next is None:
             return _find(self._slots, ids)
         self._advance(max(_SHARE_MIN, ids.shape[0]))
+        if self._next is None:
+            return _find(self._slots, ids)
+        return _find_growing(self._slots, self._start, self._moved, self._next, ids)
+
+    def find_still(self, ids: np.ndarray) -> np.ndarray:
+        """What `find` answers, without moving any slot of a growth under way (`find` moves a share
+        each call): a read that leaves the index as it is."""
+        ids = np.ascontiguousarray(ids, np.int64)
         if self._next is None:
             return _find(self._slots, ids)
         return _find_growing(self._slots, self._start, self._moved, self._next, ids)
@@ -199,7 +234,7 @@ class HashIndex:
     def _hand_back(self, old: np.ndarray, end: int) -> None:
         """Hand back the whole huge pages of moved (zeroed) old slots [_released, end), counted
         from _start. A page moved in part waits for a later share: handing back part of a huge
-        page splits it, which cost more than the move (skewed ids, 50M rows: docs/scaling.md)."""
+        page splits it, which cost more than the move (skewed ids, 50M rows: docs/benchmarks/scale.md)."""
         for lo, hi in _segments(self._start, self._released, end, old.shape[0]):
             reserved.hand_back(old, lo, hi, reserved.HUGE_PAGE)
         # the slots of a page cut at `end` come again next time (a page handed back twice costs nothing)
@@ -249,7 +284,7 @@ def _empty(capacity: int, faulted: bool = False) -> np.ndarray:
     """An empty (capacity x 2) int64 slot array: all zeros, no pass over it unless `faulted`
     (then its pages are faulted in now, in order, rather than one by one as ids land)."""
     # huge pages: probes land at random, and with 4 KiB pages nearly each one also missed the TLB
-    # (docs/scaling.md, "Rates at 50M rows"); `_hand_back` never splits one
+    # (docs/benchmarks/scale.md, "Rates at 50M rows"); `_hand_back` never splits one
     slots = reserved.reserve(capacity, (2,), np.int64, huge=True) if capacity >= _RESERVE_FROM else None
     if slots is None:
         slots = np.zeros((capacity, 2), np.int64)

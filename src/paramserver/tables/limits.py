@@ -24,9 +24,8 @@ import numpy as np
 from paramserver.base.errors import ResourceExhaustedError
 from paramserver.base.hashing import count_distinct
 from paramserver.tables.embedding_table import EmbeddingTable
+from paramserver.tables.table import Table
 from paramserver.tables.tiered.tiered_table import TieredTable
-
-Table = EmbeddingTable | TieredTable
 
 _GROWTH = 1.5  # as EmbeddingTable grows its capacity
 # the hash index: 16-byte slots, 2.7 to 3.1 for each row held (hash_index.py), which is about two
@@ -63,7 +62,15 @@ def table_bytes(table: Table) -> int:
     of a tiered table, its memory tier."""
     if isinstance(table, TieredTable):
         return table.hot.nbytes
-    return table.capacity * table_row_bytes(table)
+    in_memory = _in_memory(table)
+    return in_memory.capacity * table_row_bytes(in_memory)
+
+
+def _in_memory(table: Table) -> EmbeddingTable:
+    """A table that is not tiered: the other kind (table.py)."""
+    if not isinstance(table, EmbeddingTable):
+        raise TypeError(f"table {table.name!r}: no limits for a {type(table).__name__}")
+    return table
 
 
 def check_new_table(
@@ -95,6 +102,11 @@ def check_new_rows(limits: TableLimits, table: Table, ids: np.ndarray, used: int
     if isinstance(table, TieredTable):
         _check_tiered_rows(limits, table, ids)
         return
+    _check_rows(limits, _in_memory(table), ids, used)
+
+
+def _check_rows(limits: TableLimits, table: EmbeddingTable, ids: np.ndarray, used: int) -> None:
+    """An in-memory table's lookup: its new rows, and the memory its arrays grow by to hold them."""
     if table.size + ids.shape[0] <= min(table.capacity, limits.max_rows):  # fits even if every id is new
         return
     missing = count_distinct(ids[table.index.find(ids) < 0])

@@ -20,9 +20,8 @@ from typing import Any, ClassVar
 import numpy as np
 
 from paramserver.base import kernels
-from paramserver.base.errors import InvalidArgumentError
-from paramserver.base.hyper import hyper_arguments
 from paramserver.base.kernels import ptr
+from paramserver.base.optimizer_specs import SPARSE, OptimizerSpec, sparse_spec
 
 
 def _fits(values: np.ndarray, rows: np.ndarray, grads: np.ndarray) -> bool:
@@ -37,21 +36,19 @@ def _fits(values: np.ndarray, rows: np.ndarray, grads: np.ndarray) -> bool:
 
 
 class SparseOptimizer:
-    name: ClassVar[str]
-    defaults: ClassVar[dict[str, Any]]
+    """Base of the row-wise optimizers. Subclasses set `spec` (their arguments, from
+    base/optimizer_specs.py) and `state_names`. The constructor takes arguments as checked by
+    `spec.arguments` (build_sparse_optimizer checks them); the ones not given take their defaults."""
+
+    spec: ClassVar[OptimizerSpec]
     state_names: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, **hyper: Any) -> None:
-        unknown = sorted(set(hyper) - set(self.defaults))
-        if unknown:
-            raise InvalidArgumentError(
-                f"sparse {self.name}: unknown arguments {unknown}; known: {sorted(self.defaults)}"
-            )
-        self.hyper = {**self.defaults, **hyper}
-        if not (
-            isinstance(self.hyper["lr"], (int, float)) and math.isfinite(self.hyper["lr"]) and self.hyper["lr"] >= 0
-        ):
-            raise InvalidArgumentError(f"sparse {self.name}: invalid lr {self.hyper['lr']!r}")
+        self.hyper = {**self.spec.defaults, **hyper}
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
 
     def state_init(self) -> dict[str, float]:
         """Initial value of each state array (one row per table row, `dim` wide)."""
@@ -69,16 +66,14 @@ class SparseOptimizer:
 
 
 class SparseSGD(SparseOptimizer):
-    name = "sgd"
-    defaults = {"lr": 1e-3, "maximize": False}
+    spec = SPARSE["sgd"]
 
     def update(self, values, rows, grads, state, step) -> None:
         values[rows] -= np.float32(self.hyper["lr"]) * self.directed(grads)
 
 
 class SparseAdagrad(SparseOptimizer):
-    name = "adagrad"
-    defaults = {"lr": 1e-2, "lr_decay": 0.0, "initial_accumulator_value": 0.0, "eps": 1e-10, "maximize": False}
+    spec = SPARSE["adagrad"]
     state_names = ("sum",)
 
     def state_init(self) -> dict[str, float]:
@@ -98,8 +93,7 @@ class SparseAdagrad(SparseOptimizer):
 
 
 class SparseAdam(SparseOptimizer):
-    name = "adam"
-    defaults = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "per_row_step": False, "maximize": False}
+    spec = SPARSE["adam"]
     state_names = ("exp_avg", "exp_avg_sq")
 
     def update(self, values, rows, grads, state, step) -> None:
@@ -139,8 +133,7 @@ class SparseAdam(SparseOptimizer):
 
 
 class SparseFtrl(SparseOptimizer):
-    name = "ftrl"
-    defaults = {"lr": 0.05, "beta": 1.0, "l1": 0.0, "l2": 0.0, "initial_accumulator_value": 0.1}
+    spec = SPARSE["ftrl"]
     state_names = ("z", "n")
 
     def state_init(self) -> dict[str, float]:
@@ -159,14 +152,12 @@ class SparseFtrl(SparseOptimizer):
 
 
 SPARSE_OPTIMIZERS: dict[str, type[SparseOptimizer]] = {
-    cls.name: cls for cls in (SparseSGD, SparseAdagrad, SparseAdam, SparseFtrl)
+    cls.spec.name: cls for cls in (SparseSGD, SparseAdagrad, SparseAdam, SparseFtrl)
 }
 
 
 def build_sparse_optimizer(spec: dict) -> SparseOptimizer:
-    """{"name": "sgd"|"adagrad"|"adam"|"ftrl", "hyper": {...}} -> a row-wise optimizer."""
-    name = spec.get("name") if isinstance(spec, dict) else None
-    if name not in SPARSE_OPTIMIZERS:
-        raise InvalidArgumentError(f"unknown sparse optimizer {name!r}; known: {sorted(SPARSE_OPTIMIZERS)}")
-    cls = SPARSE_OPTIMIZERS[name]
-    return cls(**hyper_arguments(f"sparse {name}", spec, cls.defaults))
+    """{"name": "sgd"|"adagrad"|"adam"|"ftrl", "hyper": {...}} -> a row-wise optimizer, its arguments
+    checked (base/optimizer_specs.py); InvalidArgumentError naming what is wrong otherwise."""
+    found = sparse_spec(spec)
+    return SPARSE_OPTIMIZERS[found.name](**found.arguments(spec.get("hyper", {})))

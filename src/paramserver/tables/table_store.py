@@ -7,8 +7,8 @@ ssp modes, averaged with the other workers' of the same step in sync mode.
 
 With `tiers` (a PS with a table_memory_budget, tables/tiered/tiers.py) every table is a TieredTable,
 whose rows beyond its share of the budget live on local disk; without, an EmbeddingTable. Both
-offer the same calls, made here under the lock alone. `close` closes the tiers (deleting the spill
-files): the PS's last call.
+implement the Table protocol (table.py), whose calls are made here under the lock alone. `close`
+closes the tiers (deleting the spill files): the PS's last call.
 
 When the tiers' spill store fails (spill_condition.py), a call that needed it fails: with the
 store's SpillError (RESOURCE_EXHAUSTED) while its disk is full (rows in memory still answer), or,
@@ -34,22 +34,27 @@ from paramserver.base.deadline import Deadline
 from paramserver.base.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError, UnavailableError
 from paramserver.base.hashing import count_distinct
 from paramserver.tables.embedding_table import EmbeddingTable, RowPolicy
-from paramserver.tables.limits import Table, TableLimits, check_new_rows, check_new_table, row_bytes, table_bytes
+from paramserver.tables.limits import TableLimits, check_new_rows, check_new_table, row_bytes, table_bytes
 from paramserver.tables.row_snapshot import FrozenSnapshot, RowSnapshot
 from paramserver.tables.sparse_optimizers import build_sparse_optimizer
+from paramserver.tables.table import Table
 from paramserver.tables.tiered.spill_condition import SpillCondition
 from paramserver.tables.tiered.spill_store import SpillError
+from paramserver.tables.tiered.tiered_table import TieredTable
 from paramserver.tables.tiered.tiers import Tiers
 from paramserver.wire.half import WIRE_DTYPES, from_wire, to_wire
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_IDS = 1 << 20  # largest id batch one request may carry
+# tests set the SNAPSHOT_ sizes small (a test seam) to see many slices and a full budget
 SNAPSHOT_SLICE_BYTES = 8 << 20  # rows a checkpoint copies per pause of the tables
 SNAPSHOT_BUDGET = 0.05  # rows kept aside for a checkpoint, as a share of the table's bytes...
 SNAPSHOT_MIN_BUDGET = 32 << 20  # ...or at least this many bytes
 SNAPSHOT_WAIT_S = 30.0  # longest a change waits for a checkpoint's writer to catch up
 MAX_CAPACITY = 1 << 30  # rows one shard's table may reserve up front
 FAILED_REPLY_WAIT_S = 2.0  # how long the answer of a call that found the spill store failed waits for the PS to stop
+# the kinds of table a store makes: mypy checks each against the Table protocol here
+TABLE_KINDS: tuple[type[Table], ...] = (EmbeddingTable, TieredTable)
 
 
 class TableStore:
@@ -131,7 +136,7 @@ class TableStore:
 
     def check_lookup(self, name: str, ids: np.ndarray) -> CheckedLookup:
         """Validate a lookup without running it (raises InvalidArgumentError / NotFoundError)."""
-        table = self._table(name)
+        table = self.table(name)
         self._check_ids(name, ids, distinct=False)
         with self._lock:
             check_new_rows(self.limits, table, ids, self._bytes())
@@ -141,7 +146,7 @@ class TableStore:
         """Validate a row push without applying it, so that a request carrying several changes
         can check them all before any is made. Gradients in the table's wire dtype are upcast to
         float32 first (one that overflowed float16 is infinite: refused)."""
-        table = self._table(name)
+        table = self.table(name)
         self._check_ids(name, ids)
         wire = self._wire[name]
         if grads.dtype != WIRE_DTYPES[wire] or grads.shape != (ids.shape[0], table.dim):
@@ -335,7 +340,9 @@ class TableStore:
         one_row = row_bytes(dim, states, bool(optimizer.hyper.get("per_row_step")), tracks_use)
         check_new_table(self.limits, name, max(1024, capacity), one_row, self._bytes(), self.tiers is not None)
 
-    def _table(self, name: str) -> Table:
+    def table(self, name: str) -> Table:
+        """Table `name` (NotFoundError if this shard holds none), to look at from a test or a tool.
+        Calls on it do not take the store's lock: make them while no other call runs."""
         table = self._tables.get(name)
         if table is None:
             raise NotFoundError(f"shard {self.shard_index} holds no table {name!r}")

@@ -48,8 +48,8 @@ _RECONNECT_BACKOFF_MS = (100, 5000)  # the first and the longest wait between co
 
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    # Large HTTP/2 frames and write buffers: a push or pull is megabytes, and gRPC's defaults
-    # (16 KiB frames) cost more CPU per byte than the optimizer itself (docs/performance.md).
+    # Large HTTP/2 frames and write buffers: a push or pull is megabytes, and gRPC's defaults (16 KiB
+    # frames) cost more CPU per byte than the optimizer itself (docs/benchmarks/dense.md, "Where the time went").
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),

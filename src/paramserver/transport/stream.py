@@ -64,7 +64,7 @@ MORE = 0x80  # kind flag: a part of a longer request or reply; the parts that fo
 CODES = {code.value[0]: code for code in grpc.StatusCode}
 _SOCKET_BUFFER = 8 * 1024 * 1024
 _HOT_BYTES = 256 * 1024  # the most of a frame received at once while its float32 tensors are measured
-_FIRST_CHUNK = 1 << 20  # a receive buffer grows from here as bytes arrive (a prefix alone proves nothing)
+FIRST_CHUNK = 1 << 20  # a receive buffer grows from here as bytes arrive (a prefix alone proves nothing)
 _TLS_COALESCE_BYTES = 64 * 1024  # TLS: parts up to this size share records (each sendall is a record)
 
 
@@ -128,6 +128,11 @@ class Inbox:
         self._buffer = bytearray(PREFIX.size)
         self._spans: dict[int, tuple[int, int]] = {}  # float32 tensors measured on arrival (kernels.note_measured)
 
+    @property
+    def capacity(self) -> int:
+        """Bytes the buffer holds now: it grows only as a message's bytes arrive."""
+        return len(self._buffer)
+
     def receive(self, sock: socket.socket, size: int, at: int = 0) -> memoryview:
         """`size` bytes from `sock`, stored from offset `at` (the parts before it are kept); the view
         covers [0, at + size). The buffer grows (doubling) only as the bytes arrive."""
@@ -139,7 +144,7 @@ class Inbox:
 
     def _receive_some(self, sock: socket.socket, got: int, end: int) -> int:
         if got == len(self._buffer):
-            self._grow(got, min(end, max(2 * got, _FIRST_CHUNK)))
+            self._grow(got, min(end, max(2 * got, FIRST_CHUNK)))
         n = sock.recv_into(memoryview(self._buffer)[got : min(end, len(self._buffer))])
         if n == 0:
             raise ConnectionError("peer closed the tensor stream")
@@ -148,7 +153,7 @@ class Inbox:
     def _receive_hot(self, sock: socket.socket, got: int, end: int) -> int:
         """As _receive_some, at most _HOT_BYTES at once: each piece is measured right after it arrives."""
         if got == len(self._buffer):
-            self._grow(got, min(end, max(2 * got, _FIRST_CHUNK)))
+            self._grow(got, min(end, max(2 * got, FIRST_CHUNK)))
         n = sock.recv_into(memoryview(self._buffer)[got : min(end, len(self._buffer), got + _HOT_BYTES)])
         if n == 0:
             raise ConnectionError("peer closed the tensor stream")

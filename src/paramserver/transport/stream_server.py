@@ -243,7 +243,7 @@ class StreamServer(Lifecycle):
                 if timeout <= 0:
                     raise TimeoutError
                 connection.sock.settimeout(timeout)  # also bounds a request that stops half-way
-                if not self._serve_one(connection.sock, peer, inbox, connection):
+                if not self.serve_one(connection.sock, peer, inbox, connection):
                     break
         except TimeoutError:
             if connection.admitted:
@@ -291,8 +291,9 @@ class StreamServer(Lifecycle):
         turned_away(self.service, what, str(peer), error)
         send_error(conn, error.code, method_id, str(error))
 
-    def _serve_one(self, conn: socket.socket, peer, inbox: Inbox, state: Connection) -> bool:
-        """Read and answer one message (UNAVAILABLE once draining); False when the connection must close."""
+    def serve_one(self, conn: socket.socket, peer, inbox: Inbox, state: Connection) -> bool:
+        """Read and answer one message (UNAVAILABLE once draining); False when the connection must close.
+        Called by the connection's own thread only (a test may call it on a socket pair)."""
         kind, _, method_id, size = read_prefix(conn)
         with self._lock:
             draining = self._stopping.is_set()

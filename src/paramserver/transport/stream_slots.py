@@ -1,5 +1,5 @@
 """Which tensor-stream connections a PS serves: a connection is *pending* from accept until it proves
-itself, then *admitted* (docs/security.md, "The tensor stream's slots").
+itself, then *admitted* (docs/security.md, "The tensor stream").
 
 Proving itself: with a token store, an accepted auth message; without, a well-formed first message
 prefix. A pending connection has `handshake_s` seconds from accept for that (its TLS handshake

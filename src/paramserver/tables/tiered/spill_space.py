@@ -104,10 +104,18 @@ class SpillSpace:
                 log.warning("cannot delete the spill directory %s: %s", self.path, exc)
         else:
             log.warning("%s: not deleting anything there", trouble)
+        self.abandon()
+        return deleted
+
+    def abandon(self) -> None:
+        """Release the lock and the directory handle, leaving the subdirectory as it is: what a
+        killed PS leaves behind for the next one to delete (a test seam: a PS that stops calls
+        `close`). The space is not used again."""
+        if self._lock_fd < 0:
+            return
         os.close(self._lock_fd)
         os.close(self._root_fd)
         self._lock_fd = self._root_fd = -1
-        return deleted
 
 
 def open_spill_dir(spill_dir: str) -> tuple[int, Path]:

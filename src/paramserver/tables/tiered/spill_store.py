@@ -1,7 +1,7 @@
 """The cold rows of one tiered table, on local disk in RocksDB (rocksdict), keyed by id.
 
 Why RocksDB (measured on this project's machine: 2 cores, virtio disk, ext4; `python bench/tiered.py
-stores`, docs/scaling.md): batch get/put of 8-byte keys and 136-byte values at 3M random ids, in
+stores`, docs/benchmarks/tiered.md): batch get/put of 8-byte keys and 136-byte values at 3M random ids, in
 batches of 100k:
 
   store                       load/s  get/s  update/s  disk B/row           RssAnon  RssFile
@@ -141,7 +141,9 @@ class SpillStore:
         self.condition = condition or SpillCondition()
         self._options = _options(memory)
         with self._failing_as_spill_error("open"):
-            self._db = rocksdict.Rdict(path, self._options)
+            # the RocksDB handle; a test seam too: tests put a wrapper here whose calls fail like a
+            # full or damaged disk (its methods are called from this store and its reader threads)
+            self.db = rocksdict.Rdict(path, self._options)
         self._write = rocksdict.WriteOptions()
         self._write.disable_wal = True  # type: ignore[method-assign,assignment]  # a property (the stub says a method)
         self._write.no_slowdown = True  # a stall fails at once: _write_batch tries again, within a deadline
@@ -149,7 +151,7 @@ class SpillStore:
         # a row read moves to memory, so its block is not read again soon: caching it costs an
         # insert and an eviction per read for nothing (takes a bool, though the stub says none)
         reads.fill_cache(False)  # type: ignore[call-arg]
-        self._db.set_read_options(reads)
+        self.db.set_read_options(reads)
         self.reads = self.writes = 0  # rows read from and written to disk
         self._readers = ThreadPoolExecutor(READERS, thread_name_prefix="spill-read")
 
@@ -183,7 +185,7 @@ class SpillStore:
     def _multi_get(self, ids: np.ndarray) -> tuple[np.ndarray, bytes]:
         """(found, the records found, packed) of one chunk of ids."""
         with self._failing_as_spill_error("read rows"):
-            got = cast(list, self._db.get(keys_of(ids)))
+            got = cast(list, self.db.get(keys_of(ids)))
         return np.array([value is not None for value in got], bool), b"".join(filter(None, got))
 
     def contains(self, ids: np.ndarray) -> np.ndarray:
@@ -212,7 +214,7 @@ class SpillStore:
         with self._failing_as_spill_error(action):
             while True:
                 try:
-                    self._db.write(batch, self._write)
+                    self.db.write(batch, self._write)
                     return
                 except Exception as exc:
                     if not _is_stall(exc) or deadline.passed():
@@ -222,7 +224,7 @@ class SpillStore:
     def scan(self, chunk_rows: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """(ids, records) of every row, in id order, `chunk_rows` at a time. The iterator reads one
         point-in-time view: rows written or deleted meanwhile do not change what it yields."""
-        iterator = self._db.iter()
+        iterator = self.db.iter()
         iterator.seek_to_first()
         while iterator.valid():
             keys: list[bytes] = []
@@ -238,12 +240,12 @@ class SpillStore:
 
     def disk_bytes(self) -> int:
         """Bytes of the store's files (live data, and what compaction has not reclaimed yet)."""
-        return sum(self._db.property_int_value(p) or 0 for p in ("rocksdb.total-sst-files-size",))
+        return sum(self.db.property_int_value(p) or 0 for p in ("rocksdb.total-sst-files-size",))
 
     def memory_bytes(self) -> int:
         """The store's own memory outside the shared cache: index and filter blocks, memtables."""
         return sum(
-            self._db.property_int_value(p) or 0
+            self.db.property_int_value(p) or 0
             for p in ("rocksdb.estimate-table-readers-mem", "rocksdb.cur-size-all-mem-tables")
         )
 
@@ -252,7 +254,7 @@ class SpillStore:
         any more: SpillSpace.problem). Never raises: a store that failed is closed as well as it can be."""
         self._readers.shutdown()
         try:
-            self._db.close()
+            self.db.close()
         except Exception as exc:
             log.warning("spill store %s: closing: %s", self.path, exc)
         if not delete:
