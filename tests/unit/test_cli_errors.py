@@ -59,8 +59,7 @@ def test_every_flag_of_run_is_in_the_run_table_of_docs_cli_md():
 
     text = (ROOT / "docs" / "cli.md").read_text(encoding="utf-8")
     table = text[text.index("## `paramserver run"):text.index("## `paramserver demo")]
-    parser = cli._parser()
-    commands = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
-    flags = {flag for action in commands.choices["run"]._actions for flag in action.option_strings
+    run = cli.command_parsers(cli.build_parser())["run"]
+    flags = {flag for action in run._actions for flag in action.option_strings
              if flag.startswith("--") and flag != "--help"}
     assert sorted(flag for flag in flags if f"`{flag}" not in table) == []

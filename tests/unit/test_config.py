@@ -88,7 +88,7 @@ def test_cluster_spec_round_trips():
 
 DIR = {"checkpoint_dir": "/tmp/checkpoints"}
 
-# (option, its bad value, other options given with it): every option has at least one entry
+# (option, its bad value, other options given with it): the ranges and rules of the options
 BAD = [
     ("rpc_timeout_s", 0, {}), ("rpc_timeout_s", -1.5, {}), ("rpc_timeout_s", "5", {}), ("rpc_timeout_s", True, {}),
     ("rpc_timeout_s", float("nan"), {}), ("rpc_timeout_s", float("inf"), {}),
@@ -137,8 +137,14 @@ BAD = [
 ]
 
 
-def test_every_option_has_a_bad_value_in_the_table():
-    assert {name for name, _, _ in BAD} == {f.name for f in fields(Options)}
+WRONG_TYPE = {"bool": "yes", "str": 5, "int": "7", "float": "x"}  # a value of another type, for each type
+
+
+def test_the_bad_values_name_options_and_every_option_refuses_another_type():
+    assert {name for name, _, _ in BAD} <= {f.name for f in fields(Options)}
+    for f in fields(Options):  # a new option is checked for its type with no entry here
+        with pytest.raises(ConfigError, match=f"^option {f.name!r} must be .*, got {WRONG_TYPE[f.type]!r}$"):
+            Options.from_dict({f.name: WRONG_TYPE[f.type]})
 
 
 @pytest.mark.parametrize("name, value, others", BAD, ids=[f"{n}={v!r}" for n, v, _ in BAD])
@@ -207,9 +213,9 @@ def test_zero_and_one_still_read_as_booleans_from_files_and_the_environment(tmp_
 
 
 def test_the_command_line_gives_booleans_and_refuses_bad_options_before_starting(capsys):
-    args = cli._parser().parse_args(["run", "--resume", "--checkpoint-dir", "/tmp/c", "train.py"])
-    assert cli.mode_options(args)["resume"] is True
-    assert "resume" not in cli.mode_options(cli._parser().parse_args(["run", "train.py"]))
+    args = cli.build_parser().parse_args(["run", "--resume", "--checkpoint-dir", "/tmp/c", "train.py"])
+    assert cli.given_options(args)["resume"] is True
+    assert "resume" not in cli.given_options(cli.build_parser().parse_args(["run", "train.py"]))
     previous = signal.getsignal(signal.SIGTERM)
     try:
         code = cli.main(["run", "--workers", "2", "--mode", "sync", "--backup-workers", "2", "no_such_script.py"])
@@ -303,14 +309,14 @@ def test_a_size_that_is_not_one_is_refused(text):
 
 
 def test_the_tiered_table_flags_set_their_options(capsys):
-    args = cli._parser().parse_args(["node", "--role", "ps", "--table-memory-budget", "4GiB", "--spill-dir", "/ssd",
-                                     "--max-tiered-table-rows", "1000", "--max-table-memory", "16GiB"])
-    given = cli.mode_options(args)
+    args = cli.parse_args(["node", "--role", "ps", "--table-memory-budget", "4GiB", "--spill-dir", "/ssd",
+                           "--max-tiered-table-rows", "1000", "--max-table-memory", "16GiB"])
+    given = cli.given_options(args)
     assert (given["table_memory_budget"], given["spill_dir"]) == (4 << 30, "/ssd")
     assert (given["max_tiered_table_rows"], given["max_table_memory_bytes"]) == (1000, 16 << 30)
     Options(**given)  # valid together
     with pytest.raises(SystemExit):
-        cli._parser().parse_args(["node", "--table-memory-budget", "lots"])
+        cli.build_parser().parse_args(["node", "--table-memory-budget", "lots"])
     assert "not a size in bytes" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="'table_memory_budget' needs a spill_dir"):
         Options(table_memory_budget=1 << 30)

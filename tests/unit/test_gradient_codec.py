@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from paramserver.base.compression_spec import Codec, CompressionSpec
+from paramserver.base.codecs import NONE, Codec
+from paramserver.base.compression_spec import CompressionSpec
 from paramserver.base.errors import InvalidArgumentError
 from paramserver.client.compression import GradientCompressor
 from paramserver.client.table_client import TableClient
@@ -23,8 +24,8 @@ def gradient(shape=(300, 70), seed=0, scale=1.0):
     return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(np.float32)
 
 
-def round_trip(codec_, grad, chunk=gc.CHUNK):
-    encoded = gc.encode(codec_, grad, chunk)
+def round_trip(codec_, grad, chunk=None):
+    encoded = codec_.encode(grad, chunk)
     return encoded, gc.decode_tensors(dict(encoded.tensors("g")), {"g": encoded.header})
 
 
@@ -44,7 +45,7 @@ def test_int8_is_within_half_a_step_of_each_chunk_scale(chunk):
     encoded, decoded = round_trip(INT8, grad, chunk)
     scales = encoded.aux["scale"]
     assert scales.shape == (-(-grad.size // chunk),) and encoded.payload.dtype == np.int8
-    step = np.repeat(scales, chunk)[:grad.size].reshape(grad.shape)
+    step = np.repeat(scales, chunk)[: grad.size].reshape(grad.shape)
     assert (np.abs(decoded["g"] - grad) <= step * 0.5 + 1e-6 * np.abs(grad)).all()
     assert encoded.nbytes == grad.size + 4 * scales.size
 
@@ -92,8 +93,9 @@ def test_error_feedback_of_a_split_variable_keeps_each_part_residual():
         compressor.encode("v", "v", grad[rows], rows)
     whole = GradientCompressor()
     whole.add("v", INT8, (10, 300))
-    expected = np.concatenate([grad[:4] - round_trip(INT8, grad[:4])[1]["g"],
-                               grad[4:] - round_trip(INT8, grad[4:])[1]["g"]])
+    expected = np.concatenate(
+        [grad[:4] - round_trip(INT8, grad[:4])[1]["g"], grad[4:] - round_trip(INT8, grad[4:])[1]["g"]]
+    )
     np.testing.assert_allclose(compressor.residuals["v"], expected, atol=1e-7)
     assert np.abs(compressor.residuals["v"]).max() > 0
 
@@ -101,7 +103,7 @@ def test_error_feedback_of_a_split_variable_keeps_each_part_residual():
 def test_casts_keep_no_residual_and_the_bytes_are_counted_as_encoded():
     compressor = GradientCompressor()
     compressor.add("a", FP16, (100,))
-    compressor.add("b", Codec("none"), (100,))
+    compressor.add("b", NONE, (100,))
     grad = gradient((100,))
     compressor.encode("a", "a", grad)
     compressor.encode("b", "b", grad)
@@ -134,8 +136,7 @@ ROWS = {"name": "sgd", "hyper": {"lr": 1.0}}
 @pytest.fixture
 def service():
     service = ShardService(Shard(0))
-    service.call("Register", codec.encode({"group": "g", "optimizer": SGD},
-                                          [("w", np.zeros((4, 300), np.float32))]))
+    service.call("Register", codec.encode({"group": "g", "optimizer": SGD}, [("w", np.zeros((4, 300), np.float32))]))
     service.call("RegisterTable", codec.encode({"table": "t", "dim": 4, "optimizer": ROWS, "init": {"kind": "zeros"}}))
     state(service)  # the rows exist from here on: a lookup creates them
     return service
@@ -155,9 +156,12 @@ def push(service, codecs, tensors):
 
 def test_the_shard_applies_the_decoded_gradients_dense_and_rows(service):
     w, rows = gradient((4, 300)), gradient((3, 4), seed=1)
-    dense, row_codec = gc.encode(INT8, w), gc.encode(BF16, rows)
-    reply = push(service, {"w": dense.header, "s0.grads": row_codec.header},
-                 [*dense.tensors("w"), *row_codec.tensors("s0.grads")])
+    dense, row_codec = INT8.encode(w), BF16.encode(rows)
+    reply = push(
+        service,
+        {"w": dense.header, "s0.grads": row_codec.header},
+        [*dense.tensors("w"), *row_codec.tensors("s0.grads")],
+    )
     decoded = gc.decode("w", dense.header, dense.payload, dense.aux)
     np.testing.assert_array_equal(reply.tensors["w"], -decoded)
     looked_up = codec.decode(service.call("Lookup", codec.encode({"table": "t"}, [("ids", np.arange(3))])))
@@ -165,30 +169,54 @@ def test_the_shard_applies_the_decoded_gradients_dense_and_rows(service):
 
 
 def _int8(grad):
-    return gc.encode(INT8, grad)
+    return INT8.encode(grad)
 
 
 BAD = [
     ("unknown codec", lambda e: ({"w": {"codec": "int4"}}, e.tensors("w")), "unknown encoding"),
-    ("wrong scale count", lambda e: ({"w": e.header}, [("w", e.payload), ("~w.scale", e.aux["scale"][:1])]),
-     "needs 2 float32 scales"),
-    ("NaN scale", lambda e: ({"w": e.header}, [("w", e.payload), ("~w.scale", np.array([1, np.nan], np.float32))]),
-     "NaN"),
+    (
+        "wrong scale count",
+        lambda e: ({"w": e.header}, [("w", e.payload), ("~w.scale", e.aux["scale"][:1])]),
+        "needs 2 float32 scales",
+    ),
+    (
+        "NaN scale",
+        lambda e: ({"w": e.header}, [("w", e.payload), ("~w.scale", np.array([1, np.nan], np.float32))]),
+        "NaN",
+    ),
     ("scale missing", lambda e: ({"w": e.header}, [("w", e.payload)]), "needs tensor '~w.scale'"),
     ("wrong payload dtype", lambda e: ({"w": {"codec": "fp16"}}, [("w", e.payload)]), "float16"),
     ("bad chunk", lambda e: ({"w": {"codec": "int8", "chunk": 0}}, e.tensors("w")), "chunk"),
     ("no such tensor", lambda e: ({"x": {"codec": "fp16"}}, e.tensors("w")), "does not carry"),
-    ("index out of range", lambda e: ({"w": {"codec": "topk", "shape": [4, 300]}},
-                                      [("w", np.ones(2, np.float32)), ("~w.index", np.array([5, 1200], np.int32))]),
-     r"within \[0, 1200\)"),
-    ("index repeated", lambda e: ({"w": {"codec": "topk", "shape": [4, 300]}},
-                                  [("w", np.ones(2, np.float32)), ("~w.index", np.array([5, 5], np.int32))]),
-     "strictly increasing"),
-    ("topk shape wrong", lambda e: ({"w": {"codec": "topk", "shape": [3, 300]}},
-                                    [("w", np.ones(1, np.float32)), ("~w.index", np.array([5], np.int64))]),
-     "shape"),
-    ("decodes to inf", lambda e: ({"w": {"codec": "fp16"}}, [("w", np.full((4, 300), np.inf, np.float16))]),
-     "infinite"),
+    (
+        "index out of range",
+        lambda e: (
+            {"w": {"codec": "topk", "shape": [4, 300]}},
+            [("w", np.ones(2, np.float32)), ("~w.index", np.array([5, 1200], np.int32))],
+        ),
+        r"within \[0, 1200\)",
+    ),
+    (
+        "index repeated",
+        lambda e: (
+            {"w": {"codec": "topk", "shape": [4, 300]}},
+            [("w", np.ones(2, np.float32)), ("~w.index", np.array([5, 5], np.int32))],
+        ),
+        "strictly increasing",
+    ),
+    (
+        "topk shape wrong",
+        lambda e: (
+            {"w": {"codec": "topk", "shape": [3, 300]}},
+            [("w", np.ones(1, np.float32)), ("~w.index", np.array([5], np.int64))],
+        ),
+        "shape",
+    ),
+    (
+        "decodes to inf",
+        lambda e: ({"w": {"codec": "fp16"}}, [("w", np.full((4, 300), np.inf, np.float16))]),
+        "infinite",
+    ),
 ]
 
 
@@ -196,7 +224,7 @@ BAD = [
 def test_a_bad_encoding_is_refused_and_changes_nothing(service, case, build, fragment):
     before = state(service)
     codecs, tensors = build(_int8(gradient((4, 300))))
-    rows = gc.encode(INT8, gradient((3, 4)))  # a good row push in the same request: not applied either
+    rows = INT8.encode(gradient((3, 4)))  # a good row push in the same request: not applied either
     with pytest.raises(InvalidArgumentError, match=fragment):
         push(service, {**codecs, "s0.grads": rows.header}, [*tensors, *rows.tensors("s0.grads")])
     assert state(service) == before

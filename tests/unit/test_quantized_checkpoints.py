@@ -172,6 +172,6 @@ def test_the_flag_is_an_option_and_reaches_the_ps_writer(tmp_path):
     from paramserver.checkpoint import shard_writer
     from paramserver.launch import cli
 
-    args = cli._parse(["node", "--role", "ps", "--checkpoint-quantize", "int8"])
-    assert cli.mode_options(args)["checkpoint_quantize"] == "int8"
+    args = cli.parse_args(["node", "--role", "ps", "--checkpoint-quantize", "int8"])
+    assert cli.given_options(args)["checkpoint_quantize"] == "int8"
     assert shard_writer(str(tmp_path), "int8").encoding == "int8"

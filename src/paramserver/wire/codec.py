@@ -39,7 +39,7 @@ _ALIGN = 8
 _MAX_DIMS = 32  # numpy's limit is 64; no variable of this project has more than a few
 _INT64 = 1 << 63
 # The dtypes a frame may carry, by their numpy names; bfloat16 travels as uint16 bits (wire/half.py),
-# int8 carries quantized gradients (wire/gradient_codec.py).
+# int8 carries quantized gradients (base/codecs/int8.py).
 DTYPES = frozenset({"float32", "float64", "float16", "int64", "int32", "uint16", "uint8", "int8", "bool"})
 
 
