@@ -37,7 +37,7 @@ lint: setup
 	$(BIN)/ruff format --check src
 	$(BIN)/mypy
 	$(BIN)/lint-imports --no-cache
-	$(BIN)/python -m paramserver.launch.cli.docs --check docs/cli.md
+	$(BIN)/python -m paramserver.launch.cli.docs --check docs/cli.md docs/configuration.md
 
 # The fast tier, for every edit: no test starts a process (tests/conftest.py refuses it); about a minute (under 2).
 test: lint

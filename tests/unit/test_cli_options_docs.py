@@ -1,20 +1,24 @@
-"""An option is one `Options` field: its flag, help, default and docs/cli.md row come from the field.
-These tests fail when a field lacks its flag (or the reason it has none), when a flag does not set
-its option on every command that takes it, or when docs/cli.md's option tables are out of date."""
+"""An option is one `Options` field: its flag, help, default, meaning and its rows of docs/cli.md and
+docs/configuration.md come from the field. These tests fail when a field lacks its flag (or the
+reason it has none) or its meaning, when a flag does not set its option on every command that takes
+it, when the docs' option tables are out of date, or when a link in them leads nowhere."""
 
 import argparse
+import dataclasses
+import re
 from dataclasses import fields, make_dataclass
 
 import pytest
 from tests.conftest import ROOT
 
 from paramserver.base.config import Options
-from paramserver.base.option_fields import FLAG_GROUPS, Flag, choices_of, flag_of, option
+from paramserver.base.option_fields import FLAG_GROUPS, Flag, choices_of, flag_of, meaning_of, option
 from paramserver.launch import cli
 from paramserver.launch.cli import docs
 from paramserver.launch.cli.option_flags import GROUPS, flagged_fields
 
 CLI_MD = ROOT / "docs" / "cli.md"
+CONFIGURATION_MD = ROOT / "docs" / "configuration.md"
 FLAGGED = flagged_fields()
 PARSER = cli.build_parser()  # one for every test: building one takes tens of milliseconds
 
@@ -93,24 +97,70 @@ def test_each_option_flag_has_its_row_in_docs_cli_md():
 
 def test_docs_cli_md_holds_the_option_tables_generated_from_the_options():
     text = CLI_MD.read_text(encoding="utf-8")
-    assert docs.replaced(text, docs.markdown()) == text, (
+    assert docs.FLAGS.replaced(text) == text, (
         "docs/cli.md is out of date: run `python -m paramserver.launch.cli.docs --write docs/cli.md`"
     )
 
 
+def test_each_option_has_its_row_in_docs_configuration_md():
+    text = CONFIGURATION_MD.read_text(encoding="utf-8")
+    for f in fields(Options):
+        assert docs.key_row(f) in text, f"{f.name}: no row in docs/configuration.md"
+    assert text.count(docs.KEYS.begin) == 1 and docs.FLAGS.begin not in text
+
+
+def test_docs_configuration_md_holds_the_key_table_generated_from_the_options():
+    text = CONFIGURATION_MD.read_text(encoding="utf-8")
+    assert docs.KEYS.replaced(text) == text, (
+        "docs/configuration.md is out of date: run "
+        "`python -m paramserver.launch.cli.docs --write docs/configuration.md`"
+    )
+
+
 def test_the_docs_entry_point_checks_and_writes_the_tables(tmp_path, capsys):
-    stale = tmp_path / "cli.md"
-    stale.write_text(f"intro\n\n{docs.BEGIN}\n| `--old` |\n{docs.END}\n\nrest\n", encoding="utf-8")
-    assert docs.main(["--check", str(stale)]) == 1
-    assert "run with --write" in capsys.readouterr().err
-    assert docs.main(["--write", str(stale)]) == 0
-    assert docs.main(["--check", str(stale)]) == 0
-    written = stale.read_text(encoding="utf-8")
+    stale_cli, stale_keys = tmp_path / "cli.md", tmp_path / "configuration.md"
+    stale_cli.write_text(f"intro\n\n{docs.FLAGS.begin}\n| `--old` |\n{docs.FLAGS.end}\n\nrest\n", encoding="utf-8")
+    stale_keys.write_text(f"keys\n{docs.KEYS.begin}\n| `old` |\n{docs.KEYS.end}\nend\n", encoding="utf-8")
+    for stale in (stale_cli, stale_keys):
+        assert docs.main(["--check", str(stale)]) == 1
+        assert f"run `python -m paramserver.launch.cli.docs --write {stale}`" in capsys.readouterr().err
+    assert docs.main(["--write", str(stale_cli), str(stale_keys)]) == 0
+    assert docs.main(["--check", str(stale_cli), str(stale_keys)]) == 0
+    written = stale_cli.read_text(encoding="utf-8")
     assert written.startswith("intro\n\n") and written.endswith("\n\nrest\n") and "`--old`" not in written
+    assert "| `--keep K` | `checkpoint_keep` |" in written
+    keys = stale_keys.read_text(encoding="utf-8")
+    assert keys.startswith("keys\n") and keys.endswith("\nend\n") and "`old`" not in keys
+    assert "| `ps_threads` | 8 | — |" in keys and "`--keep K`" in keys
+
+
+def test_the_entry_point_refuses_a_doc_without_markers(tmp_path, capsys):
     unmarked = tmp_path / "plain.md"
     unmarked.write_text("no markers\n", encoding="utf-8")
-    with pytest.raises(ValueError, match="no BEGIN/END markers"):
-        docs.main(["--check", str(unmarked)])
+    assert docs.main(["--check", str(unmarked)]) == 2
+    assert "no BEGIN/END markers" in capsys.readouterr().err
+    unended = tmp_path / "unended.md"
+    unended.write_text(f"{docs.KEYS.begin}\n| `old` |\n", encoding="utf-8")
+    assert docs.main(["--write", str(unended)]) == 2
+    assert "option keys table" in capsys.readouterr().err
+    assert unended.read_text(encoding="utf-8") == f"{docs.KEYS.begin}\n| `old` |\n"
+
+
+def _anchors(doc) -> set[str]:
+    """The anchors a renderer gives doc's headings: lower case, punctuation dropped, spaces as '-'."""
+    text = re.sub(r"^```.*?^```", "", doc.read_text(encoding="utf-8"), flags=re.M | re.S)
+    headings = re.findall(r"^#+ (.+)$", text, flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-") for heading in headings}
+
+
+def test_every_link_of_the_option_tables_leads_to_a_doc_and_its_heading():
+    links = re.findall(r"\]\(([^)]+)\)", "\n".join(table.markdown() for table in docs.TABLES))
+    assert len(links) > 20
+    for link in set(links):  # both docs are in docs/: links are relative to it
+        path, _, anchor = link.partition("#")
+        doc = ROOT / "docs" / path
+        assert doc.is_file(), f"{link}: no {doc}"
+        assert not anchor or anchor in _anchors(doc), f"{link}: no such heading in docs/{path}"
 
 
 def test_defaults_are_written_as_people_write_them():
@@ -137,6 +187,40 @@ def test_a_declaration_without_flag_or_reason_or_with_a_bad_flag_is_refused():
         Flag("x", "limits", "x")
     with pytest.raises(TypeError, match="group 'nowhere'"):
         Flag("--x", "nowhere", "x")
+
+
+def test_an_option_without_a_meaning_is_refused():
+    with pytest.raises(TypeError, match="needs its meaning: doc="):
+        option(1, no_flag="tuning")
+    with pytest.raises(TypeError, match="the flag's doc"):
+        option(1, Flag("--x", "limits", "x"), doc="twice")
+    assert meaning_of(option(1, no_flag="tuning", doc="how many")) == "how many"
+    undeclared = make_dataclass("Undeclared", [("retries", "int", dataclasses.field(default=2))])
+    with pytest.raises(TypeError, match="'retries' has no meaning"):
+        docs.key_row(fields(undeclared)[0])
+
+
+def test_every_option_has_a_meaning_of_its_own():
+    meanings = {f.name: meaning_of(f) for f in fields(Options)}
+    assert all(meanings.values())
+    assert meanings["ps_threads"] == "gRPC request threads of a PS (at least 1)"  # no flag: its doc
+    assert "{" not in "".join(meanings.values())  # every help's {default} written in
+
+
+def test_defaults_in_the_key_table_are_json_with_large_numbers_as_people_read_them():
+    shown = {f.name: docs.json_default(f) for f in fields(Options)}
+    assert (shown["max_table_rows"], shown["max_table_memory_bytes"], shown["max_message_bytes"]) == (
+        "134217728 (2^27)",
+        "16 GiB",
+        "1 GiB",
+    )
+    assert (shown["mode"], shown["logdir"], shown["use_stream"], shown["resume"]) == (
+        '`"async"`',
+        '`""`',
+        "`true`",
+        "`false`",
+    )
+    assert (shown["rpc_timeout_s"], shown["max_gradient_magnitude"], shown["progress_fd"]) == ("60", "1e15", "-1")
 
 
 def test_a_flag_without_docs_words_has_its_help_as_its_row_less_the_default():

@@ -1,17 +1,20 @@
 """What an :class:`~paramserver.base.options.Options` field says besides its name, type and default.
 
 An option is one field: ``option(default, Flag(...))`` declares its command-line flag, the flag's
-help and its row of docs/cli.md; ``option(default, no_flag="why")`` one that no flag sets (a cluster
-file's ``"options"`` and ``PARAMSERVER_OPTIONS`` still do). The CLI (launch/cli/option_flags.py)
-builds its flags from these fields and launch/cli/docs.py the options tables of docs/cli.md, so
-neither holds a list of options of its own.
+help and its meaning in the docs; ``option(default, no_flag="why", doc="meaning")`` one that no flag
+sets (a cluster file's ``"options"`` and ``PARAMSERVER_OPTIONS`` still do). The CLI
+(launch/cli/option_flags.py) builds its flags from these fields and launch/cli/docs.py the option
+tables of docs/cli.md and docs/configuration.md, so none of them holds a list of options of its own.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Any
+
+_NAMED_DEFAULT = re.compile(r" \(default [^;()]*\)")  # "(default {default})" in a flag's help
 
 # Which commands take a flag: launch/cli/option_flags.py says, group by group.
 RUN = "run"  # the launcher's own: run and demo
@@ -27,9 +30,10 @@ class Flag:
     """An option's command-line flag.
 
     `help` is argparse's help; ``{default}`` in it (with a format spec if wanted: ``{default:g}``)
-    becomes the option's default. `metavar` names the value in docs/cli.md (``--keep K``); `doc` is
-    the docs row's meaning (else `help`), `shown` its default column (else the default, written as
-    a person would). `byte_size`: an int flag that also takes ``16GiB``, ``512MiB``.
+    becomes the option's default. `metavar` names the value in the docs (``--keep K``); `doc` is the
+    option's meaning in docs/cli.md and docs/configuration.md (else `help`), `shown` the default
+    column of docs/cli.md (else the default, written as a person would). `byte_size`: an int flag
+    that also takes ``16GiB``, ``512MiB``.
     """
 
     name: str
@@ -47,18 +51,38 @@ class Flag:
             raise TypeError(f"flag {self.name}: group {self.group!r} is not one of {FLAG_GROUPS}")
 
 
-def option(default: Any, flag: Flag | None = None, *, no_flag: str = "", choices: tuple[str, ...] = ()) -> Any:
-    """An Options field: its default, and its `flag` or why it has none (`no_flag`); `choices`, the
-    only values it takes (checked by Options, offered by the flag)."""
+def option(
+    default: Any, flag: Flag | None = None, *, no_flag: str = "", doc: str = "", choices: tuple[str, ...] = ()
+) -> Any:
+    """An Options field: its default, and its `flag` or why it has none (`no_flag`) with what it means
+    (`doc`, the docs' words; a flag's meaning is the flag's doc or help); `choices`, the only values it
+    takes (checked by Options, offered by the flag)."""
     if (flag is None) == (not no_flag):
         raise TypeError("an option has a flag, or a reason (no_flag) why it has none")
-    metadata = {"flag": flag, "no_flag": no_flag, "choices": choices}
+    if flag is None and not doc:
+        raise TypeError(f"an option without a flag ({no_flag}) needs its meaning: doc=")
+    if flag is not None and doc:
+        raise TypeError(f"option {flag.name}: its meaning is the flag's doc (Flag(..., doc=)), not option(doc=)")
+    metadata = {"flag": flag, "no_flag": no_flag, "doc": doc, "choices": choices}
     return dataclasses.field(default=default, metadata=metadata)
 
 
 def flag_of(field: dataclasses.Field) -> Flag | None:
     """The field's flag; None for an option no flag sets."""
     return field.metadata.get("flag")
+
+
+def meaning_of(field: dataclasses.Field) -> str:
+    """What the option means, as the docs' tables say it: its flag's doc, else its flag's help less
+    its default (the tables show the default in a column of its own), else its own doc.
+
+    Raises TypeError for a field declared without option() or with no words of its meaning."""
+    flag = flag_of(field)
+    if flag is not None:
+        return flag.doc or _NAMED_DEFAULT.sub("", flag.help.format(default=field.default))
+    if doc := field.metadata.get("doc", ""):
+        return doc
+    raise TypeError(f"option {field.name!r} has no meaning: declare it with option(default, Flag(...)) or doc=")
 
 
 def choices_of(field: dataclasses.Field) -> tuple[str, ...]:

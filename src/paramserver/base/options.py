@@ -1,10 +1,10 @@
 """Runtime options shared by every role: one frozen dataclass, one field per option.
 
-A field is the whole of an option: its type and default, its command-line flag with its help and
-its row of docs/cli.md (base/option_fields.py), or why no flag sets it. ``paramserver`` builds its
-flags from the fields (launch/cli/option_flags.py) and docs/cli.md's options tables are generated
-from them (``python -m paramserver.launch.cli.docs --write docs/cli.md``). The checks of each
-option's range are in base/option_checks.py.
+A field is the whole of an option: its type and default, its command-line flag with its help, or why
+no flag sets it, and its meaning in the docs (base/option_fields.py). ``paramserver`` builds its
+flags from the fields (launch/cli/option_flags.py), and the option tables of docs/cli.md and
+docs/configuration.md are generated from them (``python -m paramserver.launch.cli.docs --write
+docs/cli.md docs/configuration.md``). The checks of each option's range are in base/option_checks.py.
 """
 
 from __future__ import annotations
@@ -46,86 +46,110 @@ class Options:
     rpc_timeout_s: float = option(
         60.0,
         Flag("--rpc-timeout", RUN, "deadline in seconds of each call to a PS (default {default})", "S",
-             doc="deadline in seconds of every call to a PS"),
+             doc="deadline in seconds of every call to a PS (positive)"),
     )
-    connect_timeout_s: float = option(120.0, no_flag=_TUNING)  # how long a worker waits for all PS at start
+    connect_timeout_s: float = option(
+        120.0, no_flag=_TUNING, doc="seconds a worker waits at start for every PS to answer (positive)")
     max_message_bytes: int = option(
         1 << 30,
         Flag("--max-message-bytes", LIMITS,
              "largest message sent or received (default {default}); a longer request or reply travels in several",
-             "B", doc="largest message sent or received, gRPC or tensor stream; a longer request or reply "
-             "travels in parts of at most this ([security.md](security.md#limits-and-bad-input))"),
+             "B", doc="largest single message sent or received, gRPC or tensor stream (TCP or shared memory): a "
+             "longer request or reply travels in parts of at most this, put back together on the other side (as "
+             "TensorFlow's TF_GRPC_MAX_BUFFER_SIZE; [protocol.md](protocol.md#tensor-stream)); a stream message "
+             "declaring more is refused (RESOURCE_EXHAUSTED) before any memory is taken for it; 1024 to 2^31 - 1 "
+             "([security.md](security.md#limits-and-bad-input))"),
     )
     max_payload_bytes: int = option(
         16 << 30,
         Flag("--max-payload-bytes", LIMITS,
              "largest request or reply put back together from its messages (default {default})", "B",
-             doc="largest request or reply put back together from its parts; at least `--max-message-bytes`"),
+             doc="largest request or reply put back together from its parts: a PS refuses parts adding up to more "
+             "(RESOURCE_EXHAUSTED) before it reads the one that passes it, and a worker refuses "
+             "such a request before sending it; at least `max_message_bytes`"),
     )
-    split_bytes: int = option(256 * 1024, no_flag=_TUNING)  # variables this large are split along axis 0 across PS
-    ps_threads: int = option(8, no_flag=_TUNING)  # gRPC request threads of a PS
-    # TCP port of a PS's tensor stream; 0 picks a free one (announced in Hello)
-    stream_port: int = option(0, no_flag="a free port, announced in Hello; `paramserver k8s` gives the gRPC port + 1")
-    # pushes and pulls travel on the tensor stream (False: on gRPC); a worker on the PS's host passes
-    # tensors through shared memory
-    use_stream: bool = option(True, no_flag=f"for tests and measurements of the transports; {_TUNING}")
-    shared_memory: bool = option(True, no_flag=f"for tests and measurements of the transports; {_TUNING}")
+    split_bytes: int = option(
+        256 * 1024, no_flag=_TUNING, doc="variables of at least this many bytes are split along axis 0 across the "
+        "PS ([configuration.md](configuration.md#placement)); at least 1")
+    ps_threads: int = option(8, no_flag=_TUNING, doc="gRPC request threads of a PS (at least 1)")
+    stream_port: int = option(
+        0, no_flag="a free port, announced in Hello; `paramserver k8s` gives the gRPC port + 1",
+        doc="TCP port of a PS's tensor stream; 0 picks a free port, announced in Hello; `paramserver k8s` gives "
+        "each PS its gRPC port + 1 ([configuration.md](configuration.md#ports))")
+    use_stream: bool = option(
+        True, no_flag=f"for tests and measurements of the transports; {_TUNING}",
+        doc="true: pushes and pulls travel on the tensor stream; false: on gRPC")
+    shared_memory: bool = option(
+        True, no_flag=f"for tests and measurements of the transports; {_TUNING}",
+        doc="true: a worker on the same host as a PS passes tensors to it through shared memory")
     torch_threads: int = option(
         0,
         Flag("--torch-threads", RUN,
              "torch intra-op threads per worker (default: the cores idle at the start / workers, at least 1)",
              "T", shown="the cores idle at the start / M, at least 1 (a PS works mostly while its workers wait; "
              "cores other processes keep busy are not counted)",
-             doc="torch intra-op threads per worker; every node also gets `OMP_WAIT_POLICY=PASSIVE` unless the "
-             "environment sets a wait policy (docs/performance.md)"),
+             doc="torch intra-op threads per worker; 0 keeps torch's default, except under `run` and `demo`, which "
+             "then choose as their default says; every node `run` starts also gets `OMP_WAIT_POLICY=PASSIVE` unless "
+             "the environment sets a wait policy "
+             "([performance.md](performance.md#torch-threads-of-a-worker-and-shared-cores))"),
     )
-    progress_fd: int = option(-1, no_flag=_LAUNCHER)  # file descriptor a worker writes progress lines to; -1: none
+    progress_fd: int = option(
+        -1, no_flag=_LAUNCHER, doc="file descriptor a worker writes its progress lines to; -1: none (`paramserver "
+        "run` sets it; [protocol.md](protocol.md#progress-channel-worker---paramserver-run))")
     mode: str = option(
         "async",
         Flag("--mode", CONSISTENCY, "consistency: async (default), sync, or ssp:K (at most K steps ahead)", "MODE",
-             doc="consistency: `async`, `sync` or `ssp:K` (docs/consistency.md)"),
+             doc="consistency: `async`, `sync` or `ssp:K` (at most K steps ahead; [consistency.md](consistency.md))"),
     )
     backup_workers: int = option(
         0,
         Flag("--backup-workers", CONSISTENCY, "sync: apply a step without the last B workers", "B",
-             doc="sync only: apply each step once M - B workers pushed it"),
+             doc="`sync` only: each step is applied once all workers but this many pushed it (fewer than the "
+             "workers)"),
     )
     mode_schedule: str = option(
         "",
         Flag("--mode-schedule", CONSISTENCY, "switch modes at the chief's steps, e.g. 'sync@500'", "S",
-             doc="switch modes at steps, e.g. `sync@500` or `ssp:2@100,sync@900`"),
+             doc="`MODE@STEP,...`: switch modes when the workers reach those steps, e.g. `sync@500` or "
+             "`ssp:2@100,sync@900` (increasing steps; [consistency.md](consistency.md#switching-while-training-runs))"),
     )
-    max_table_ids: int = option(1 << 20, no_flag=_TUNING)  # most ids one lookup or sparse push may carry
-    heartbeat_s: float = option(1.0, no_flag=_TUNING)  # how often a worker tells the coordinator it is alive
+    max_table_ids: int = option(
+        1 << 20, no_flag=_TUNING, doc="most ids one embedding lookup or sparse push may carry; a PS refuses more "
+        "(at least 1)")
+    heartbeat_s: float = option(
+        1.0, no_flag=_TUNING, doc="seconds between a worker's heartbeats to the coordinator (positive)")
     heartbeat_timeout_s: float = option(
         30.0,
         Flag("--heartbeat-timeout", CONSISTENCY,
              "seconds of silence after which a worker counts as dead (default {default:.0f}); a restart must "
              "rejoin within it", "S",
              doc="seconds of silence after which a worker counts as dead: waits that need it fail at once, naming "
-             "it; a restarted worker must join again within it"),
+             "it, and a restarted worker must join again within it (more than twice `heartbeat_s`)"),
     )
     checkpoint_dir: str = option(
         "",
         Flag("--checkpoint-dir", CONSISTENCY, "write checkpoints here (a path or fsspec URL, e.g. s3://b/run)", "D",
-             doc="write checkpoints under D: a path, NFS, or an fsspec URL such as `s3://bucket/run` (S3 access "
-             "from the environment: docs/checkpoints.md, Object storage)"),
+             doc="where checkpoints go: a path, NFS, or an fsspec URL such as `s3://bucket/run` (S3 access from the "
+             "environment: [checkpoints.md](checkpoints.md#object-storage-s3)); empty: none; set, a clean end "
+             "writes a final checkpoint even with no period"),
     )
     checkpoint_every: int = option(
         0,
         Flag("--checkpoint-every", CONSISTENCY, "steps between checkpoints (each worker's count)", "N",
-             shown="0 (none)", doc="steps of the chief's count between checkpoints (every worker stops at the "
-             "same checkpoint, wherever it is; docs/checkpoints.md)"),
+             shown="0 (none)", doc="steps of the chief's count between checkpoints; 0: none (every worker stops at "
+             "the same checkpoint, wherever it is; [checkpoints.md](checkpoints.md#when-it-is-taken-and-why-it-is-"
+             "consistent))"),
     )
     checkpoint_every_seconds: float = option(
         0.0,
         Flag("--checkpoint-every-seconds", CONSISTENCY, "seconds between checkpoints, by the chief's clock", "S",
-             shown="0 (none)"),
+             shown="0 (none)", doc="seconds between checkpoints, by the chief's clock; 0: none"),
     )
     checkpoint_keep: int = option(
         3,
         Flag("--keep", CONSISTENCY, "complete checkpoints kept (default {default})", "K",
-             doc="complete checkpoints kept (with the base and deltas they need); older ones are deleted"),
+             doc="complete checkpoints kept (with the base and deltas they need); older ones are deleted (at least "
+             "1; [checkpoints.md](checkpoints.md#retention))"),
     )
     checkpoint_base_every: int = option(
         8,
@@ -134,94 +158,110 @@ class Options:
              "checkpoint whole)", "K",
              doc="a whole (base) checkpoint every K; between, deltas holding only the table rows changed since "
              "the previous checkpoint (and a new base sooner when the deltas pass half the base's bytes); 1: "
-             "every checkpoint whole (docs/checkpoints.md, Incremental checkpoints)"),
+             "every checkpoint whole; tiered tables always write whole files (at least 1; "
+             "[checkpoints.md](checkpoints.md#incremental-checkpoints-a-base-then-what-changed))"),
     )
     checkpoint_quantize: str = option(
         "none",
         Flag("--checkpoint-quantize", CONSISTENCY,
              "store embedding rows in checkpoints as bfloat16, or int8 with a float32 scale per row (default "
              "none: float32; optimizer state stays float32; docs/checkpoints.md)",
-             doc="how checkpoints store embedding-table rows: float32, bfloat16, or int8 with one float32 scale "
-             "per row (optimizer state stays float32; read back as float32 by resume, `checkpoint` and serving; "
-             "docs/checkpoints.md, Quantized rows)"),
+             doc="how checkpoints store embedding-table rows: `none` (float32), `bf16` (bfloat16, rounded to "
+             "nearest even) or `int8` (with one float32 scale per row); optimizer state and dense variables stay "
+             "float32; read back as float32 by resume, `checkpoint` and serving "
+             "([checkpoints.md](checkpoints.md#quantized-rows))"),
         choices=("none", "bf16", "int8"),
     )
     resume: bool = option(
         False,
         Flag("--resume", CONSISTENCY,
              "start from the latest complete checkpoint in --checkpoint-dir (fresh if none)",
-             doc="start from the latest complete checkpoint in D (a fresh start if there is none)"),
+             doc="every node starts from the latest complete checkpoint in `checkpoint_dir` (a fresh start if "
+             "there is none); a PS of a cluster started by `paramserver node` (TF_CONFIG or `--cluster`) with a "
+             "`checkpoint_dir` always does, so that its restart resumes by itself "
+             "([recovery.md](recovery.md#when-a-pod-dies))"),
     )
     restore_non_finite: bool = option(
         False,
         Flag("--restore-non-finite", CONSISTENCY,
-             "resume from a checkpoint holding NaN or infinite values (by default it counts as damaged)"),
+             "resume from a checkpoint holding NaN or infinite values (by default it counts as damaged)",
+             doc="resume from a checkpoint holding NaN or infinite values (by default it counts as damaged and "
+             "the one before is taken; [checkpoints.md](checkpoints.md#resuming))"),
     )
     recovery: str = option(
         "rollback",
         Flag("--recovery", CONSISTENCY,
              "a killed PS: roll the whole cluster back to the latest checkpoint (rollback, the default), or "
              "restore its shard alone from its newest checkpoint while the rest goes on (partial; async mode)",
-             doc="what a PS killed by a signal costs, with D: `rollback` sends the whole cluster back to the "
-             "latest checkpoint; `partial` restarts that PS alone, restoring its shard from its newest "
+             doc="what a PS killed by a signal costs, with a `checkpoint_dir`: `rollback` sends the whole cluster "
+             "back to the latest checkpoint; `partial` restarts that PS alone, restoring its shard from its newest "
              "checkpoint, while the other shards keep their state and the workers their data positions (async "
              "mode; the closing line's `partial_recoveries` says the steps that shard lost; without a checkpoint "
-             "yet, in another mode, or for the chief, the run rolls back and says why; docs/recovery.md, "
-             "Partial recovery)"),
+             "yet, in another mode, or for the chief, the run rolls back and says why; "
+             "[recovery.md](recovery.md#partial-recovery-restore-the-lost-shard-alone))"),
         choices=RECOVERIES,
     )
-    # communication (docs/performance.md)
+    # communication
     compression: str = option(
         "",
         Flag("--compression", LIMITS,
              f"gradient compression: a codec for all ({CODEC_WORDS}) or PATTERN=CODEC rules, "
              "comma-separated (docs/performance.md)", "C",
-             doc=f"gradient compression: one codec for every gradient ({CODEC_WORDS}) or "
-             "`PATTERN=CODEC` rules, comma-separated ([performance.md](performance.md), \"Gradient compression\")"),
+             doc=f"gradient compression: one codec for every gradient ({CODEC_WORDS}) or `PATTERN=CODEC` rules "
+             "over parameter and table names, comma-separated, the first match wins; tables skip `topk` rules "
+             "([performance.md](performance.md#gradient-compression))"),
     )
     dense_sync: str = option(
         "ps",
         Flag("--dense-sync", LIMITS, "dense variables: pushed to the PS (default) or all-reduced among the workers",
-             doc="dense variables: pushed to the PS, or all-reduced among the workers "
-             "([performance.md](performance.md))"),
+             doc="dense variables: `ps` (pushed to and applied on the PS) or `allreduce` (averaged among the "
+             "workers with torch.distributed, embeddings stay on the PS); `allreduce` refuses `backup_workers` and "
+             "`checkpoint_every_seconds` ([performance.md](performance.md#hybrid-all-reduce-for-dense-ps-for-"
+             "embeddings))"),
         choices=("ps", "allreduce"),
     )
-    # an evaluator ends after this long without a new checkpoint; 0: at the final one
-    eval_timeout_s: float = option(0.0, no_flag="an evaluator's own; set in PARAMSERVER_OPTIONS or a cluster file")
-    # limits a PS enforces before it takes memory (docs/security.md)
+    eval_timeout_s: float = option(
+        0.0, no_flag="an evaluator's own; set in PARAMSERVER_OPTIONS or a cluster file",
+        doc="an evaluator task ends after this many seconds without a new checkpoint; 0: only after the final "
+        "checkpoint (0 or more; [evaluator.md](evaluator.md))")
+    # limits a PS enforces before it takes memory
     max_table_rows: int = option(
         1 << 27,
         Flag("--max-table-rows", LIMITS, "most rows of one table on one PS (default {default})", "N",
-             doc="most rows one table may hold on one PS: a registration's capacity and the rows lookups create "
-             "([security.md](security.md#limits-and-bad-input))"),
+             doc="most rows one embedding table may hold on one PS: a registration's capacity and the rows "
+             "lookups create; past it, RESOURCE_EXHAUSTED (at least 1; "
+             "[security.md](security.md#limits-and-bad-input))"),
     )
     max_table_memory_bytes: int = option(
         16 << 30,
         Flag("--max-table-memory", LIMITS, "most bytes of all tables on one PS, e.g. 16GiB (default {default})", "B",
-             doc="most bytes all tables (and new dense groups) of one PS may hold, checked before memory is "
-             "taken: a number of bytes, or `16GiB`, `512MiB`", byte_size=True),
+             doc="most bytes all tables of one PS may hold (values, optimizer state, use counters and hash index, "
+             "at their capacity; a new dense group counts with them, a tiered table its memory tier), checked "
+             "before memory is taken; the flag also takes `16GiB`, `512MiB` (at least 1)", byte_size=True),
     )
     max_tiered_table_rows: int = option(
         1 << 34,
         Flag("--max-tiered-table-rows", LIMITS,
              "with --table-memory-budget: most rows of one table on one PS, memory and disk (default {default})",
-             "N", doc="with a budget: most rows of one table on one PS, memory and disk (instead of "
-             "`--max-table-rows`)"),
+             "N", doc="with a `table_memory_budget`: most rows one table may hold on one PS, memory and disk, "
+             "instead of `max_table_rows` (at least 1)"),
     )
     max_gradient_magnitude: float = option(
         1e15,
         Flag("--max-gradient-magnitude", LIMITS,
              "refuse a pushed gradient holding a value larger than this in magnitude, like NaN (default {default:g})",
-             "X", doc="a pushed gradient holding a value larger than X in magnitude is refused, like NaN"),
+             "X", doc="a pushed gradient (dense or rows) holding a value larger than this in magnitude is refused, "
+             "like NaN (positive)"),
     )
-    # tables bigger than memory (docs/scaling.md#tiered-tables)
+    # tables bigger than memory
     table_memory_budget: int = option(
         0,
         Flag("--table-memory-budget", LIMITS,
              "bytes of table rows one PS keeps in memory, e.g. 4GiB; the rest go to --spill-dir (default 0: all "
              "in memory; docs/scaling.md)", "B", shown="0 (off)",
-             doc="tables bigger than memory: each PS keeps B bytes of table rows in memory (`4GiB`, `512MiB`, "
-             "`1.5GB`, or a number of bytes) and the rest in `--spill-dir`; each needs the other "
+             doc="tables bigger than memory: bytes of table rows each PS keeps in memory, the rest in `spill_dir` "
+             "on local disk (each needs the other); 0: every row in memory, else 64 KiB to "
+             "`max_table_memory_bytes`; the flag also takes `4GiB`, `512MiB`, `1.5GB` "
              "([scaling.md](scaling.md#tiered-tables))", byte_size=True),
     )
     spill_dir: str = option(
@@ -229,35 +269,37 @@ class Options:
         Flag("--spill-dir", LIMITS,
              "local directory where a PS with --table-memory-budget keeps the rows beyond it (each PS in a "
              "subdirectory of its own, deleted when it stops)", "D",
-             doc="local directory where a PS with a `--table-memory-budget` keeps the rows beyond it, in a "
-             "subdirectory of its own deleted when it stops"),
+             doc="local directory where a PS with a `table_memory_budget` keeps the rows beyond it, in a "
+             "subdirectory of its own (`shard-<index>-<hex>`) deleted when it stops; stale ones a killed PS left "
+             "are deleted at start"),
     )
     idle_timeout_s: float = option(
         300.0,
         Flag("--idle-timeout", LIMITS,
              "seconds after which an idle tensor-stream connection is closed (default {default:.0f})", "S",
-             doc="seconds after which a tensor-stream connection without a request is closed (the client "
-             "reconnects on its next call)"),
+             doc="seconds after which a tensor-stream connection without a request (or with a request stalled "
+             "half-way) is closed; the client reconnects on its next call (positive)"),
     )
     max_connections: int = option(
         256,
         Flag("--max-connections", LIMITS, "tensor-stream connections per PS (default {default})", "N",
-             doc="tensor-stream connections one PS serves at once; one more is refused"),
+             doc="tensor-stream connections one PS serves at once, counting those that proved themselves (a "
+             "token, or a first message); one more is answered RESOURCE_EXHAUSTED and closed (at least 1)"),
     )
-    # operations (docs/operations.md)
+    # operations
     metrics_port: int = option(
         -1,
         Flag("--metrics-port", OPERATIONS, "serve Prometheus metrics on this port (0: a free one)", "P",
-             shown="none", doc="serve Prometheus metrics on port P (0: a free one, logged; "
-             "[operations.md](operations.md#metrics-prometheus)); `run` takes `0` only: its nodes share this "
+             shown="none", doc="every node serves Prometheus metrics on this port; -1: none, 0: a free one, logged "
+             "([operations.md](operations.md#metrics-prometheus)); `run` takes `0` only: its nodes share this "
              "host, each gets a free port of its own"),
     )
     metrics_bind: str = option(
         "127.0.0.1",
         Flag("--metrics-bind", OPERATIONS,
              "host the metrics endpoint listens on (default {default}; 0.0.0.0: every interface)", "HOST",
-             doc="the host the metrics endpoints listen on (`0.0.0.0`: every interface; `paramserver k8s` sets "
-             "it)"),
+             doc="the host the metrics endpoints listen on: an IP address or host name, `0.0.0.0` / `::` for every "
+             "interface; `paramserver k8s` sets `0.0.0.0` with a metrics port"),
     )
     log_format: str = option(
         "text",
@@ -269,26 +311,32 @@ class Options:
     logdir: str = option(
         "",
         Flag("--logdir", OPERATIONS, "the chief writes TensorBoard summaries here", "D",
-             doc="the chief writes TensorBoard event files into D ([operations.md](operations.md#tensorboard))"),
+             doc="the chief writes TensorBoard event files here; empty: none "
+             "([operations.md](operations.md#tensorboard))"),
     )
     summary_every: int = option(
         100,
         Flag("--summary-every", OPERATIONS, "steps between TensorBoard summaries (default {default})", "N",
-             doc="steps of the chief between TensorBoard summaries"),
+             doc="steps of the chief between TensorBoard summaries (at least 1)"),
     )
     audit_log: str = option(
         "",
         Flag("--audit-log", OPERATIONS, "append the audit trail (JSON lines) to this file (PS, coordinator)", "FILE",
              shown="the node's log",
-             doc="PS and coordinator append their audit trail (JSON lines) to FILE (docs/security.md)"),
+             doc="PS and coordinator append their audit trail (JSON lines) to this file; empty: to the logger "
+             "`paramserver.audit` ([security.md](security.md#audit-log))"),
     )
-    # the chief ends every PS (exit 0) once the run completed
-    stop_ps_at_end: bool = option(False, no_flag="`paramserver k8s` sets it, so that every Job completes")
+    stop_ps_at_end: bool = option(
+        False, no_flag="`paramserver k8s` sets it, so that every Job completes",
+        doc="the chief ends every PS (a Shutdown with `end`: each drains and exits 0) once the run completed and "
+        "every worker is done; `paramserver k8s` sets it, so that the PS Jobs complete with the run "
+        "([deploy.md](deploy.md#cleanup))")
     drain_grace_s: float = option(
         10.0,
         Flag("--drain-grace", OPERATIONS,
              "SIGTERM: seconds for calls in flight to finish (default {default:.0f})", "S",
-             doc="SIGTERM: seconds a PS gives calls in flight, after its health went NOT_SERVING"),
+             doc="SIGTERM: seconds a PS gives calls in flight before it stops, after its health went NOT_SERVING "
+             "(positive; [operations.md](operations.md#graceful-shutdown-sigterm))"),
     )
     # (within Kubernetes' terminationGracePeriodSeconds, 30 by default)
     preempt_grace_s: float = option(
@@ -296,35 +344,43 @@ class Options:
         Flag("--preempt-grace", OPERATIONS,
              "with --checkpoint-dir, SIGTERM or a first Ctrl-C writes a checkpoint at the next step, then stops: "
              "seconds it may take (default {default:.0f})", "S",
-             doc="with `--checkpoint-dir`: SIGTERM or a first Ctrl-C writes a checkpoint at the workers' next "
-             "step, then stops; seconds that may take"),
+             doc="with a `checkpoint_dir`: SIGTERM or a first Ctrl-C writes a checkpoint at the workers' next "
+             "step, then stops; seconds that may take before a worker exits without it (positive)"),
     )
-    # security (docs/security.md)
+    # security
     tls_cert: str = option(
         "",
         Flag("--tls-cert", SECURITY, "this node's PEM certificate (TLS on every channel)", "F",
-             doc="this node's PEM certificate: TLS on every channel, with `--tls-key`; `run` gives it to every "
-             "node (`--certs` gives each its own)"),
+             doc="this node's PEM certificate: TLS on every channel, gRPC and the tensor stream, with `tls_key`; "
+             "`run` gives it to every node (`--certs` gives each its own; "
+             "[security.md](security.md#tls-and-mutual-tls))"),
     )
-    tls_key: str = option("", Flag("--tls-key", SECURITY, "this node's PEM private key", "F"))
+    tls_key: str = option(
+        "",
+        Flag("--tls-key", SECURITY, "this node's PEM private key", "F",
+             doc="this node's PEM private key, with `tls_cert`"),
+    )
     tls_ca: str = option(
         "",
         Flag("--tls-ca", SECURITY, "PEM CA bundle: both ends verify each other (mutual TLS)", "F",
-             doc="PEM CA bundle: both ends verify each other (mutual TLS; needs `--tls-cert` and `--tls-key`)"),
+             doc="PEM CA bundle: both ends verify each other (mutual TLS; needs `tls_cert` and `tls_key`)"),
     )
     auth_tokens: str = option(
         "",
         Flag("--auth-tokens", SECURITY, "JSON file of accepted tokens and their roles (servers)", "FILE",
-             doc="a PS / the coordinator accepts only calls with a token from this store (docs/security.md); "
-             "`run --tokens` sets it"),
+             doc="a PS / the coordinator accepts only calls with a known token of this JSON store, in its role; "
+             "empty: no checks; `run --tokens` sets it ([security.md](security.md#tokens-roles-and-audit))"),
     )
     token_file: str = option(
         "",
         Flag("--token-file", SECURITY, "file holding the token this node presents", "FILE",
-             doc="the token this node presents on every call; `run --tokens` sets it per node"),
+             doc="the file holding the token this node presents on every call; `run --tokens` sets it per node "
+             "([security.md](security.md#token-files))"),
     )
-    # file holding the secret of the `paramserver run` that started this node (Prove)
-    run_secret_file: str = option("", no_flag=_LAUNCHER)
+    run_secret_file: str = option(
+        "", no_flag=_LAUNCHER,
+        doc="the file holding the secret of the `paramserver run` that started this node, read once at start; "
+        "the node proves with it that it belongs to that run ([security.md](security.md#run-files))")
     # fmt: on
 
     def __post_init__(self) -> None:
