@@ -12,7 +12,7 @@ import pytest
 from tests.conftest import ROOT
 
 from paramserver.base.config import Options
-from paramserver.base.option_fields import FLAG_GROUPS, Flag, choices_of, flag_of, meaning_of, option
+from paramserver.base.options.fields import FLAG_GROUPS, Flag, choices_of, flag_of, meaning_of, option
 from paramserver.launch import cli
 from paramserver.launch.cli import docs
 from paramserver.launch.cli.option_flags import GROUPS, flagged_fields

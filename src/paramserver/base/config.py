@@ -7,7 +7,7 @@ Read once when a node starts, from one of:
 - a cluster file (or ``PARAMSERVER_CLUSTER``, the same JSON) plus ``--role`` / ``--index`` flags,
   or the task that TF_CONFIG names;
 and ``PARAMSERVER_OPTIONS`` (JSON of :class:`Options`, set by ``paramserver run``; the options
-themselves are declared in base/options.py, and imported from here too).
+themselves are declared in base/options/options.py, and imported from here too).
 Nothing below this module reads the environment.
 """
 
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from paramserver.base.errors import ConfigError
-from paramserver.base.options import Options
+from paramserver.base.options.options import Options
 
 ROLES = ("chief", "worker", "ps")
 EVALUATOR = "evaluator"  # TF's sidecar evaluator: outside the training cluster, follows its checkpoints

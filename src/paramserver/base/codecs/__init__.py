@@ -4,10 +4,10 @@ A codec is one class (a Codec subclass, _codec.py) in a module of this package: 
 the `compression` option and in the request's header), how its argument is parsed, its main tensor's
 dtype and its auxiliary tensors, whether the worker keeps error feedback for it and how, whether a
 table's rows may take it, its encode and its decode. The registry (_registry.py) finds every module
-whose name does not start with "_": adding a codec is adding such a file. The option (base/options.py,
+whose name does not start with "_": adding a codec is adding such a file. The option (base/options/options.py,
 compression_spec.py), the worker (client/compression.py) and the PS (wire/gradient_codec.py) all
 use the registry; each codec module's docstring gives its format. The codecs live in the base, not
-in wire/, because Options (base/options.py) refuses an unknown codec or a bad argument when it is
+in wire/, because Options (base/options/options.py) refuses an unknown codec or a bad argument when it is
 built, and the base imports nothing above it.
 """
 

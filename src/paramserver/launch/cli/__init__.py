@@ -1,7 +1,7 @@
 """The `paramserver` command: run, node, k8s, status, health, shutdown, checkpoint, certs, demo. See docs/cli.md.
 
 - parser.py: each command's own flags; option_flags.py: the flags that set options, built from the
-  `Options` fields (base/options.py), and which commands take them;
+  `Options` fields (base/options/options.py), and which commands take them;
 - commands.py: what each command does; entry.py: `main`, the console entry point;
 - docs.py: docs/cli.md's option tables, generated from the same fields.
 """

@@ -1,4 +1,4 @@
-"""The option tables of the docs, generated from the `Options` fields (base/options.py), as
+"""The option tables of the docs, generated from the `Options` fields (base/options/options.py), as
 wire/messages.py generates docs/protocol.md's message tables: docs/cli.md's flags, a table per
 flag group, and docs/configuration.md's keys, a row per option.
 
@@ -16,8 +16,8 @@ from collections.abc import Callable
 from dataclasses import Field, dataclass, fields
 from typing import Any
 
-from paramserver.base.option_fields import Flag, choices_of, flag_of, meaning_of
-from paramserver.base.options import Options
+from paramserver.base.options.fields import Flag, choices_of, flag_of, meaning_of
+from paramserver.base.options.options import Options
 from paramserver.launch.cli.option_flags import GROUPS, flagged_fields
 
 COMMAND = "python -m paramserver.launch.cli.docs"

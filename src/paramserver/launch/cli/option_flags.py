@@ -1,4 +1,4 @@
-"""The flags that set options, built from the `Options` fields (base/options.py): a field's flag
+"""The flags that set options, built from the `Options` fields (base/options/options.py): a field's flag
 gives its name, type, choices and help; its group says which commands take it.
 
 A flag not given leaves its option out of `given_options`, so that PARAMSERVER_OPTIONS, a cluster
@@ -12,8 +12,8 @@ from dataclasses import Field, dataclass, fields
 from typing import Any
 
 from paramserver.base.byte_size import parse_byte_size
-from paramserver.base.option_fields import CONSISTENCY, LIMITS, OPERATIONS, RUN, SECURITY, Flag, choices_of, flag_of
-from paramserver.base.options import Options
+from paramserver.base.options.fields import CONSISTENCY, LIMITS, OPERATIONS, RUN, SECURITY, Flag, choices_of, flag_of
+from paramserver.base.options.options import Options
 
 STARTS_NODES = ("run", "demo", "node", "k8s")
 _TYPES = {"int": int, "float": float}  # a str option's flag takes its words as they are

@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, Any
 from paramserver.base.compression_spec import CompressionSpec
 from paramserver.base.consistency_spec import ConsistencySpec, parse_schedule
 from paramserver.base.errors import InvalidArgumentError
-from paramserver.base.option_fields import choices_of, one_of
+from paramserver.base.options.fields import choices_of, one_of
 
 if TYPE_CHECKING:
-    from paramserver.base.options import Options
+    from paramserver.base.options.options import Options
 
 _GRPC_MAX_MESSAGE = 2**31 - 1  # gRPC's message size limits are signed 32-bit
 MIN_TABLE_MEMORY_BUDGET = 1 << 16  # the least table_memory_budget (a few hundred rows in memory)

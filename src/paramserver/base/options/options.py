@@ -1,10 +1,10 @@
 """Runtime options shared by every role: one frozen dataclass, one field per option.
 
 A field is the whole of an option: its type and default, its command-line flag with its help, or why
-no flag sets it, and its meaning in the docs (base/option_fields.py). ``paramserver`` builds its
+no flag sets it, and its meaning in the docs (base/options/fields.py). ``paramserver`` builds its
 flags from the fields (launch/cli/option_flags.py), and the option tables of docs/cli.md and
 docs/configuration.md are generated from them (``python -m paramserver.launch.cli.docs --write
-docs/cli.md docs/configuration.md``). The checks of each option's range are in base/option_checks.py.
+docs/cli.md docs/configuration.md``). The checks of each option's range are in base/options/checks.py.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from paramserver.base.codecs import usage as codec_usage
 from paramserver.base.compression_spec import CompressionSpec
 from paramserver.base.consistency_spec import ConsistencySpec, ModeChange, parse_schedule
 from paramserver.base.errors import ConfigError
-from paramserver.base.option_checks import range_problems
-from paramserver.base.option_fields import CONSISTENCY, LIMITS, OPERATIONS, RUN, SECURITY, Flag, option
+from paramserver.base.options.checks import range_problems
+from paramserver.base.options.fields import CONSISTENCY, LIMITS, OPERATIONS, RUN, SECURITY, Flag, option
 
 RECOVERIES = ("rollback", "partial")  # what a killed PS costs: the whole cluster rolls back, or its shard alone
 _TUNING = "tuning, set in a cluster file's options or PARAMSERVER_OPTIONS when a deployment needs it"

@@ -1,4 +1,4 @@
-"""What an :class:`~paramserver.base.options.Options` field says besides its name, type and default.
+"""What an :class:`~paramserver.base.options.options.Options` field says besides its name, type and default.
 
 An option is one field: ``option(default, Flag(...))`` declares its command-line flag, the flag's
 help and its meaning in the docs; ``option(default, no_flag="why", doc="meaning")`` one that no flag
