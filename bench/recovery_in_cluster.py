@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,6 +22,8 @@ import time
 from pathlib import Path
 
 from recovery import wait_for  # bench/ is on the path when run as a script
+
+from paramserver.launch.local.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -50,12 +51,6 @@ class Loop:
         self.stopping = True
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def kill_to_first_step(loops: dict, lines: list, victim: str, after: int) -> tuple[float, int]:

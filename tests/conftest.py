@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests import spawn_guard
+from tests import spawn_guard, tiers
 
 pytest_plugins = ["pytester"]
 
@@ -26,6 +26,22 @@ ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 _GUARD = pytest.StashKey[spawn_guard.Guard]()
+
+# The folders mirror the tiers (tests/tiers.py): when on, a collected test in the wrong folder stops the
+# session before any test runs, naming each. Off until every file sits in its tier's folder.
+TIER_FOLDERS_CHECKED = False
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Before `-m` deselects anything, so a run of one tier still checks every test it collected."""
+    if not TIER_FOLDERS_CHECKED:
+        return
+    wrong = tiers.misplaced_tests(items, ROOT / "tests")
+    if wrong:
+        raise pytest.UsageError(f"{len(wrong)} test(s) in the wrong tier folder "
+                                f"(tests/unit: the fast tier; tests/integration, tests/fault: cluster, parity, "
+                                f"fault):\n  " + "\n  ".join(wrong))
 
 
 def _guarded(item):

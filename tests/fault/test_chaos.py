@@ -26,7 +26,7 @@ def Run(procs, *flags: str, epochs: int = 6) -> LauncherRun:
 
 
 def test_killing_a_worker_a_ps_and_the_chief_costs_no_accuracy(procs, tmp_path):
-    undisturbed = Run(procs).finish()
+    undisturbed_run = Run(procs)  # beside the disturbed run, whose kills wait for its own lines, not for a time
     seed = int(time.time())
     rng = random.Random(seed)
     victims = [f"worker{rng.randrange(2)}", f"ps{rng.randrange(2)}", "worker0"]
@@ -39,7 +39,7 @@ def test_killing_a_worker_a_ps_and_the_chief_costs_no_accuracy(procs, tmp_path):
         seen = run.wait_for(f"(restart {restart} of 3)", seen) + 1
         if victim != "worker1":  # a PS or the chief: the cluster rolls back; worker 1 restarts alone
             seen = run.wait_for("cluster restarted", seen) + 1
-    summary = run.finish()
+    summary, undisturbed = run.finish(), undisturbed_run.finish()
     log = "".join(run.lines)
     rollbacks = sum(victim != "worker1" for victim in victims)
     assert log.count("rolling the whole cluster back") == rollbacks and "resuming from ckpt-" in log, (seed, victims)

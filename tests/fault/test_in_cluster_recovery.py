@@ -13,12 +13,12 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
 import sys
 import time
 
 import pytest
 from tests.fault.test_lifecycle import WORKERS, check_every_batch_trained_once
+from tests.ports import free_port
 from tests.restart_loop import RestartLoop
 
 from paramserver.base.lifecycle import RESTART_EXIT_CODE
@@ -29,12 +29,6 @@ SCRIPT = "tests/integration/scripts/train_counted.py"
 BATCHES = 90  # per worker: long enough for three kills
 SEED = int(os.environ.get("PARAMSERVER_CHAOS_SEED", time.time_ns() % 1_000_000))
 WAIT_S = 180.0  # only stops a hung test: every wait is for a line or an exit
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_cluster(procs, tmp_path, options: dict, workers: int = WORKERS,

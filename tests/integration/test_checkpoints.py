@@ -25,9 +25,18 @@ RESUME = str(SCRIPTS / "train_resume.py")
 
 def run(procs, num_ps: int, *flags: str, steps: int = 20, script: str = RESUME, workers: int = 1,
         args: tuple[str, ...] = ()) -> dict:
-    proc = procs.start([sys.executable, "-m", "paramserver", "run", "--ps", str(num_ps), "--workers", str(workers),
+    return finish(start(procs, num_ps, *flags, steps=steps, script=script, workers=workers, args=args))
+
+
+def start(procs, num_ps: int, *flags: str, steps: int = 20, script: str = RESUME, workers: int = 1,
+          args: tuple[str, ...] = ()) -> subprocess.Popen:
+    return procs.start([sys.executable, "-m", "paramserver", "run", "--ps", str(num_ps), "--workers", str(workers),
                         "--progress-every", "0", *flags, script, "--", "--steps", str(steps), *args],
                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish(proc: subprocess.Popen) -> dict:
+    """The closing summary of a run `start` started, which must succeed, with its output as "log"."""
     out, _ = proc.communicate(timeout=180)
     assert proc.returncode == 0, out
     summary = json.loads(out.strip().splitlines()[-1])
@@ -48,6 +57,7 @@ def same_end(a: dict, b: dict) -> None:
 @pytest.mark.parametrize("written_by, resumed_on", [(2, 3), (3, 1)])
 def test_a_resumed_run_ends_where_an_uninterrupted_run_ends(procs, tmp_path, written_by, resumed_on):
     directory = str(tmp_path / "ckpt")
+    fresh = start(procs, resumed_on, steps=20)  # beside the others: a run's end depends on no timing
     whole = run(procs, written_by, "--checkpoint-dir", directory, "--checkpoint-every", "10")
     assert whole["resumed_from"] == 0
     shutil.rmtree(tmp_path / "ckpt" / "ckpt-000000020")  # as if the job had died after step 10's checkpoint
@@ -55,8 +65,7 @@ def test_a_resumed_run_ends_where_an_uninterrupted_run_ends(procs, tmp_path, wri
     assert resumed["resumed_from"] == 10
     assert "resuming from ckpt-000000010" in resumed["log"]
     same_end(resumed, whole)  # dense values, Adam state, step counts and table rows all came back
-    fresh = run(procs, resumed_on, steps=20)
-    same_end(fresh, whole)  # (and the number of PS does not change the math)
+    same_end(finish(fresh), whole)  # (and the number of PS does not change the math)
     assert procs.leftovers() == []
 
 
@@ -85,9 +94,9 @@ def _set_nan(arrays: dict) -> None:
     (lambda d: d.update(positions={"0": "5"}), None, "positions.0"),
     (None, _set_nan, "holds NaN or infinite values"),
 ], ids=["groups-missing", "position-a-string", "nan"])
-def test_resume_falls_back_from_a_crafted_checkpoint_to_the_one_before(procs, tmp_path, meta, tensors, reason):
-    directory = tmp_path / "ckpt"
-    whole = run(procs, 2, "--checkpoint-dir", str(directory), "--checkpoint-every", "10", "--keep", "5", steps=30)
+def test_resume_falls_back_from_a_crafted_checkpoint_to_the_one_before(procs, tmp_path, thirty_steps_copy, meta,
+                                                                       tensors, reason):
+    directory, whole = tmp_path / "ckpt", thirty_steps_copy  # 30 steps on 2 PS, checkpoints at 10, 20, 30
     rewrite(directory, 0, meta, tensors, name="ckpt-000000030")  # its manifest matches: only the check refuses it
     listed = {row["name"]: row["status"] for row in map(json.loads, cli("list", str(directory)).stdout.splitlines())}
     assert listed["ckpt-000000020"] == "ok" and reason in listed["ckpt-000000030"], listed
@@ -98,9 +107,8 @@ def test_resume_falls_back_from_a_crafted_checkpoint_to_the_one_before(procs, tm
     assert procs.leftovers() == []
 
 
-def test_resume_skips_a_damaged_checkpoint_and_the_cli_names_the_file(procs, tmp_path):
-    directory = str(tmp_path / "ckpt")
-    whole = run(procs, 2, "--checkpoint-dir", directory, "--checkpoint-every", "10", "--keep", "5", steps=30)
+def test_resume_skips_a_damaged_checkpoint_and_the_cli_names_the_file(procs, tmp_path, thirty_steps_copy):
+    directory, whole = str(tmp_path / "ckpt"), thirty_steps_copy  # 30 steps on 2 PS, checkpoints at 10, 20, 30
     latest = tmp_path / "ckpt" / "ckpt-000000030" / "shard-1.safetensors"
     data = bytearray(latest.read_bytes())
     data[-1] ^= 0xFF  # one flipped bit in the newest checkpoint

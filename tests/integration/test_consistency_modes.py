@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from tests.integration.test_node import free_port
+from tests.ports import free_port
 from tests.reference import batches, max_relative_error, mlp, twin
 from tests.wait import finished
 

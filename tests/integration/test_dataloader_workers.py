@@ -19,11 +19,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from tests.conftest import ROOT
-from tests.integration.test_node import free_port
+from tests.ports import free_port
 
 from paramserver.base.grpc_fork import GRPC_FORK_SUPPORT_ENV
 
-pytestmark = pytest.mark.cluster  # 17 whole clusters: about a minute and a half for this file on 2 idle cores
+pytestmark = pytest.mark.cluster  # 9 whole clusters: about a minute for this file on 2 idle cores
 
 SCRIPTS = ROOT / "tests" / "integration" / "scripts"
 TRAIN = str(SCRIPTS / "train_dataloader.py")
@@ -117,9 +117,11 @@ def run_all(procs, tmp_path, runs: list[tuple[str, str, str, int, int]]) -> dict
 
 
 def test_forked_dataloader_workers_deliver_every_sample_in_every_mode(procs, tmp_path):
-    """12 runs, 3 per mode, each 2 workers x 2 epochs x 2 loader processes: 96 forks of a worker
-    whose gRPC threads are busy. Every run must end cleanly with every sample seen twice."""
-    runs = [(f"fork-{i}", list(MODES)[i % len(MODES)], "fork", 2, 2) for i in range(12)]
+    """4 runs, one per mode, each 2 workers x 4 epochs x 3 loader processes: 96 forks of a worker
+    whose gRPC threads are busy, 24 per mode. Every run must end cleanly with every sample seen 4 times.
+    (Each fork is a trial of its own, made while the worker's threads run, whatever the run: more forks
+    per run and fewer runs is the same 96 trials for a third of the cluster start-ups, this test's cost.)"""
+    runs = [(f"fork-{mode}", mode, "fork", 4, 3) for mode in MODES]
     failed = run_all(procs, tmp_path, runs)
     assert not failed, f"{len(failed)} of {len(runs)} runs failed: {failed}"
     assert procs.leftovers() == []

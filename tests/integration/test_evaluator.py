@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tests.conftest import ROOT
-from tests.integration.test_node import applied_pushes, free_port
+from tests.integration.test_node import applied_pushes
+from tests.ports import free_port
 
 from paramserver import load_export
 from paramserver.checkpoint import tools

@@ -146,7 +146,7 @@ def test_a_gradient_in_another_dtype_than_registered_is_refused_over_the_wire(pr
     ctx = join([procs.start_ps()[1]])
     model = mlp(sizes=(8, 4)).to(torch.bfloat16)
     opt = ps.optim.SGD(model.parameters(), lr=0.1)
-    var = opt._vars[0][0]
+    var = opt.variables[0]
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(ps.InvalidArgumentError, match="dtype float32, but .* travel as bfloat16"):
         ctx.client.push_pull({var: np.ones((4, 8), np.float32)}, [var]).wait(10)

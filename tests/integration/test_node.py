@@ -1,12 +1,12 @@
 """`paramserver node`: one node per process, from TF_CONFIG or a cluster file, as on several hosts."""
 
 import json
-import socket
 import subprocess
 import sys
 
 import pytest
 from tests.conftest import ROOT
+from tests.ports import free_port
 
 from paramserver.launch.threads import PASSIVE_WAIT_ENV
 from paramserver.transport.grpc_transport import GrpcChannel
@@ -15,12 +15,6 @@ from paramserver.wire import codec
 pytestmark = pytest.mark.cluster  # `paramserver node` processes
 
 SMALL = str(ROOT / "tests" / "integration" / "scripts" / "train_small.py")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def seed_cluster() -> dict:

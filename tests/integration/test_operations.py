@@ -18,7 +18,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 from tests.conftest import ROOT, Procs
-from tests.integration.test_node import free_port
+from tests.ports import free_port
 
 from paramserver.base.config import ClusterSpec, NodeConfig, Options, Task
 from paramserver.base.metrics import NodeMetrics

@@ -10,6 +10,7 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from tests.conftest import Procs
 from tests.reference import batches, max_relative_error, mlp, train, twin
 
 import paramserver as ps
@@ -60,21 +61,28 @@ def test_overlap_mode_trains_on_parameters_one_update_old(procs, fresh_context):
     assert not all(torch.equal(a, p) for a, p in zip(after_two, model.parameters()))
 
 
-@pytest.fixture
-def remote(procs):
-    """A real PS with one registered group, and a raw channel to it per transport."""
-    _, address = procs.start_ps()
-    channels = {}
-    for name, opts in TRANSPORTS.items():
-        channel = GrpcChannel(address, 1 << 30, opts["use_stream"], opts.get("shared_memory", False))
-        channel.wait_ready(20)
-        channels[name] = channel
-    initial = {"w": np.arange(6, dtype=np.float32).reshape(3, 2), "b": np.zeros(2, np.float32)}
-    call(channels["grpc"], "Register", codec.encode({"group": "g", "optimizer": {"name": "sgd", "hyper": {"lr": 1}}},
-                                                    initial.items()))
-    yield channels
-    for channel in channels.values():
-        channel.close()
+@pytest.fixture(scope="module")
+def remote():
+    """A real PS with one registered group, and a raw channel to it per transport. Shared by this
+    module's tests: each compares with the values and version it pulled itself, so the pushes of the
+    tests before it change none of its verdicts."""
+    procs = Procs()
+    try:
+        _, address = procs.start_ps()
+        channels = {}
+        for name, opts in TRANSPORTS.items():
+            channel = GrpcChannel(address, 1 << 30, opts["use_stream"], opts.get("shared_memory", False))
+            channel.wait_ready(20)
+            channels[name] = channel
+        initial = {"w": np.arange(6, dtype=np.float32).reshape(3, 2), "b": np.zeros(2, np.float32)}
+        call(channels["grpc"], "Register", codec.encode({"group": "g", "optimizer": {"name": "sgd",
+                                                                                      "hyper": {"lr": 1}}},
+                                                        initial.items()))
+        yield channels
+        for channel in channels.values():
+            channel.close()
+    finally:
+        procs.cleanup()
 
 
 def call(channel, method, payload):

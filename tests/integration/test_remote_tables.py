@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from tests.integration.test_node import free_port
+from tests.conftest import Procs
+from tests.ports import free_port
 
 import paramserver as ps
 from paramserver.base.config import ClusterSpec, NodeConfig, Options, Task
@@ -20,17 +21,23 @@ SGD = {"name": "sgd", "hyper": {"lr": 1.0}}
 ZEROS = {"kind": "zeros"}
 
 
-@pytest.fixture
-def shards(procs):
-    addresses = [procs.start_ps(i)[1] for i in range(2)]
-    channels = [GrpcChannel(address, 1 << 24) for address in addresses]
-    for channel in channels:
-        channel.wait_ready(20)
-    tables = TableClient(channels, 10)
-    tables.register("t", 4, SGD, ZEROS)
-    yield channels, tables
-    for channel in channels:
-        channel.close()
+@pytest.fixture(scope="module")
+def shards():
+    """Two real PS with table "t" registered, shared by this module's tests: each compares with the
+    rows it read itself, so the pushes of the tests before it change none of its verdicts."""
+    procs = Procs()
+    try:
+        addresses = [procs.start_ps(i)[1] for i in range(2)]
+        channels = [GrpcChannel(address, 1 << 24) for address in addresses]
+        for channel in channels:
+            channel.wait_ready(20)
+        tables = TableClient(channels, 10)
+        tables.register("t", 4, SGD, ZEROS)
+        yield channels, tables
+        for channel in channels:
+            channel.close()
+    finally:
+        procs.cleanup()
 
 
 def test_ids_spread_over_shards_and_meet_the_same_rows(shards):

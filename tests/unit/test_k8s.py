@@ -10,7 +10,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ import yaml
 from kubeflow.training.api_client import ApiClient
 from tests.conftest import ROOT
 from tests.pod_security import restricted_violations
+from tests.ports import free_port
 from tests.tfjob import tfjob_cluster, tfjob_tf_config
 
 from paramserver.base.config import Options
@@ -416,12 +416,6 @@ def test_checkov_fails_no_check_but_those_skipped_with_a_reason(tmp_path):
 
 
 # ---- the generated command lines, run for real on this machine ----
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def kubelet_expand(text: str, env: dict[str, str]) -> str:
     """`$(VAR)` as Kubernetes expands it in env values and args: defined names only, `$$` escapes."""

@@ -34,7 +34,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -48,6 +47,7 @@ from paramserver.base.config import OPTIONS_ENV, TF_CONFIG_ENV, Options
 from paramserver.base.errors import ConfigError, FailedPreconditionError, UnavailableError
 from paramserver.base.lifecycle import RESTART_EXIT_CODE, Lifecycle, ReadyFlag
 from paramserver.launch import threads
+from paramserver.launch.local.ports import free_port
 from paramserver.launch.local.processes import Child, LineWriter, stop_all, wait_any
 from paramserver.launch.local.run_files import LauncherFiles
 from paramserver.launch.local.shard_restart import how_lost, lost_shard, restart_line, why_not_alone
@@ -68,13 +68,6 @@ _PS_OPTIMIZERS = (
 )
 EVALUATOR_GRACE_S = 60.0  # after a clean end: how long the evaluator may take over the final checkpoint
 EVALUATOR_PROGRESS = -1  # the evaluator's index on the progress board (it reports only a failure)
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def default_torch_threads(num_workers: int) -> int:
