@@ -12,7 +12,7 @@ import pytest
 from tests.conftest import ROOT
 
 from paramserver.base.config import Options
-from paramserver.base.options.fields import FLAG_GROUPS, Flag, choices_of, flag_of, meaning_of, option
+from paramserver.base.options.fields import FLAG_GROUPS, Flag, choices_of, flag_of, meaning_of, option, range_of
 from paramserver.launch import cli
 from paramserver.launch.cli import docs
 from paramserver.launch.cli.option_flags import GROUPS, flagged_fields
@@ -187,6 +187,16 @@ def test_a_declaration_without_flag_or_reason_or_with_a_bad_flag_is_refused():
         Flag("x", "limits", "x")
     with pytest.raises(TypeError, match="group 'nowhere'"):
         Flag("--x", "nowhere", "x")
+
+
+def test_a_range_is_declared_once_with_its_number_option():
+    with pytest.raises(TypeError, match="one of positive=, at_least= or between="):
+        option(1, no_flag="tuning", doc="how many", positive=True, at_least=1)
+    with pytest.raises(TypeError, match="says= words a range"):
+        option(1, no_flag="tuning", doc="how many", says="a few")
+    assert range_of(option(1, no_flag="tuning", doc="how many")) is None
+    ranged = [f for f in fields(Options) if range_of(f) is not None]
+    assert ranged and all(f.type in ("int", "float") and range_of(f).holds(f.default) for f in ranged)
 
 
 def test_an_option_without_a_meaning_is_refused():

@@ -18,6 +18,7 @@ from paramserver.base.config import (
     parse_tf_config,
 )
 from paramserver.base.errors import ConfigError
+from paramserver.base.options.fields import Range, range_of
 from paramserver.launch import cli
 
 SEED = {"ps": ["localhost:2222"], "worker": ["localhost:2223", "localhost:2224"]}
@@ -114,8 +115,10 @@ BAD = [
     ("checkpoint_every", -1, DIR), ("checkpoint_every", 10, {}), ("checkpoint_every", 1.5, DIR),
     ("checkpoint_every_seconds", -1, DIR), ("checkpoint_every_seconds", 5, {}),
     ("checkpoint_every_seconds", 5, {**DIR, "dense_sync": "allreduce"}),
-    ("checkpoint_keep", 0, DIR), ("checkpoint_keep", 0, {}), ("checkpoint_base_every", 0, {}), ("checkpoint_quantize", "fp8", {}),
-    ("resume", True, {}), ("resume", 1, {}), ("resume", 2, DIR), ("resume", "yes", DIR), ("restore_non_finite", "yes", {}),
+    ("checkpoint_keep", 0, DIR), ("checkpoint_keep", 0, {}), ("checkpoint_base_every", 0, {}),
+    ("checkpoint_quantize", "fp8", {}),
+    ("resume", True, {}), ("resume", 1, {}), ("resume", 2, DIR), ("resume", "yes", DIR),
+    ("restore_non_finite", "yes", {}),
     ("eval_timeout_s", -1, {}), ("eval_timeout_s", float("inf"), {}), ("eval_timeout_s", "5", {}),
     ("max_table_rows", 0, {}), ("max_table_memory_bytes", 0, {}), ("max_table_memory_bytes", 1.5, {}),
     ("max_tiered_table_rows", 0, {}), ("max_tiered_table_rows", "1", {}),
@@ -124,6 +127,7 @@ BAD = [
     ("table_memory_budget", 1 << 20, {}), ("table_memory_budget", "4GiB", {"spill_dir": "/s"}),
     ("table_memory_budget", 32 << 30, {"spill_dir": "/s"}),
     ("spill_dir", "/s", {}), ("spill_dir", 3, {"table_memory_budget": 1 << 20}),
+    ("spill_full_grace_s", 0, {}), ("spill_full_grace_s", -1, {}), ("spill_full_grace_s", "x", {}),
     ("idle_timeout_s", 0, {}), ("max_connections", 0, {}),
     ("metrics_port", -2, {}), ("metrics_port", 65536, {}),
     ("metrics_bind", "", {}), ("metrics_bind", "host:9100", {}), ("metrics_bind", "a b", {}),
@@ -162,6 +166,20 @@ def test_several_bad_options_are_one_error_naming_each():
         Options.from_dict({"ps_threads": 0, "use_stream": 5, "mode": "bogus", "checkpoint_every": 3})
     for name in ("ps_threads", "use_stream", "mode", "checkpoint_every"):
         assert f"option {name!r}" in str(caught.value)
+
+
+def test_a_declared_range_is_checked_with_its_words():
+    assert range_of(next(f for f in fields(Options) if f.name == "stream_port")) == Range(
+        0, 65535, says="a port number from 0 to 65535"
+    )
+    with pytest.raises(ConfigError, match="^option 'spill_full_grace_s' must be positive, got 0.0$"):
+        Options(spill_full_grace_s=0)
+    with pytest.raises(ConfigError, match="^option 'max_message_bytes' must be between 1024 and 2147483647, got 1023$"):
+        Options(max_message_bytes=1023)
+    with pytest.raises(ConfigError, match=r"^option 'metrics_port' must be -1 \(none\), 0 \(a free port\) or a"):
+        Options(metrics_port=-2)
+    edges = Options(metrics_port=-1, stream_port=65535, max_message_bytes=1024, spill_full_grace_s=0.5)
+    assert (edges.metrics_port, edges.stream_port, edges.spill_full_grace_s) == (-1, 65535, 0.5)
 
 
 def test_python_callers_get_the_same_checks():

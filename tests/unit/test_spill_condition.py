@@ -3,13 +3,16 @@
 need it, and a store that failed makes every table call UNAVAILABLE (the shard is to be recovered)."""
 
 import os
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
-from paramserver.base.errors import FailedPreconditionError, UnavailableError
+from paramserver.base.config import Options
+from paramserver.base.errors import ConfigError, FailedPreconditionError, UnavailableError
+from paramserver.node.ps_node import spill_tiers
 from paramserver.tables.table_store import TableStore
-from paramserver.tables.tiered.spill_condition import FAILED, FULL, OK, SpillCondition
+from paramserver.tables.tiered.spill_condition import FAILED, FULL, FULL_GRACE_S, OK, SpillCondition
 from paramserver.tables.tiered.spill_space import MARKER, SpillSpace, remove_stale
 from paramserver.tables.tiered.spill_store import SpillError
 from paramserver.tables.tiered.tiers import Tiers
@@ -102,6 +105,23 @@ def test_a_spill_subdirectory_removed_or_replaced_is_found_and_closing_never_rai
     assert replaced.check() == FAILED and "replaced" in replaced.condition.cause
     replaced.close()
     assert replaced.space.path.exists()  # not the one it made: left alone
+
+
+def test_the_spill_full_grace_option_reaches_the_condition_of_the_tiers_a_ps_node_makes(tmp_path):
+    options = Options(table_memory_budget=BUDGET, spill_dir=str(tmp_path / "spill"), spill_full_grace_s=5)
+    tiers = spill_tiers(options, 0)  # what PSNode makes its TableStore's tiers with
+    try:
+        assert tiers is not None and tiers.condition.full_grace_s == 5.0
+        assert tiers.condition.state == OK and tiers.space.path.parent == tmp_path / "spill"
+    finally:
+        tiers.close()
+    default = spill_tiers(replace(options, spill_full_grace_s=60), 1)
+    assert default.condition.full_grace_s == FULL_GRACE_S == Options().spill_full_grace_s
+    default.close()
+    assert spill_tiers(Options(), 0) is None  # no budget: no tiers
+    for bad in (0, -1, "x"):
+        with pytest.raises(ConfigError, match="^option 'spill_full_grace_s' must be"):
+            replace(options, spill_full_grace_s=bad)
 
 
 def test_a_condition_goes_full_then_ok_and_fails_when_full_too_long_or_the_directory_is_gone():

@@ -79,9 +79,8 @@ class PSNode(Lifecycle):
             options.max_tiered_table_rows,
             options.max_gradient_magnitude,
         )
-        try:  # with a budget, tables spill to a directory of this PS's own; stale ones go first
-            budget = options.table_memory_budget
-            tiers = Tiers.create(budget, options.spill_dir, index) if budget else None
+        try:
+            tiers = spill_tiers(options, index)
         except BaseException:
             self.guard.close()
             raise
@@ -229,6 +228,13 @@ class PSNode(Lifecycle):
             took,
             extra={"event": "ps_stopped", "duration_s": round(took, 3)},
         )
+
+
+def spill_tiers(options: Options, index: int) -> Tiers | None:
+    """The tiers of PS `index` with a `table_memory_budget` (None without): its tables spill to a
+    directory of its own (stale ones go first), and a disk full for `spill_full_grace_s` fails it."""
+    budget = options.table_memory_budget
+    return Tiers.create(budget, options.spill_dir, index, options.spill_full_grace_s) if budget else None
 
 
 def _restore_source(options: Options, guard: Guard):

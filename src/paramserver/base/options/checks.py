@@ -1,5 +1,7 @@
 """The ranges of the options and their consistency with each other: what `Options` checks once its
-types are right. Each problem names its option; `Options` raises them all as one ConfigError."""
+types are right. A simple range is declared with its field (base/options/fields.py, `option(...,
+at_least=1)`) and checked here with every other; what reads several options, or more than a range,
+is written here. Each problem names its option; `Options` raises them all as one ConfigError."""
 
 from __future__ import annotations
 
@@ -12,12 +14,11 @@ from typing import TYPE_CHECKING, Any
 from paramserver.base.compression_spec import CompressionSpec
 from paramserver.base.consistency_spec import ConsistencySpec, parse_schedule
 from paramserver.base.errors import InvalidArgumentError
-from paramserver.base.options.fields import choices_of, one_of
+from paramserver.base.options.fields import choices_of, one_of, range_of
 
 if TYPE_CHECKING:
     from paramserver.base.options.options import Options
 
-_GRPC_MAX_MESSAGE = 2**31 - 1  # gRPC's message size limits are signed 32-bit
 MIN_TABLE_MEMORY_BUDGET = 1 << 16  # the least table_memory_budget (a few hundred rows in memory)
 _HOST_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]{0,252})")
 
@@ -27,51 +28,27 @@ def range_problems(
 ) -> list[str]:
     """Problems of the well-typed options (those in `skip` are not), each naming its option."""
     found: list[str] = []
-    choices = {f.name: choices_of(f) for f in fields(options)}
 
     def need(name: str, ok: Callable[[Any], bool], rule: str) -> None:
         if name not in skip and not ok(getattr(options, name)):
             found.append(f"option {name!r} must be {rule}, got {getattr(options, name)!r}")
 
-    def need_choice(name: str) -> None:
-        need(name, lambda v: v in choices[name], one_of(choices[name]))
-
     def needs(name: str, *others: str) -> bool:  # may a check of `name` that reads `others` run?
         return not skip.intersection((name, *others))
 
-    for name in ("rpc_timeout_s", "connect_timeout_s", "heartbeat_s", "max_gradient_magnitude"):
-        need(name, lambda v: v > 0, "positive")
-    need("max_message_bytes", lambda v: 1024 <= v <= _GRPC_MAX_MESSAGE, f"between 1024 and {_GRPC_MAX_MESSAGE}")
+    for f in fields(options):  # the choices and simple ranges, declared with their fields
+        if choices := choices_of(f):
+            need(f.name, choices.__contains__, one_of(choices))
+        if (bound := range_of(f)) is not None:
+            need(f.name, bound.holds, bound.says)
     if needs("max_payload_bytes", "max_message_bytes"):
         need(
             "max_payload_bytes",
             lambda v: v >= options.max_message_bytes,
             f"at least max_message_bytes ({options.max_message_bytes})",
         )
-    need("split_bytes", lambda v: v >= 1, "at least 1")
-    need("ps_threads", lambda v: v >= 1, "at least 1")
-    need("stream_port", lambda v: 0 <= v <= 65535, "a port number from 0 to 65535")
-    need("torch_threads", lambda v: v >= 0, "0 (torch's default) or more")
-    need("progress_fd", lambda v: v >= -1, "-1 (none) or a file descriptor")
-    need("backup_workers", lambda v: v >= 0, "0 or more")
-    need("max_table_ids", lambda v: v >= 1, "at least 1")
-    need("checkpoint_every", lambda v: v >= 0, "0 (none) or more")
-    need("checkpoint_every_seconds", lambda v: v >= 0, "0 (none) or more")
-    need("checkpoint_keep", lambda v: v >= 1, "at least 1")
-    need("checkpoint_base_every", lambda v: v >= 1, "at least 1 (1: every checkpoint whole)")
-    need_choice("checkpoint_quantize")
-    need("eval_timeout_s", lambda v: v >= 0, "0 (wait for the final checkpoint) or more")
-    for name in ("max_table_rows", "max_table_memory_bytes", "max_tiered_table_rows"):
-        need(name, lambda v: v >= 1, "at least 1")
-    for name in ("max_connections", "summary_every"):
-        need(name, lambda v: v >= 1, "at least 1")
     found += _tier_problems(options, skip)
-    for name in ("idle_timeout_s", "drain_grace_s", "preempt_grace_s"):
-        need(name, lambda v: v > 0, "positive")
-    need("metrics_port", lambda v: -1 <= v <= 65535, "-1 (none), 0 (a free port) or a port number")
     need("metrics_bind", _is_host, "a host name or IP address to listen on, e.g. 127.0.0.1, 0.0.0.0 or ::")
-    for name in ("log_format", "dense_sync", "recovery"):
-        need_choice(name)
     if "compression" not in skip:
         try:
             CompressionSpec.parse(options.compression)

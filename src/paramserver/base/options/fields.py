@@ -2,7 +2,9 @@
 
 An option is one field: ``option(default, Flag(...))`` declares its command-line flag, the flag's
 help and its meaning in the docs; ``option(default, no_flag="why", doc="meaning")`` one that no flag
-sets (a cluster file's ``"options"`` and ``PARAMSERVER_OPTIONS`` still do). The CLI
+sets (a cluster file's ``"options"`` and ``PARAMSERVER_OPTIONS`` still do). A number's simple range
+is declared with it too (``positive=True``, ``at_least=1``, ``between=(0, 65535)``), and checked by
+base/options/checks.py with the rules between options. The CLI
 (launch/cli/option_flags.py) builds its flags from these fields and launch/cli/docs.py the option
 tables of docs/cli.md and docs/configuration.md, so none of them holds a list of options of its own.
 """
@@ -10,6 +12,7 @@ tables of docs/cli.md and docs/configuration.md, so none of them holds a list of
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -51,20 +54,59 @@ class Flag:
             raise TypeError(f"flag {self.name}: group {self.group!r} is not one of {FLAG_GROUPS}")
 
 
+@dataclass(frozen=True)
+class Range:
+    """The values a number option takes: from `low` (excluded when `above`) to `high`; `says`, how an
+    error and the docs put it ("positive", "at least 1", "between 1024 and 2147483647")."""
+
+    low: float
+    high: float = math.inf
+    above: bool = False
+    says: str = ""
+
+    def holds(self, value: float) -> bool:
+        return (value > self.low if self.above else value >= self.low) and value <= self.high
+
+
 def option(
-    default: Any, flag: Flag | None = None, *, no_flag: str = "", doc: str = "", choices: tuple[str, ...] = ()
+    default: Any,
+    flag: Flag | None = None,
+    *,
+    no_flag: str = "",
+    doc: str = "",
+    choices: tuple[str, ...] = (),
+    positive: bool = False,
+    at_least: float | None = None,
+    between: tuple[float, float] | None = None,
+    says: str = "",
 ) -> Any:
     """An Options field: its default, and its `flag` or why it has none (`no_flag`) with what it means
     (`doc`, the docs' words; a flag's meaning is the flag's doc or help); `choices`, the only values it
-    takes (checked by Options, offered by the flag)."""
+    takes (checked by Options, offered by the flag). A number's range, at most one of: `positive`,
+    `at_least`, `between` (both ends included); `says`, the range in other words than the plain ones."""
     if (flag is None) == (not no_flag):
         raise TypeError("an option has a flag, or a reason (no_flag) why it has none")
     if flag is None and not doc:
         raise TypeError(f"an option without a flag ({no_flag}) needs its meaning: doc=")
     if flag is not None and doc:
         raise TypeError(f"option {flag.name}: its meaning is the flag's doc (Flag(..., doc=)), not option(doc=)")
-    metadata = {"flag": flag, "no_flag": no_flag, "doc": doc, "choices": choices}
+    bound = _range(positive, at_least, between, says)
+    metadata = {"flag": flag, "no_flag": no_flag, "doc": doc, "choices": choices, "range": bound}
     return dataclasses.field(default=default, metadata=metadata)
+
+
+def _range(positive: bool, at_least: float | None, between: tuple[float, float] | None, says: str) -> Range | None:
+    if positive + (at_least is not None) + (between is not None) > 1:
+        raise TypeError("an option's range is one of positive=, at_least= or between=")
+    if positive:
+        return Range(0, above=True, says=says or "positive")
+    if at_least is not None:
+        return Range(at_least, says=says or f"at least {at_least}")
+    if between is not None:
+        return Range(*between, says=says or f"between {between[0]} and {between[1]}")
+    if says:
+        raise TypeError("says= words a range: give positive=, at_least= or between= with it")
+    return None
 
 
 def flag_of(field: dataclasses.Field) -> Flag | None:
@@ -88,6 +130,11 @@ def meaning_of(field: dataclasses.Field) -> str:
 def choices_of(field: dataclasses.Field) -> tuple[str, ...]:
     """The only values the option takes; () when any value of its type may do."""
     return field.metadata.get("choices", ())
+
+
+def range_of(field: dataclasses.Field) -> Range | None:
+    """The values the number option takes; None when any value of its type may do."""
+    return field.metadata.get("range")
 
 
 def one_of(choices: tuple[str, ...]) -> str:

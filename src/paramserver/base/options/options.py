@@ -4,7 +4,8 @@ A field is the whole of an option: its type and default, its command-line flag w
 no flag sets it, and its meaning in the docs (base/options/fields.py). ``paramserver`` builds its
 flags from the fields (launch/cli/option_flags.py), and the option tables of docs/cli.md and
 docs/configuration.md are generated from them (``python -m paramserver.launch.cli.docs --write
-docs/cli.md docs/configuration.md``). The checks of each option's range are in base/options/checks.py.
+docs/cli.md docs/configuration.md``). A simple range is declared with its field too (``positive=True``,
+``at_least=1``); base/options/checks.py checks those and the rules between options.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from paramserver.base.options.fields import CONSISTENCY, LIMITS, OPERATIONS, RUN
 RECOVERIES = ("rollback", "partial")  # what a killed PS costs: the whole cluster rolls back, or its shard alone
 _TUNING = "tuning, set in a cluster file's options or PARAMSERVER_OPTIONS when a deployment needs it"
 _LAUNCHER = "the launcher sets it for the nodes it starts"
+GRPC_MAX_MESSAGE = 2**31 - 1  # gRPC's message size limits are signed 32-bit
 
 
 CODEC_WORDS = codec_usage().removeprefix("none, ")  # the registered codecs: one file each (base/codecs/)
@@ -47,9 +49,11 @@ class Options:
         60.0,
         Flag("--rpc-timeout", RUN, "deadline in seconds of each call to a PS (default {default})", "S",
              doc="deadline in seconds of every call to a PS (positive)"),
+        positive=True,
     )
     connect_timeout_s: float = option(
-        120.0, no_flag=_TUNING, doc="seconds a worker waits at start for every PS to answer (positive)")
+        120.0, no_flag=_TUNING, doc="seconds a worker waits at start for every PS to answer (positive)",
+        positive=True)
     max_message_bytes: int = option(
         1 << 30,
         Flag("--max-message-bytes", LIMITS,
@@ -59,6 +63,7 @@ class Options:
              "TensorFlow's TF_GRPC_MAX_BUFFER_SIZE; [protocol.md](protocol.md#tensor-stream)); a stream message "
              "declaring more is refused (RESOURCE_EXHAUSTED) before any memory is taken for it; 1024 to 2^31 - 1 "
              "([security.md](security.md#limits-and-bad-input))"),
+        between=(1024, GRPC_MAX_MESSAGE),
     )
     max_payload_bytes: int = option(
         16 << 30,
@@ -70,12 +75,14 @@ class Options:
     )
     split_bytes: int = option(
         256 * 1024, no_flag=_TUNING, doc="variables of at least this many bytes are split along axis 0 across the "
-        "PS ([configuration.md](configuration.md#placement)); at least 1")
-    ps_threads: int = option(8, no_flag=_TUNING, doc="gRPC request threads of a PS (at least 1)")
+        "PS ([configuration.md](configuration.md#placement)); at least 1", at_least=1)
+    ps_threads: int = option(8, no_flag=_TUNING, doc="gRPC request threads of a PS (at least 1)",
+        at_least=1)
     stream_port: int = option(
         0, no_flag="a free port, announced in Hello; `paramserver k8s` gives the gRPC port + 1",
         doc="TCP port of a PS's tensor stream; 0 picks a free port, announced in Hello; `paramserver k8s` gives "
-        "each PS its gRPC port + 1 ([configuration.md](configuration.md#ports))")
+        "each PS its gRPC port + 1 ([configuration.md](configuration.md#ports))",
+        between=(0, 65535), says="a port number from 0 to 65535")
     use_stream: bool = option(
         True, no_flag=f"for tests and measurements of the transports; {_TUNING}",
         doc="true: pushes and pulls travel on the tensor stream; false: on gRPC")
@@ -92,10 +99,12 @@ class Options:
              "then choose as their default says; every node `run` starts also gets `OMP_WAIT_POLICY=PASSIVE` unless "
              "the environment sets a wait policy "
              "([performance.md](performance.md#torch-threads-of-a-worker-and-shared-cores))"),
+        at_least=0, says="0 (torch's default) or more",
     )
     progress_fd: int = option(
         -1, no_flag=_LAUNCHER, doc="file descriptor a worker writes its progress lines to; -1: none (`paramserver "
-        "run` sets it; [protocol.md](protocol.md#progress-channel-worker---paramserver-run))")
+        "run` sets it; [protocol.md](protocol.md#progress-channel-worker---paramserver-run))",
+        at_least=-1, says="-1 (none) or a file descriptor")
     mode: str = option(
         "async",
         Flag("--mode", CONSISTENCY, "consistency: async (default), sync, or ssp:K (at most K steps ahead)", "MODE",
@@ -106,6 +115,7 @@ class Options:
         Flag("--backup-workers", CONSISTENCY, "sync: apply a step without the last B workers", "B",
              doc="`sync` only: each step is applied once all workers but this many pushed it (fewer than the "
              "workers)"),
+        at_least=0, says="0 or more",
     )
     mode_schedule: str = option(
         "",
@@ -115,9 +125,10 @@ class Options:
     )
     max_table_ids: int = option(
         1 << 20, no_flag=_TUNING, doc="most ids one embedding lookup or sparse push may carry; a PS refuses more "
-        "(at least 1)")
+        "(at least 1)", at_least=1)
     heartbeat_s: float = option(
-        1.0, no_flag=_TUNING, doc="seconds between a worker's heartbeats to the coordinator (positive)")
+        1.0, no_flag=_TUNING, doc="seconds between a worker's heartbeats to the coordinator (positive)",
+        positive=True)
     heartbeat_timeout_s: float = option(
         30.0,
         Flag("--heartbeat-timeout", CONSISTENCY,
@@ -139,17 +150,20 @@ class Options:
              shown="0 (none)", doc="steps of the chief's count between checkpoints; 0: none (every worker stops at "
              "the same checkpoint, wherever it is; [checkpoints.md](checkpoints.md#when-it-is-taken-and-why-it-is-"
              "consistent))"),
+        at_least=0, says="0 (none) or more",
     )
     checkpoint_every_seconds: float = option(
         0.0,
         Flag("--checkpoint-every-seconds", CONSISTENCY, "seconds between checkpoints, by the chief's clock", "S",
              shown="0 (none)", doc="seconds between checkpoints, by the chief's clock; 0: none"),
+        at_least=0, says="0 (none) or more",
     )
     checkpoint_keep: int = option(
         3,
         Flag("--keep", CONSISTENCY, "complete checkpoints kept (default {default})", "K",
              doc="complete checkpoints kept (with the base and deltas they need); older ones are deleted (at least "
              "1; [checkpoints.md](checkpoints.md#retention))"),
+        at_least=1,
     )
     checkpoint_base_every: int = option(
         8,
@@ -160,6 +174,7 @@ class Options:
              "the previous checkpoint (and a new base sooner when the deltas pass half the base's bytes); 1: "
              "every checkpoint whole; tiered tables always write whole files (at least 1; "
              "[checkpoints.md](checkpoints.md#incremental-checkpoints-a-base-then-what-changed))"),
+        at_least=1, says="at least 1 (1: every checkpoint whole)",
     )
     checkpoint_quantize: str = option(
         "none",
@@ -223,7 +238,8 @@ class Options:
     eval_timeout_s: float = option(
         0.0, no_flag="an evaluator's own; set in PARAMSERVER_OPTIONS or a cluster file",
         doc="an evaluator task ends after this many seconds without a new checkpoint; 0: only after the final "
-        "checkpoint (0 or more; [evaluator.md](evaluator.md))")
+        "checkpoint (0 or more; [evaluator.md](evaluator.md))",
+        at_least=0, says="0 (wait for the final checkpoint) or more")
     # limits a PS enforces before it takes memory
     max_table_rows: int = option(
         1 << 27,
@@ -231,6 +247,7 @@ class Options:
              doc="most rows one embedding table may hold on one PS: a registration's capacity and the rows "
              "lookups create; past it, RESOURCE_EXHAUSTED (at least 1; "
              "[security.md](security.md#limits-and-bad-input))"),
+        at_least=1,
     )
     max_table_memory_bytes: int = option(
         16 << 30,
@@ -238,6 +255,7 @@ class Options:
              doc="most bytes all tables of one PS may hold (values, optimizer state, use counters and hash index, "
              "at their capacity; a new dense group counts with them, a tiered table its memory tier), checked "
              "before memory is taken; the flag also takes `16GiB`, `512MiB` (at least 1)", byte_size=True),
+        at_least=1,
     )
     max_tiered_table_rows: int = option(
         1 << 34,
@@ -245,6 +263,7 @@ class Options:
              "with --table-memory-budget: most rows of one table on one PS, memory and disk (default {default})",
              "N", doc="with a `table_memory_budget`: most rows one table may hold on one PS, memory and disk, "
              "instead of `max_table_rows` (at least 1)"),
+        at_least=1,
     )
     max_gradient_magnitude: float = option(
         1e15,
@@ -252,6 +271,7 @@ class Options:
              "refuse a pushed gradient holding a value larger than this in magnitude, like NaN (default {default:g})",
              "X", doc="a pushed gradient (dense or rows) holding a value larger than this in magnitude is refused, "
              "like NaN (positive)"),
+        positive=True,
     )
     # tables bigger than memory
     table_memory_budget: int = option(
@@ -273,18 +293,29 @@ class Options:
              "subdirectory of its own (`shard-<index>-<hex>`) deleted when it stops; stale ones a killed PS left "
              "are deleted at start"),
     )
+    spill_full_grace_s: float = option(
+        60.0,
+        Flag("--spill-full-grace", LIMITS,
+             "seconds a PS's spill disk may stay full before its shard counts as failed (default {default:.0f})",
+             "S", doc="seconds a PS's `spill_dir` disk may stay full (the PS NOT_SERVING, refusing what needs a "
+             "write to disk) before its shard counts as failed and is recovered from its checkpoint (positive; "
+             "[scaling.md](scaling.md#when-the-spill-store-fails))"),
+        positive=True,
+    )
     idle_timeout_s: float = option(
         300.0,
         Flag("--idle-timeout", LIMITS,
              "seconds after which an idle tensor-stream connection is closed (default {default:.0f})", "S",
              doc="seconds after which a tensor-stream connection without a request (or with a request stalled "
              "half-way) is closed; the client reconnects on its next call (positive)"),
+        positive=True,
     )
     max_connections: int = option(
         256,
         Flag("--max-connections", LIMITS, "tensor-stream connections per PS (default {default})", "N",
              doc="tensor-stream connections one PS serves at once, counting those that proved themselves (a "
              "token, or a first message); one more is answered RESOURCE_EXHAUSTED and closed (at least 1)"),
+        at_least=1,
     )
     # operations
     metrics_port: int = option(
@@ -293,6 +324,7 @@ class Options:
              shown="none", doc="every node serves Prometheus metrics on this port; -1: none, 0: a free one, logged "
              "([operations.md](operations.md#metrics-prometheus)); `run` takes `0` only: its nodes share this "
              "host, each gets a free port of its own"),
+        between=(-1, 65535), says="-1 (none), 0 (a free port) or a port number",
     )
     metrics_bind: str = option(
         "127.0.0.1",
@@ -318,6 +350,7 @@ class Options:
         100,
         Flag("--summary-every", OPERATIONS, "steps between TensorBoard summaries (default {default})", "N",
              doc="steps of the chief between TensorBoard summaries (at least 1)"),
+        at_least=1,
     )
     audit_log: str = option(
         "",
@@ -337,6 +370,7 @@ class Options:
              "SIGTERM: seconds for calls in flight to finish (default {default:.0f})", "S",
              doc="SIGTERM: seconds a PS gives calls in flight before it stops, after its health went NOT_SERVING "
              "(positive; [operations.md](operations.md#graceful-shutdown-sigterm))"),
+        positive=True,
     )
     # (within Kubernetes' terminationGracePeriodSeconds, 30 by default)
     preempt_grace_s: float = option(
@@ -346,6 +380,7 @@ class Options:
              "seconds it may take (default {default:.0f})", "S",
              doc="with a `checkpoint_dir`: SIGTERM or a first Ctrl-C writes a checkpoint at the workers' next "
              "step, then stops; seconds that may take before a worker exits without it (positive)"),
+        positive=True,
     )
     # security
     tls_cert: str = option(

@@ -4,8 +4,8 @@ A spill store that cannot write because its disk is full keeps every row it has 
 stay in memory): the PS goes on answering what needs no write to disk, refuses what does (the
 request fails with SpillError, RESOURCE_EXHAUSTED, naming the disk), and is "full". RocksDB resumes
 writing by itself once space is free again (it polls for it); the first write that succeeds makes
-the PS "ok" again. A disk that stays full for FULL_GRACE_S makes it "failed": a PS must not answer
-errors for the rest of a run.
+the PS "ok" again. A disk that stays full for `full_grace_s` (`Options.spill_full_grace_s`) makes it
+"failed": a PS must not answer errors for the rest of a run.
 
 Any other failure (a read or write error, a file changed or removed under the store, the spill
 subdirectory removed or replaced) is "failed" at once: rows on disk can no longer be trusted, so
@@ -23,9 +23,11 @@ import threading
 import time
 from collections.abc import Callable
 
+from paramserver.base.config import Options
+
 log = logging.getLogger(__name__)
 OK, FULL, FAILED = "ok", "full", "failed"
-FULL_GRACE_S = 60.0  # a disk full for longer than this fails the shard (it is then recovered)
+FULL_GRACE_S: float = Options.spill_full_grace_s  # the option's default: a disk full longer fails the shard
 
 Listener = Callable[[str, str], None]  # (state, cause)
 

@@ -12,7 +12,8 @@ transient, at registration only). On top of the budget: the RocksDB stores' memo
 The tables' stores share one SpillCondition (spill_condition.py): a full disk, or a failed store,
 is the PS's, reported with its cause to the PS node (health, recovery). `check` (the PS's main
 thread, about once a second) also finds a spill subdirectory removed or replaced, and a disk full
-for too long. Thread-safety: the owning TableStore calls under its lock; `check` from any thread.
+for longer than its grace (`Options.spill_full_grace_s`). Thread-safety: the owning TableStore calls
+under its lock; `check` from any thread.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from paramserver.tables.embedding_table import RowPolicy
 from paramserver.tables.row_record import RowRecord
 from paramserver.tables.sparse_optimizers import SparseOptimizer
 from paramserver.tables.tiered.hot_rows import capacity_for
-from paramserver.tables.tiered.spill_condition import SpillCondition
+from paramserver.tables.tiered.spill_condition import FULL_GRACE_S, SpillCondition
 from paramserver.tables.tiered.spill_space import SpillSpace
 from paramserver.tables.tiered.spill_store import SpillError, StoreMemory
 from paramserver.tables.tiered.tiered_table import TieredTable
@@ -44,9 +45,10 @@ class Tiers:
         self.tables: list[TieredTable] = []
 
     @classmethod
-    def create(cls, budget: int, spill_dir: str, shard_index: int) -> Tiers:
-        """The tiers of shard `shard_index`: its stale spill directories go, a new one is made."""
-        return cls(budget, SpillSpace.create(spill_dir, shard_index))
+    def create(cls, budget: int, spill_dir: str, shard_index: int, full_grace_s: float = FULL_GRACE_S) -> Tiers:
+        """The tiers of shard `shard_index`: its stale spill directories go, a new one is made; a disk
+        full for longer than `full_grace_s` fails the shard."""
+        return cls(budget, SpillSpace.create(spill_dir, shard_index), condition=SpillCondition(full_grace_s))
 
     def new_table(
         self, name: str, dim: int, optimizer: SparseOptimizer, init: dict, spec: dict, policy: RowPolicy
