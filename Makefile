@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # The test tiers are markers (pyproject.toml): cluster, parity, fault. The fast tier is everything else.
 FAST_TIER := not (cluster or parity or fault)
 
-# checkov, the static checker of the Kubernetes manifests (tests/unit/test_k8s.py), in an environment of its
+# checkov, the static checker of the Kubernetes manifests (tests/integration/test_k8s_pods.py), in an environment of its
 # own: its pins (packaging, networkx, boto3, ...) would move the project's. deploy/checkov-skips.yaml names the version.
 CHECKOV_VENV := .venv-checkov
 CHECKOV_VERSION := $(shell sed -n 's/^checkov: *//p' deploy/checkov-skips.yaml)

@@ -29,7 +29,7 @@ _GUARD = pytest.StashKey[spawn_guard.Guard]()
 
 # The folders mirror the tiers (tests/tiers.py): when on, a collected test in the wrong folder stops the
 # session before any test runs, naming each. Off until every file sits in its tier's folder.
-TIER_FOLDERS_CHECKED = False
+TIER_FOLDERS_CHECKED = True
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -11,8 +11,6 @@ import numpy as np
 import psutil
 import pytest
 
-import paramserver as ps
-from paramserver.transport import stream_server
 from paramserver.transport.grpc_transport import GrpcChannel
 from paramserver.wire import codec
 
@@ -154,9 +152,3 @@ def test_a_second_ps_on_an_address_in_use_fails_to_start(procs):
     channel = registered(address)  # the first one still serves every new connection
     assert call(channel, "PushPull", codec.encode({"pull": ["b"]})).meta["version"] == 0
     channel.close()
-
-
-def test_a_stream_server_on_a_port_in_use_is_an_error():
-    with socket.create_server(("127.0.0.1", 0)) as taken:
-        with pytest.raises(ps.UnavailableError, match="cannot listen"):
-            stream_server.StreamServer(None, "127.0.0.1", taken.getsockname()[1], 1 << 20)

@@ -14,7 +14,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from tests.reference import batches, mlp
-from torch.utils.data import DataLoader, TensorDataset
 
 import paramserver as ps
 from paramserver.base.config import ClusterSpec, NodeConfig, Options, Task
@@ -153,18 +152,6 @@ def test_a_gradient_in_another_dtype_than_registered_is_refused_over_the_wire(pr
     opt.pull()
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
     assert [stats["version"] for stats in ctx.client.shard_stats()] == [0]
-
-
-def test_the_trainer_casts_float32_batches_for_a_bfloat16_model_which_learns(fresh_context):
-    ps.init(num_ps=1)
-    x = torch.randn(256, 784, generator=torch.Generator().manual_seed(0))
-    loader = DataLoader(TensorDataset(x, (x[:, 0] > 0).long()), batch_size=32)
-    model = mlp(sizes=(784, 32, 2)).to(torch.bfloat16)
-    trainer = ps.Trainer(model, ps.optim.Adam(model.parameters(), lr=1e-2), F.cross_entropy, verbose=False)
-    history = trainer.fit(loader, epochs=3, steps_per_epoch=5)
-    assert history[-1].loss < history[0].loss
-    assert trainer.evaluate(loader)["accuracy"] > 0.8
-    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
 
 
 @pytest.mark.cluster

@@ -9,24 +9,20 @@ import ssl
 import struct
 import subprocess
 import sys
-import threading
 import time
 
 import grpc
 import numpy as np
 import pytest
 from tests.conftest import ROOT, Procs
+from tests.tls_pki import material, write_pki
 
 from paramserver.base.config import Options
 from paramserver.base.errors import UnavailableError
-from paramserver.security.certs import node_tls_files, write_certs
-from paramserver.security.tls import TlsMaterial
-from paramserver.server.shard import Shard
-from paramserver.server.shard_service import ShardService
+from paramserver.security.certs import node_tls_files
 from paramserver.transport.grpc_transport import GrpcChannel
 from paramserver.transport.stream import MAGIC, METHODS
 from paramserver.transport.stream_client import StreamClient
-from paramserver.transport.stream_server import StreamServer
 from paramserver.wire import codec
 
 SMALL = str(ROOT / "tests" / "integration" / "scripts" / "train_small.py")
@@ -37,15 +33,7 @@ PUSH = codec.encode({}, [("b", np.ones(2, np.float32))])
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
     """The cluster's CA and node certificates, and another CA's (an outsider's)."""
-    root = tmp_path_factory.mktemp("pki")
-    write_certs(root / "cluster", ["ps-0", "worker-0", "worker-1", "client"])
-    write_certs(root / "other", ["client"])
-    return root
-
-
-def material(pki, ca_dir: str, node: str) -> TlsMaterial:
-    files = node_tls_files(pki / ca_dir, node)
-    return TlsMaterial.load(files["tls_cert"], files["tls_key"], files["tls_ca"])
+    return write_pki(tmp_path_factory.mktemp("pki"))
 
 
 @pytest.fixture(scope="module")
@@ -188,32 +176,6 @@ def test_paramserver_clients_without_tls_or_trusting_another_ca_are_refused(pki,
     assert_unchanged(good, before)
 
 
-def test_a_failed_handshake_is_counted_and_the_stream_server_goes_on(pki):
-    """In process, to see the server's count: a refused peer costs one log line and its connection;
-    stopping the server ends the threads of refused and of TLS connections alike."""
-    before = set(threading.enumerate())
-    server = StreamServer(ShardService(Shard(0)), "127.0.0.1", 0, 1 << 20,
-                          tls=material(pki, "cluster", "ps-0").server_context)
-    server.start()
-    client = StreamClient("127.0.0.1", server.port, 1 << 20, "test", shared_memory=False,
-                          tls=material(pki, "cluster", "client").client_context)
-    try:
-        for _ in range(2):
-            with socket.create_connection(("127.0.0.1", server.port), timeout=BOUND_S) as sock:
-                sock.sendall(b"PSTS not a handshake")
-                try:
-                    assert sock.recv(100) == b""  # closed by the server, which answered nothing
-                except ConnectionResetError:  # closed with our bytes unread: the same refusal
-                    pass
-        assert server.refused == 2  # counted before the connection was closed
-        hello = codec.decode(client.call("Hello", codec.encode({}), BOUND_S).wait(BOUND_S))
-        assert hello.meta["protocol"]
-    finally:
-        client.close()
-        server.stop(BOUND_S)
-    assert not [t for t in threading.enumerate() if t.name.startswith("ps-stream") and t not in before]
-
-
 def paramserver_run(procs, *args):
     proc = procs.start([sys.executable, "-m", "paramserver", "run", "--ps", "1", "--workers", "2", "--mode", "sync",
                         "--progress-every", "0", *args, SMALL, "--", "--steps", "20"],
@@ -236,24 +198,6 @@ def test_a_cluster_trains_over_mutual_tls_to_the_same_values_as_in_plaintext(pro
     assert len(checksums(secure)) == 2 and checksums(secure) == checksums(plain)
     assert json.loads(secure.strip().splitlines()[-1])["steps"] == 40
     assert procs.leftovers() == []
-
-
-def test_payloads_past_the_message_limit_travel_in_parts_over_tls(pki):
-    """A 160 KB registration and its pull through a stream that allows 4 KiB messages, on TLS."""
-    server = StreamServer(ShardService(Shard(0)), "127.0.0.1", 0, 4096,
-                          tls=material(pki, "cluster", "ps-0").server_context)
-    server.start()
-    client = StreamClient("127.0.0.1", server.port, 4096, "test", shared_memory=False,
-                          tls=material(pki, "cluster", "client").client_context)
-    values = np.linspace(-1, 1, 40_000, dtype=np.float32)
-    try:
-        register = {"group": "g", "optimizer": {"name": "sgd", "hyper": {"lr": 0.5}}}
-        client.call("Register", codec.encode_parts(register, [("w", values)]), BOUND_S).wait(BOUND_S)
-        pulled = codec.decode(client.call("PushPull", codec.encode({"pull": ["w"]}), BOUND_S).wait(BOUND_S))
-        np.testing.assert_array_equal(pulled.tensors["w"], values)
-    finally:
-        client.close()
-        server.stop(BOUND_S)
 
 
 @pytest.mark.cluster

@@ -5,28 +5,14 @@ give the same arrays and refuse the same lines with the same messages.
 """
 
 import math
-import pickle
 import struct
-import subprocess
-import sys
 
 import numpy as np
 import pytest
-from tests.conftest import ROOT
+from tests.criteo_lines import LINE, bad_file, line
 
 from paramserver.base import kernels
 from paramserver.data import criteo
-
-LINE = "1\t" + "\t".join(["3", ""] + ["0"] * 11) + "\t" + "\t".join(["0000000a", ""] + ["ff"] * 24) + "\n"
-
-
-def line(label="1", counts=("3",), values=("0000000a",)) -> str:
-    """LINE with its first fields replaced."""
-    fields = LINE.rstrip("\n").split("\t")
-    fields[0] = label
-    fields[1:1 + len(counts)] = counts
-    fields[14:14 + len(values)] = values
-    return "\t".join(fields) + "\n"
 
 
 def test_a_line_with_missing_values_parses(both_kernel_paths):
@@ -75,12 +61,6 @@ BAD_BYTES = [  # lines that are not UTF-8: only a file (or bytes) can hold them
     (line(counts=["7"]).encode().replace(b"\t7\t", b"\t7\xff\t"), "I1", "not UTF-8 (byte 0xff"),
     (line(values=["", "x"]).encode().replace(b"\tx\t", b"\t\xed\xa0\x80\t"), "C2", "not UTF-8 (byte 0xed"),
 ]
-
-
-def bad_file(tmp_path, bad: str | bytes, before: int = 4):
-    path = tmp_path / "part-00007.tsv"
-    path.write_bytes(LINE.encode() * before + (bad if isinstance(bad, bytes) else bad.encode()) + LINE.encode())
-    return path
 
 
 @pytest.mark.parametrize("bad, field, fragment", BAD + BAD_BYTES)
@@ -150,17 +130,6 @@ def test_blank_lines_are_skipped_but_counted(tmp_path, both_kernel_paths):
     with pytest.raises(criteo.CriteoFormatError, match=f"^{path}: line 5: field 1"):
         list(criteo.array_batches(path, 10))
     assert [len(b[2]) for b in criteo.array_batches([LINE, b"\n", b"  \r\n", LINE], 10)] == [2]
-
-
-@pytest.mark.cluster
-def test_the_error_keeps_its_file_and_line_across_a_loader_process(tmp_path):
-    error = criteo.CriteoFormatError("f: line 3: field 1 (label): ...", "f", 3, "label")
-    again = pickle.loads(pickle.dumps(error))
-    assert (str(again), again.path, again.line, again.field) == (str(error), "f", 3, "label")
-    path = bad_file(tmp_path, line(label="2"))
-    with pytest.raises(criteo.CriteoFormatError) as caught:
-        list(criteo.batches(path, 2, prefetch=2))
-    assert (caught.value.path, caught.value.line, caught.value.field) == (str(path), 5, "label")
 
 
 @pytest.mark.parametrize("skip, every", [(2, 2), (-1, 2), (0, 0)])
@@ -356,12 +325,3 @@ def test_the_c_parser_takes_every_good_line_and_stops_at_every_bad_one():
     for bad, _, _ in BAD + BAD_BYTES:
         bad = bad if isinstance(bad, bytes) else bad.encode()
         assert criteo._parse_c(LINE.encode() + bad, 2) is None, bad[:60]
-
-
-@pytest.mark.cluster
-def test_generator_writes_the_exact_format_with_learnable_labels(tmp_path):
-    path = tmp_path / "train.tsv"
-    subprocess.run([sys.executable, str(ROOT / "examples" / "ctr_data.py"), "--rows", "2000", "--out", str(path)],
-                   check=True, timeout=120)
-    labels = np.concatenate([b[2].numpy() for b in criteo.batches(str(path), 512)])
-    assert labels.shape == (2000,) and 0.05 < labels.mean() < 0.95

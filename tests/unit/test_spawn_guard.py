@@ -39,12 +39,6 @@ def test_an_unmarked_test_cannot_fork_or_start_a_multiprocessing_process(guard):
     guard.refused.clear()
 
 
-@pytest.mark.cluster
-def test_a_cluster_test_may_start_processes():
-    assert subprocess.run([sys.executable, "-c", "print(7)"], capture_output=True, text=True,
-                          check=True).stdout == "7\n"
-
-
 def test_a_refused_start_fails_the_test_even_when_swallowed(pytester):
     """The whole hook chain on a small suite: a spawn refused at set-up, one in the body, one whose
     exception the test swallowed: each fails its test with the marker's name; a test that starts
