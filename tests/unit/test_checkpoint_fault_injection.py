@@ -7,7 +7,8 @@ and a restore onto two shards), export and serving must agree: a checkpoint is r
 of them with a named error (a CheckpointError), or restores exactly what the files hold (read by
 safetensors' own reader, the chain applied here by hand); never another exception, never another
 value; and retention (`prune`) never deletes the newest checkpoint that passes. Every assertion
-prints the seed and the case: PS_FAULT_SEED=<seed> replays one."""
+prints the seed and the case: PS_FAULT_SEED=<seed> replays one. The fast tier runs the first
+FAST_CASES cases; the fault tier (tests/fault/test_checkpoint_fault_sweep.py) all CASES."""
 
 import hashlib
 import json
@@ -35,6 +36,10 @@ from paramserver.server.shard import Push, Shard
 from paramserver.tables.table_store import TableStore
 
 SEED = int(os.environ.get("PS_FAULT_SEED", "20261205"))
+# The fast tier's cases: the first 100 of the seed's draws, in which each kind of file and fault
+# is drawn 5 times or more (as the sweep asserts); tests/fault/test_checkpoint_fault_sweep.py runs
+# the first CASES of them in the fault tier.
+FAST_CASES = 100
 CASES = 200
 SGD = {"name": "sgd", "hyper": {"lr": 0.1}}
 ADAGRAD = {"name": "adagrad", "hyper": {"lr": 0.1}}
@@ -305,12 +310,14 @@ def check_case(template: str, root: str, case: int, rng: random.Random) -> tuple
     return what, any(name in what and name not in ok for name in NAMES)
 
 
-def test_faults_in_every_kind_of_checkpoint_file_are_refused_by_every_reader_or_restore_exactly(template, tmp_path):
+def sweep(template: str, directory, cases: int) -> None:
+    """`cases` seeded cases, each on a fresh copy of `template` under `directory`; every kind of file
+    and fault is drawn at least 5 times, and between a third and all but one of them are refused."""
     rng = random.Random(SEED)
     done = []
-    for case in range(CASES):
-        done.append(check_case(template, str(tmp_path / f"case-{case}"), case, rng))
-        shutil.rmtree(tmp_path / f"case-{case}")
+    for case in range(cases):
+        done.append(check_case(template, str(directory / f"case-{case}"), case, rng))
+        shutil.rmtree(directory / f"case-{case}")
     for kind in (
         "(manifest)",
         "(metadata)",
@@ -324,4 +331,8 @@ def test_faults_in_every_kind_of_checkpoint_file_are_refused_by_every_reader_or_
     ):  # every kind of file and fault was drawn
         assert sum(kind in what for what, _ in done) >= 5, (f"seed {SEED}", kind)
     refused = sum(refused for _, refused in done)
-    assert CASES // 3 <= refused < CASES, (f"seed {SEED}", refused)
+    assert cases // 3 <= refused < cases, (f"seed {SEED}", refused)
+
+
+def test_faults_in_every_kind_of_checkpoint_file_are_refused_by_every_reader_or_restore_exactly(template, tmp_path):
+    sweep(template, tmp_path, FAST_CASES)

@@ -21,8 +21,11 @@ ROWS = {"name": "adagrad", "hyper": {"lr": 0.1}}
 
 def samples(metrics: NodeMetrics) -> dict:
     text = generate_latest(metrics.registry).decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 @pytest.fixture
@@ -39,8 +42,9 @@ def call(service, method: str, meta: dict, tensors=()):
 
 
 def calls(metrics, method, code):
-    return samples(metrics).get(("paramserver_calls_total", (("code", code), ("method", method),
-                                                              ("service", SERVICE))), 0)
+    return samples(metrics).get(
+        ("paramserver_calls_total", (("code", code), ("method", method), ("service", SERVICE))), 0
+    )
 
 
 def test_every_answer_is_counted_by_method_and_code_with_its_bytes_and_latency(node):
@@ -131,7 +135,7 @@ def test_run_refuses_one_fixed_metrics_port_for_nodes_that_share_a_host(capsys):
     assert "--metrics-port 0" in capsys.readouterr().err
 
 
-def test_the_metrics_endpoint_listens_on_localhost_and_idle_connections_cost_a_bounded_pool():
+def test_the_metrics_endpoint_listens_on_localhost_and_idle_connections_cost_a_bounded_pool(monkeypatch):
     """300 idle connections hold at most HELD of them and THREADS threads; once they time out (or are
     closed at once, past HELD), a scrape is answered."""
     import socket
@@ -143,6 +147,8 @@ def test_the_metrics_endpoint_listens_on_localhost_and_idle_connections_cost_a_b
     from paramserver.base import metrics_http
     from paramserver.base.metrics import MetricsEndpoint
 
+    # read at each accept: the held connections time out in about HELD / THREADS * 0.5 s, not 5 s each
+    monkeypatch.setattr(metrics_http, "REQUEST_TIMEOUT_S", 0.5)
     endpoint = MetricsEndpoint(NodeMetrics().registry, 0, what="test")
     port = endpoint.start()
     idle = []
