@@ -41,7 +41,7 @@ lint: setup
 
 # The fast tier, for every edit: no test starts a process (tests/conftest.py refuses it); about a minute (under 2).
 test: lint
-	$(BIN)/python -m pytest -q -m "$(FAST_TIER)"
+	$(BIN)/python -m pytest -q -m "$(FAST_TIER)" tests/unit
 
 # Every tier: what CI runs (.ci/run, .ci/under-load).
 test-all: lint $(CHECKOV_VENV)/.installed

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from paramserver.base.codecs import NONE, Codec
+from paramserver.base.codecs import NONE
+from paramserver.base.codecs import parse as parse_codec
 from paramserver.base.compression_spec import CompressionSpec
 from paramserver.base.errors import InvalidArgumentError
 from paramserver.client.compression import GradientCompressor
@@ -17,7 +18,7 @@ from paramserver.wire import codec
 from paramserver.wire import gradient_codec as gc
 from paramserver.wire.half import bf16_bits_to_float32
 
-FP16, BF16, INT8, TOPK = (Codec.parse(text) for text in ("fp16", "bf16", "int8", "topk:0.01"))
+FP16, BF16, INT8, TOPK = (parse_codec(text) for text in ("fp16", "bf16", "int8", "topk:0.01"))
 
 
 def gradient(shape=(300, 70), seed=0, scale=1.0):

@@ -17,10 +17,10 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass
 
-from paramserver.base.codecs import NONE, Codec, registered
+from paramserver.base.codecs import NONE, Codec, parse, registered
 from paramserver.base.errors import InvalidArgumentError
 
-__all__ = ["NONE", "Codec", "CompressionSpec"]
+__all__ = ["NONE", "Codec", "CompressionSpec", "parse"]
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class CompressionSpec:
             pattern, sep, codec = part.rpartition("=")
             if sep and not pattern.strip():
                 raise InvalidArgumentError(f"compression rule {part!r} has an empty pattern")
-            rules.append((pattern.strip() if sep else "*", Codec.parse(codec)))
+            rules.append((pattern.strip() if sep else "*", parse(codec)))
         return cls(tuple(rules))
 
     def codec_for(self, name: str) -> Codec:

@@ -22,7 +22,7 @@ from paramserver.base.deadline import Deadline
 from paramserver.base.errors import InvalidArgumentError, ParamServerError, RollbackError, UnavailableError
 from paramserver.client.compression import GradientCompressor
 from paramserver.client.placement import DEFAULT_SPLIT_BYTES, Part, Placer
-from paramserver.client.table_client import StepRiders, StepRows
+from paramserver.client.table_client import NO_ROWS, StepRiders
 from paramserver.transport.channel import ShardChannel
 from paramserver.wire import messages as msg
 from paramserver.wire.calls import Pending, gather
@@ -256,15 +256,7 @@ class PSClient:
         lookups sent in the same requests (their rows come back in the handle's `riders`).
         """
         bases = self.record.base_versions if base_versions is None else base_versions
-        pushed: dict[int, list[tuple[str, np.ndarray]]] = {}
-        headers: dict[int, dict[str, dict]] = {}  # by shard: the compressed gradients' encodings
-        for var, grad in grads.items():
-            for part in self.parts_of[var]:
-                span = None if part.whole else slice(part.lo, part.hi)
-                header, tensors = self.compressor.encode(var, part.name, _rows(grad, part), span)
-                pushed.setdefault(part.shard, []).extend(tensors)
-                if header is not None:
-                    headers.setdefault(part.shard, {})[part.name] = header
+        pushed, headers = self._encoded(grads)
         pulled: dict[int, list[str]] = {}
         for var in pull:
             for part in self.parts_of[var]:
@@ -274,7 +266,7 @@ class PSClient:
         # else for it), so that a sync step on a shard holding only rows does not wait for this worker
         shards = range(self.num_shards) if riders is not None else set(pushed) | set(pulled)
         for shard in sorted(shards):
-            rows = riders.on(shard) if riders is not None else StepRows()
+            rows = riders.on(shard) if riders is not None else NO_ROWS
             pushes = shard in pushed or bool(rows.pushes)
             resumed = None
             if shard in self._owed_resumed and (shard in pushed or riders is not None):
@@ -303,6 +295,29 @@ class PSClient:
             lambda replies: self.record.note(replies, bool(grads)),
             tolerate_lost=self.tolerate_lost,
         )
+
+    def _encoded(
+        self, grads: dict[str, np.ndarray]
+    ) -> tuple[dict[int, list[tuple[str, np.ndarray]]], dict[int, dict[str, dict]]]:
+        """(the tensors to push, by shard; the compressed gradients' encodings, by shard and part).
+        A variable without a codec goes as it is, the compressor not called (only counting its bytes)."""
+        compressor = self.compressor
+        pushed: dict[int, list[tuple[str, np.ndarray]]] = {}
+        headers: dict[int, dict[str, dict]] = {}
+        for var, grad in grads.items():
+            encoded = var in compressor.codecs  # absent: sent as is (GradientCompressor.codecs)
+            for part in self.parts_of[var]:
+                rows = _rows(grad, part)
+                if not encoded:
+                    compressor.gradient_bytes += rows.nbytes
+                    pushed.setdefault(part.shard, []).append((part.name, rows))
+                    continue
+                span = None if part.whole else slice(part.lo, part.hi)
+                header, tensors = compressor.encode(var, part.name, rows, span)
+                pushed.setdefault(part.shard, []).extend(tensors)
+                if header is not None:
+                    headers.setdefault(part.shard, {})[part.name] = header
+        return pushed, headers
 
     def assign(self, values: dict[str, np.ndarray], timeout: float) -> None:
         """Overwrite registered variables' values on their shards (see Shard.assign); each shard checks

@@ -61,6 +61,9 @@ class StepRows:
     codecs: dict[str, dict] = field(default_factory=dict)
 
 
+NO_ROWS = StepRows()  # a shard's part of a step without embedding work; shared: never changed
+
+
 class StepRiders:
     """Row pushes and lookups that ride along a step's PushPull, so that one request per shard
     carries the dense gradients, the row gradients and the next batch's lookups together.
@@ -88,24 +91,33 @@ class StepRiders:
         self._lookups: list[tuple[int, list[tuple[int, np.ndarray, str]]]] = []  # (count, [(shard, where, rows name)])
 
     def on(self, shard: int) -> StepRows:
-        """What rides to `shard` (empty if nothing)."""
-        return self._by_shard.get(shard) or StepRows()
+        """What rides to `shard` (NO_ROWS if nothing: read it, never change it)."""
+        return self._by_shard.get(shard) or NO_ROWS
 
     def push(self, table: str, ids: np.ndarray, grads: np.ndarray) -> None:
         """Add a row push. Every shard gets one, empty where it holds none of `ids`: each shard
         counts the table's steps, and torch counts a step whenever the table has a gradient."""
         parts = {shard: (where, part) for shard, where, part in self._split(ids)}
+        codec = self._table_codecs.get(table, NONE)
         for shard in range(self._num_shards):
             where, part = parts.get(shard, (slice(0, 0), ids[:0]))
             rows = self._by_shard.setdefault(shard, StepRows())
             name = f"r{len(rows.pushes)}"
             rows.pushes.append(msg.RowPush(table, name + ".ids", name + ".grads"))
-            header, encoded = self._compressor.encode_rows(
-                self._table_codecs.get(table, NONE), name + ".grads", grads[where]
-            )
-            rows.tensors.extend([(name + ".ids", part), *encoded])
-            if header is not None:
-                rows.codecs[name + ".grads"] = header
+            rows.tensors.append((name + ".ids", part))
+            self._add_grads(rows, codec, name + ".grads", grads[where])
+
+    def _add_grads(self, rows: StepRows, codec: Codec, name: str, grads: np.ndarray) -> None:
+        """A row push's gradients, encoded by its table's codec; without one they go as they are,
+        the compressor not called (only counting their bytes)."""
+        if codec == NONE:
+            self._compressor.gradient_bytes += grads.nbytes
+            rows.tensors.append((name, grads))
+            return
+        header, encoded = self._compressor.encode_rows(codec, name, grads)
+        rows.tensors.extend(encoded)
+        if header is not None:
+            rows.codecs[name] = header
 
     def lookup(self, table: str, ids: np.ndarray) -> int:
         """Add a lookup of distinct `ids`; returns its index in `rows()`."""
@@ -183,11 +195,11 @@ class TableClient:
     ) -> None:
         """Create the table on every shard; `capacity` (rows, all shards together) is reserved up front.
         `wire`: how its rows and row gradients travel (float32, bfloat16 or float16; wire/half.py).
-        `compression`: how a float32 table's row gradients ride along steps (fp16, bf16 or int8; StepRiders)."""
-        if compression.kind == "topk":
+        `compression`: how a float32 table's row gradients ride along steps (a codec whose `for_tables`
+        is true; StepRiders)."""
+        if not compression.for_tables:
             raise InvalidArgumentError(
-                f"table {table!r}: topk compresses dense gradients only; a table's row "
-                f"gradients take fp16, bf16 or int8"
+                f"table {table!r}: {compression.kind} compresses dense gradients only, not a table's row gradients"
             )
         per_shard = -(-capacity // len(self.channels))  # ids spread evenly over shards by hash
         request = msg.RegisterTableRequest(

@@ -17,6 +17,8 @@ WIRE_OF = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: 
 
 def wire_array(tensor: torch.Tensor) -> np.ndarray:
     """The tensor's values as they travel: a view of a CPU tensor, bfloat16 as its uint16 bits."""
+    if tensor.dtype is not torch.bfloat16 and tensor.is_cpu and not tensor.requires_grad:
+        return tensor.numpy()  # a gradient on the CPU: viewed as it is, no tensor made
     tensor = tensor.detach().cpu()
     if tensor.dtype == torch.bfloat16:
         return tensor.view(torch.int16).numpy().view(np.uint16)
@@ -25,6 +27,9 @@ def wire_array(tensor: torch.Tensor) -> np.ndarray:
 
 def write_wire(name: str, target: torch.Tensor, array: np.ndarray) -> None:
     """Copy values that travelled in `target`'s wire dtype into `target` (on its own device)."""
+    if target.dtype is torch.float32 and array.dtype == np.float32 and target.is_cpu:
+        np.copyto(target.numpy(), array)  # the common case, checked in one go
+        return
     wire = WIRE_OF[target.dtype]
     if array.dtype != WIRE_DTYPES[wire]:
         raise FailedPreconditionError(

@@ -286,7 +286,7 @@ class Shard:
             outcome = self.push(push)
             staleness, applied = outcome.staleness, outcome.applied
         sync_step = self.sync_step
-        rows = self.tables.lookup_checked(lookups)
+        rows = self.tables.lookup_checked(lookups) if lookups else []  # a step without rows takes no table lock
         with self._cond:
             values = [(name, group.wire_view(name)) for name, group in pulled]
             return reply(StepOutcome(self.version, sync_step, staleness, applied), values, rows)

@@ -134,7 +134,8 @@ class ShardService:
 
     def push_pull(self, request: msg.PushPullRequest, tensors: dict, sink: Sink) -> Any:
         # compressed gradients become float32 first: every check of the step sees what is applied
-        tensors = decode_tensors(tensors, request.codecs)
+        if request.codecs:
+            tensors = decode_tensors(tensors, request.codecs)
         grads = _gradients(tensors, request)
         step = Step(
             grads=grads,

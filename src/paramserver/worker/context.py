@@ -23,6 +23,7 @@ from paramserver.worker.recovery.rollback import restarted_shard
 from paramserver.worker.resumable import ResumableBatches
 
 log = logging.getLogger(__name__)
+StepHook = Callable[[int], None]  # per-step work of one feature, given the optimizer's step count
 
 
 @dataclass
@@ -49,6 +50,28 @@ class Context:
     address: str | None = None  # this worker's address in the cluster spec (where peers reach it)
     dense_group: Any = None  # worker.dense_sync.AllReduceGroup with dense_sync "allreduce"
     partial: Any = None  # worker.partial.ShardRecovery with recovery "partial": lost shards are restored alone
+    # the per-step work of the features that are on, in the order a step runs it (refresh_step_hooks)
+    _step_hooks: list[StepHook] = field(default_factory=list, init=False, repr=False)
+    _pausing: bool = field(default=False, init=False, repr=False)  # a checkpointer or a mode schedule
+
+    def __post_init__(self) -> None:
+        self.refresh_step_hooks()
+
+    def refresh_step_hooks(self) -> None:
+        """Choose the per-step work from the features on now: a step runs only theirs (a feature that
+        is off costs it nothing). Called at construction; call again after setting `rollback` or
+        `checkpointer`, or changing the mode schedule, later. Preemption is on when
+        `preemption.install` ran before (`paramserver node` installs it before the script starts)."""
+        self._pausing = self.checkpointer is not None or bool(self.modes.pending)
+        hooks: list[StepHook] = []
+        if self.rollback is not None:
+            hooks.append(self._check_rollback)
+        hooks.append(self._count_step)
+        if self._pausing:
+            hooks.append(self._pause_after)
+        if preemption.installed():
+            hooks.append(self._check_preemption)
+        self._step_hooks = hooks
 
     @property
     def resume_step(self) -> int:
@@ -117,6 +140,8 @@ class Context:
     def pauses_at(self, step: int) -> bool:
         """Whether the workers meet at a barrier after `step` (a checkpoint or a mode switch):
         the optimizer then has no push in flight."""
+        if not self._pausing:
+            return False
         return (self.checkpointer is not None and self.checkpointer.due(step)) or self.modes.due(step)
 
     @functools.cached_property
@@ -224,18 +249,34 @@ class Context:
         return self.rollback.reason
 
     def on_step(self, step: int) -> None:
-        """Called by the optimizer after each step: progress, heartbeat step, the mode schedule.
-        Raises RollbackError once the cluster rolls back (`paramserver node` then exits to be restarted)."""
-        if self.rollback is not None:
-            self.rollback.check()
-        self.progress.pushed_bytes = self.client.pushed_bytes
-        self.progress.update(steps=1, staleness=self.client.record.staleness)
-        self.coordinator.step = self.progress.steps
-        if self.finished:  # a push after finish_training() brought this worker back into the quorums
+        """Called by the optimizer after each step: the work of the features that are on
+        (refresh_step_hooks): the roll-back check, progress and heartbeat step, the pauses for
+        checkpoints and the mode schedule, preemption. Raises RollbackError once the cluster rolls
+        back (`paramserver node` then exits to be restarted)."""
+        for hook in self._step_hooks:
+            hook(step)
+
+    def _check_rollback(self, _step: int) -> None:
+        self.rollback.check()
+
+    def _count_step(self, _step: int) -> None:
+        """Progress and the heartbeat's step; a push after finish_training() brought this worker
+        back into the quorums."""
+        progress, client = self.progress, self.client
+        progress.pushed_bytes = client.pushed_bytes
+        progress.count_step(client.record.staleness)
+        self.coordinator.step = progress.steps
+        if self.finished:
             self.finished = False
             self.coordinator.resume()
-            self.progress.undone()
+            progress.undone()
+
+    def _pause_after(self, step: int) -> None:
         self.pause(step)
+        if not self.modes.pending and self.checkpointer is None:
+            self.refresh_step_hooks()  # the mode schedule is done: nothing left to pause for
+
+    def _check_preemption(self, step: int) -> None:
         if preemption.requested() is not None:
             self._stop_for_preemption(step)
 

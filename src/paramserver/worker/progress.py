@@ -51,6 +51,16 @@ class ProgressWriter:
         if self._file and time.monotonic() - self._last_write >= self.interval:
             self.flush()
 
+    def count_step(self, staleness: int = 0) -> None:
+        """`update(steps=1, staleness=staleness)`, made for the per-step path: a writer with no
+        channel reads no clock."""
+        self.steps += 1
+        self.staleness_sum += staleness
+        if self._file:
+            self._step_t = time.time()
+            if time.monotonic() - self._last_write >= self.interval:
+                self.flush()
+
     def flush(self) -> None:
         self._write(
             {

@@ -12,6 +12,6 @@ built, and the base imports nothing above it.
 """
 
 from paramserver.base.codecs._codec import NONE, Codec, Encoded, aux_name
-from paramserver.base.codecs._registry import discover, registered, usage
+from paramserver.base.codecs._registry import discover, parse, registered, usage
 
-__all__ = ["NONE", "Codec", "Encoded", "aux_name", "discover", "registered", "usage"]
+__all__ = ["NONE", "Codec", "Encoded", "aux_name", "discover", "parse", "registered", "usage"]

@@ -53,14 +53,6 @@ class Codec(ABC):
     argument: ClassVar[str] = ""  # how its argument is written in the option's help ("R": topk:R); "": none
 
     @classmethod
-    def parse(cls, text: str) -> Codec:
-        """The codec written `text` (`KIND` or `KIND:ARGUMENT`) in the `compression` option, of any
-        registered kind, or NONE for `none`. Raises InvalidArgumentError."""
-        from paramserver.base.codecs._registry import parse  # the registry imports this module
-
-        return parse(text)
-
-    @classmethod
     def from_argument(cls, argument: str, text: str) -> Codec:
         """This codec written `text` in the option, `argument` the part after its colon ("" if none).
         Raises InvalidArgumentError. Codecs that take an argument override this."""

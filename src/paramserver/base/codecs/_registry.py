@@ -55,7 +55,7 @@ def usage() -> str:
 
 
 def parse(text: str) -> Codec:
-    """Codec.parse: the codec written `text` (`KIND` or `KIND:ARGUMENT`) in the `compression` option."""
+    """The codec written `text` (`KIND` or `KIND:ARGUMENT`) in the `compression` option."""
     text = text.strip()
     kind, _, argument = text.partition(":")
     codec = Uncompressed if kind == NONE.kind else registered().get(kind)

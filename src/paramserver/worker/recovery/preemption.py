@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 
 _requested: int | None = None  # the signal that asked for the preemption checkpoint, once one did
 _grace_s = 0.0
+_installed = False  # install() ran: a worker's steps look for a request (worker/context.py)
 
 
 class Preempted(KeyboardInterrupt):
@@ -41,10 +42,16 @@ class Preempted(KeyboardInterrupt):
 
 def install(grace_s: float) -> None:
     """Turn the first SIGTERM or SIGINT of this process into a preemption request (from the main thread)."""
-    global _grace_s
-    _grace_s = grace_s
+    global _grace_s, _installed
+    _grace_s, _installed = grace_s, True
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, _on_signal)
+
+
+def installed() -> bool:
+    """Whether `install` ran in this process: before that no signal asks for a preemption, and a
+    worker's steps do not look for one."""
+    return _installed
 
 
 def requested() -> int | None:
