@@ -4,6 +4,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 # The test tiers are markers (pyproject.toml): cluster, parity, fault. The fast tier is everything else.
 FAST_TIER := not (cluster or parity or fault)
+# Tests run in this many pytest processes (pytest-xdist); a test that waits on its nodes leaves the core to another.
+PYTEST_WORKERS ?= 2
 
 # checkov, the static checker of the Kubernetes manifests (tests/integration/test_k8s_pods.py), in an environment of its
 # own: its pins (packaging, networkx, boto3, ...) would move the project's. deploy/checkov-skips.yaml names the version.
@@ -41,11 +43,11 @@ lint: setup
 
 # The fast tier, for every edit: no test starts a process (tests/conftest.py refuses it); about a minute (under 2).
 test: lint
-	$(BIN)/python -m pytest -q -m "$(FAST_TIER)" tests/unit
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) -m "$(FAST_TIER)" tests/unit
 
 # Every tier: what CI runs (.ci/run, .ci/under-load).
 test-all: lint $(CHECKOV_VENV)/.installed
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal
 
 bench: setup
 	$(BIN)/python bench/dense.py
