@@ -47,7 +47,7 @@ test: lint
 
 # Every tier: what CI runs (.ci/run, .ci/under-load).
 test-all: lint $(CHECKOV_VENV)/.installed
-	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal --durations=15
 
 bench: setup
 	$(BIN)/python bench/dense.py

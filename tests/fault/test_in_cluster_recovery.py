@@ -84,6 +84,7 @@ def test_a_cluster_under_restart_loops_recovers_from_a_ps_the_chief_and_a_worker
     check_every_batch_trained_once(mode, json.loads((tmp_path / "cells.json").read_text()), tmp_path / "ckpt", replay,
                                    BATCHES)
     codes = {code for loop in loops.values() for code in loop.exits}
-    assert RESTART_EXIT_CODE in codes, (replay, {n: loop.exits for n, loop in loops.items()})
-    assert codes <= {0, -9, RESTART_EXIT_CODE}, (replay, "\n".join(loop.log() for loop in loops.values()))
+    assert RESTART_EXIT_CODE in codes, f"{replay}: exits {({n: loop.exits for n, loop in loops.items()})}"
+    exits = {name: loop.exits for name, loop in loops.items()}
+    assert codes <= {0, -9, RESTART_EXIT_CODE}, f"{replay}\nexits {exits}\n" + "\n".join(loop.log() for loop in loops.values())
     assert procs.leftovers() == [], replay
