@@ -165,10 +165,10 @@ def test_every_link_of_the_option_tables_leads_to_a_doc_and_its_heading():
 
 def test_defaults_are_written_as_people_write_them():
     shown = {f.name: docs.shown(f) for f in fields(Options)}
-    assert (shown["max_table_rows"], shown["max_table_memory_bytes"], shown["max_message_bytes"]) == (
-        "2^27",
+    assert (shown["max_table_rows"], shown["max_table_memory_bytes"], shown["max_payload_bytes"]) == (
+        "0",  # derived from the machine's memory: its docs row says how (the flag's shown=)
+        "0",
         "16 GiB",
-        "1 GiB",
     )
     assert (shown["rpc_timeout_s"], shown["max_gradient_magnitude"], shown["resume"], shown["logdir"]) == (
         "60",
@@ -219,8 +219,8 @@ def test_every_option_has_a_meaning_of_its_own():
 
 def test_defaults_in_the_key_table_are_json_with_large_numbers_as_people_read_them():
     shown = {f.name: docs.json_default(f) for f in fields(Options)}
-    assert (shown["max_table_rows"], shown["max_table_memory_bytes"], shown["max_message_bytes"]) == (
-        "134217728 (2^27)",
+    assert (shown["max_tiered_table_rows"], shown["max_payload_bytes"], shown["max_message_bytes"]) == (
+        "17179869184 (2^34)",
         "16 GiB",
         "1 GiB",
     )

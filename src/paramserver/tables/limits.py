@@ -8,6 +8,11 @@ reserved up front). Both the rows of one table and the bytes of all tables of th
 bounded (`Options.max_table_rows`, `Options.max_table_memory_bytes`); a request that would pass
 either is refused with ResourceExhaustedError and changes nothing.
 
+Each refusal names the limit, its value, and how to raise it (`raise_hint`: the flag and the
+option). A PS derives the two from its machine's memory when they are left at 0
+(base/options/machine.py, `Options.for_machine`, once at start); a TableLimits given 0 derives them
+the same way when built. A TableStore built without limits (tools, tests) takes the fixed ones below.
+
 A tiered table (a PS with a table_memory_budget; docs/scaling.md) counts its memory tier, which its
 share of the budget bounds, against max_table_memory_bytes, and all its rows, memory and disk,
 against `Options.max_tiered_table_rows` instead of max_table_rows: its rows are meant to outgrow
@@ -17,12 +22,15 @@ looked up twice to tell them from new ones).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
-from paramserver.base.errors import ResourceExhaustedError
+from paramserver.base.errors import ConfigError, ResourceExhaustedError
 from paramserver.base.hashing import count_distinct
+from paramserver.base.options.fields import flag_of
+from paramserver.base.options.machine import DERIVED
+from paramserver.base.options.options import Options
 from paramserver.tables.embedding_table import EmbeddingTable
 from paramserver.tables.table import Table
 from paramserver.tables.tiered.tiered_table import TieredTable
@@ -44,6 +52,24 @@ class TableLimits:
     max_bytes: int = 16 << 30
     max_tiered_rows: int = 1 << 34
     max_gradient: float = 1e15
+
+    def __post_init__(self) -> None:
+        if min(self.max_rows, self.max_bytes) < 0:
+            raise ConfigError(f"table limits must be 0 (derived) or more, got {self}")
+        if self.max_rows == DERIVED or self.max_bytes == DERIVED:
+            # a PS resolves them once at start (Options.for_machine); limits built straight from
+            # options left at 0 are derived here, as there
+            resolved = Options(max_table_rows=self.max_rows, max_table_memory_bytes=self.max_bytes).for_machine()
+            object.__setattr__(self, "max_rows", resolved.max_table_rows)
+            object.__setattr__(self, "max_bytes", resolved.max_table_memory_bytes)
+
+
+def raise_hint(option: str) -> str:
+    """How to raise the limit `option` (an Options field): its flag and its option name."""
+    flags = {f.name: flag_of(f) for f in fields(Options)}
+    flag = flags[option]
+    via = f"{flag.name} (paramserver run / node) or " if flag is not None else ""
+    return f"raise it with {via}the option {option} (a cluster file's options or PARAMSERVER_OPTIONS)"
 
 
 def row_bytes(dim: int, float_states: int, per_row_step: bool, tracks_use: bool) -> int:
@@ -81,18 +107,20 @@ def check_new_table(
     if tiered:
         if capacity > limits.max_tiered_rows:
             raise ResourceExhaustedError(
-                f"table {name!r}: capacity {capacity} exceeds the PS's max_tiered_table_rows {limits.max_tiered_rows}"
+                f"table {name!r}: capacity {capacity} exceeds the PS's max_tiered_table_rows {limits.max_tiered_rows}; "
+                f"{raise_hint('max_tiered_table_rows')}"
             )
         return
     if capacity > limits.max_rows:
         raise ResourceExhaustedError(
-            f"table {name!r}: capacity {capacity} exceeds the PS's max_table_rows {limits.max_rows}"
+            f"table {name!r}: capacity {capacity} exceeds the PS's max_table_rows {limits.max_rows}; "
+            f"{raise_hint('max_table_rows')}"
         )
     if used + capacity * one_row > limits.max_bytes:
         raise ResourceExhaustedError(
             f"table {name!r}: {capacity} rows of {one_row} bytes would bring the PS's "
             f"tables to {used + capacity * one_row} bytes, over max_table_memory_bytes "
-            f"{limits.max_bytes}"
+            f"{limits.max_bytes}; {raise_hint('max_table_memory_bytes')}"
         )
 
 
@@ -116,7 +144,7 @@ def _check_rows(limits: TableLimits, table: EmbeddingTable, ids: np.ndarray, use
     if rows > limits.max_rows:
         raise ResourceExhaustedError(
             f"table {table.name!r}: {missing} new rows would bring it to {rows} rows, "
-            f"over the PS's max_table_rows {limits.max_rows}"
+            f"over the PS's max_table_rows {limits.max_rows}; {raise_hint('max_table_rows')}"
         )
     capacity = table.capacity
     if rows <= capacity:
@@ -126,7 +154,8 @@ def _check_rows(limits: TableLimits, table: EmbeddingTable, ids: np.ndarray, use
     if used + extra > limits.max_bytes:
         raise ResourceExhaustedError(
             f"table {table.name!r}: {missing} new rows would grow the PS's tables to "
-            f"{used + extra} bytes, over max_table_memory_bytes {limits.max_bytes}"
+            f"{used + extra} bytes, over max_table_memory_bytes {limits.max_bytes}; "
+            f"{raise_hint('max_table_memory_bytes')}"
         )
 
 
@@ -139,5 +168,5 @@ def _check_tiered_rows(limits: TableLimits, table: TieredTable, ids: np.ndarray)
     if missing and table.size + missing > limits.max_tiered_rows:
         raise ResourceExhaustedError(
             f"table {table.name!r}: up to {missing} new rows would bring it to {table.size + missing} rows, "
-            f"over the PS's max_tiered_table_rows {limits.max_tiered_rows}"
+            f"over the PS's max_tiered_table_rows {limits.max_tiered_rows}; {raise_hint('max_tiered_table_rows')}"
         )

@@ -98,7 +98,8 @@ def _tier_problems(options: Options, skip: frozenset[str] | set[str]) -> list[st
         if budget != 0 and budget < MIN_TABLE_MEMORY_BUDGET:
             least = MIN_TABLE_MEMORY_BUDGET
             found.append(f"option 'table_memory_budget' must be 0 (off) or at least {least}, got {budget!r}")
-        elif "max_table_memory_bytes" not in skip and budget > options.max_table_memory_bytes:
+        elif "max_table_memory_bytes" not in skip and 0 < options.max_table_memory_bytes < budget:
+            # a derived max_table_memory_bytes (0) is checked against the budget once a PS derives it
             found.append(
                 f"option 'table_memory_budget' must be at most max_table_memory_bytes "
                 f"({options.max_table_memory_bytes}), got {budget!r}"

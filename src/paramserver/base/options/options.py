@@ -22,6 +22,7 @@ from paramserver.base.consistency_spec import ConsistencySpec, ModeChange, parse
 from paramserver.base.errors import ConfigError
 from paramserver.base.options.checks import range_problems
 from paramserver.base.options.fields import CONSISTENCY, LIMITS, OPERATIONS, RUN, SECURITY, Flag, option
+from paramserver.base.options.machine import DERIVED, TABLE_MEMORY_SHARE_WORDS, MachineMemory, for_machine
 
 RECOVERIES = ("rollback", "partial")  # what a killed PS costs: the whole cluster rolls back, or its shard alone
 _TUNING = "tuning, set in a cluster file's options or PARAMSERVER_OPTIONS when a deployment needs it"
@@ -242,20 +243,30 @@ class Options:
         at_least=0, says="0 (wait for the final checkpoint) or more")
     # limits a PS enforces before it takes memory
     max_table_rows: int = option(
-        1 << 27,
-        Flag("--max-table-rows", LIMITS, "most rows of one table on one PS (default {default})", "N",
+        DERIVED,
+        Flag("--max-table-rows", LIMITS,
+             "most rows of one table on one PS (default: --max-table-memory / 48 B, the smallest row)", "N",
+             shown="0: `max_table_memory_bytes` / 48 B",
              doc="most rows one embedding table may hold on one PS: a registration's capacity and the rows "
-             "lookups create; past it, RESOURCE_EXHAUSTED (at least 1; "
+             "lookups create; past it, RESOURCE_EXHAUSTED naming it; 0: the PS's `max_table_memory_bytes` over "
+             "48 bytes (the smallest row), so that memory is the limit that binds "
+             "([configuration.md](configuration.md#table-limits-derived-from-the-machine); "
              "[security.md](security.md#limits-and-bad-input))"),
-        at_least=1,
+        at_least=0, says="0 (derived from the machine's memory) or more",
     )
     max_table_memory_bytes: int = option(
-        16 << 30,
-        Flag("--max-table-memory", LIMITS, "most bytes of all tables on one PS, e.g. 16GiB (default {default})", "B",
+        DERIVED,
+        Flag("--max-table-memory", LIMITS,
+             f"most bytes of all tables on one PS, e.g. 64GiB (default: {TABLE_MEMORY_SHARE_WORDS} of the memory "
+             "the PS may use: its cgroup's limit, else the machine's)", "B",
+             shown=f"0: {TABLE_MEMORY_SHARE_WORDS} of the PS's memory",
              doc="most bytes all tables of one PS may hold (values, optimizer state, use counters and hash index, "
              "at their capacity; a new dense group counts with them, a tiered table its memory tier), checked "
-             "before memory is taken; the flag also takes `16GiB`, `512MiB` (at least 1)", byte_size=True),
-        at_least=1,
+             f"before memory is taken; 0: {TABLE_MEMORY_SHARE_WORDS} of the memory the PS may use (its cgroup's "
+             "memory limit when one is set, else the machine's physical memory), read once when it starts; the "
+             "flag also takes `64GiB`, `512MiB` "
+             "([configuration.md](configuration.md#table-limits-derived-from-the-machine))", byte_size=True),
+        at_least=0, says="0 (derived from the machine's memory) or more",
     )
     max_tiered_table_rows: int = option(
         1 << 34,
@@ -457,6 +468,13 @@ class Options:
         """The consistency spec these options give a cluster of `num_workers` workers."""
         self.validate(num_workers)
         return ConsistencySpec.parse(self.mode, num_workers, self.backup_workers)
+
+    def for_machine(self, memory: MachineMemory | None = None) -> Options:
+        """These options with `max_table_rows` and `max_table_memory_bytes` left at 0 derived from
+        the memory this process may use (`memory`, read now when None; base/options/machine.py).
+        A PS calls it once, when it starts; raises ConfigError when the result does not hold
+        together (a table_memory_budget over the derived max_table_memory_bytes)."""
+        return for_machine(self, memory)
 
     @property
     def compression_spec(self) -> CompressionSpec:
