@@ -59,10 +59,12 @@ class _Budget:
         self.handle, self.path, self.disk = handle, path, disk
 
     def write(self, data) -> int:
-        room = min(len(data), self.disk.space)
+        at, size = self.handle.tell(), os.fstat(self.handle.fileno()).st_size
+        overwritten = max(0, min(len(data), size - at))  # bytes written over the file's own: no new space
+        room = min(len(data), overwritten + self.disk.space)
         self.handle.write(bytes(data[:room]))
         self.handle.flush()
-        self.disk.space -= room
+        self.disk.space -= room - overwritten
         if room < len(data):
             self.disk.partial.append((self.path, os.path.getsize(self.path)))
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

@@ -6,7 +6,9 @@ not the SHA-256, must find what is wrong). Then `checkpoint list`, resume (`Rest
 and a restore onto two shards), export and serving must agree: a checkpoint is refused by every one
 of them with a named error (a CheckpointError), or restores exactly what the files hold (read by
 safetensors' own reader, the chain applied here by hand); never another exception, never another
-value; and retention (`prune`) never deletes the newest checkpoint that passes. Every assertion
+value; a resuming PS, which chooses by the headers and checks each chunk as it reads it
+(`latest(contents=False)`), restores the same, or refuses the newer checkpoint it chose with a named
+error; and retention (`prune`) never deletes the newest checkpoint that passes. Every assertion
 prints the seed and the case: PS_FAULT_SEED=<seed> replays one. The fast tier runs the first
 FAST_CASES cases; the fault tier (tests/fault/test_checkpoint_fault_sweep.py) all CASES."""
 
@@ -147,9 +149,10 @@ def _manifest(root: str, name: str) -> dict:
 
 
 # ---- what each reader gives -------------------------------------------------------------------
-def resumed(root: str) -> tuple[str | None, dict, dict]:
-    """(the checkpoint resume chooses, its dense values, {id: row bytes} restored onto two shards)."""
-    source = RestoreSource.latest(CheckpointStore(root))
+def resumed(root: str, contents: bool = True) -> tuple[str | None, dict, dict]:
+    """(the checkpoint resume chooses, its dense values, {id: row bytes} restored onto two shards).
+    `contents=False`: as a resuming PS chooses (headers), checking each chunk as it is read."""
+    source = RestoreSource.latest(CheckpointStore(root), contents=contents)
     if source is None:
         return None, {}, {}
     dense = {var[len("opt0.") :]: source.dense_part("g", SGD, var, shape).value for var, shape in SHAPES.items()}
@@ -283,6 +286,16 @@ def check_case(template: str, root: str, case: int, rng: random.Random) -> tuple
         want_dense, want_rows = expected(root, chosen)
         assert rows == want_rows, (where, "resume restored other rows")
         assert all(dense[k].tobytes() == want_dense[k].tobytes() for k in want_dense), (where, "resume: dense")
+    # a resuming PS (chunk by chunk): the same checkpoint restored exactly, or a newer one it chose by
+    # its headers that the files' chunks then refuse as they are read
+    try:
+        got, got_dense, got_rows = resumed(root, contents=False)
+    except CheckpointError as exc:
+        refused = re.search(r"checkpoint (ckpt-\d+): ", str(exc))
+        assert refused and refused.group(1) not in ok and refused.group(1) > (chosen or ""), (where, exc)
+    else:
+        assert (got, got_rows) == (chosen, rows), (where, "a resuming PS restored another checkpoint or rows")
+        assert all(got_dense[k].tobytes() == dense[k].tobytes() for k in dense), (where, "a resuming PS: dense")
     for name in NAMES:
         if name not in listed:
             continue

@@ -41,6 +41,16 @@ class Coordinator:
         return self.view
 
 
+class Begun:
+    """A checkpoint whose shard files are written: what PSClient.begin_checkpoint returns once they are."""
+
+    def __init__(self, entries):
+        self.entries = entries
+
+    def collect(self):
+        return self.entries
+
+
 class Client:
     """Writes a one-shard checkpoint (a real shard file of an empty shard) through a store on `fs`
     (as a PS would, on the same disk); `pushes` stands for the shards' counters."""
@@ -57,6 +67,10 @@ class Client:
         self.fs = fs
         self.record = PushRecord()  # what the shards said of this worker (`restored`: its position resumed at)
         self.damage = False  # a byte of each file changes after it was written (before the chief commits)
+
+    def begin_checkpoint(self, name, timeout, parent=""):
+        """As PSClient's: the files are written here; `collect()` hands their entries over."""
+        return Begun(self.checkpoint(name, timeout))
 
     def checkpoint(self, name, timeout):
         if self.fail is not None:
@@ -225,12 +239,14 @@ def test_a_full_disk_is_logged_counted_cleaned_up_and_the_next_checkpoint_tries_
 
     disk.space = shard_bytes() + 50  # the shard file fits, the manifest does not
     chief.on_step(10, 1.0)
+    chief.settle()  # its commit, written in the background
     assert client.saved == ["ckpt-000000005", "ckpt-000000010"] and "MANIFEST.json.tmp-" in errors(caplog)[-1]
     assert files(tmp_path) == []  # the shard file it had written is deleted: a full disk gets its space back
     assert reports[-1]["checkpoints_failed"] == 2
 
     disk.space = None  # space freed: the next checkpoint is written
     chief.on_step(15, 1.0)
+    chief.settle()  # its commit, written in the background
     assert chief.store.complete() == ["ckpt-000000015"]
     assert files(tmp_path) == ["ckpt-000000015/MANIFEST.json", "ckpt-000000015/shard-0.safetensors"]
     assert reports[-1]["checkpoints_written"] == 1 and reports[-1]["checkpoints_failed"] == 2
@@ -415,6 +431,7 @@ def test_the_chief_deletes_incomplete_checkpoints_named_after_the_one_it_committ
     store.write_shard("ckpt-000000001", 0, b"old")  # an older incomplete one: prune's business, not this
     chief, _, _ = checkpointer(tmp_path, 0, Coordinator(), every=5)
     chief.on_step(5, 1.0)
+    chief.settle()  # its commit, written in the background
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-000000001", "ckpt-000000005"]
     assert store.complete() == ["ckpt-000000005"]
 
@@ -435,6 +452,7 @@ def test_names_go_on_from_the_restored_step_and_the_run_keeps_its_id(tmp_path, m
     first, _, _ = resumed_checkpointer(tmp_path, every=10)
     for step in range(1, 41):
         first.on_step(step, 1.0)
+        first.settle()  # its commit, written in the background
     store = CheckpointStore(str(tmp_path))
     assert store.complete()[-1] == "ckpt-000000040"
     run_id = store.manifest("ckpt-000000040")["run_id"]
@@ -446,12 +464,14 @@ def test_names_go_on_from_the_restored_step_and_the_run_keeps_its_id(tmp_path, m
     assert resumed.lineage.resumed_step == 40 and resumed.lineage.run_id == run_id
     for step in range(position + 1, position + 6):
         resumed.on_step(step, 1.0)
+        resumed.settle()  # its commit, written in the background
     assert barriers == [], model  # 41..45: no checkpoint due
     assert resumed.save_final(position + 5, 1.0) == "ckpt-000000045", model
     assert store.complete()[-1] == "ckpt-000000045" and store.manifest("ckpt-000000045")["run_id"] == run_id
     assert resumed.counts() == {"checkpoints_written": 1, "checkpoints_failed": 0, "checkpoint_last_failed": False}
     for step in range(position + 6, position + 16):
         resumed.on_step(step, 1.0)
+        resumed.settle()  # its commit, written in the background
     assert store.complete()[-1] == "ckpt-000000050"  # every 10 of the run's steps, as before the resume
 
     fresh, _, _ = resumed_checkpointer(tmp_path / "other", every=10)
@@ -504,11 +524,13 @@ def test_a_checkpoint_failing_restores_checks_is_failed_never_committed_counted_
     reports = []
     chief, _, client = resumed_checkpointer(tmp_path, every=5, keep=1, report=reports.append)
     chief.on_step(5, 1.0)
+    chief.settle()  # its commit, written in the background
     store = CheckpointStore(str(tmp_path))
     assert store.complete() == ["ckpt-000000005"]
     calls = failing_checks(monkeypatch, "shard-0.safetensors: metadata is malformed")
     with caplog.at_level(logging.ERROR, logger="paramserver.worker.recovery.checkpoints"):
         chief.on_step(10, 1.0)
+        chief.settle()  # its commit, written in the background
         client.pushes = 3
         assert chief.save_final(12, 1.0) is None
     assert client.saved == ["ckpt-000000005", "ckpt-000000010", "ckpt-000000012"]  # written by the shards...

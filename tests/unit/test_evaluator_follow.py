@@ -206,6 +206,7 @@ def test_the_chief_marks_its_final_checkpoint_in_the_manifest(tmp_path):
     chief, _, client = checkpointer(tmp_path, 0, Coordinator(), every=10)
     client.pushes = 20
     chief.on_step(20, 1.0)
+    chief.settle()  # its commit, written in the background
     store = CheckpointStore(str(tmp_path))
     assert "final" not in store.manifest("ckpt-000000020")  # a periodic one
     assert chief.save_final(20, 1.0) == "ckpt-000000020" and client.saved == ["ckpt-000000020"]

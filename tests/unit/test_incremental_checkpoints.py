@@ -7,6 +7,7 @@ import os
 
 import numpy as np
 import pytest
+from tests.unit.test_checkpointer import Begun
 
 from paramserver.base.hashing import shard_of
 from paramserver.checkpoint.files import shard_file
@@ -238,6 +239,9 @@ class ChainClient:
     def __init__(self, cluster):
         self.cluster = cluster
         self.asked = []  # the parent each checkpoint was asked on
+
+    def begin_checkpoint(self, name, timeout, parent=""):
+        return Begun(self.checkpoint(name, timeout, parent))
 
     def checkpoint(self, name, timeout, parent=""):
         self.asked.append(parent)

@@ -141,7 +141,7 @@ class Writer:
     def __init__(self):
         self.calls = []
 
-    def __call__(self, name, shard):
+    def __call__(self, name, shard, parent=""):
         self.calls.append(name)
         return {"index": shard.index, "file": f"{name}/shard-0.safetensors", "bytes": 10, "sha256": "ab"}
 
@@ -178,6 +178,8 @@ BAD_REQUESTS = [
     ("RegisterTable", {"table": "t", "dim": 4, "optimizer": ROWS, "init": INIT, "num_shards": 1.0}, [], "num_shards"),
     ("Lookup", {"table": ["t"]}, [("ids", np.arange(2, dtype=np.int64))], "table"),
     ("Checkpoint", {"name": 7}, [], "name"),
+    ("Checkpoint", {"name": "ckpt-000000001", "collect": True, "wait_s": 600.0}, [], "wait_s"),
+    ("Checkpoint", {"name": "ckpt-000000001", "background": 1}, [], "background"),
 ]
 
 

@@ -118,15 +118,6 @@ class CheckpointMetrics:
             raise
         self.duration.observe(time.perf_counter() - started)
 
-    def around(self, save):
-        """`save` (a ShardService's `save_checkpoint`), timed."""
-
-        def timed_save(*args, **kwargs):
-            with self.timed():
-                return save(*args, **kwargs)
-
-        return timed_save
-
 
 class NodeMetrics:
     """One node's registry, with the process collector (memory, CPU, open files) in it."""

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from paramserver.checkpoint.shard_writes import ShardWrites
 
 
-def shard_writer(
-    directory: str, encoding: str = "none", allow_non_finite: bool = False
-) -> Callable[[str, Any], dict[str, Any]] | None:
+def shard_writer(directory: str, encoding: str = "none", allow_non_finite: bool = False) -> ShardWrites | None:
     """The writer a ShardService is given: its Checkpoint calls, written under the node's own
     checkpoint directory (no path ever comes from the wire) with names in sequence only
     (checkpoint/shard_writes.py), table values stored in `encoding` (checkpoint/files/quantize.py),

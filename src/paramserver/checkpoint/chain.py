@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from paramserver.base.hashing import mix64
-from paramserver.checkpoint.files import quantize, shard_meta, tensor_file, values
+from paramserver.checkpoint.files import chunks, quantize, shard_meta, tensor_file, values
 from paramserver.checkpoint.files.shard_file import META_KEY
 from paramserver.checkpoint.files.tensor_file import TensorReader, TensorSpec
 from paramserver.checkpoint.store import MANIFEST, MAX_CHAIN, CheckpointError, CheckpointStore, ShardFile, os_reason
@@ -46,6 +46,7 @@ class SavedFile:
     entry: ShardFile
     meta: dict[str, Any]
     tensors: dict[str, TensorSpec]
+    chunks: chunks.Chunks | None = None  # its chunk hashes (None: a file written before them)
 
     @property
     def where(self) -> str:
@@ -65,8 +66,10 @@ class Link:
         verify: Iterable[int] | None,
         allow_non_finite: bool,
         manifest: dict[str, Any] | None = None,
+        by_chunk: bool = False,
     ):
-        """`manifest`: the checkpoint's manifest in memory (one not yet committed), else read. Its
+        """`by_chunk`: a file without chunk hashes is scanned when opened, as if `verify` named it.
+        `manifest`: the checkpoint's manifest in memory (one not yet committed), else read. Its
         SHA-256s are the ones the writers took from the bytes they had just written (read back
         after fsync): its files are checked whole, every check but hashing them again (half of
         the cost); every other link is hashed."""
@@ -81,12 +84,13 @@ class Link:
         self.trusted = store.passed(name, self.manifest)
         wanted = {entry.index for entry in entries} if verify is None else set(verify)
         self.verified: set[int] = {entry.index for entry in entries} if self.trusted else set()
+        self.whole = verify is None  # every file checked whole when opened, every table's ids with them
         self._lock = threading.Lock()  # one scan of a file at a time (readers on several threads)
         self.files: dict[int, SavedFile] = {}
         for entry in entries:
             store.check_size(name, entry)
             self.files[entry.index] = self._header(entry)
-            if entry.index in wanted:
+            if entry.index in wanted or (by_chunk and self.files[entry.index].chunks is None):
                 self.scan(entry.index)
         if verify is None and not self.trusted:
             for table in sorted({table for saved in self.files.values() for table in saved.meta["tables"]}):
@@ -106,14 +110,14 @@ class Link:
                     for ids in _id_slices(reader, f"table/{table}/ids"):
                         hashed = mix64(ids)
                         if part == 0:
-                            self._check_route(saved, table, ids, hashed)
+                            self.check_route(saved, table, ids, hashed)
                         found.append(ids[_part_of_hash(hashed, parts) == np.uint64(part)] if parts > 1 else ids)
             if part == 0 and self.num_shards > 1:  # a delta's deleted ids are its shard's too
                 for saved in holding:
                     if f"table/{table}/deleted" in saved.tensors:
                         with self.reader(saved.entry.index) as reader:
                             for gone in _id_slices(reader, f"table/{table}/deleted"):
-                                self._check_route(saved, table, gone, mix64(gone))
+                                self.check_route(saved, table, gone, mix64(gone))
             ids = np.concatenate(found)
             del found
             if ids.shape[0] > 2 * UNIQUE_PER_PASS + 4096:  # hashes far from even: crafted, not written
@@ -123,7 +127,7 @@ class Link:
             if twice.shape[0]:
                 raise CheckpointError(f"checkpoint {self.name}: table {table!r} holds id {int(ids[twice[0]])} twice")
 
-    def _check_route(self, saved: SavedFile, table: str, ids: np.ndarray, hashed: np.ndarray) -> None:
+    def check_route(self, saved: SavedFile, table: str, ids: np.ndarray, hashed: np.ndarray) -> None:
         """Every id of shard file i is shard i's (`shard_of`): a restore onto as many shards reads
         each shard's own file and keeps its ids only, so another's row would be lost unseen."""
         if self.num_shards < 2:
@@ -145,6 +149,7 @@ class Link:
             with self.store.open_shard(self.name, entry) as handle:
                 reader = TensorReader(handle, entry.bytes, where)
             meta = shard_meta.parse(reader.metadata.get(META_KEY), reader.tensors, where)
+            hashes = chunks.parse(reader.metadata.get(chunks.KEY), reader.metadata.get(META_KEY), reader.tensors, where)
         except CheckpointError:
             self.store.verify_file(self.name, entry)  # a file changed since it was written says so first
             raise
@@ -153,27 +158,34 @@ class Link:
                 f"{where}: the file is a delta on {meta.get('parent') or 'nothing'}, its manifest entry says "
                 f"{entry.parent or 'nothing'}"
             )
-        return SavedFile(self, entry, meta, reader.tensors)
+        return SavedFile(self, entry, meta, reader.tensors, hashes)
 
     def scan(self, index: int) -> None:
-        """One pass over shard file `index` (once): its SHA-256 against the manifest, and every
-        floating-point value finite (unless allowed otherwise)."""
+        """One pass over shard file `index` (once): its SHA-256 against the manifest, its chunk
+        hashes (when it has them) against its header, and every floating-point value finite
+        (unless allowed otherwise)."""
         if index in self.verified:
             return
         saved = self.files[index]
         entry, where = saved.entry, saved.where
         digest, size, problem = hashlib.sha256() if self.hashed else None, 0, None
+        sizes = {name: spec.nbytes for name, spec in saved.tensors.items()}
+        hashes = chunks.Hasher(sizes, saved.chunks.chunk) if saved.chunks is not None else None
         with self.store.open_shard(self.name, entry) as handle:
             try:
                 for tensor, data in tensor_file.scan(handle, entry.bytes, saved.tensors, SLICE_BYTES, where):
                     if digest is not None:
                         digest.update(data)
+                    if tensor is not None and hashes is not None:
+                        hashes.add(tensor, hashes.done(tensor), data)
                     size += len(data)
                     if tensor is not None and problem is None:
                         problem = self._values_problem(saved, tensor, data)
             except OSError as exc:
                 raise CheckpointError(f"{where}: cannot read it: {os_reason(exc)}") from exc
         self.store.check_digest(self.name, entry, size, digest.hexdigest() if digest is not None else None)
+        if saved.chunks is not None and hashes is not None:
+            saved.chunks.check_pass(hashes, saved.tensors, where)
         if problem is not None:
             raise CheckpointError(f"{where}: {problem}")
         self.verified.add(index)
@@ -184,12 +196,21 @@ class Link:
 
     @contextlib.contextmanager
     def reader(self, index: int) -> Iterator[TensorReader]:
-        """A reader of shard file `index`, scanned first if it was not yet (the caller serializes scans)."""
+        """A reader of shard file `index`: of a file with chunk hashes not checked whole yet, one
+        that checks each chunk it reads (chunks.py); of any other, scanned whole first if it was
+        not yet (the caller serializes scans)."""
         saved = self.files[index]
-        with self._lock:
-            self.scan(index)
+        chunked = saved.chunks is not None and index not in self.verified
+        if not chunked:
+            with self._lock:
+                self.scan(index)
         with self.store.open_shard(self.name, saved.entry) as handle:  # its header parsed once, when opened
-            yield TensorReader(handle, saved.entry.bytes, saved.where, saved.tensors)
+            if saved.chunks is not None and chunked:
+                yield chunks.ChunkedReader(
+                    handle, saved.entry.bytes, saved.where, saved.tensors, saved.chunks, self.allow_non_finite
+                )
+            else:
+                yield TensorReader(handle, saved.entry.bytes, saved.where, saved.tensors)
 
 
 def file_chain(newest: Link, index: int, link: Any) -> list[SavedFile]:
@@ -265,7 +286,7 @@ def file_slices(
         step = max(1, SLICE_BYTES // max(1, 8 + sum(spec.row_bytes for spec in specs.values())))
         for lo in range(0, rows, step):
             ids = reader.read(f"table/{table}/ids", lo, lo + step)
-            mine = _mine(ids, shard, num_shards, part, parts)
+            mine = _mine(ids, shard, num_shards, part, parts, _routed(saved, table))
             if mine is not None and not mine.any():
                 continue
             arrays = {name: reader.read(f"table/{table}/{name}", lo, lo + step) for name in specs}
@@ -283,7 +304,7 @@ def deleted_ids(
     of hash partition `part` of `parts`), a slice at a time: a file says how many, and may lie."""
     with saved.reader() as reader:
         for ids in _id_slices(reader, f"table/{table}/deleted"):
-            mine = _mine(ids, shard, num_shards, part, parts)
+            mine = _mine(ids, shard, num_shards, part, parts, _routed(saved, table))
             yield ids if mine is None else ids[mine]
 
 
@@ -372,11 +393,24 @@ def _newest_mentions(chain: list[SavedFile], table: str, part: int, parts: int) 
     return all_ids[last], all_codes[last]
 
 
-def _mine(ids: np.ndarray, shard: int, num_shards: int, part: int, parts: int) -> np.ndarray | None:
-    """Which of `ids` belong to `shard` of `num_shards` and hash partition `part` of `parts` (None: all)."""
-    if num_shards == 1 and parts == 1:
+def _routed(saved: SavedFile, table: str) -> tuple[SavedFile, str] | None:
+    """(file, table) whose ids are to be checked as they are read to be its shard's: a file of a
+    checkpoint of several shards not checked whole when opened (then `_check_unique` did it)."""
+    return None if saved.link.whole or saved.link.num_shards < 2 else (saved, table)
+
+
+def _mine(
+    ids: np.ndarray, shard: int, num_shards: int, part: int, parts: int, routed: tuple[SavedFile, str] | None = None
+) -> np.ndarray | None:
+    """Which of `ids` belong to `shard` of `num_shards` and hash partition `part` of `parts` (None:
+    all). `routed`: the (file, table) they were read from, whose shard each must be."""
+    if num_shards == 1 and parts == 1 and routed is None:
         return None
     hashed = mix64(ids)
+    if routed is not None:
+        routed[0].link.check_route(routed[0], routed[1], ids, hashed)
+        if num_shards == 1 and parts == 1:
+            return None
     mine = hashed % np.uint64(num_shards) == shard if num_shards > 1 else None  # shard_of's rule
     if parts > 1:
         in_part = _part_of_hash(hashed, parts) == part

@@ -2,7 +2,9 @@
 
 Opening a checkpoint reads its manifest and each shard file's header (a few KB): every shard file
 is checked against the manifest's size, and the files named in `verify` (default: all) against
-its SHA-256 too, a chunk at a time; any other file is hashed the first time data is read from it.
+its SHA-256 too, a chunk at a time. Any other file is checked as it is read: each chunk it reads
+against the chunk's SHA-256 in the file's header (files/chunks.py, itself checked against the
+header's own digest), or, for a file written without chunk hashes, whole on its first read.
 Nothing is kept: a new shard asks for its dense parts (`dense_part`: only the rows it holds, read
 from the files that hold them) and its table rows (`fill_table`: streamed into the table a slice
 at a time; with the shard count the checkpoint was written with, a shard reads its own file only,
@@ -91,15 +93,19 @@ class RestoreSource:
         allow_non_finite: bool = False,
         links: dict[str, Link | CheckpointError] | None = None,
         manifest: dict[str, Any] | None = None,
+        by_chunk: bool = False,
     ) -> None:
         """`links`: checkpoints opened before (or the error that opening one raised), by name:
         shared by the tries of `latest`, so that no file of a chain is checked twice.
-        `manifest`: checkpoint `name`'s manifest in memory, before it is written (its files are)."""
+        `manifest`: checkpoint `name`'s manifest in memory, before it is written (its files are).
+        `by_chunk`: a file without chunk hashes (an older one) is checked whole when opened, as
+        if `verify` named it (what `latest(contents=False)` asks)."""
         self.store, self.name, self.allow_non_finite = store, name, allow_non_finite
         self._verify = None if verify is None else set(verify)
+        self._by_chunk = by_chunk
         self._links = links if links is not None else {}
         if manifest is not None:
-            self._links[name] = Link(store, name, self._verify, allow_non_finite, manifest)
+            self._links[name] = Link(store, name, self._verify, allow_non_finite, manifest, by_chunk)
         newest = self._link(name)
         self.manifest, self.step, self.num_shards = newest.manifest, newest.step, newest.num_shards
         self._files: dict[int, SavedFile] = newest.files
@@ -120,14 +126,27 @@ class RestoreSource:
                     store.note_passed(link.name, link.manifest)
 
     @classmethod
-    def latest(cls, store: CheckpointStore, allow_non_finite: bool = False) -> RestoreSource | None:
+    def latest(
+        cls, store: CheckpointStore, allow_non_finite: bool = False, contents: bool = True
+    ) -> RestoreSource | None:
         """The newest checkpoint whose every file reads back whole and well-formed (hashed and
         checked a chunk at a time: every PS of a cluster must choose the same one, so each checks
-        them all); a damaged one is skipped, and logged with what is wrong."""
+        them all); a damaged one is skipped, and logged with what is wrong.
+
+        `contents=False` (a resuming PS): the newest whose manifest, every file's size, header
+        and metadata (with its chunk hashes' record) and what lies across files pass, which every
+        PS finds alike from a few KB per file; the contents are checked as they are read, each
+        chunk against its SHA-256, so a PS reads what it restores and no more (a file without
+        chunk hashes, written by older code, is checked whole while choosing, as before). Damage
+        found then is a CheckpointError naming the file, tensor and chunk, raised by the restore
+        that read it (which changes nothing)."""
         links: dict[str, Link | CheckpointError] = {}
         for name in reversed(store.complete()):
             try:
-                source = cls(store, name, allow_non_finite=allow_non_finite, links=links)
+                verify = None if contents else ()
+                source = cls(
+                    store, name, verify=verify, allow_non_finite=allow_non_finite, links=links, by_chunk=not contents
+                )
             except CheckpointError as exc:
                 log.warning("cannot resume from %s, trying the one before: %s", name, exc)
                 continue
@@ -141,7 +160,7 @@ class RestoreSource:
         found = self._links.get(name)
         if found is None:
             try:
-                found = Link(self.store, name, self._verify, self.allow_non_finite)
+                found = Link(self.store, name, self._verify, self.allow_non_finite, by_chunk=self._by_chunk)
             except CheckpointError as exc:
                 found = exc
             self._links[name] = found
@@ -352,6 +371,8 @@ class RestoreSource:
             names = [n for n in layout if n != "ids" and f"table/{table.name}/{n}" in saved]
             for link in self._chains[index]:
                 self._check_layout(link, table.name, names, layout)
+            if self._verify is not None:  # not counted when opened: the chain's rows, before any is loaded
+                chain.check_rows(self._chains[index], table.name)
             try:
                 if hasattr(table, "delete_ids"):
                     chain.apply_chain(self._chains[index], table, names, shard, num_shards)

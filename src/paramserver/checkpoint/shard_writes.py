@@ -1,7 +1,10 @@
 """The checkpoint files a PS writes when the wire asks (a Checkpoint call): names in sequence only.
 
 The chief names a checkpoint by its step and takes it in two moves: every shard writes its file,
-then the chief commits the manifest (or deletes what was written, when a shard failed). Its steps
+then the chief commits the manifest (or deletes what was written, when a shard failed). A shard
+writes its file within the call (`__call__`), or in the background (`begin` takes the cut while the
+workers are paused and returns; a thread writes the file while training goes on; `collect` gives
+the outcome), one file at a time. Its steps
 only grow, so on one PS the names it asks for only grow, and each is committed (or deleted)
 before the next is asked for. What a PS accepts follows from that:
 
@@ -32,9 +35,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
-from paramserver.base.errors import FailedPreconditionError, InvalidArgumentError
+from paramserver.base.errors import FailedPreconditionError, InvalidArgumentError, ParamServerError
+from paramserver.base.metrics import CheckpointMetrics
 from paramserver.checkpoint.files import quantize, shard_file
 from paramserver.checkpoint.store import MANIFEST, CheckpointError, CheckpointStore, is_checkpoint_name
 
@@ -58,38 +64,79 @@ class ShardWrites:
         self._last: str | None = None  # the name this PS wrote last
         self._committed: str | None = None  # the newest of its names known to be committed
         self._epochs: dict[str, int] = {}  # name -> the snapshot epoch of this PS's file of it
+        self._job: _Job | None = None  # the background write begun last
+        self.metrics: CheckpointMetrics | None = None  # each file's write timed, failures counted (the node's)
 
     def __call__(self, name: str, shard: Any, parent: str = "") -> dict[str, Any]:
         """Write `shard`'s file of checkpoint `name` (a delta on `parent` when given and this PS
         wrote it); returns its manifest entry."""
+        with self._lock:
+            pending = self._begin(name, shard, parent)
+            with self._timed():
+                return _entry(pending.finish())
+
+    def begin(self, name: str, shard: Any, parent: str = "") -> None:
+        """Take the cut of `shard`'s file of checkpoint `name` now and write it on a thread of its own
+        ("checkpoint-<name>"); `collect(name)` gives the outcome. Refused (FAILED_PRECONDITION) while
+        the write of an earlier one is under way: the chief collects each before it begins the next."""
+        with self._lock:
+            self._job = _Job(name, self._begin(name, shard, parent), self._timed)
+
+    def collect(self, name: str, wait_s: float) -> dict[str, Any] | None:
+        """The manifest entry of the background write of `name` once it is done (None: still writing
+        after `wait_s` seconds); raises the error that ended it. Refused (FAILED_PRECONDITION) when this
+        PS began no such write (it restarted since: the checkpoint cannot hold its file)."""
+        job = self._job
+        if job is None or job.name != name:
+            raise FailedPreconditionError(
+                f"checkpoint {name}: this PS has no write of it under way (it may have restarted since it began)"
+            )
+        if not job.done.wait(wait_s):
+            return None
+        if job.error is not None:
+            raise job.error
+        return job.entry
+
+    def close(self, timeout: float) -> None:
+        """Wait up to `timeout` seconds for a background write still under way (a PS that stops)."""
+        job = self._job
+        if job is not None and not job.done.wait(timeout):
+            log.warning("checkpoint %s: its write did not end within %.0fs of the PS stopping", job.name, timeout)
+
+    def _timed(self) -> AbstractContextManager[None]:
+        return self.metrics.timed() if self.metrics is not None else nullcontext()
+
+    def _begin(self, name: str, shard: Any, parent: str) -> shard_file.PendingFile:
+        """The refusals, then the cut (call under the lock)."""
+        job = self._job
+        if job is not None and not job.done.is_set():
+            raise FailedPreconditionError(
+                f"checkpoint {name}: this PS still writes {job.name}; collect it before the next one begins"
+            )
         self.store.check_new(name)  # a checkpoint name, not a committed checkpoint
         if parent and not (is_checkpoint_name(parent) and parent < name):
             raise InvalidArgumentError(f"parent {str(parent)[:80]!r} is not a checkpoint name before {name}")
-        with self._lock:
-            self._check_in_sequence(name, shard)
-            self._drop_uncommitted(name)
-            on = (parent, self._epochs[parent]) if parent in self._epochs else None
-            if parent and on is None:
-                log.info("checkpoint %s: this PS has no snapshot of %s; its file is whole", name, parent)
-            forget = self._epochs.get(parent or self._committed or "")
-            entry = shard_file.write(
-                self.store,
-                name,
-                shard,
-                shard.tables,
-                parent=on,
-                forget=forget,
-                encoding=self.encoding,
-                allow_non_finite=self.allow_non_finite,
-            )
-            self._last = name
-            self._epochs[name] = shard.tables.snapshot_epoch
-            for old in sorted(self._epochs)[:-_EPOCHS_KEPT]:
-                del self._epochs[old]
-        described = dataclasses.asdict(entry)
-        if not described["parent"]:
-            del described["parent"]
-        return described
+        self._check_in_sequence(name, shard)
+        self._drop_uncommitted(name)
+        on = (parent, self._epochs[parent]) if parent in self._epochs else None
+        if parent and on is None:
+            log.info("checkpoint %s: this PS has no snapshot of %s; its file is whole", name, parent)
+        forget = self._epochs.get(parent or self._committed or "")
+        pending = shard_file.begin(
+            self.store,
+            name,
+            shard,
+            shard.tables,
+            parent=on,
+            forget=forget,
+            encoding=self.encoding,
+            allow_non_finite=self.allow_non_finite,
+        )
+        self._last = name
+        self._epochs[name] = shard.tables.snapshot_epoch
+        for old in sorted(self._epochs)[:-_EPOCHS_KEPT]:
+            del self._epochs[old]
+        return pending
 
     def _check_in_sequence(self, name: str, shard: Any) -> None:
         if self._last is not None and self._last != name and self._is_committed(self._last):
@@ -119,3 +166,38 @@ class ShardWrites:
             return bool(self.store.fs.exists(path))
         except OSError:
             return False
+
+
+class _Job:
+    """One background write: its thread, and its outcome once `done` is set."""
+
+    def __init__(
+        self, name: str, pending: shard_file.PendingFile, timed: Callable[[], AbstractContextManager[None]]
+    ) -> None:
+        self.name, self.pending, self.timed = name, pending, timed
+        self.done = threading.Event()
+        self.entry: dict[str, Any] | None = None
+        self.error: BaseException | None = None
+        # a daemon: a PS that exits mid-write leaves a file no manifest names, as a killed one does
+        self.thread = threading.Thread(target=self._run, name=f"checkpoint-{name}", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            with self.timed():
+                self.entry = _entry(self.pending.finish())
+        except Exception as exc:  # handed to the chief's collect, which counts the checkpoint failed
+            if not isinstance(exc, ParamServerError):
+                log.exception("checkpoint %s: the background write raised", self.name)
+                exc = CheckpointError(f"checkpoint {self.name}: its write raised {type(exc).__name__}: {exc}")
+            self.error = exc
+        finally:
+            self.done.set()
+
+
+def _entry(written: Any) -> dict[str, Any]:
+    """A ShardFile as the manifest entry the wire carries (no `parent` for a whole file)."""
+    described = dataclasses.asdict(written)
+    if not described["parent"]:
+        del described["parent"]
+    return described

@@ -4,14 +4,18 @@ and serving. A checkpoint passes when restore would restore it: the verdict is r
 check (a RestoreSource opened on it, restore.py), not a copy of it.
 
 What is checked, reading each file once a slice at a time (bounded memory whatever a file says):
-the manifest (format, shard entries, step); every shard file a regular file of the size and
-SHA-256 its manifest names; its header (every tensor's range inside the file, before anything is
-allocated for it) and metadata (schema, shard_meta.py); dense parts tiling their variables;
-every table's ids 1-D int64 and distinct, one row of each tensor per id, each tensor of the
-dtype and row shape its optimizer, row policy and encoding make (quantize.py: int8 scales in
-range for every code, q = -128 too); values finite unless allowed; a delta's deleted ids int64,
-its chain's links of the same shard count, dims and optimizers, and the rows current at the
-delta as many as its metadata says (counted in bounded memory: chain.py).
+the manifest (format, shard entries, step); every shard file a regular file of the size and SHA-256
+its manifest names, each chunk of its tensors of the SHA-256 its header records, and the header of
+its own (files/chunks.py; absent in older files); its header (every tensor's range inside the file,
+before anything is allocated for it) and metadata (schema, shard_meta.py); dense parts tiling their
+variables; every table's ids 1-D int64 and distinct, one row of each tensor per id, each tensor of
+the dtype and row shape its optimizer, row policy and encoding make (quantize.py: int8 scales in
+range for every code, q = -128 too); values finite unless allowed; a delta's deleted ids int64, its
+chain's links of the same shard count, dims and optimizers, and the rows current at the delta as
+many as its metadata says (counted in bounded memory: chain.py).
+
+A resuming PS does not run the verdict before it restores: it chooses by what the chief checks
+(below) and checks each chunk as it reads it (`RestoreSource.latest(contents=False)`, restore.py).
 
 A checkpoint that passed in a process is remembered by its store (by the files its manifest
 names), so a chain's links are not read again at every new delta.

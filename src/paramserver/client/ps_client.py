@@ -20,6 +20,8 @@ from paramserver.base.compression_spec import Codec
 from paramserver.base.consistency_spec import ConsistencySpec
 from paramserver.base.deadline import Deadline
 from paramserver.base.errors import InvalidArgumentError, ParamServerError, RollbackError, UnavailableError
+from paramserver.client import checkpoint_write
+from paramserver.client.checkpoint_write import CheckpointWrite
 from paramserver.client.compression import GradientCompressor
 from paramserver.client.placement import DEFAULT_SPLIT_BYTES, Part, Placer
 from paramserver.client.table_client import NO_ROWS, StepRiders
@@ -384,6 +386,12 @@ class PSClient:
         if errors:
             raise errors[0]
         return entries
+
+    def begin_checkpoint(self, name: str, timeout: float, parent: str = "") -> CheckpointWrite:
+        """Have every shard take its cut of checkpoint `name` now and write its file in the background
+        (client/checkpoint_write.py); `collect()` on the result waits for the files. Call while no push
+        is in flight; pushes may go on once it returns."""
+        return checkpoint_write.begin(self.stubs, name, timeout, parent)
 
     def shard_stats(self) -> list[dict]:
         """Each shard's counters (version, sync step, mode, pushes, late drops, staleness)."""

@@ -46,7 +46,9 @@ class CoordinatorService:
         self.methods: dict[str, Callable[[Any], dict]] = {
             "Hello": lambda request: coordinator.view(),
             "Join": lambda request: coordinator.join(request.worker),
-            "Heartbeat": lambda request: coordinator.heartbeat(request.worker, request.step),
+            "Heartbeat": lambda request: coordinator.heartbeat(
+                request.worker, request.step, request.wait, request.checkpoints
+            ),
             "Finish": lambda request: coordinator.finish(request.worker),
             "Barrier": lambda request: coordinator.barrier(
                 request.name, request.worker, request.wait, request.training_only
@@ -226,15 +228,29 @@ class CoordinatorClient(Lifecycle):
         return self._call("RequestCheckpoint")
 
     def _beat(self) -> None:
-        while not self._stopping.wait(self.heartbeat_s):
+        """Heartbeats as long polls: each is held by the coordinator for up to `heartbeat_s`, and
+        answered at once when a checkpoint is announced, so the workers meet for it within a step
+        (a coordinator before 2.2 answers at once: the rest of the period is slept)."""
+        while not self._stopping.is_set():
+            started = time.monotonic()
+            known = int(self.view.get("checkpoints_requested", 0))
             try:
-                self._call("Heartbeat", step=self.step)
+                view = self._call(
+                    "Heartbeat",
+                    self.heartbeat_s + self.rpc_timeout_s,
+                    step=self.step,
+                    wait=self.heartbeat_s,
+                    checkpoints=known,
+                )
             except Exception as exc:
                 if self._stopping.is_set():  # a call cut off by stop(), or on the channel it closed: no news
                     return
                 if not isinstance(exc, ParamServerError):
                     raise
                 log.warning("heartbeat to the coordinator failed: %s", exc)
+                view = {}
+            if int(view.get("checkpoints_requested", 0)) <= known:
+                self._stopping.wait(max(0.0, self.heartbeat_s - (time.monotonic() - started)))
 
     def stop(self, grace: float = 5.0) -> None:
         """Leave (at most `grace` seconds), close the channel (a heartbeat in flight ends with it) and

@@ -34,6 +34,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from paramserver.base.deadline import Deadline
 from paramserver.base.errors import FailedPreconditionError, InvalidArgumentError, UnavailableError
 from paramserver.coordinator.barriers import Barriers
 
@@ -90,10 +91,24 @@ class Coordinator:
             self._cond.notify_all()
             return self._view()
 
-    def heartbeat(self, worker: int, step: int) -> dict:
+    def heartbeat(self, worker: int, step: int, wait_s: float = 0.0, checkpoints: int = 0) -> dict:
+        """The worker is alive at `step`. `wait_s`: hold the reply until a checkpoint after the
+        `checkpoints`-th is announced, or at most `wait_s` seconds (a long poll)."""
         self._check(worker)
         if type(step) is not int or not 0 <= step < _INT64:
             raise InvalidArgumentError(f"worker {worker}: heartbeat step must be a non-negative int64, got {step!r}")
+        if not 0 <= wait_s <= MAX_BARRIER_WAIT_S:  # also refuses NaN
+            raise InvalidArgumentError(f"heartbeat wait must be between 0 and {MAX_BARRIER_WAIT_S} s, got {wait_s!r}")
+        view = self._heard(worker, step)
+        if wait_s <= 0 or view["checkpoints_requested"] > checkpoints:
+            return view
+        deadline = Deadline(wait_s)
+        with self._cond:
+            while self._checkpoints_requested <= checkpoints and not deadline.passed():
+                self._cond.wait(deadline.left())
+            return self._view()
+
+    def _heard(self, worker: int, step: int) -> dict:
         with self._cond:
             member = self._members[worker]
             if not member.joined:  # a coordinator that started again after this worker joined

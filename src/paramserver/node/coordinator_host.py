@@ -70,7 +70,7 @@ class CoordinatorHost(Lifecycle):
             service,
             bind_address(address),
             options.max_message_bytes,
-            max(8, 2 * num_workers),
+            max(8, 3 * num_workers + 2),  # each worker: a heartbeat and a barrier held (long polls), and a call
             COORDINATOR,
             self.credentials.tls,
             health=self.health,

@@ -64,6 +64,7 @@ class PSNode(Lifecycle):
 
     def __init__(self, bind: str, index: int, options: Options, cluster_address: str | None = None) -> None:
         """`cluster_address`: where the cluster spec says this PS is (said in the log next to `bind`)."""
+        options = options.for_machine()  # limits left at 0: a share of this machine's memory, read once here
         self.index = index
         self.cluster_address = cluster_address
         run_secret = RunSecret.from_options(options)  # read once: what answers the run's challenge (Prove)
@@ -88,8 +89,10 @@ class PSNode(Lifecycle):
         self.shard = Shard(index, wait_timeout_s=options.rpc_timeout_s, restore=restore, tables=tables)
         self.metrics = NodeMetrics()
         # None without a checkpoint_dir: Checkpoint is refused
-        save = shard_writer(options.checkpoint_dir, options.checkpoint_quantize, options.restore_non_finite)
-        self.service = ShardService(self.shard, save_checkpoint=save and self.metrics.checkpoint_metrics().around(save))
+        self.writes = shard_writer(options.checkpoint_dir, options.checkpoint_quantize, options.restore_non_finite)
+        if self.writes is not None:
+            self.writes.metrics = self.metrics.checkpoint_metrics()
+        self.service = ShardService(self.shard, save_checkpoint=self.writes)
         self.service.guard = self.guard
         self.service.run_secret = run_secret
         if options.resume:  # a PS that may restart into a running cluster: pushes only from its own registrants
@@ -216,6 +219,8 @@ class PSNode(Lifecycle):
         if self.endpoint is not None:
             self.endpoint.stop(0.5)
         self.guard.close()
+        if self.writes is not None:  # a file still being written: its tables stay open until it ends (bounded)
+            self.writes.close(max(0.5, started + grace - time.monotonic()))
         self.shard.tables.close()  # after the servers: no call is in flight (the spill files go)
         stats = self.shard.describe()
         took = time.monotonic() - started
@@ -246,7 +251,9 @@ def _restore_source(options: Options, guard: Guard):
     from paramserver.checkpoint.store import CheckpointStore
 
     started = time.monotonic()
-    source = RestoreSource.latest(CheckpointStore(options.checkpoint_dir), options.restore_non_finite)
+    source = RestoreSource.latest(
+        CheckpointStore(options.checkpoint_dir), options.restore_non_finite, contents=False
+    )  # rows checked chunk by chunk as they load: a PS reads about its share (docs/checkpoints.md)
     if source is None:
         log.info("no complete checkpoint in %s: starting fresh", options.checkpoint_dir)
     else:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -40,13 +40,23 @@ SERVICE = "paramserver.Shard"
 Sink = Callable[[list], Any]
 
 
+class CheckpointWrites(Protocol):
+    """Where a Checkpoint call goes (checkpoint/shard_writes.py): each method returns a manifest entry or raises."""
+
+    def __call__(self, name: str, shard: Shard, parent: str = "") -> dict[str, Any]: ...
+
+    def begin(self, name: str, shard: Shard, parent: str = "") -> None: ...
+
+    def collect(self, name: str, wait_s: float) -> dict[str, Any] | None: ...
+
+
 class ShardService:
     """Serves one Shard (and its tables) over any transport."""
 
-    def __init__(self, shard: Shard, save_checkpoint: Callable[..., dict] | None = None) -> None:
-        """`save_checkpoint(name, shard[, parent=])` writes the shard's file of checkpoint `name` under the node's
-        own checkpoint directory and returns its description; it checks the name before taking any
-        snapshot. Without it (no checkpoint_dir), a Checkpoint request is refused."""
+    def __init__(self, shard: Shard, save_checkpoint: CheckpointWrites | None = None) -> None:
+        """`save_checkpoint`: the shard's file of a checkpoint written under the node's own checkpoint
+        directory (checkpoint/shard_writes.py: within the call, or begun and collected); it checks the name
+        before taking any snapshot. Without it (no checkpoint_dir), a Checkpoint request is refused."""
         self.shard = shard
         self.save_checkpoint = save_checkpoint
         self.announce: dict[str, Any] = {}  # extra Hello fields, e.g. the node's stream port
@@ -190,12 +200,18 @@ class ShardService:
         return _send(sink, msg.LookupReply(), [("rows", rows)])
 
     def checkpoint(self, request: msg.CheckpointRequest, tensors: dict, sink: Sink) -> Any:
-        if self.save_checkpoint is None:
+        writes = self.save_checkpoint
+        if writes is None:
             raise FailedPreconditionError(f"shard {self.shard.index} was started without a checkpoint_dir")
-        if request.parent:  # a delta on an earlier checkpoint (incremental checkpoints)
-            entry = self.save_checkpoint(request.name, self.shard, parent=request.parent)
+        if request.collect:
+            entry = writes.collect(request.name, request.wait_s)
+            if entry is None:  # still writing
+                return _send(sink, msg.CheckpointReply(index=self.shard.index, pending=True))
+        elif request.background:
+            writes.begin(request.name, self.shard, parent=request.parent)
+            return _send(sink, msg.CheckpointReply(index=self.shard.index, pending=True))
         else:
-            entry = self.save_checkpoint(request.name, self.shard)
+            entry = writes(request.name, self.shard, parent=request.parent)
         return _send(sink, msg.CheckpointReply(**entry))
 
     def assign(self, request: msg.AssignRequest, tensors: dict, sink: Sink) -> Any:

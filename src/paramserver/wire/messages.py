@@ -231,7 +231,10 @@ class LookupReply(Message):
 @message("Checkpoint request")
 class CheckpointRequest(Message):
     """Write this shard's file of a checkpoint, under the PS's own checkpoint directory (`--checkpoint-dir`):
-    no path comes from the wire. A name that holds a committed checkpoint is refused (ALREADY_EXISTS)."""
+    no path comes from the wire. A name that holds a committed checkpoint is refused (ALREADY_EXISTS).
+    In two calls when `background` is set: the first takes the cut (the shard's state at this instant)
+    and replies at once while the file is written in the background; calls with `collect` then wait for
+    the file (a PS before 2.2 ignores both and writes the file within the first call: its reply is the entry)."""
 
     name: str = doc_field("the checkpoint's name (ckpt-<9 digits>)", check=_checkpoint)
     parent: str = doc_field(
@@ -240,17 +243,31 @@ class CheckpointRequest(Message):
         default="",
         check=lambda parent: _checkpoint(parent) if parent else None,
     )
+    background: bool = doc_field(
+        "take the cut and reply at once (`pending`); the file is written in the background", default=False
+    )
+    collect: bool = doc_field(
+        "wait up to `wait_s` for the background write of `name` begun earlier: its entry, or `pending` while "
+        "it still writes, or the error that ended it",
+        default=False,
+    )
+    wait_s: float = doc_field(
+        "how long a `collect` waits before it answers `pending` (0 to 60)",
+        default=0.0,
+        check=lambda wait: None if 0.0 <= wait <= 60.0 else "must be 0 to 60",
+    )
 
 
 @message("Checkpoint reply")
 class CheckpointReply(Message):
-    """The shard file's manifest entry."""
+    """The shard file's manifest entry, once the file is written (`pending` false)."""
 
     index: int = doc_field("the shard's index")
-    file: str = doc_field("the file's name in the checkpoint")
-    bytes: int = doc_field("its size")
-    sha256: str = doc_field("its SHA-256, hex")
+    file: str = doc_field("the file's name in the checkpoint", default="")
+    bytes: int = doc_field("its size", default=0)
+    sha256: str = doc_field("its SHA-256, hex", default="")
     parent: str = doc_field("the checkpoint the file is a delta on (absent: a whole file)", default="")
+    pending: bool = doc_field("the file is still being written (the other fields are empty)", default=False)
 
 
 @message("Assign request", tensors="the new values, one per part, as in Register")
@@ -365,9 +382,14 @@ class JoinRequest(Message):
 
 @message("coordinator Heartbeat request")
 class HeartbeatRequest(JoinRequest):
-    """A worker is alive."""
+    """A worker is alive. With `wait`, a long poll: the reply comes when a checkpoint after `checkpoints` is
+    announced, or after `wait` seconds (so a worker hears of a checkpoint at once, not a heartbeat later)."""
 
     step: int = doc_field("the worker's own step count")
+    wait: float = doc_field("seconds to hold the reply at most (0 to 60; 0: at once)", default=0.0)
+    checkpoints: int = doc_field(
+        "the checkpoints announced that this worker knows of: one more ends the wait", default=0
+    )
 
 
 @message("coordinator Finish request")

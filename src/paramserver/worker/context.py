@@ -292,6 +292,7 @@ class Context:
             written = checkpointer.written
             self.coordinator.request_checkpoint()
             checkpointer.meet_announced(self.options.rpc_timeout_s)
+            checkpointer.settle()  # a preemption checkpoint counts once its files are written and committed
             if checkpointer.written > written:
                 log.info("preemption checkpoint written after step %d; stopping", step, extra={"event": "preempted"})
             else:
@@ -340,6 +341,8 @@ class Context:
                     # named by the optimizer's step count, which goes on from a resumed checkpoint's
                     self.checkpointer.save_final(max(o.steps for o in self.optimizers), self.options.rpc_timeout_s)
         finally:
+            if self.checkpointer is not None:  # a checkpoint still being written is committed (or not) first
+                self.checkpointer.settle()
             self._close(completed)
         current.forget(self)
 

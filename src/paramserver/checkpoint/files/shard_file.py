@@ -43,7 +43,7 @@ from typing import IO, Any
 import numpy as np
 
 from paramserver.base.hashing import mix64
-from paramserver.checkpoint.files import quantize, shard_meta, tensor_file, values
+from paramserver.checkpoint.files import chunks, quantize, shard_meta, tensor_file, values
 from paramserver.checkpoint.files.tensor_file import TensorReader
 from paramserver.checkpoint.store import CheckpointError, CheckpointStore, ShardFile, shard_file_name
 from paramserver.server.dense import DenseGroup
@@ -72,31 +72,69 @@ def write(
     earlier checkpoint of this shard to write a delta on (whole when the tables cannot: tiered
     ones). `forget`: see TableStore.begin_snapshot. Returns the manifest entry; its `parent` names
     the checkpoint the file is a delta on ("": whole). A CheckpointError naming the problem leaves
-    no file."""
-    started = time.monotonic()
-    with _ONE_AT_A_TIME:
-        dense, meta, snapshots = shard.snapshot(
-            lambda groups, version, sync_step: _begin(shard, tables, groups, version, sync_step, parent, forget)
-        )
+    no file. `begin` then `PendingFile.finish`, in one call."""
+    return begin(store, name, shard, tables, parent, forget, encoding, allow_non_finite).finish()
+
+
+def begin(
+    store: CheckpointStore,
+    name: str,
+    shard: Shard,
+    tables: TableStore,
+    parent: tuple[str, int] | None = None,
+    forget: int | None = None,
+    encoding: str = quantize.NONE,
+    allow_non_finite: bool = False,
+) -> PendingFile:
+    """Take the cut of `shard`'s file of checkpoint `name` (arguments as `write`'s): under the shard's
+    lock, the dense variables are copied and every table's snapshot begins; returns at once. Training
+    may go on; the file is written by `finish` (on any thread), which must follow: until it ends, the
+    tables keep the rows changed since aside for it. A problem found before a byte is written is a
+    CheckpointError, and the snapshot is ended."""
+    dense, meta, snapshots = shard.snapshot(
+        lambda groups, version, sync_step: _begin(shard, tables, groups, version, sync_step, parent, forget)
+    )
+    try:
         if encoding != quantize.NONE:
             for table_meta in meta["tables"].values():
                 table_meta["encoding"] = encoding
+        where = f"checkpoint {name}: {shard_file_name(shard.index)}"
+        writer = _Writer(where, dense, meta, snapshots, tables, allow_non_finite)
+    except BaseException:
+        tables.end_snapshot()
+        raise
+    return PendingFile(store, name, shard.index, tables, writer, meta.get("parent", ""))
+
+
+class PendingFile:
+    """A shard file whose cut is taken (`begin`) and whose rows are still to be written (`finish`)."""
+
+    def __init__(
+        self, store: CheckpointStore, name: str, index: int, tables: TableStore, writer: _Writer, parent: str
+    ) -> None:
+        self.store, self.name, self.index, self.tables = store, name, index, tables
+        self.writer, self.parent = writer, parent
+        self.begun = time.monotonic()
+
+    def finish(self) -> ShardFile:
+        """Stream the file, a slice at a time, checked as written (one file at a time per process: the
+        disk's rate is shared, not split), then end the tables' snapshot, also on failure. Returns the
+        manifest entry."""
         try:
-            where = f"checkpoint {name}: {shard_file_name(shard.index)}"
-            writer = _Writer(where, dense, meta, snapshots, tables, allow_non_finite)
-            entry = store.write_shard_with(name, shard.index, writer.fill, writer.check_written)
+            with _ONE_AT_A_TIME:
+                entry = self.store.write_shard_with(self.name, self.index, self.writer.fill, self.writer.check_written)
         finally:
-            kept = tables.end_snapshot()
-    log.info(
-        "checkpoint %s: shard %d wrote %d bytes in %.2fs (%s; rows kept aside for it: %d bytes at most)",
-        name,
-        shard.index,
-        entry.bytes,
-        time.monotonic() - started,
-        f"a delta on {meta['parent']}" if meta.get("parent") else "whole",
-        max(kept.values(), default=0),
-    )
-    return dataclasses.replace(entry, parent=meta.get("parent", ""))
+            kept = self.tables.end_snapshot()
+        log.info(
+            "checkpoint %s: shard %d wrote %d bytes in %.2fs (%s; rows kept aside for it: %d bytes at most)",
+            self.name,
+            self.index,
+            entry.bytes,
+            time.monotonic() - self.begun,
+            f"a delta on {self.parent}" if self.parent else "whole",
+            max(kept.values(), default=0),
+        )
+        return dataclasses.replace(entry, parent=self.parent)
 
 
 def _begin(
@@ -136,7 +174,9 @@ def _begin(
 
 class _Writer:
     """One shard file: planned and its metadata checked before a byte is written (`__init__`),
-    written and its slices checked (`fill`), its header read back (`check_written`)."""
+    written and its slices checked (`fill`), its header read back (`check_written`). Each tensor's
+    chunk hashes (chunks.py) are taken as its rows go by, in order, and written into the header,
+    planned with a placeholder of their length, once the data is written."""
 
     def __init__(
         self,
@@ -161,7 +201,9 @@ class _Writer:
                 self.shapes[f"table/{table_name}/deleted"] = (np.dtype(np.int64), snapshot.deleted.shape)
                 dense[f"table/{table_name}/deleted"] = snapshot.deleted
         self.text = json.dumps(meta)
-        self.layout = tensor_file.plan(self.shapes, {META_KEY: self.text})
+        sizes = {key: np.dtype(dtype).itemsize * int(np.prod(shape)) for key, (dtype, shape) in self.shapes.items()}
+        self.hashes = chunks.Hasher(sizes)  # each tensor's chunk hashes, taken as its rows are written
+        self.layout = tensor_file.plan(self.shapes, {META_KEY: self.text, chunks.KEY: self.hashes.placeholder()})
         # restore's own schema and layout checks, on the plan: bad metadata is never written
         shard_meta.parse(self.text, self.layout.tensors, where)
 
@@ -173,6 +215,20 @@ class _Writer:
             self._write(handle, key, 0, array)
         for table_name in self.snapshots:
             self._write_table(handle, table_name)
+        self._write_hashes(handle)
+
+    def _write_hashes(self, handle: IO[bytes]) -> None:
+        """The header again, the chunk hashes in place of its placeholder (the same length)."""
+        missing = self.hashes.missing()
+        if missing is not None:
+            raise CheckpointError(f"{self.where}: tensor {missing!r} was not written whole")
+        record = self.hashes.text(chunks.header_digest(self.text, self.layout.tensors))
+        final = tensor_file.plan(self.shapes, {META_KEY: self.text, chunks.KEY: record})
+        if len(final.header) != len(self.layout.header) or final.tensors != self.layout.tensors:
+            raise CheckpointError(f"{self.where}: its chunk hashes do not fit the header planned for them")
+        self.layout = final
+        handle.seek(0)
+        handle.write(final.header)
 
     def _write_table(self, handle: IO[bytes], table: str) -> None:
         encoding, at = _encoding(self.meta, table), 0
@@ -217,6 +273,8 @@ class _Writer:
             raise CheckpointError(f"{self.where}: tensor {key!r} is not in the file's plan")
         self._check(key, array)
         tensor_file.write_rows(handle, self.layout, key, row, array)
+        spec = self.layout.tensors[key]
+        self.hashes.add(key, row * spec.row_bytes, np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
 
     def _check(self, key: str, array: np.ndarray) -> None:
         problem = values.problem(key, array, self.allow_non_finite)
@@ -230,7 +288,9 @@ class _Writer:
             raise CheckpointError(f"{self.where}: {size} bytes written, {self.layout.size} planned")
         reader = TensorReader(handle, size, self.where)
         shard_meta.parse(reader.metadata.get(META_KEY), reader.tensors, self.where)
-        if reader.tensors != self.layout.tensors or reader.metadata != {META_KEY: self.text}:
+        chunks.parse(reader.metadata.get(chunks.KEY), reader.metadata.get(META_KEY), reader.tensors, self.where)
+        written = {META_KEY: self.text, chunks.KEY: self.hashes.text(chunks.header_digest(self.text, reader.tensors))}
+        if reader.tensors != self.layout.tensors or reader.metadata != written:
             raise CheckpointError(f"{self.where}: its header reads back other than it was written")
 
 

@@ -7,11 +7,16 @@ RequestCheckpoint call). The coordinator decides: it announces checkpoint number
 while one is under way merge into it), the chief learns it from its request's reply and the
 others from their next reply (a heartbeat, within about a second), and every worker stops after
 its current step at the one barrier "checkpoint#k". So no push is in flight and every shard holds
-the same set of applied pushes (pause-apply-snapshot: a cut that is consistent across shards in
-async mode too, at the price of one pause per checkpoint). The chief then has every shard write
-its file, writes the manifest (the commit), prunes old checkpoints, and "checkpoint#k:written"
-lets everyone go on. With `every` and `every_seconds` both 0 nothing is written while training
-runs, unless someone asks.
+the same set of applied pushes (a cut that is consistent across shards in async mode too, and at a
+step boundary in sync and ssp modes). The chief then has every shard take its cut (the dense
+variables copied, every table's snapshot begun: milliseconds), and "checkpoint#k:written" lets
+everyone go on at once: the pause is the barrier and the cut, whatever the tables' size. The
+shards write their files in the background, keeping aside the rows training changes before their
+writer reaches them (copy-on-write per row, bounded memory), and the chief's commit thread waits
+for the files, checks them, writes the manifest (the commit) and prunes old checkpoints. The next
+checkpoint begins only after that commit ended, as do the final and the preemption checkpoints,
+which wait for their own files too. With `every` and `every_seconds` both 0 nothing is written
+while training runs, unless someone asks.
 
 A worker that waits at another barrier (a mode switch, a barrier of the script) when a checkpoint
 is announced meets the others for it from there (`meet_announced`): it is at a step boundary with
@@ -29,7 +34,8 @@ one had written is deleted (it has no manifest; a full disk gets its space back)
 its counts to `paramserver run` for the closing JSON line after every checkpoint:
 ``{"checkpoints_written": n, "checkpoints_failed": m}``, with ``"checkpoint_error"`` (the latest
 failure) once one failed; the launcher exits non-zero when checkpoints were asked for and none
-was written. Not thread-safe: call from the training thread.
+was written. Not thread-safe: call from the training thread (the commit thread only finishes the
+checkpoint the training thread began, and `settle` joins it before anything reads its outcome).
 
 Incremental checkpoints (`base_every` K > 1): the chief's first checkpoint is a base (every
 shard writes its whole file); each later one asks the shards for a delta on the last one it
@@ -55,6 +61,7 @@ deleted): never committed, never counted as written, and never the reason an old
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -63,6 +70,7 @@ from typing import Any
 from paramserver.base.errors import FailedPreconditionError, ParamServerError, RollbackError
 from paramserver.base.metrics import CheckpointMetrics
 from paramserver.checkpoint.store import CheckpointError, CheckpointStore, checkpoint_name, os_reason
+from paramserver.client.checkpoint_write import CheckpointWrite
 from paramserver.coordinator.membership import checkpoint_barrier
 from paramserver.worker import current
 from paramserver.worker.recovery.lineage import Lineage
@@ -71,6 +79,24 @@ from paramserver.worker.recovery.rollback import restarted_shard
 log = logging.getLogger(__name__)
 FINAL = "checkpoint:final"
 CHAIN_SHARE = 0.5  # deltas since the base past this share of its bytes: the next checkpoint is a base
+
+
+@dataclass
+class _Attempt:
+    """One checkpoint being written: its name, the run's step, whether it is the final one, when it
+    began, the shards' counters before it, and the checkpoint it is a delta on (None: a base)."""
+
+    name: str
+    step: int
+    final: bool
+    started: float
+    counters: list | None
+    background: bool = False  # committed on the commit thread: its counts are reported by `settle`
+    parent: str | None = None
+
+    @property
+    def what(self) -> str:
+        return "final checkpoint" if self.final else "checkpoint"
 
 
 @dataclass
@@ -146,6 +172,7 @@ class Checkpointer:
         # what the chief runs before the shards write, `hook(timeout)`: e.g. writing the dense values
         # the workers train by all-reduce (optim/dense_sync.py)
         self.before_save: list[Callable[[float], None]] = []
+        self._commit_thread: threading.Thread | None = None  # the commit of a checkpoint written in the background
 
     def resumed(self, lineage: Lineage) -> None:
         """The run this worker belongs to, and the checkpoint it resumed from (once, when it joins)."""
@@ -177,6 +204,7 @@ class Checkpointer:
     def _due(self, step: int) -> bool:
         """`due` at the run's step `step`."""
         self._step = step
+        self._reap()
         if step in self._barrier_after:
             return True
         if self.coordinator is None:  # a worker alone: nobody to meet, its own count decides
@@ -230,8 +258,8 @@ class Checkpointer:
     def _meet(self, barrier: str, step: int, timeout: float) -> None:
         self.barrier(barrier, timeout)
         try:
-            if self.worker_index == 0:
-                self.save(step, timeout)
+            if self.worker_index == 0:  # the cut now; the files and the commit while training goes on
+                self.save(step, timeout, background=True)
         except CheckpointError:
             pass  # logged and counted by save(); the previous checkpoint stays the latest
         finally:
@@ -274,6 +302,7 @@ class Checkpointer:
         return name
 
     def _save_final(self, step: int, timeout: float) -> str | None:
+        self.settle()  # a periodic checkpoint still being written: committed (or not) first
         store = self._writable_store()
         name = checkpoint_name(step)
         counters = self._counters()
@@ -328,30 +357,94 @@ class Checkpointer:
             for shard in stats
         ]
 
-    def save(self, step: int, timeout: float, counters: list | None = None, final: bool = False) -> str:
+    def save(
+        self, step: int, timeout: float, counters: list | None = None, final: bool = False, background: bool = False
+    ) -> str:
         """Write checkpoint `step` (the run's step) now (chief only; no push may be in flight).
         Returns its name; raises CheckpointError (logged and counted here) when it could not be
         committed or what the shards wrote fails restore's checks, after deleting what it had written.
 
+        `background`: return once every shard took its cut (pushes may go on); the files are written
+        and the manifest committed on a thread of this Checkpointer's ("checkpoint-commit"), whose
+        outcome is logged and counted, and reported at the next step (`due`) or `settle`. A checkpoint
+        begins only after the previous one's commit ended (`settle`).
+
         A complete checkpoint of the same name is uncommitted first and written again, so that
         its manifest never names files of another state."""
-        store = self._writable_store()
-        name, started, what = checkpoint_name(step), time.monotonic(), "final checkpoint" if final else "checkpoint"
-        if counters is None:
-            counters = self._counters()
+        self.settle()
+        attempt = _Attempt(checkpoint_name(step), step, final, time.monotonic(), counters, background)
+        try:
+            write = self._begin(attempt, timeout)
+        except (ParamServerError, OSError) as exc:
+            raise self._failed(attempt, exc, report=True) from exc
+        if not background:
+            return self._finish(attempt, write)
+        self._commit_thread = threading.Thread(
+            target=self._finish_quietly, args=(attempt, write), name="checkpoint-commit", daemon=True
+        )
+        self._commit_thread.start()
+        return attempt.name
+
+    def settle(self) -> None:
+        """Wait for the commit of a checkpoint written in the background, if one is under way, and
+        report its outcome (call from the training thread). Its wait is the shards': each answers within
+        a poll or is gone (client/checkpoint_write.py)."""
+        thread = self._commit_thread
+        if thread is None:
+            return
+        waited = time.monotonic()
+        while thread.is_alive():
+            thread.join(timeout=30.0)
+            if thread.is_alive():
+                log.info("waiting for the checkpoint being written (%.0fs so far)", time.monotonic() - waited)
+        self._commit_thread = None
+        self._report()
+
+    def _reap(self) -> None:
+        """Report a background commit that ended (the chief, at each step)."""
+        thread = self._commit_thread
+        if thread is not None and not thread.is_alive():
+            self.settle()
+
+    def _begin(self, attempt: _Attempt, timeout: float) -> CheckpointWrite:
+        """Everything up to the shards' cut: the name made free, the hooks (e.g. dense values written to
+        the shards), the delta's parent, then every shard's cut, its file written in the background."""
+        store, what, name = self._writable_store(), attempt.what, attempt.name
+        if attempt.counters is None:
+            attempt.counters = self._counters()
         self._sweep()
         log.info("%s %s: writing %d shards to %s", what, name, len(self.client.channels), store.url)
+        if store.uncommit(name):
+            log.info("%s %s: replaces the complete checkpoint of that name", what, name)
+        for hook in self.before_save:
+            hook(timeout)
+        attempt.parent = self._parent_for(name)
+        write = self.client.begin_checkpoint(name, timeout, parent=attempt.parent or "")
+        log.info(
+            "%s %s: every shard took its cut in %.2fs%s",
+            what,
+            name,
+            time.monotonic() - attempt.started,
+            "; the files are written while training goes on" if attempt.background else "",
+        )
+        return write
+
+    def _finish_quietly(self, attempt: _Attempt, write: CheckpointWrite) -> None:
+        """`_finish` on the commit thread: its failure is logged and counted there."""
         try:
-            if store.uncommit(name):
-                log.info("%s %s: replaces the complete checkpoint of that name", what, name)
-            for hook in self.before_save:
-                hook(timeout)
-            parent = self._parent_for(name)
-            entries = (
-                self.client.checkpoint(name, timeout, parent=parent)
-                if parent
-                else self.client.checkpoint(name, timeout)
-            )
+            self._finish(attempt, write)
+        except CheckpointError:
+            pass
+        except Exception:  # a bug: the checkpoint is not known to be written
+            log.exception("checkpoint %s: its commit raised", attempt.name)
+            self._count_failure(f"checkpoint {attempt.name}: its commit raised", report=False)
+
+    def _finish(self, attempt: _Attempt, write: CheckpointWrite) -> str:
+        """Wait for the shards' files, check them across files and commit the manifest; then count,
+        extend the chain and prune. Raises CheckpointError (logged, counted) when it is not committed."""
+        store, name, step, parent = self._writable_store(), attempt.name, attempt.step, attempt.parent
+        try:
+            entries = write.collect()
             self._check_same_shards()
             manifest = {
                 "step": step,
@@ -363,52 +456,66 @@ class Checkpointer:
             delta = any(entry.get("parent") for entry in entries)
             if delta and self._chain is not None:
                 manifest.update(parent=parent, base=self._chain.base)
-            if final:
+            if attempt.final:
                 manifest["final"] = True
             self._check_written(store, name, manifest)
             store.commit(name, manifest)
         except (ParamServerError, OSError) as exc:  # a shard's error, a deadline, the store's CheckpointError
-            reason = str(exc) if isinstance(exc, ParamServerError) else f"{type(exc).__name__}: {os_reason(exc)}"
-            took = time.monotonic() - started
-            log.error(
-                "%s %s failed after %.2fs; the previous one stays, the next checkpoint tries again: %s",
-                what,
-                name,
-                took,
-                reason,
-                extra={"event": "checkpoint_failed", "step": step, "duration_s": round(took, 3)},
-            )
-            self._discard(name)
-            if self.metrics is not None:
-                self.metrics.failures.inc()
-            self._count_failure(reason)
-            if isinstance(exc, CheckpointError):
-                raise
-            raise CheckpointError(f"{what} {name} not written: {reason}") from exc
+            raise self._failed(attempt, exc, report=not attempt.background) from exc
         if self.metrics is not None:
-            self.metrics.duration.observe(time.monotonic() - started)
-        self._written = (name, counters) if counters is not None else None
+            self.metrics.duration.observe(time.monotonic() - attempt.started)
+        self._written = (name, attempt.counters) if attempt.counters is not None else None
         self._extend_chain(name, delta, sum(e["bytes"] for e in entries))
         self.written += 1
         self.last_failed = False
-        self._report()
+        if not attempt.background:
+            self._report()
+        self._prune_after(attempt, sum(e["bytes"] for e in entries), delta)
+        return name
+
+    def _prune_after(self, attempt: _Attempt, written: int, delta: bool) -> None:
+        """After a commit: delete the checkpoints beyond `keep` and the strays after it; log the commit."""
+        store, name, what = self._writable_store(), attempt.name, attempt.what
         try:
             removed = store.prune(self.keep, protect=name) + self._discard_strays(name)
         except (CheckpointError, OSError) as exc:
             removed = []
             log.warning("%s %s: committed, but older checkpoints could not be deleted: %s", what, name, exc)
-        took = time.monotonic() - started
+        took = time.monotonic() - attempt.started
         log.info(
             "%s %s: committed (%d bytes%s) in %.2fs%s",
             what,
             name,
-            sum(e["bytes"] for e in entries),
-            f", a delta on {parent}" if delta else "",
+            written,
+            f", a delta on {attempt.parent}" if delta else "",
             took,
             f"; removed {', '.join(removed)}" if removed else "",
-            extra={"event": "checkpoint_saved", "step": step, "duration_s": round(took, 3)},
+            extra={"event": "checkpoint_saved", "step": attempt.step, "duration_s": round(took, 3)},
         )
-        return name
+
+    def _failed(self, attempt: _Attempt, exc: BaseException, report: bool) -> CheckpointError:
+        """Log, count and clean up a checkpoint that is not committed; returns the CheckpointError to raise.
+        `report`: hand the counts on now (the training thread; the commit thread leaves it to `settle`)."""
+        if isinstance(exc, ParamServerError):
+            reason = str(exc)
+        else:
+            reason = f"{type(exc).__name__}: {os_reason(exc) if isinstance(exc, OSError) else exc}"
+        took = time.monotonic() - attempt.started
+        log.error(
+            "%s %s failed after %.2fs; the previous one stays, the next checkpoint tries again: %s",
+            attempt.what,
+            attempt.name,
+            took,
+            reason,
+            extra={"event": "checkpoint_failed", "step": attempt.step, "duration_s": round(took, 3)},
+        )
+        self._discard(attempt.name)
+        if self.metrics is not None:
+            self.metrics.failures.inc()
+        self._count_failure(reason, report=report)
+        if isinstance(exc, CheckpointError):
+            return exc
+        return CheckpointError(f"{attempt.what} {attempt.name} not written: {reason}")
 
     def _check_written(self, store: CheckpointStore, name: str, manifest: dict[str, Any]) -> None:
         """Raise CheckpointError naming the first problem when checkpoint `name`, as `manifest` would
@@ -480,11 +587,14 @@ class Checkpointer:
         except CheckpointError as exc:
             log.warning("checkpoint %s: cannot delete the files it had written: %s", name, exc)
 
-    def _count_failure(self, reason: str) -> None:
+    def _count_failure(self, reason: str, report: bool = True) -> None:
+        """Count a failed checkpoint; `report`: hand the counts on now (on the training thread; the commit
+        thread leaves that to `settle`)."""
         self.failed += 1
         self.last_error = reason
         self.last_failed = True
-        self._report()
+        if report:
+            self._report()
 
     def counts(self) -> dict[str, Any]:
         """What the chief hands to the closing JSON line of `paramserver run`."""
