@@ -23,7 +23,10 @@ written stay in memory; RocksDB resumes writing once there is room), or anything
 cannot be trusted: the shard is recovered from its checkpoint). A write never waits without
 a deadline: RocksDB is asked not to stall it (no_slowdown); a write that would stall is tried again
 for WRITE_STALL_S, then fails.
-Not thread-safe: the owning table serializes calls (TableStore's lock). A get spreads its
+Thread-safety: the owning table serializes its calls (TableStore's lock), and its write-back
+thread (write_back.py) calls `put` beside them (RocksDB takes concurrent reads and writes; the
+table keeps the two apart where it matters: a row is read from the write-back queue until its
+write is done, and `delete`, `scan` and `contains` run once the queue is empty). A get spreads its
 multi-gets over READERS threads of the store's own ("spill-read"), and waits for them.
 """
 
@@ -31,9 +34,10 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import cast
 
@@ -117,6 +121,13 @@ def _options(memory: StoreMemory) -> rocksdict.Options:
     return options
 
 
+def _batch(action: str, *columns: list) -> rocksdict.WriteBatch:
+    """A write batch of `action` ("put": keys and values; "delete": keys), filled without a Python loop per row."""
+    batch = rocksdict.WriteBatch(raw_mode=True)
+    collections.deque(map(getattr(batch, action), *columns), maxlen=0)
+    return batch
+
+
 def keys_of(ids: np.ndarray) -> list:
     """The keys of `ids`, one bytes object each (made by numpy: raw 8-byte items as bytes)."""
     return (np.ascontiguousarray(ids, np.int64).view(np.uint64) ^ _SIGN).astype(">u8").view("V8").tolist()
@@ -194,27 +205,24 @@ class SpillStore:
     def put(self, ids: np.ndarray, records: np.ndarray) -> None:
         """Write (or overwrite) the records of `ids`."""
         for lo in range(0, ids.shape[0], PUT_BATCH):
-            batch = rocksdict.WriteBatch(raw_mode=True)
-            puts = map(batch.put, keys_of(ids[lo : lo + PUT_BATCH]), values_of(records[lo : lo + PUT_BATCH]))
-            collections.deque(puts, maxlen=0)  # runs them without a Python loop per row
-            self._write_batch(batch, "write rows")
+            keys, values = keys_of(ids[lo : lo + PUT_BATCH]), values_of(records[lo : lo + PUT_BATCH])
+            self._write_batch(functools.partial(_batch, "put", keys, values), "write rows")
         self.writes += ids.shape[0]
         self.condition.wrote()
 
     def delete(self, ids: np.ndarray) -> None:
         for lo in range(0, ids.shape[0], PUT_BATCH):
-            batch = rocksdict.WriteBatch(raw_mode=True)
-            for key in keys_of(ids[lo : lo + PUT_BATCH]):
-                batch.delete(key)
-            self._write_batch(batch, "delete rows")
+            keys = keys_of(ids[lo : lo + PUT_BATCH])
+            self._write_batch(functools.partial(_batch, "delete", keys), "delete rows")
 
-    def _write_batch(self, batch: rocksdict.WriteBatch, action: str) -> None:
-        """Write `batch`; while RocksDB would stall it, try again (for WRITE_STALL_S at most)."""
+    def _write_batch(self, batch: Callable[[], rocksdict.WriteBatch], action: str) -> None:
+        """Write the batch `batch()` makes; while RocksDB would stall it, try again (for
+        WRITE_STALL_S at most) with a new one (a batch refused is consumed all the same)."""
         deadline = Deadline(WRITE_STALL_S)
         with self._failing_as_spill_error(action):
             while True:
                 try:
-                    self.db.write(batch, self._write)
+                    self.db.write(batch(), self._write)
                     return
                 except Exception as exc:
                     if not _is_stall(exc) or deadline.passed():

@@ -10,15 +10,23 @@ counts its use), it is written back when it leaves. Values, optimizer state and 
 together, as one record (row_record.py).
 
 Which rows stay in memory: the least recently touched go first. Every read or update of a batch
-(every 64k distinct ids of it) advances a touch clock and stamps the rows it touches; when new rows
-need room, the memory tier drops an eighth of its capacity (at least what is needed), least
-recently stamped first, never rows of the batch in hand (HotRows.remove: a drop costs in
-proportion to the rows dropped, whatever the tier's size).
+(every 64k distinct ids of it) advances a touch clock and stamps the rows it touches. The table
+keeps a list of candidates to drop: an eighth of its capacity, least recently stamped first,
+chosen at once (the choice costs in proportion to the tier's size). When new rows need room, the
+memory tier drops just as many of them, skipping those touched since they were chosen (never
+rows of the batch in hand), and chooses again when the list is used up (HotRows.remove: a drop
+costs in proportion to the rows dropped, whatever the tier's size).
+
+Dropped rows that changed are written to disk off the request path (write_back.py): the request
+moves them into a bounded queue, a slice at a time, and a thread of the table's own writes them;
+a request waits only while that queue is full (the writer is behind), for one slice. Until it is
+written a queued row is read from the queue. What reads or changes the disk as a whole (the
+eviction rules, a checkpoint's rows, a restore) first waits for the queue to empty.
 
 The table keeps no index of its rows on disk (that is RocksDB's): memory holds the hot rows, the
 ids looked up but not admitted yet (as EmbeddingTable does) and counts. Not thread-safe:
 TableStore's lock serializes every call, row_chunks' iteration included (the store's reader
-threads only serve the get in hand).
+threads only serve the get in hand; the writer thread only writes queued slices to the store).
 """
 
 from __future__ import annotations
@@ -38,10 +46,11 @@ from paramserver.tables.tiered.hot_rows import HotRows
 from paramserver.tables.tiered.spill_condition import OK, SpillCondition
 from paramserver.tables.tiered.spill_store import SpillStore, StoreMemory
 from paramserver.tables.tiered.tiered_eviction import keep_rule
+from paramserver.tables.tiered.write_back import SLICE_ROWS, WriteBack
 
 _BATCH = 1 << 16  # distinct ids handled at a time: one tick of the touch clock
 _SCAN = 1 << 16  # disk rows read at a time by a scan (eviction rules, row_chunks)
-_EVICT_FRACTION = 8  # a full memory tier drops capacity / 8 rows at once
+_EVICT_FRACTION = 8  # a full memory tier chooses capacity / 8 rows to drop at once (then drops what it needs)
 
 
 class TieredTable:
@@ -69,6 +78,7 @@ class TieredTable:
         self.record = RowRecord(dim, optimizer, self.tracks_use)
         self.hot = HotRows(self.record, capacity)
         self.store = SpillStore(store_dir, self.record, memory, condition)
+        self.write_back = WriteBack(self.store, name, min(SLICE_ROWS, max(16, capacity // 16)))
         self.admission = Admission(policy)
         self.counters = {"admitted": 0, "not_admitted_lookups": 0, "dropped_gradients": 0, "evicted": 0}
         self.steps = 0
@@ -77,6 +87,8 @@ class TieredTable:
         self._born = 0  # rows admitted or loaded so far: each row's admission number
         self._spilled = 0  # rows on disk (some also in memory)
         self._memory_only = 0  # rows in memory with no copy on disk
+        self._candidates = np.zeros(0, np.int64)  # ids to drop next: the least recently touched, as chosen
+        self._chosen_at = 0  # the touch clock when they were chosen: a row touched since stays
 
     @property
     def size(self) -> int:
@@ -89,6 +101,7 @@ class TieredTable:
     def read(self, ids: np.ndarray) -> np.ndarray:
         """The rows of `ids`, admitted on first touch; a copy, len(ids) x dim. An id not admitted
         yet reads as its initial values."""
+        self.write_back.check()
         distinct, where = np.unique(np.ascontiguousarray(ids, np.int64), return_inverse=True)
         out = np.empty((distinct.shape[0], self.dim), np.float32)
         for lo in range(0, distinct.shape[0], self._batch):
@@ -111,6 +124,7 @@ class TieredTable:
         """One optimizer step on the rows of `ids` (distinct) from `grads` (len(ids) x dim).
         Gradients of ids without a row (not admitted, or evicted) are dropped and counted."""
         ids = np.ascontiguousarray(ids, np.int64)
+        self.write_back.check()
         self.steps += 1
         state = self.hot.optimizer_state()
         for lo in range(0, ids.shape[0], self._batch):
@@ -135,7 +149,7 @@ class TieredTable:
         if hit.all():
             return rows
         missing = np.flatnonzero(~hit)
-        on_disk, records = self.store.get(ids[missing])
+        on_disk, records = self._disk_rows(ids[missing])
         fresh = missing[~on_disk]
         if create and fresh.shape[0]:
             admit = self.admission.admit(ids[fresh])
@@ -160,34 +174,77 @@ class TieredTable:
         self._born += ids.shape[0]
         return records
 
+    def _disk_rows(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(found, records) of `ids` not in memory: queued for disk (the newest copy) or on disk."""
+        if not self.write_back.rows:
+            return self.store.get(ids)
+        queued, from_queue = self.write_back.find(ids)
+        if queued.all():
+            return queued, from_queue
+        on_disk, from_disk = self.store.get(ids[~queued])
+        found = queued.copy()
+        found[~queued] = on_disk
+        records = np.empty(int(found.sum()), self.record.dtype)
+        records[queued[found]] = from_queue
+        records[~queued[found]] = from_disk
+        return found, records
+
     def _make_room(self, needed: int) -> bool:
-        """Spill rows if `needed` more do not fit; returns whether it did (memory rows moved)."""
+        """Drop rows if `needed` more do not fit; returns whether it did (memory rows moved)."""
         excess = self.hot.size + needed - self.hot.capacity
         if excess <= 0:
             return False
-        self._spill(self.hot.least_recent(max(excess, self.hot.capacity // _EVICT_FRACTION), self._clock))
+        self._drop(self._victims(excess))
         return True
 
-    def _spill(self, rows: np.ndarray) -> None:
-        """Move these memory rows to disk: written if changed, else only dropped from memory."""
-        changed = rows[self.hot.dirty[rows]]
-        self.store.put(self.hot.ids[changed], self.hot.records(changed))
-        new_on_disk = int((~self.hot.on_disk[rows]).sum())
-        self._spilled += new_on_disk
-        self._memory_only -= new_on_disk
-        self.hot.remove(rows)
+    def _victims(self, count: int) -> np.ndarray:
+        """Ids of `count` rows to drop (fewer only when the rest are all in use now): the next
+        candidates not touched since they were chosen, chosen again when none are left."""
+        taken: list[np.ndarray] = []
+        wanted, fresh = count, False
+        while True:  # the list, then a new list if it ran out
+            while wanted and self._candidates.shape[0]:
+                ids = self._candidates[:wanted]
+                self._candidates = self._candidates[wanted:]
+                rows = self.hot.find(ids)
+                idle = rows >= 0
+                idle[idle] = self.hot.touched[rows[idle]] < self._chosen_at
+                self.hot.touched[rows[idle]] = self._clock  # taken: not chosen again below
+                taken.append(ids[idle])
+                wanted -= taken[-1].shape[0]
+            if not wanted or fresh:
+                break
+            chosen = self.hot.least_recent(max(wanted, self.hot.capacity // _EVICT_FRACTION), self._clock)
+            self._candidates, self._chosen_at, fresh = self.hot.ids[chosen], self._clock, True
+        return np.concatenate(taken) if taken else np.zeros(0, np.int64)
+
+    def _drop(self, ids: np.ndarray) -> None:
+        """Move these rows (in memory) out of it, a slice at a time: queued for disk if changed,
+        else only dropped. Waits while the write-back queue is full; a slice is dropped whole or
+        not at all (SpillError: the rest stay in memory)."""
+        for lo in range(0, ids.shape[0], self.write_back.slice_rows):
+            rows = self.hot.find(ids[lo : lo + self.write_back.slice_rows])
+            changed = rows[self.hot.dirty[rows]]
+            if changed.shape[0]:
+                self.write_back.put(self.hot.ids[changed], self.hot.records(changed))
+            new_on_disk = int((~self.hot.on_disk[rows]).sum())
+            self._spilled += new_on_disk
+            self._memory_only -= new_on_disk
+            self.hot.remove(rows)
 
     def set_capacity(self, capacity: int) -> None:
         """Hold at most `capacity` rows in memory from now on (the budget's share changed)."""
         if self.hot.size > capacity:
-            self._spill(self.hot.least_recent(self.hot.size - capacity, self._clock + 1))
+            self._drop(self.hot.ids[self.hot.least_recent(self.hot.size - capacity, self._clock + 1)])
         self.hot.resize(capacity)
+        self._candidates = self._candidates[:0]
 
     # ---- eviction rules ---------------------------------------------------------------------
     def evict(self) -> int:
         """Drop rows by the policy (ttl, min_count, max_rows), from memory and disk alike; returns how many."""
         if not self.tracks_use:
             return 0
+        self.write_back.drain()  # the rules see, and delete from, the disk's rows as a whole
         keep = keep_rule(self.policy, self.steps, self._use_chunks)
         evicted = 0
         for ids, records in self._cold_chunks(_SCAN):  # rows on disk only: memory's copies are newer
@@ -246,6 +303,7 @@ class TieredTable:
 
     def begin_snapshot(self, slice_rows: int, budget_bytes: int) -> FrozenSnapshot:
         """A checkpoint's view of the rows: changes wait until it ends (see FrozenSnapshot)."""
+        self.write_back.drain()
         self.snapshot = FrozenSnapshot(self.size, self.layout(), self.row_chunks(slice_rows))
         return self.snapshot
 
@@ -253,6 +311,7 @@ class TieredTable:
         self.snapshot = None
 
     def _saved_pieces(self, chunk_rows: int) -> Iterator[dict[str, np.ndarray]]:
+        self.write_back.drain()  # every row on disk, or in memory: none on its way
         names = [name for name in self.layout() if name != "ids"]
         for ids, records in self._cold_chunks(chunk_rows):
             yield {"ids": ids, **{name: np.ascontiguousarray(records[name]) for name in names}}
@@ -264,6 +323,7 @@ class TieredTable:
         """Add saved rows (a restore, one chunk at a time), as EmbeddingTable.load_rows: into memory
         while there is room, the rest to disk. The ids must be distinct and not stored yet."""
         ids = np.ascontiguousarray(ids, np.int64)
+        self.write_back.drain()  # rows go to the store directly here
         if count_distinct(ids) != ids.shape[0] or self._stored(ids).any():
             raise InvalidArgumentError(f"table {self.name!r}: saved rows name an id twice")
         for lo in range(0, ids.shape[0], _BATCH):
@@ -304,6 +364,7 @@ class TieredTable:
             "disk_bytes": self.store.disk_bytes(),
             "disk_reads": self.store.reads,
             "disk_writes": self.store.writes,
+            "write_back_rows": self.write_back.rows,
             **self._spill_state(),
         }
 
@@ -313,7 +374,9 @@ class TieredTable:
         return {} if condition.state == OK else {"spill_state": condition.state, "spill_error": condition.cause}
 
     def close(self, delete: bool = True) -> None:
-        """Close the store and (with `delete`) delete its files (the table is not used again)."""
+        """Stop the writer, close the store and (with `delete`) delete its files (the table is
+        not used again; rows still queued are dropped with it). Never raises."""
+        self.write_back.close()
         self.store.close(delete)
 
 

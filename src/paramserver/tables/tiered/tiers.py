@@ -8,7 +8,9 @@ flags and hash index (hot_rows.capacity_for); a share too small for 64 rows gets
 does not use is not lent to another table; shrinking a full memory tier copies what it keeps (a
 transient, at registration only). On top of the budget: the RocksDB stores' memory
 (a block cache and memtables shared by all tables, `StoreMemory`: each a sixteenth of the budget,
-64 MiB at most; index and filter blocks, about 2 bytes a row on disk), and a batch's working arrays.
+64 MiB at most; index and filter blocks, about 2 bytes a row on disk), each table's write-back
+queue (write_back.py: 4 slices of at most 32,768 records, 17 MiB at dim 16 with Adagrad), and a
+batch's working arrays.
 The tables' stores share one SpillCondition (spill_condition.py): a full disk, or a failed store,
 is the PS's, reported with its cause to the PS node (health, recovery). `check` (the PS's main
 thread, about once a second) also finds a spill subdirectory removed or replaced, and a disk full
