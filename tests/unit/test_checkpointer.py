@@ -44,6 +44,8 @@ class Coordinator:
 class Begun:
     """A checkpoint whose shard files are written: what PSClient.begin_checkpoint returns once they are."""
 
+    begun, holds_changes = True, False
+
     def __init__(self, entries):
         self.entries = entries
 
@@ -301,7 +303,8 @@ def test_old_checkpoints_that_cannot_be_deleted_leave_the_new_one_committed(tmp_
     assert chief.store.complete() == ["ckpt-000000003", "ckpt-000000006"]
     assert any("could not be deleted" in r.getMessage() and "Permission denied (EACCES)" in r.getMessage()
                for r in caplog.records)
-    assert chief.counts() == {"checkpoints_written": 2, "checkpoints_failed": 0, "checkpoint_last_failed": False}
+    assert chief.counts() == {"checkpoints_written": 2, "checkpoints_failed": 0, "checkpoint_last_failed": False,
+                              "checkpoint_latest": "ckpt-000000006"}
 
 
 def test_the_chief_removes_the_temporary_files_of_an_earlier_run_before_its_first_write(tmp_path):
@@ -468,7 +471,8 @@ def test_names_go_on_from_the_restored_step_and_the_run_keeps_its_id(tmp_path, m
     assert barriers == [], model  # 41..45: no checkpoint due
     assert resumed.save_final(position + 5, 1.0) == "ckpt-000000045", model
     assert store.complete()[-1] == "ckpt-000000045" and store.manifest("ckpt-000000045")["run_id"] == run_id
-    assert resumed.counts() == {"checkpoints_written": 1, "checkpoints_failed": 0, "checkpoint_last_failed": False}
+    assert resumed.counts() == {"checkpoints_written": 1, "checkpoints_failed": 0, "checkpoint_last_failed": False,
+                                "checkpoint_latest": "ckpt-000000045"}
     for step in range(position + 6, position + 16):
         resumed.on_step(step, 1.0)
         resumed.settle()  # its commit, written in the background
@@ -546,7 +550,7 @@ def test_a_checkpoint_failing_restores_checks_is_failed_never_committed_counted_
         "checkpoints_written": 1, "checkpoints_failed": 2,
         "checkpoint_error": "not committed, it fails restore's checks: checkpoint ckpt-000000012: "
                             "shard-0.safetensors: metadata is malformed",
-        "checkpoint_last_failed": True}
+        "checkpoint_last_failed": True, "checkpoint_latest": "ckpt-000000005"}
 
 
 def test_a_checkpoint_whose_file_changed_after_it_was_written_is_not_committed(tmp_path, caplog):

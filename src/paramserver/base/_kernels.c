@@ -77,14 +77,24 @@ static inline uint64_t mix64(uint64_t x) { /* the murmur3 finalizer, as hash_ind
 
 static inline uint64_t slot_of(int64_t id, uint64_t mask) { return mix64((uint64_t)id) & mask; }
 
-/* Row of each id, or -1 where the id is absent. */
-void ps_index_find(const int64_t *slots, int64_t capacity, const int64_t *ids, int64_t n, int64_t *out) {
+/* Row of each id, or -1 where the id is absent; returns how many are absent. */
+int64_t ps_index_find(const int64_t *slots, int64_t capacity, const int64_t *ids, int64_t n, int64_t *out) {
     uint64_t mask = (uint64_t)capacity - 1;
+    int64_t missing = 0;
     for (int64_t i = 0; i < n; i++) {
         if (i + AHEAD < n) __builtin_prefetch(&slots[2 * slot_of(ids[i + AHEAD], mask)]);
         uint64_t s = slot_of(ids[i], mask);
         while (slots[2 * s + 1] != 0 && slots[2 * s] != ids[i]) s = (s + 1) & mask;
         out[i] = slots[2 * s + 1] - 1;
+        missing += slots[2 * s + 1] == 0;
+    }
+    return missing;
+}
+
+/* changed[rows[i]] = epoch for each row >= 0 (a table's change stamps: rows -1 have none). */
+void ps_stamp_rows(uint32_t *changed, const int64_t *rows, int64_t n, uint32_t epoch) {
+    for (int64_t i = 0; i < n; i++) {
+        if (rows[i] >= 0) changed[rows[i]] = epoch;
     }
 }
 
@@ -518,3 +528,27 @@ int ps_all_finite(const float *x, int64_t n) {
     }
     return bad == 0;
 }
+
+/* ---- The module's one Python function (the kernels above are called through ctypes) ------------ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+/* address(array) -> the address of its data, as numpy's `array.ctypes.data` (which costs several
+ * times the buffer request here: a kernel call passes a few addresses each time). */
+static PyObject *ps_address(PyObject *self, PyObject *array) {
+    (void)self;
+    Py_buffer view;
+    if (PyObject_GetBuffer(array, &view, PyBUF_STRIDED_RO) < 0) return NULL;
+    PyObject *address = PyLong_FromVoidPtr(view.buf);
+    PyBuffer_Release(&view);
+    return address;
+}
+
+static PyMethodDef ps_methods[] = {
+    {"address", ps_address, METH_O, "The address of an array's data."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef ps_module = {PyModuleDef_HEAD_INIT, "_kernels", NULL, -1, ps_methods};
+
+PyMODINIT_FUNC PyInit__kernels(void) { return PyModule_Create(&ps_module); }

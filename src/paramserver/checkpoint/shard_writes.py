@@ -75,26 +75,31 @@ class ShardWrites:
             with self._timed():
                 return _entry(pending.finish())
 
-    def begin(self, name: str, shard: Any, parent: str = "") -> None:
+    def begin(self, name: str, shard: Any, parent: str = "") -> bool:
         """Take the cut of `shard`'s file of checkpoint `name` now and write it on a thread of its own
         ("checkpoint-<name>"); `collect(name)` gives the outcome. Refused (FAILED_PRECONDITION) while
-        the write of an earlier one is under way: the chief collects each before it begins the next."""
+        the write of an earlier one is under way: the chief collects each before it begins the next.
+        Returns whether the shard's tables take no change until the file is written (tiered tables):
+        the chief then keeps the workers paused until it is."""
         with self._lock:
-            self._job = _Job(name, self._begin(name, shard, parent), self._timed)
+            pending = self._begin(name, shard, parent)
+            self._job = _Job(name, pending, self._timed)
+            return pending.holds_changes
 
-    def collect(self, name: str, wait_s: float) -> dict[str, Any] | None:
-        """The manifest entry of the background write of `name` once it is done (None: still writing
-        after `wait_s` seconds); raises the error that ended it. Refused (FAILED_PRECONDITION) when this
-        PS began no such write (it restarted since: the checkpoint cannot hold its file)."""
+    def collect(self, name: str, wait_s: float) -> dict[str, Any] | int:
+        """The manifest entry of the background write of `name` once it is done (or the bytes written
+        so far, when it still writes after `wait_s` seconds); raises the error that ended it. Refused
+        (FAILED_PRECONDITION) when this PS began no such write (it restarted since: the checkpoint
+        cannot hold its file)."""
         job = self._job
         if job is None or job.name != name:
             raise FailedPreconditionError(
                 f"checkpoint {name}: this PS has no write of it under way (it may have restarted since it began)"
             )
         if not job.done.wait(wait_s):
-            return None
-        if job.error is not None:
-            raise job.error
+            return job.pending.written
+        if job.error is not None or job.entry is None:
+            raise job.error or CheckpointError(f"checkpoint {name}: its write ended without an entry")
         return job.entry
 
     def close(self, timeout: float) -> None:

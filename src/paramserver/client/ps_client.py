@@ -391,7 +391,7 @@ class PSClient:
         """Have every shard take its cut of checkpoint `name` now and write its file in the background
         (client/checkpoint_write.py); `collect()` on the result waits for the files. Call while no push
         is in flight; pushes may go on once it returns."""
-        return checkpoint_write.begin(self.stubs, name, timeout, parent)
+        return checkpoint_write.begin(lambda: self.stubs, name, timeout, parent)
 
     def shard_stats(self) -> list[dict]:
         """Each shard's counters (version, sync step, mode, pushes, late drops, staleness)."""

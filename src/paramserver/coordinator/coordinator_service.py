@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from paramserver.base.deadline import Deadline
 from paramserver.base.errors import DeadlineExceededError, FailedPreconditionError, ParamServerError, UnavailableError
 from paramserver.base.lifecycle import Lifecycle, ReadyFlag
-from paramserver.coordinator.membership import Coordinator
+from paramserver.coordinator.membership import MAX_BARRIER_WAIT_S, Coordinator
 from paramserver.security.auth import Claim, Guard
 from paramserver.security.run_secret import COORDINATOR_NODE, RunSecret
 from paramserver.wire import codec
@@ -239,7 +239,7 @@ class CoordinatorClient(Lifecycle):
                     "Heartbeat",
                     self.heartbeat_s + self.rpc_timeout_s,
                     step=self.step,
-                    wait=self.heartbeat_s,
+                    wait=min(self.heartbeat_s, MAX_BARRIER_WAIT_S),
                     checkpoints=known,
                 )
             except Exception as exc:

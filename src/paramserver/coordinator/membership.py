@@ -104,7 +104,8 @@ class Coordinator:
             return view
         deadline = Deadline(wait_s)
         with self._cond:
-            while self._checkpoints_requested <= checkpoints and not deadline.passed():
+            member = self._members[worker]
+            while self._checkpoints_requested <= checkpoints and not deadline.passed() and not member.exited:
                 self._cond.wait(deadline.left())
             return self._view()
 

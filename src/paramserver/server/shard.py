@@ -6,6 +6,13 @@ names) before any changes, then pushes, reads the rows, and pulls.
 Thread-safe: every public method may be called from many request threads at once. A push
 may block its caller (sync and ssp modes) until its step is applied or its worker may go
 on, never longer than `wait_timeout_s`.
+
+One lock (`_cond`) orders the pushes: their checks, the dense variables, the counters. In async and
+ssp modes a push's row gradients are applied after it lets go of that lock, under each table's own
+lock (tables/table_store.py), so that request threads update different tables on different cores;
+a checkpoint's cut (`snapshot`) waits for the row pushes under way and holds new ones back, so
+that it still falls between steps. A sync step's rows are applied under the lock, by the push that
+completes the step.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from paramserver.server.consistency import SyncRound
 from paramserver.server.dense import DenseGroup
 from paramserver.server.optimizers import build_optimizer
 from paramserver.server.quorum import Quorum
+from paramserver.tables.limits import raise_hint
 from paramserver.tables.table_store import CheckedPush, TableStore
 from paramserver.wire.half import WIRE_DTYPES
 
@@ -123,6 +131,8 @@ class Shard:
         self._sums: dict[str, np.ndarray] = {}
         self._switched = False  # the mode was switched while training (SetMode)
         self._cond = threading.Condition()
+        self._applying = 0  # pushes applying their rows outside _cond right now
+        self._cutting = False  # a checkpoint's cut waits for them: new ones wait for it
 
     # ---- variables -------------------------------------------------------------------------
     def register(
@@ -187,7 +197,8 @@ class Shard:
         if wanted + held + tables > limit:
             raise ResourceExhaustedError(
                 f"group {group!r}: {wanted} bytes of variables and optimizer state would take this PS past "
-                f"max_table_memory_bytes ({limit}); it holds {held} bytes of variables and {tables} of tables"
+                f"max_table_memory_bytes ({limit}); it holds {held} bytes of variables and {tables} of tables; "
+                f"{raise_hint('max_table_memory_bytes')}"
             )
 
     @staticmethod
@@ -268,9 +279,20 @@ class Shard:
         return {worker: self.position(worker) for worker in sorted(known)}
 
     def snapshot(self, read: Callable[[dict[str, DenseGroup], int, int], T]) -> T:
-        """Call `read(groups, version, sync_step)` while no push can change them (a checkpoint)."""
+        """Call `read(groups, version, sync_step)` while no push can change them, nor the rows of
+        any table (a checkpoint): it waits for the row pushes under way to finish."""
         with self._cond:
-            return read(dict(self._groups), self.version, self.sync_step)
+            self._cutting = True
+            try:
+                if not self._cond.wait_for(lambda: self._applying == 0, self.wait_timeout_s):
+                    raise DeadlineExceededError(
+                        f"shard {self.index}: {self._applying} row pushes still applying after "
+                        f"{self.wait_timeout_s:.0f}s; no checkpoint cut"
+                    )
+                return read(dict(self._groups), self.version, self.sync_step)
+            finally:
+                self._cutting = False
+                self._cond.notify_all()
 
     def step(self, step: Step, reply: Callable[[StepOutcome, list[tuple[str, np.ndarray]], list[np.ndarray]], T]) -> T:
         """One worker's training step: every part checked (each name looked up once) before any
@@ -321,6 +343,8 @@ class Shard:
         """
         push, by_group = self._validated(push)
         with self._cond:
+            if push.rows and self._cutting:
+                self._wait_for_cut()
             spec = self.spec or ConsistencySpec()
             self._check_worker(spec, push.worker)
             self._check_step(spec, push)
@@ -335,9 +359,13 @@ class Shard:
                 return self._push_sync(push, step, staleness)
             self._set_lrs(push.lrs)
             self._apply(by_group)
-            self._apply_rows([push.rows])
             self._count(staleness)
-            if spec.mode == "ssp":
+            if push.rows:
+                self._applying += 1
+        if push.rows:
+            self._apply_rows_unlocked(push.rows)
+        if spec.mode == "ssp":
+            with self._cond:
                 worker = push.worker
                 assert worker is not None  # _check_worker refused an ssp push that names no worker
                 self._clocks[worker] = self._clocks.get(worker, 0) + 1
@@ -346,7 +374,23 @@ class Shard:
                     lambda: self._ssp_may_go(worker),
                     lambda: f"worker {worker} ahead of the slowest of workers {self._awaited()}",
                 )
-            return PushOutcome(True, staleness)
+        return PushOutcome(True, staleness)
+
+    def _apply_rows_unlocked(self, rows: list[CheckedPush]) -> None:
+        """A push's rows, applied without `_cond` (counted in `_applying`, which the caller raised
+        under it), so that pushes update different tables in parallel."""
+        try:
+            self._apply_rows([rows])
+        finally:
+            with self._cond:
+                self._applying -= 1
+                if self._cutting:
+                    self._cond.notify_all()
+
+    def _wait_for_cut(self) -> None:
+        """Hold a row push while a checkpoint's cut waits (call under `_cond`)."""
+        if not self._cond.wait_for(lambda: not self._cutting, self.wait_timeout_s):
+            raise DeadlineExceededError(f"shard {self.index}: a checkpoint's cut took over {self.wait_timeout_s:.0f}s")
 
     def leave(self, worker: int, barrier: str | None = None) -> None:
         """Worker `worker` finished its data, or waits at `barrier`: sync steps and ssp bounds stop

@@ -45,9 +45,9 @@ class CheckpointWrites(Protocol):
 
     def __call__(self, name: str, shard: Shard, parent: str = "") -> dict[str, Any]: ...
 
-    def begin(self, name: str, shard: Shard, parent: str = "") -> None: ...
+    def begin(self, name: str, shard: Shard, parent: str = "") -> bool: ...
 
-    def collect(self, name: str, wait_s: float) -> dict[str, Any] | None: ...
+    def collect(self, name: str, wait_s: float) -> dict[str, Any] | int: ...
 
 
 class ShardService:
@@ -205,11 +205,11 @@ class ShardService:
             raise FailedPreconditionError(f"shard {self.shard.index} was started without a checkpoint_dir")
         if request.collect:
             entry = writes.collect(request.name, request.wait_s)
-            if entry is None:  # still writing
-                return _send(sink, msg.CheckpointReply(index=self.shard.index, pending=True))
+            if isinstance(entry, int):  # still writing: the bytes written so far
+                return _send(sink, msg.CheckpointReply(index=self.shard.index, pending=True, written=entry))
         elif request.background:
-            writes.begin(request.name, self.shard, parent=request.parent)
-            return _send(sink, msg.CheckpointReply(index=self.shard.index, pending=True))
+            holds = writes.begin(request.name, self.shard, parent=request.parent)
+            return _send(sink, msg.CheckpointReply(index=self.shard.index, pending=True, holds_changes=holds))
         else:
             entry = writes(request.name, self.shard, parent=request.parent)
         return _send(sink, msg.CheckpointReply(**entry))

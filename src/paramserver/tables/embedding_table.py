@@ -25,7 +25,8 @@ its epoch while a later checkpoint may still need to name it (`deleted_since`). 
 moves the epoch on when a snapshot begins, so the rows a delta on snapshot `p` holds are those
 stamped after `p`.
 
-Not thread-safe: the owning Shard serializes calls.
+Not thread-safe: the owning TableStore serializes calls on a table (its lock); calls on different
+tables run at once.
 """
 
 from __future__ import annotations
@@ -194,7 +195,13 @@ class EmbeddingTable:
 
     def rows(self, ids: np.ndarray, create: bool = True) -> np.ndarray:
         """Row numbers of `ids`; missing ids are admitted by the policy (-1 where not)."""
-        rows = self.index.find(ids)
+        return self._rows(ids, create)[0]
+
+    def _rows(self, ids: np.ndarray, create: bool = True) -> tuple[np.ndarray, bool]:
+        """`rows`, and whether every id has one (no mask to build on the common path)."""
+        rows, absent = self.index.find_counted(ids)
+        if not absent:
+            return rows, True
         missing = np.flatnonzero(rows < 0)
         if create and missing.size:
             # sorted: new rows take ids in order, as a tiered table's do (eviction ties go by row)
@@ -210,7 +217,8 @@ class EmbeddingTable:
             rows[missing] = new_rows[where.reshape(-1)]
             self.counters["admitted"] += new_ids.shape[0]
             self.counters["not_admitted_lookups"] += int((~admit).sum())
-        return rows
+            return rows, bool(admit.all())
+        return rows, False
 
     def layout(self) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
         """What a saved row holds: array name -> (dtype, shape of one row), in file order:
@@ -301,7 +309,9 @@ class EmbeddingTable:
 
         An id not admitted yet reads as its initial values.
         """
-        rows = self.rows(ids)  # first: it may grow (replace) the arrays
+        rows, every = self._rows(ids)  # first: it may grow (replace) the arrays
+        if every and not self.tracks_use:
+            return gather_rows(self.values, rows)
         stored = rows >= 0
         if self.tracks_use:
             if self.snapshot is not None:
@@ -320,17 +330,17 @@ class EmbeddingTable:
 
         Gradients of ids without a row (not admitted, or evicted) are dropped and counted.
         """
-        rows = self.index.find(ids)
-        stored = rows >= 0
-        self.counters["dropped_gradients"] += int((~stored).sum())
+        rows, absent = self.index.find_counted(ids)
+        self.counters["dropped_gradients"] += absent
         self.steps += 1
+        stored = rows >= 0 if absent else None  # none built where every id has a row (the common case)
         if self.snapshot is not None:
-            self.snapshot.preserve(rows[stored])
-        if stored.all():
+            self.snapshot.preserve(rows if stored is None else rows[stored])
+        if stored is None:
             self.optimizer.update(self.values, rows, grads, self.state, self.steps)
-        elif stored.any():
+        elif absent < ids.shape[0]:
             self.optimizer.update(self.values, rows[stored], grads[stored], self.state, self.steps)
-        self.changed[rows[stored]] = self.epoch
+        stamp_rows(self.changed, rows, self.epoch)
         if self.policy.evict_every and self.steps % self.policy.evict_every == 0:
             self.evict()
 
@@ -440,6 +450,14 @@ class EmbeddingTable:
             self.last_seen, self.seen = views.pop("last_seen"), views.pop("seen")
         self.changed = views.pop("changed")
         self.state.update(views)
+
+
+def stamp_rows(changed: np.ndarray, rows: np.ndarray, epoch: int) -> None:
+    """changed[rows] = epoch for the rows >= 0 (one C pass; numpy masks first)."""
+    if kernels.KERNELS is None or not rows.flags.c_contiguous or rows.dtype != np.int64:
+        changed[rows[rows >= 0]] = epoch
+        return
+    kernels.KERNELS.ps_stamp_rows(kernels.ptr(changed), kernels.ptr(rows), rows.shape[0], epoch)
 
 
 def gather_rows(values: np.ndarray, rows: np.ndarray) -> np.ndarray:

@@ -125,13 +125,18 @@ class HashIndex:
 
     def find(self, ids: np.ndarray) -> np.ndarray:
         """Row of each id, or -1 where the id is not stored."""
+        return self.find_counted(ids)[0]
+
+    def find_counted(self, ids: np.ndarray) -> tuple[np.ndarray, int]:
+        """`find`, and how many ids are not stored (counted by the same pass where it can)."""
         ids = np.ascontiguousarray(ids, np.int64)
         if self._next is None:
-            return _find(self._slots, ids)
+            return _find_counted(self._slots, ids)
         self._advance(max(_SHARE_MIN, ids.shape[0]))
         if self._next is None:
-            return _find(self._slots, ids)
-        return _find_growing(self._slots, self._start, self._moved, self._next, ids)
+            return _find_counted(self._slots, ids)
+        found = _find_growing(self._slots, self._start, self._moved, self._next, ids)
+        return found, int(np.count_nonzero(found < 0))
 
     def find_still(self, ids: np.ndarray) -> np.ndarray:
         """What `find` answers, without moving any slot of a growth under way (`find` moves a share
@@ -306,13 +311,19 @@ def _move_slots(old: np.ndarray, lo: int, hi: int, slots: np.ndarray) -> None:
 
 def _find(slots: np.ndarray, ids: np.ndarray) -> np.ndarray:
     """Row of each id (contiguous int64) in one slot array, or -1."""
+    return _find_counted(slots, ids)[0]
+
+
+def _find_counted(slots: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, int]:
+    """`_find`, and how many of the ids are absent."""
     if kernels.KERNELS is None:
-        return _probe(slots, ids)[0]
+        found = _probe(slots, ids)[0]
+        return found, int(np.count_nonzero(found < 0))
     found = np.empty(ids.shape[0], np.int64)
-    kernels.KERNELS.ps_index_find(
+    missing = kernels.KERNELS.ps_index_find(
         kernels.ptr(slots), slots.shape[0], kernels.ptr(ids), ids.shape[0], kernels.ptr(found)
     )
-    return found
+    return found, int(missing)
 
 
 def _find_growing(old: np.ndarray, start: int, moved: int, new: np.ndarray, ids: np.ndarray) -> np.ndarray:

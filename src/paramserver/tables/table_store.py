@@ -1,9 +1,21 @@
 """The embedding tables of a shard, and the checks every lookup and sparse push passes.
 
 Rows are float32; a table's wire dtype (wire/half.py) is how its rows leave and its row gradients
-arrive (bfloat16 or float16: half the bytes). Thread-safe: one lock serializes all calls. Row
-pushes are applied when their shard's step applies them (`apply_rows`): on arrival in async and
-ssp modes, averaged with the other workers' of the same step in sync mode.
+arrive (bfloat16 or float16: half the bytes). Row pushes are applied when their shard's step
+applies them (`apply_rows`): on arrival in async and ssp modes, averaged with the other workers'
+of the same step in sync mode.
+
+Thread-safe, and calls on different tables run in parallel: each table has its own lock (its
+rows, index and snapshot), taken by every call on it; the store's lock guards which tables exist
+and the checkpoint's snapshots. The table kernels (base/kernels.py) run without the GIL, so
+request threads on different tables use different cores. Lock order: the store's lock before a
+table's, and tables' locks in name order; no call holds a table's lock while it takes the
+store's. Tiered tables share one lock (they share the tiers' memory budget and spill store). A
+call that changes several tables (a push, a lookup creating rows) is not atomic against
+`begin_snapshot`: the caller cuts a checkpoint between steps (server/shard.py waits for the row
+pushes under way). The limit checks are made under the table's lock before it creates rows;
+other tables' bytes are read as they are then, so concurrent lookups creating rows in different
+tables may together pass `max_table_memory_bytes` by at most one batch of rows each.
 
 With `tiers` (a PS with a table_memory_budget, tables/tiered/tiers.py) every table is a TieredTable,
 whose rows beyond its share of the budget live on local disk; without, an EmbeddingTable. Both
@@ -48,7 +60,7 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_IDS = 1 << 20  # largest id batch one request may carry
 # tests set the SNAPSHOT_ sizes small (a test seam) to see many slices and a full budget
 SNAPSHOT_SLICE_BYTES = 8 << 20  # rows a checkpoint copies per pause of the tables
-SNAPSHOT_BUDGET = 0.05  # rows kept aside for a checkpoint, as a share of the table's bytes...
+SNAPSHOT_BUDGET = 0.10  # rows kept aside for a checkpoint, as a share of the table's bytes...
 SNAPSHOT_MIN_BUDGET = 32 << 20  # ...or at least this many bytes
 SNAPSHOT_WAIT_S = 30.0  # longest a change waits for a checkpoint's writer to catch up
 MAX_CAPACITY = 1 << 30  # rows one shard's table may reserve up front
@@ -73,7 +85,10 @@ class TableStore:
         self.max_ids = max_ids
         self.limits = limits or TableLimits()
         self.tiers = tiers
+        # replaced, never changed in place (a call reads it without the store's lock)
         self._tables: dict[str, Table] = {}
+        self._locks: dict[str, threading.Lock] = {}  # each table's (one shared by tiered tables)
+        self._tiered_lock = threading.Lock() if tiers is not None else None
         self._wire: dict[str, str] = {}  # wire dtype by table
         self.shard_counts: dict[str, int] = {}  # the shards each table's ids are routed over (its registration's)
         self._lock = threading.Lock()
@@ -113,7 +128,9 @@ class TableStore:
                     table.epoch = self.epoch
                 if self.restore is not None and self.restore.fill_table(table, self.shard_index, num_shards):
                     log.info("shard %d: table %s restored with %d rows", self.shard_index, name, table.size)
-                self._tables[name], self._wire[name] = table, wire
+                self._locks = {**self._locks, name: self._tiered_lock or threading.Lock()}
+                self._wire[name] = wire
+                self._tables = {**self._tables, name: table}
                 self.shard_counts[name] = num_shards
                 log.info("shard %d: table %s (dim %d, %s)", self.shard_index, name, dim, optimizer.name)
             elif (existing.dim, existing.spec, existing.init) != (dim, optimizer_spec, init):
@@ -138,8 +155,8 @@ class TableStore:
         """Validate a lookup without running it (raises InvalidArgumentError / NotFoundError)."""
         table = self.table(name)
         self._check_ids(name, ids, distinct=False)
-        with self._lock:
-            check_new_rows(self.limits, table, ids, self._bytes())
+        with self._locks[name]:
+            check_new_rows(self.limits, table, ids, self._used_if_growing(table, ids))
         return CheckedLookup(table, ids)
 
     def check_push(self, name: str, ids: np.ndarray, grads: np.ndarray) -> CheckedPush:
@@ -164,19 +181,27 @@ class TableStore:
         return CheckedPush(table, ids, grads)
 
     def lookup_checked(self, lookups: list[CheckedLookup]) -> list[np.ndarray]:
-        """Read (and create) the rows; the limits are checked again here, under the lock, before
-        any row is created (the check in `check_lookup` ran before the request changed anything)."""
-        with self._spill_checked(), self._lock:
+        """Read (and create) the rows, a table at a time under its lock; the limits are checked
+        again there before any of its rows is created (the checks in `check_lookup` ran before
+        the request changed anything)."""
+        with self._spill_checked():
             self._wait_for_writer()
-            for lookup in lookups:
-                check_new_rows(self.limits, lookup.table, lookup.ids, self._bytes())
-            return [to_wire(lookup.table.read(lookup.ids), self._wire[lookup.table.name]) for lookup in lookups]
+            return [self._read(lookup) for lookup in lookups]
+
+    def _read(self, lookup: CheckedLookup) -> np.ndarray:
+        table = lookup.table
+        with self._locks[table.name]:
+            check_new_rows(self.limits, table, lookup.ids, self._used_if_growing(table, lookup.ids))
+            rows = table.read(lookup.ids)
+        return to_wire(rows, self._wire[table.name])
 
     def push_checked(self, pushes: list[CheckedPush]) -> None:
-        with self._spill_checked(), self._lock:
+        """Apply the pushes, a table at a time under its lock."""
+        with self._spill_checked():
             self._wait_for_writer()
             for push in pushes:
-                push.table.apply(push.ids, push.grads)
+                with self._locks[push.table.name]:
+                    push.table.apply(push.ids, push.grads)
 
     def apply_rows(self, by_worker: list[list[CheckedPush]]) -> None:
         """Apply the row pushes of one step of several workers as one update per table: each row's
@@ -188,14 +213,15 @@ class TableStore:
         by_table: dict[str, list[CheckedPush]] = {}
         for push in (push for pushes in by_worker for push in pushes):
             by_table.setdefault(push.table.name, []).append(push)
-        with self._spill_checked(), self._lock:
+        with self._spill_checked():
             self._wait_for_writer()
             for pushes in by_table.values():
                 ids, inverse = np.unique(np.concatenate([p.ids for p in pushes]), return_inverse=True)
                 summed = np.zeros((ids.shape[0], pushes[0].table.dim), np.float32)
                 np.add.at(summed, inverse.reshape(-1), np.concatenate([p.grads for p in pushes]))
                 summed /= np.float32(len(by_worker))
-                pushes[0].table.apply(ids, summed)
+                with self._locks[pushes[0].table.name]:
+                    pushes[0].table.apply(ids, summed)
 
     @contextlib.contextmanager
     def _spill_checked(self) -> Iterator[None]:
@@ -234,7 +260,7 @@ class TableStore:
         honoured only when every table keeps change stamps (a tiered one does not: then every
         snapshot is whole; `snapshot.since` says which). `forget`: no delta will be asked on a
         snapshot before this epoch (the evicted ids logged up to it are dropped)."""
-        with self._lock:
+        with self._lock, self._all_tables():
             epoch = self.epoch
             if not all(isinstance(table, EmbeddingTable) for table in self._tables.values()):
                 since = None  # a tiered table keeps no change stamps: every file is whole
@@ -259,16 +285,17 @@ class TableStore:
             return taken
 
     def next_slice(self, name: str) -> tuple[int, dict[str, np.ndarray]] | None:
-        """The next slice of table `name`'s snapshot (a copy taken under the lock), or None when done."""
-        with self._lock:
+        """The next slice of table `name`'s snapshot (a copy taken under its lock), or None when done."""
+        with self._locks[name]:
             taken = self._snapshots[name].next_slice()
+        with self._lock:  # after the table's lock (lock order)
             self._writer_moved.notify_all()
-            return taken
+        return taken
 
     def end_snapshot(self) -> dict[str, int]:
         """End the checkpoint's view (also after a failed write); returns each table's peak bytes
         kept aside for it."""
-        with self._lock:
+        with self._lock, self._all_tables():
             peaks = {name: snapshot.peak_kept_bytes for name, snapshot in self._snapshots.items()}
             for table in self._tables.values():
                 table.end_snapshot()
@@ -276,14 +303,31 @@ class TableStore:
             self._writer_moved.notify_all()
             return peaks
 
+    @contextlib.contextmanager
+    def _all_tables(self) -> Iterator[None]:
+        """Hold every table's lock (in name order; the shared lock of tiered tables once): no call
+        on any table is under way. Call under the store's lock."""
+        with contextlib.ExitStack() as stack:
+            taken: set[int] = set()
+            for name in sorted(self._locks):
+                lock = self._locks[name]
+                if id(lock) not in taken:
+                    taken.add(id(lock))
+                    stack.enter_context(lock)
+            yield
+
     def _wait_for_writer(self) -> None:
-        """Hold a change while a checkpoint's writer needs it held (call under the lock): while
+        """Hold a change while a checkpoint's writer needs it held (call before the table's lock): while
         the rows kept aside for it are over their budget (memory stays bounded; a writer that
         stalls for SNAPSHOT_WAIT_S lets the change through, logged: memory grows, nothing
         deadlocks), or, for a table that cannot keep rows aside, until the writer is done (the
         writer is this process's own thread: it ends, or fails and ends the snapshot)."""
-        if not self._snapshots:
+        if not self._snapshots:  # no checkpoint under way: no lock taken (begin_snapshot holds the tables' locks)
             return
+        with self._lock:
+            self._wait_while_over_budget()
+
+    def _wait_while_over_budget(self) -> None:
         deadline = Deadline(SNAPSHOT_WAIT_S)
         while any(snapshot.over_budget for snapshot in self._snapshots.values()):
             if deadline.passed():
@@ -314,22 +358,33 @@ class TableStore:
         }
 
     def describe(self) -> dict:
-        with self._lock:
-            return {name: table.describe() for name, table in self._tables.items()}
+        described = {}
+        for name, table in self._tables.items():
+            with self._locks[name]:
+                described[name] = table.describe()
+        return described
 
     def close(self) -> None:
         """Close the tiered tables' stores and delete the spill space (after the last call)."""
-        with self._lock:
+        with self._lock, self._all_tables():
             if self.tiers is not None:
                 self.tiers.close()
 
     def held_bytes(self) -> int:
         """Bytes all tables hold now."""
-        with self._lock:
-            return self._bytes()
+        return self._bytes()
+
+    def _used_if_growing(self, table: Table, ids: np.ndarray) -> int:
+        """All tables' bytes for `check_new_rows`, which reads them only where a lookup of `ids`
+        may grow an in-memory table's arrays (its rows past their capacity); 0 elsewhere, as
+        summing every table's bytes at each lookup cost more than the lookup's own work."""
+        if not isinstance(table, EmbeddingTable) or table.size + ids.shape[0] <= table.capacity:
+            return 0
+        return self._bytes()
 
     def _bytes(self) -> int:
-        """Bytes all tables hold now (call under the lock)."""
+        """Bytes all tables hold now: each table's as it is at the moment it is read (a table's
+        capacity is one int, changed under its lock)."""
         return sum(table_bytes(table) for table in self._tables.values())
 
     def _check_new_table(self, name: str, dim: int, optimizer, policy: RowPolicy, capacity: int) -> None:

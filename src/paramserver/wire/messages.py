@@ -268,6 +268,12 @@ class CheckpointReply(Message):
     sha256: str = doc_field("its SHA-256, hex", default="")
     parent: str = doc_field("the checkpoint the file is a delta on (absent: a whole file)", default="")
     pending: bool = doc_field("the file is still being written (the other fields are empty)", default=False)
+    written: int = doc_field("(a pending reply) the bytes of the file written so far", default=0)
+    holds_changes: bool = doc_field(
+        "(a begun write) the shard's tables take no change until the file is written (tiered tables): the "
+        "workers stay paused until it is",
+        default=False,
+    )
 
 
 @message("Assign request", tensors="the new values, one per part, as in Register")

@@ -289,6 +289,7 @@ class Context:
         if self.is_chief and checkpointer is not None:
             for optimizer in self.optimizers:  # nothing of this worker in flight while the shards write
                 optimizer.synchronize()
+            checkpointer.settle()  # a periodic checkpoint still being written counts before this one
             written = checkpointer.written
             self.coordinator.request_checkpoint()
             checkpointer.meet_announced(self.options.rpc_timeout_s)

@@ -135,6 +135,7 @@ class ProgressBoard:
         self._banked_steps: dict[int, int] = {}  # per worker: the steps of its runs before its restarts
         # (totals, per-worker steps) when the chief last reported a new checkpoint: a roll-back goes back there
         self._at_checkpoint: tuple[dict[str, int], dict[int, int]] = (dict(self._banked), {})
+        self._cuts: dict[str, tuple[dict[str, int], dict[int, int]]] = {}  # checkpoint -> the snapshot at its cut
         self.steps_redone = 0  # steps trained after the checkpoint a roll-back went back to
         self._counts_before: dict[str, int] = {}  # the chief's checkpoint counts of its runs before a roll-back
         self._first_t: float | None = None
@@ -169,11 +170,17 @@ class ProgressBoard:
 
     def _take_result(self, worker: int, values: dict[str, Any]) -> None:
         """Under the lock. The chief's checkpoint counts go on from its runs before a roll-back; a new
-        checkpoint is where the next roll-back goes back to."""
+        checkpoint is where the next roll-back goes back to: the totals when its cut was taken (the
+        chief says `checkpoint_cut` then; its files are committed while training goes on)."""
         if worker == 0:
             values = {k: v + self._counts_before.get(k, 0) if k in _CHECKPOINT_COUNTS else v for k, v in values.items()}
+            cut = values.pop("checkpoint_cut", None)
+            if cut is not None:
+                self._cuts = {**dict(list(self._cuts.items())[-3:]), str(cut): self._snapshot()}
             if values.get("checkpoints_written", 0) > self.results.get(0, {}).get("checkpoints_written", 0):
-                self._at_checkpoint = self._snapshot()
+                latest = self._cuts.pop(str(values.get("checkpoint_latest")), None)
+                self._at_checkpoint = latest if latest is not None else self._snapshot()
+            values.pop("checkpoint_latest", None)
         self.results.setdefault(worker, {}).update(values)
 
     def _take_lost(self, worker: int, lost: dict[str, Any]) -> None:

@@ -38,7 +38,7 @@ import json
 import logging
 import threading
 import time
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import numpy as np
 
@@ -115,6 +115,9 @@ class PendingFile:
         self.store, self.name, self.index, self.tables = store, name, index, tables
         self.writer, self.parent = writer, parent
         self.begun = time.monotonic()
+        # a table that cannot keep changed rows aside (tiered) takes no change until the file is written
+        self.holds_changes = any(snapshot.holds_changes for _, snapshot in writer.snapshots.values())
+        self.written = 0  # bytes written so far (read by other threads: the write's progress)
 
     def finish(self) -> ShardFile:
         """Stream the file, a slice at a time, checked as written (one file at a time per process: the
@@ -122,7 +125,7 @@ class PendingFile:
         manifest entry."""
         try:
             with _ONE_AT_A_TIME:
-                entry = self.store.write_shard_with(self.name, self.index, self.writer.fill, self.writer.check_written)
+                entry = self.store.write_shard_with(self.name, self.index, self._fill, self.writer.check_written)
         finally:
             kept = self.tables.end_snapshot()
         log.info(
@@ -135,6 +138,24 @@ class PendingFile:
             max(kept.values(), default=0),
         )
         return dataclasses.replace(entry, parent=self.parent)
+
+    def _fill(self, handle: IO[bytes]) -> None:
+        self.writer.fill(cast(IO[bytes], _Counted(handle, self)))
+
+
+class _Counted:
+    """A file handle that adds what is written through it to its PendingFile's `written`."""
+
+    def __init__(self, handle: IO[bytes], pending: PendingFile) -> None:
+        self._handle, self._pending = handle, pending
+
+    def write(self, data: Any) -> int:
+        count = self._handle.write(data)
+        self._pending.written += memoryview(data).nbytes
+        return count
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._handle, name)
 
 
 def _begin(

@@ -377,7 +377,8 @@ class Checkpointer:
             write = self._begin(attempt, timeout)
         except (ParamServerError, OSError) as exc:
             raise self._failed(attempt, exc, report=True) from exc
-        if not background:
+        if not background or write.holds_changes:  # a tiered shard takes no change until its file is written:
+            attempt.background = False  # the workers stay at the barrier (no deadline) rather than time out
             return self._finish(attempt, write)
         self._commit_thread = threading.Thread(
             target=self._finish_quietly, args=(attempt, write), name="checkpoint-commit", daemon=True
@@ -420,6 +421,10 @@ class Checkpointer:
             hook(timeout)
         attempt.parent = self._parent_for(name)
         write = self.client.begin_checkpoint(name, timeout, parent=attempt.parent or "")
+        if not write.begun:  # every shard refused: nothing is being written
+            write.collect()  # raises the first refusal
+        if attempt.background:  # the launcher's count at the cut: where a roll-back to this checkpoint goes back to
+            self._report({"checkpoint_cut": name})
         log.info(
             "%s %s: every shard took its cut in %.2fs%s",
             what,
@@ -435,9 +440,9 @@ class Checkpointer:
             self._finish(attempt, write)
         except CheckpointError:
             pass
-        except Exception:  # a bug: the checkpoint is not known to be written
+        except Exception as exc:  # e.g. a channel closed under it by partial recovery: not committed, cleaned up
             log.exception("checkpoint %s: its commit raised", attempt.name)
-            self._count_failure(f"checkpoint {attempt.name}: its commit raised", report=False)
+            self._failed(attempt, exc, report=False)
 
     def _finish(self, attempt: _Attempt, write: CheckpointWrite) -> str:
         """Wait for the shards' files, check them across files and commit the manifest; then count,
@@ -605,9 +610,12 @@ class Checkpointer:
         }
         if self.last_error is not None:
             values["checkpoint_error"] = self.last_error
+        if self._written is not None:
+            values["checkpoint_latest"] = self._written[0]
         return values
 
-    def _report(self) -> None:
+    def _report(self, values: dict[str, Any] | None = None) -> None:
+        """Hand `values` (default: the counts) to `paramserver run` (the chief only; the training thread)."""
         if self.worker_index != 0:
             return
         report = self.report
@@ -616,4 +624,4 @@ class Checkpointer:
             if context is None:
                 return
             report = lambda values: context.report_result(**values)
-        report(self.counts())
+        report(self.counts() if values is None else values)
