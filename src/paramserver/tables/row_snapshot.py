@@ -2,7 +2,7 @@
 
 How a checkpoint saves a table without copying it (and without stopping training for the whole
 write): when the snapshot begins, the table's rows are 0..size-1 (row order). A writer then takes
-one slice of rows at a time (`next_slice`: a copy of a few MB, under the store's lock: a brief
+one slice of rows at a time (`next_slice`: a copy of a few MB, under the table's lock: a brief
 pause), and writes it with no lock held. Until the writer has passed a row, any change to it
 first keeps the row's old contents aside (`preserve`, called by the table before it changes
 rows: copy-on-write per row), and the slice is patched with them. Rows created after the
@@ -17,7 +17,7 @@ table's ``changed`` array (embedding_table.py), which is kept aside with the res
 the rows a slice keeps are those changed as at the start; `rows` (what the file holds) is
 counted when it begins, a block of stamps at a time. `deleted`: the ids evicted since (a delta's).
 
-Not thread-safe: the owning TableStore's lock serializes every call.
+Not thread-safe: the owning TableStore's lock of the table serializes every call.
 """
 
 from __future__ import annotations

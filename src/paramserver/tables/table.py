@@ -7,7 +7,7 @@ table_memory_budget) and calls them through this interface; mypy checks both aga
 (table_store.py). What only one kind offers (change stamps and deltas of the in-memory table, the
 capacity of the tiered one's memory tier) is asked of that class by name.
 
-Not thread-safe: the owning TableStore's lock serializes every call, a `row_chunks` iteration and a
+Not thread-safe: the owning TableStore's lock of the table serializes every call, a `row_chunks` iteration and a
 snapshot's reads included.
 """
 
