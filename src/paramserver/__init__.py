@@ -19,6 +19,9 @@ from typing import Any
 
 # first: gRPC reads its fork setting when it loads, and base.errors imports it
 from paramserver.base import grpc_fork  # noqa: F401  (isort: skip)
+
+# before torch: libgomp reads its wait policy when it loads (base/omp_wait.py)
+from paramserver.base import omp_wait  # noqa: F401  (isort: skip)
 from paramserver.base.config import ClusterSpec, NodeConfig, Options, Task
 from paramserver.base.errors import (
     AlreadyExistsError,
@@ -46,6 +49,9 @@ _LAZY = {
     "pipeline": ("paramserver.worker.current", "pipeline"),
     "Trainer": ("paramserver.trainer", "Trainer"),
     "EpochMetrics": ("paramserver.trainer", "EpochMetrics"),
+    "Callback": ("paramserver.trainer_callbacks", "Callback"),
+    "EarlyStopping": ("paramserver.trainer_callbacks", "EarlyStopping"),
+    "BestCheckpoint": ("paramserver.trainer_callbacks", "BestCheckpoint"),
     "evaluate": ("paramserver.evaluation.evaluator", "evaluate"),
     "Evaluation": ("paramserver.evaluation.evaluator", "Evaluation"),
     "load_export": ("paramserver.checkpoint.tools", "load_export"),
@@ -64,6 +70,9 @@ __all__ = [
     "pipeline",
     "Trainer",
     "EpochMetrics",
+    "Callback",
+    "EarlyStopping",
+    "BestCheckpoint",
     "evaluate",
     "Evaluation",
     "load_export",

@@ -129,7 +129,7 @@ def contract_layers() -> list[list[str]]:
     """The layers of pyproject.toml's import-linter `layers` contract, without the `paramserver.` prefix."""
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())
     (contract,) = [c for c in config["tool"]["importlinter"]["contracts"] if c["type"] == "layers"]
-    return [[name.strip().removeprefix("paramserver.") for name in layer.split("|")] for layer in contract["layers"]]
+    return [[name.strip().removeprefix("paramserver.") for name in re.split(r"[|:]", layer)] for layer in contract["layers"]]
 
 
 def test_every_module_the_doc_names_exists():

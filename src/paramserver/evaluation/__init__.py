@@ -5,6 +5,6 @@ auc = paramserver.evaluation.roc_auc(labels, scores)
 """
 
 from paramserver.evaluation.evaluator import Evaluation, evaluate
-from paramserver.evaluation.metrics import roc_auc
+from paramserver.evaluation.metrics import log_loss, roc_auc
 
-__all__ = ["Evaluation", "evaluate", "roc_auc"]
+__all__ = ["Evaluation", "evaluate", "log_loss", "roc_auc"]

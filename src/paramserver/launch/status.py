@@ -28,6 +28,7 @@ import grpc
 
 from paramserver.base.config import ClusterSpec
 from paramserver.base.errors import ParamServerError
+from paramserver.checkpoint.store import is_checkpoint_name
 from paramserver.coordinator.coordinator_service import SERVICE as COORDINATOR
 from paramserver.security.auth import NO_CREDENTIALS, Credentials
 from paramserver.security.run_secret import COORDINATOR_NODE, RunSecret, new_nonce, ps_node
@@ -60,10 +61,31 @@ class NodeStatus:
     address: str
     health: str = UNREACHABLE
     state: str | None = None  # a worker: joining, training, finished, exited or dead (the coordinator's view)
-    step: int | None = None  # a worker: its step; a PS: its version (updates applied)
+    step: int | None = None  # a worker: the run's step (`run_step`); a PS: its version (updates applied)
     pushes_per_s: float | None = None
     rows: int | None = None
     rss_bytes: int | None = None
+    resumed_from: str | None = None  # a PS: the checkpoint it restored; a worker: the one the run resumed from
+
+
+def run_step(resumed_from: str | None, steps: int) -> int:
+    """A worker's step in the run: the step of the checkpoint the run resumed from (its name says it,
+    checkpoint/store.py) plus the `steps` the worker reported since (worker/recovery/lineage.py)."""
+    return (int(resumed_from.rpartition("-")[2]) if resumed_from is not None else 0) + steps
+
+
+def resumed_from(hellos: list[dict[str, Any] | None]) -> tuple[bool, str | None]:
+    """(known, the checkpoint the run resumed from) given the PS's Hello replies (None: no answer):
+    unknown when no PS answered; else the oldest checkpoint one restored, none if one restored none.
+    A PS restored alone later (partial recovery) restored a newer one: the run's step did not jump."""
+    answered = [hello for hello in hellos if hello is not None]
+    if not answered:
+        return False, None
+    names = [hello.get("restored_from") for hello in answered]
+    restored = [str(name) for name in names if is_checkpoint_name(name)]
+    if len(restored) < len(names):
+        return True, None
+    return True, min(restored, key=lambda name: int(name.rpartition("-")[2]))
 
 
 def tls_aware_check(address: str, timeout: float, service: str = "", tls: TlsMaterial | None = None) -> str:
@@ -156,7 +178,8 @@ def cluster_status(
         for node, ok in zip([*nodes[: len(cluster.ps)], workers[0]], proven):
             node.health = node.health if ok else UNPROVEN
         _fill_ps(nodes[: len(cluster.ps)], first, second)
-        _fill_workers(workers, view.result() if view is not None else None)
+        resumed = resumed_from([after or before for (before, _), (after, _) in zip(first, second)])
+        _fill_workers(workers, view.result() if view is not None else None, resumed)
     return nodes
 
 
@@ -198,16 +221,22 @@ def _fill_ps(nodes: list[NodeStatus], first: list, second: list) -> None:
         node.step = latest.get("version")
         node.rows = sum(table.get("rows", 0) for table in (latest.get("tables") or {}).values())
         node.rss_bytes = latest.get("rss_bytes")
+        node.resumed_from = latest.get("restored_from")
         if before is not None and after is not None and t1 > t0:
             node.pushes_per_s = round((after["pushes"] - before["pushes"]) / (t1 - t0), 1)
 
 
-def _fill_workers(workers: list[NodeStatus], view: dict | None) -> None:
+def _fill_workers(workers: list[NodeStatus], view: dict | None, resumed: tuple[bool, str | None]) -> None:
+    """Each worker's state and run step from the coordinator's view; the steps it holds count from
+    each worker's start, so without a PS's answer (`resumed` unknown) a worker's step is unknown."""
     if view is None:
         return
+    known, checkpoint = resumed
     for number, node in enumerate(workers):
         node.state = (view.get("states") or {}).get(str(number))
-        node.step = (view.get("steps") or {}).get(str(number))
+        steps = (view.get("steps") or {}).get(str(number))
+        node.resumed_from = checkpoint
+        node.step = run_step(checkpoint, steps) if known and isinstance(steps, int) else None
 
 
 def table(nodes: list[NodeStatus]) -> str:

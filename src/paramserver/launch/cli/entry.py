@@ -51,10 +51,9 @@ def _run_command(args: argparse.Namespace) -> int:
 
         return run_tool(args.action, args.dir, args.name, args.out)
     if args.command == "status":
-        from paramserver.launch.status import run_status
+        from paramserver.launch.cli.status_command import status
 
-        cluster, secret = commands.target(args.cluster)
-        return run_status(cluster, args.json, args.interval, args.timeout, commands.status_access(args), secret)
+        return status(args)
     if args.command == "shutdown":
         from paramserver.launch.status import shutdown_cluster
 

@@ -105,7 +105,12 @@ def _add_cluster_call_parsers(sub) -> None:
     status.add_argument(
         "cluster",
         nargs="?",
-        help="cluster JSON file, as `node --cluster` takes (default: TF_CONFIG, else the local run)",
+        metavar="CLUSTER|RUN",
+        help="cluster JSON file, as `node --cluster` takes, or one of your local runs (its name run-PID-TAG, "
+        "its pid, or its run file) (default: TF_CONFIG, else your local run; with several, they are listed)",
+    )
+    status.add_argument(
+        "--run", help="one of your local runs, by its name run-PID-TAG, its launcher's pid or its run file"
     )
     status.add_argument("--json", action="store_true", help="print one JSON list instead of a table")
     status.add_argument(

@@ -24,6 +24,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pwd
+import re
 import secrets
 import stat
 import tempfile
@@ -93,6 +95,38 @@ def start_time(pid: int) -> int | None:
         return None
 
 
+def started_at(pid: int) -> float | None:
+    """When process `pid` started, as Unix time (boot time plus its start_time), or None."""
+    ticks = start_time(pid)
+    if ticks is None:
+        return None
+    try:
+        lines = Path("/proc/stat").read_text().splitlines()
+        boot = next(int(line.split()[1]) for line in lines if line.startswith("btime "))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def command_line(pid: int) -> str:
+    """Process `pid`'s command line, its arguments joined by spaces ("" if there is no such process)."""
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return ""
+    return " ".join(part.decode(errors="replace") for part in raw.split(b"\0") if part)
+
+
+def user_name(uid: int | None) -> str:
+    """The login name of `uid` (its number where it has none; "?" for None)."""
+    if uid is None:
+        return "?"
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
 def owner(pid: int) -> int | None:
     """The user id process `pid` runs as, or None if there is no such process."""
     try:
@@ -144,6 +178,26 @@ class LocalRun:
     pid: int
     secret: RunSecret
 
+    @property
+    def name(self) -> str:
+        """`run-<pid>-<tag>`: what `paramserver status RUN` takes."""
+        return self.path.stem
+
+    @property
+    def owner(self) -> str:
+        """The user the launcher runs as (read_run checked it is the caller)."""
+        return user_name(owner(self.pid))
+
+    @property
+    def started_at(self) -> float | None:
+        """When the launcher started (Unix time), or None if it is gone."""
+        return started_at(self.pid)
+
+    @property
+    def command(self) -> str:
+        """The launcher's command line ("" if it is gone)."""
+        return command_line(self.pid)
+
 
 def read_run(path: Path, uid: int | None = None) -> LocalRun:
     """The run of run file `path`, if it is to be trusted (module docstring); else ConfigError naming why."""
@@ -170,14 +224,14 @@ def read_run(path: Path, uid: int | None = None) -> LocalRun:
     return LocalRun(path, cluster, pid, secret)
 
 
-def local_run(uid: int | None = None) -> LocalRun:
-    """The one run of this user on this machine that its files show to be trusted (read_run). Raises
-    ConfigError when the runs directory is refused (check_runs_dir), or there is no such run (naming
-    why the run files there are not trusted), or several (naming them)."""
+def local_runs(uid: int | None = None) -> tuple[list[LocalRun], list[str]]:
+    """Every run of this user on this machine that its files show to be trusted (read_run), oldest
+    launcher first, and why each other run file there is not. Raises ConfigError when the runs
+    directory is refused (check_runs_dir). Runs of other users are never read: their runs directories
+    are theirs, and one shared through $PARAMSERVER_RUN_DIR is refused."""
     folder = runs_dir()
-    none = "no cluster given: name a cluster file, set TF_CONFIG, or start `paramserver run` on this machine"
     if not os.path.lexists(folder):
-        raise ConfigError(none)
+        return [], []
     check_runs_dir(folder, uid)
     runs, refused = [], []
     for path in sorted(folder.glob("run-*.json")):
@@ -185,13 +239,45 @@ def local_run(uid: int | None = None) -> LocalRun:
             runs.append(read_run(path, uid))
         except (ConfigError, OSError) as exc:
             refused.append(str(exc))
+    runs.sort(key=lambda run: (run.started_at or 0.0, run.name))
+    return runs, refused
+
+
+def local_run(uid: int | None = None, choice: str | None = None) -> LocalRun:
+    """The run of this user on this machine that its files show to be trusted (read_run): the one
+    `choice` names (its name `run-<pid>-<tag>`, its launcher's pid, or its run file's path), else
+    the only one. Raises ConfigError when the runs directory is refused (check_runs_dir), or there
+    is no such run (naming why the run files there are not trusted), or several (naming them)."""
+    runs, refused = local_runs(uid)
+    none = "no cluster given: name a cluster file, set TF_CONFIG, or start `paramserver run` on this machine"
+    if choice is not None:
+        return _chosen(runs, refused, choice)
     if not runs:
-        listed = "; ".join(refused[:_LISTED_REASONS]) + ("; ..." if len(refused) > _LISTED_REASONS else "")
-        raise ConfigError(f"{none} ({len(refused)} run file(s) not trusted: {listed})" if refused else none)
+        raise ConfigError(f"{none} ({len(refused)} run file(s) not trusted: {_listed(refused)})" if refused else none)
     if len(runs) > 1:
         named = ", ".join(str(run.path) for run in runs)
-        raise ConfigError(f"{len(runs)} runs on this machine: name one of their cluster files: {named}")
+        raise ConfigError(f"{len(runs)} runs of yours on this machine: name one by its run file: {named}")
     return runs[0]
+
+
+def _chosen(runs: list[LocalRun], refused: list[str], choice: str) -> LocalRun:
+    matches = [run for run in runs if choice in (run.name, str(run.pid), str(run.path), run.path.name)]
+    if len(matches) == 1:
+        return matches[0]
+    if matches:
+        raise ConfigError(f"{choice!r} names {len(matches)} runs: name one ({', '.join(r.name for r in matches)})")
+    yours = ", ".join(run.name for run in runs) or "none"
+    why = f"; {len(refused)} run file(s) not trusted: {_listed(refused)}" if refused else ""
+    raise ConfigError(f"no run {choice!r} of yours on this machine (your runs: {yours}{why})")
+
+
+def _listed(refused: list[str]) -> str:
+    return "; ".join(refused[:_LISTED_REASONS]) + ("; ..." if len(refused) > _LISTED_REASONS else "")
+
+
+def is_run_name(text: str) -> bool:
+    """Whether `text` has the form of a run's name (`run-<pid>-<tag>`) or of a launcher's pid."""
+    return re.fullmatch(r"run-\d+-[0-9a-f]+|\d+", text) is not None
 
 
 def sweep_dead(folder: Path) -> None:
