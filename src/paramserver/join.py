@@ -8,9 +8,12 @@ stepped through in a debugger.
 
 from __future__ import annotations
 
+import os
+
 from paramserver.base import config as config_mod
 from paramserver.base.config import NodeConfig
 from paramserver.evaluation.evaluator import EvaluatorContext
+from paramserver.launch import threads
 from paramserver.worker import current
 from paramserver.worker.cluster import cluster_context, in_process_context
 from paramserver.worker.context import Context
@@ -26,4 +29,6 @@ def join(config: NodeConfig | None, num_ps: int = 1) -> Context:
         return existing
     if config is not None and config.task.type == config_mod.EVALUATOR:
         return current.adopt(EvaluatorContext(config, config.options))
-    return current.adopt(in_process_context(num_ps) if config is None else cluster_context(config))
+    if config is None:  # a run's single worker, threads chosen as `paramserver run` chooses (launch/threads.py)
+        return current.adopt(in_process_context(num_ps, threads.lone_worker_threads(os.environ)))
+    return current.adopt(cluster_context(config))

@@ -8,13 +8,16 @@ any other process need. On a shared 2-core machine with two busy processes a 1 P
 run fell from ~5,000 to ~400-900 examples/s that way. Two things prevent it:
 
 - the processes `paramserver run` starts get a passive wait policy (their threads sleep as
-  soon as a parallel region ends) unless the user's environment already chose one;
+  soon as a parallel region ends) unless the user's environment already chose one (importing
+  paramserver sets it in its own process too: base/omp_wait.py);
 - a worker gets the cores that are idle when the run starts, shared out among the workers (at
   least one thread): the PS works mostly while its workers wait for its replies, so it needs no
-  core of its own, but cores that other processes keep busy are not counted.
+  core of its own, but cores that other processes keep busy are not counted. A script run with
+  no cluster (in-process shards) is such a run's single worker (`lone_worker_threads`).
 
 The choice is made here, from numbers passed in, and the launcher puts it into each child's
-environment and options: nothing deeper reads the environment for it.
+environment and options (join.py into an in-process cluster's): nothing deeper reads the
+environment for it.
 """
 
 from __future__ import annotations
@@ -25,9 +28,18 @@ from dataclasses import dataclass
 
 import psutil
 
-# Each variable is a runtime's own knob for the same thing: libgomp reads OMP_WAIT_POLICY (and
-# GOMP_SPINCOUNT), Intel's OpenMP KMP_BLOCKTIME (milliseconds a thread spins before it sleeps).
-PASSIVE_WAIT_ENV: Mapping[str, str] = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0", "KMP_BLOCKTIME": "0"}
+from paramserver.base.omp_wait import PASSIVE_WAIT_ENV, wait_policy_env
+
+__all__ = [
+    "PASSIVE_WAIT_ENV",
+    "ThreadChoice",
+    "choose",
+    "choose_torch_threads",
+    "lone_worker_threads",
+    "measure",
+    "wait_policy_env",
+]
+
 _SAMPLE_S = 0.1  # how long the launcher samples the machine's CPU use before it chooses
 
 
@@ -47,14 +59,6 @@ def choose_torch_threads(cores: int, num_workers: int, busy_cores: float) -> int
         raise ValueError(f"need at least 1 worker, got {num_workers}")
     idle = round(max(0.0, cores - max(0.0, busy_cores)))
     return max(1, idle // num_workers)
-
-
-def wait_policy_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """The variables that make OpenMP threads sleep when idle, to add to a child's environment;
-    none when `environ` already sets one of them (the user's choice stands)."""
-    if any(name in environ for name in PASSIVE_WAIT_ENV):
-        return {}
-    return dict(PASSIVE_WAIT_ENV)
 
 
 def choose(num_workers: int, cores: int, busy_cores: float, environ: Mapping[str, str]) -> ThreadChoice:
@@ -80,3 +84,11 @@ def measure(num_workers: int) -> ThreadChoice:
     """`choose` for this process now: its usable cores, their use over a short sample, this environment."""
     cores = usable_cores()
     return choose(num_workers, len(cores), busy_cores_now(cores), os.environ)
+
+
+def lone_worker_threads(environ: Mapping[str, str]) -> int:
+    """Torch threads for a script that runs its shards in-process (no cluster): `measure(1)`'s
+    choice, or 0 (torch's default stands) when `environ` sets OMP_NUM_THREADS (the user's choice)."""
+    if environ.get("OMP_NUM_THREADS"):
+        return 0
+    return measure(1).torch_threads

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
+from paramserver.base import omp_wait
 from paramserver.base.config import NodeConfig, Options
 from paramserver.base.consistency_spec import ConsistencySpec
 from paramserver.base.grpc_fork import GRPC_FORK_SUPPORT_ENV, grpc_fork_handlers_on
@@ -28,8 +30,18 @@ from paramserver.worker.summaries import open_summaries
 log = logging.getLogger(__name__)
 
 
-def in_process_context(num_ps: int) -> Context:
+def in_process_context(num_ps: int, torch_threads: int = 0) -> Context:
+    """A cluster of `num_ps` shards in this process, this worker its only one. `torch_threads` > 0:
+    torch's intra-op threads, unless the script changed them from torch's default already."""
     options = Options()
+    if torch_threads > 0 and torch.get_num_threads() == _default_threads():
+        torch.set_num_threads(torch_threads)
+    if omp_wait.spinning_since_torch_loaded_first:
+        log.info(
+            "torch was imported before paramserver with no OpenMP wait policy set: idle torch threads spin and "
+            "slow the steps while other processes use the cores. Import paramserver first, or set "
+            "OMP_WAIT_POLICY=PASSIVE in the environment (docs/performance.md)"
+        )
     client = PSClient(in_process_shards(num_ps), options.rpc_timeout_s, options.split_bytes)
     client.connect(options.connect_timeout_s)
     coordinator = CoordinatorClient(in_process_coordinator(), 0, options.rpc_timeout_s, options.heartbeat_s)
@@ -46,6 +58,14 @@ def in_process_context(num_ps: int) -> Context:
         ModeSwitcher(client, 0, 1, barrier=coordinator.barrier),
         coordinator,
     )
+
+
+def _default_threads() -> int:
+    """torch's own thread count: OpenMP's default, the cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # no affinity on this platform
+        return os.cpu_count() or 1
 
 
 def _join(coordinator: CoordinatorClient, timeout: float) -> None:
