@@ -32,6 +32,24 @@ class Stub:
         return Call(self.polls.pop(0))
 
 
+class Ticking(Stub):
+    """A shard whose every call takes a poll's time on `clock` (the time.monotonic the test set)."""
+
+    def __init__(self, clock, polls):
+        super().__init__(0, polls)
+        self.clock = clock
+
+    def checkpoint(self, request, timeout):
+        self.clock[0] += checkpoint_write.POLL_S
+        return super().checkpoint(request, timeout)
+
+
+def ticking_clock(monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr(checkpoint_write.time, "monotonic", lambda: clock[0])
+    return clock
+
+
 def entry(index):
     return msg.CheckpointReply(index=index, file=f"shard-{index}.safetensors", bytes=10, sha256="ab")
 
@@ -60,16 +78,9 @@ def test_a_refused_begin_is_raised_after_the_shards_that_began_are_collected():
 
 
 def test_a_file_that_stops_growing_fails_the_write(monkeypatch):
-    clock = [0.0]
-    monkeypatch.setattr(checkpoint_write.time, "monotonic", lambda: clock[0])
+    clock = ticking_clock(monkeypatch)
     polls = [pending(0, 5), pending(0, 9)] + [pending(0, 9)] * 100
-
-    class Ticking(Stub):
-        def checkpoint(self, request, timeout):
-            clock[0] += checkpoint_write.POLL_S
-            return super().checkpoint(request, timeout)
-
-    stubs = [Ticking(0, polls)]
+    stubs = [Ticking(clock, polls)]
     write = checkpoint_write.begin(lambda: stubs, "ckpt-000000001", 1.0)
     with pytest.raises(DeadlineExceededError, match="has not grown"):
         write.collect()
@@ -78,15 +89,8 @@ def test_a_file_that_stops_growing_fails_the_write(monkeypatch):
 
 
 def test_a_live_shard_that_writes_slowly_is_waited_for_however_long(monkeypatch):
-    clock = [0.0]
-    monkeypatch.setattr(checkpoint_write.time, "monotonic", lambda: clock[0])
+    clock = ticking_clock(monkeypatch)
     polls = [pending(0, 100 * k) for k in range(1, 200)] + [entry(0)]
-
-    class Ticking(Stub):
-        def checkpoint(self, request, timeout):
-            clock[0] += checkpoint_write.POLL_S
-            return super().checkpoint(request, timeout)
-
-    stubs = [Ticking(0, polls)]
+    stubs = [Ticking(clock, polls)]
     write = checkpoint_write.begin(lambda: stubs, "ckpt-000000001", 1.0)
     assert write.collect()[0]["file"] == "shard-0.safetensors" and clock[0] > 3 * checkpoint_write.STALL_S
