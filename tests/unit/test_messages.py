@@ -19,8 +19,10 @@ from paramserver.wire import messages as msg
 from paramserver.wire.message_fields import fields_of, markdown, replaced
 
 ROOT = Path(__file__).resolve().parents[2]
-ALL = sorted({cls for methods in msg.SERVICES.values() for pair in methods.values() for cls in pair},
-             key=lambda cls: cls.__name__)
+ALL = sorted(
+    {cls for methods in msg.SERVICES.values() for pair in methods.values() for cls in pair},
+    key=lambda cls: cls.__name__,
+)
 SGD = {"name": "sgd", "hyper": {"lr": 0.5}}
 
 
@@ -32,7 +34,9 @@ def example(hint):
     if type(None) in args:
         return example(next(arg for arg in args if arg is not type(None)))
     if isinstance(hint, type) and issubclass(hint, tuple):
-        return hint(*(f"{name}-x" for name in hint._fields))
+        return hint(
+            *(example(kind) if kind is not str else f"{name}-x" for name, kind in typing.get_type_hints(hint).items())
+        )
     if origin is list:
         return [example(args[0]), example(args[0])]
     if origin is dict:
@@ -97,8 +101,9 @@ def test_json_integers_are_numbers_and_named_tuples_are_lists():
 
 
 # ---- refused fields ---------------------------------------------------------------------------
-CASES = [(cls, spec.name, bad) for cls in ALL for spec in fields_of(cls)
-         for bad in [wrong(spec.hint)] if bad is not None]
+CASES = [
+    (cls, spec.name, bad) for cls in ALL for spec in fields_of(cls) for bad in [wrong(spec.hint)] if bad is not None
+]
 
 
 @pytest.mark.parametrize("cls, name, bad", CASES, ids=[f"{c.__name__}.{n}" for c, n, _ in CASES])
@@ -119,18 +124,24 @@ def test_a_missing_required_field_is_refused_naming_it(cls, name):
         cls.from_meta(meta)
 
 
-@pytest.mark.parametrize("cls, meta, fragment", [
-    (msg.PushPullRequest, {"pull": ["w", 3]}, r"'pull'\[1\] must be a string, got 3"),
-    (msg.PushPullRequest, {"lr": {"g": "fast"}}, r"'lr'\['g'\] must be a number"),
-    (msg.PushPullRequest, {"rows": [["t", "a"]]}, r"'rows'\[0\] must be \[table, ids, grads\]"),
-    (msg.PushPullRequest, {"lookups": [["t", "a", 5]]}, r"'lookups'\[0\]\[2\] must be a string"),
-    (msg.PushPullRequest, {"marker": 1}, "'marker' must be true or false"),
-    (msg.PushPullRequest, {"step": 1.5}, "'step' must be an integer or null"),
-    (msg.BarrierRequest, {"worker": 0, "name": "", "wait": 1}, "'name' must not be empty"),
-    (msg.CoordinatorReply, {"global_step": 0, "live": [], "workers": 1, "states": {"0": 1},
-                            "checkpoints_requested": 0}, r"'states'\['0'\] must be a string"),
-    (msg.RegisterRequest, ["group"], "meta must be an object"),
-])
+@pytest.mark.parametrize(
+    "cls, meta, fragment",
+    [
+        (msg.PushPullRequest, {"pull": ["w", 3]}, r"'pull'\[1\] must be a string, got 3"),
+        (msg.PushPullRequest, {"lr": {"g": "fast"}}, r"'lr'\['g'\] must be a number"),
+        (msg.PushPullRequest, {"rows": [["t", "a"]]}, r"'rows'\[0\] must be \[table, ids, grads\]"),
+        (msg.PushPullRequest, {"lookups": [["t", "a", 5]]}, r"'lookups'\[0\]\[2\] must be a string"),
+        (msg.PushPullRequest, {"marker": 1}, "'marker' must be true or false"),
+        (msg.PushPullRequest, {"step": 1.5}, "'step' must be an integer or null"),
+        (msg.BarrierRequest, {"worker": 0, "name": "", "wait": 1}, "'name' must not be empty"),
+        (
+            msg.CoordinatorReply,
+            {"global_step": 0, "live": [], "workers": 1, "states": {"0": 1}, "checkpoints_requested": 0},
+            r"'states'\['0'\] must be a string",
+        ),
+        (msg.RegisterRequest, ["group"], "meta must be an object"),
+    ],
+)
 def test_the_error_says_where_inside_a_field(cls, meta, fragment):
     with pytest.raises(MalformedFrameError, match=fragment):
         cls.from_meta(meta)
@@ -149,8 +160,9 @@ class Writer:
 @pytest.fixture
 def service():
     service = ShardService(Shard(0), save_checkpoint=Writer())
-    service.call("Register", codec.encode({"group": "g", "optimizer": SGD, "worker": 0},
-                                          [("w", np.arange(4, dtype=np.float32))]))
+    service.call(
+        "Register", codec.encode({"group": "g", "optimizer": SGD, "worker": 0}, [("w", np.arange(4, dtype=np.float32))])
+    )
     return service
 
 
@@ -164,13 +176,16 @@ ROWS = {"name": "adagrad", "hyper": {"lr": 0.1}}
 INIT = {"kind": "zeros"}
 BAD_REQUESTS = [
     ("Register", {"group": "h", "optimizer": SGD, "worker": "0"}, [("v", np.ones(2, np.float32))], "worker"),
-    ("Register", {"group": "h", "optimizer": SGD, "consistency": "sync"}, [("v", np.ones(2, np.float32))],
-     "consistency"),
+    (
+        "Register",
+        {"group": "h", "optimizer": SGD, "consistency": "sync"},
+        [("v", np.ones(2, np.float32))],
+        "consistency",
+    ),
     ("PushPull", {"pull": ["w"], "worker": 0, "step": "3"}, [("w", np.ones(4, np.float32))], "step"),
     ("PushPull", {"lr": {"g": "0.1"}}, [("w", np.ones(4, np.float32))], "lr"),
     ("PushPull", {"marker": "yes", "worker": 0}, [], "marker"),
-    ("PushPull", {"rows": [["t", "s.ids"]]}, [("w", np.ones(4, np.float32)), ("s.ids", np.ones(1, np.int64))],
-     "rows"),
+    ("PushPull", {"rows": [["t", "s.ids"]]}, [("w", np.ones(4, np.float32)), ("s.ids", np.ones(1, np.int64))], "rows"),
     ("SetMode", {"consistency": "sync"}, [], "consistency"),
     ("Leave", {"worker": "0"}, [], "worker"),
     ("Leave", {"barrier": "b"}, [], "worker"),
@@ -183,8 +198,7 @@ BAD_REQUESTS = [
 ]
 
 
-@pytest.mark.parametrize("method, meta, tensors, field", BAD_REQUESTS,
-                         ids=[f"{m}.{f}" for m, _, _, f in BAD_REQUESTS])
+@pytest.mark.parametrize("method, meta, tensors, field", BAD_REQUESTS, ids=[f"{m}.{f}" for m, _, _, f in BAD_REQUESTS])
 def test_a_bad_field_in_a_shard_request_is_refused_and_changes_nothing(service, method, meta, tensors, field):
     before = state(service)
     with pytest.raises(MalformedFrameError, match=f"^{method} request[: ].*'?{field}'?"):
@@ -208,15 +222,18 @@ def test_the_shard_services_replies_are_its_messages(service):
     assert msg.LeaveReply.from_meta(left) == msg.LeaveReply(version=1, step=0)
 
 
-@pytest.mark.parametrize("method, meta, field", [
-    ("Join", {"worker": True}, "worker"),
-    ("Heartbeat", {"worker": 0, "step": "5"}, "step"),
-    ("Heartbeat", {"worker": 0}, "step"),
-    ("Barrier", {"worker": 0, "name": "", "wait": 0}, "name"),
-    ("Barrier", {"worker": 0, "name": "b", "wait": "0"}, "wait"),
-    ("Barrier", {"worker": 0, "name": "b", "wait": 0, "training_only": 1}, "training_only"),
-    ("RequestCheckpoint", {}, "worker"),
-])
+@pytest.mark.parametrize(
+    "method, meta, field",
+    [
+        ("Join", {"worker": True}, "worker"),
+        ("Heartbeat", {"worker": 0, "step": "5"}, "step"),
+        ("Heartbeat", {"worker": 0}, "step"),
+        ("Barrier", {"worker": 0, "name": "", "wait": 0}, "name"),
+        ("Barrier", {"worker": 0, "name": "b", "wait": "0"}, "wait"),
+        ("Barrier", {"worker": 0, "name": "b", "wait": 0, "training_only": 1}, "training_only"),
+        ("RequestCheckpoint", {}, "worker"),
+    ],
+)
 def test_a_bad_field_in_a_coordinator_request_is_refused_and_changes_nothing(method, meta, field):
     coordinator = Coordinator(2)
     service = CoordinatorService(coordinator)
@@ -225,31 +242,78 @@ def test_a_bad_field_in_a_coordinator_request_is_refused_and_changes_nothing(met
         service.call(method, codec.encode(meta))
     assert coordinator.view() == before and coordinator.state(0) == "joining"
     service.call("Join", codec.encode({"worker": 0}))
-    view = msg.CoordinatorReply.from_meta(codec.decode(service.call(
-        "Barrier", codec.encode({"worker": 0, "name": "b", "wait": 0}))).meta)
+    view = msg.CoordinatorReply.from_meta(
+        codec.decode(service.call("Barrier", codec.encode({"worker": 0, "name": "b", "wait": 0}))).meta
+    )
     assert view.open is False and view.waiting == [1]  # no earlier arrival was recorded
 
 
 # ---- the bytes on the wire --------------------------------------------------------------------
-@pytest.mark.parametrize("message, old", [
-    (msg.PushPullRequest(pull=["w:0"], worker=1, step=4, rows=[msg.RowPush("t", "r0.ids", "r0.grads")],
-                         lookups=[msg.RowLookup("t", "l2.ids", "l2.rows")], resumed="ckpt", base=9, lr={"g": 0.1}),
-     {"pull": ["w:0"], "worker": 1, "step": 4, "rows": [["t", "r0.ids", "r0.grads"]],
-      "lookups": [["t", "l2.ids", "l2.rows"]], "resumed": "ckpt", "base": 9, "lr": {"g": 0.1}}),
-    (msg.PushPullRequest(pull=[], worker=0, step=0, marker=True), {"pull": [], "worker": 0, "step": 0, "marker": True}),
-    (msg.RegisterRequest(group="g", optimizer=SGD, consistency={"mode": "async"}, worker=2),
-     {"group": "g", "optimizer": SGD, "consistency": {"mode": "async"}, "worker": 2}),
-    (msg.LeaveRequest(worker=1, barrier="b"), {"worker": 1, "barrier": "b"}),
-    (msg.LeaveRequest(worker=1, gone="dead"), {"worker": 1, "gone": "dead"}),
-    (msg.CheckpointRequest(name="n"), {"name": "n"}),
-    (msg.RegisterTableRequest(table="t", dim=4, optimizer=ROWS, init=INIT, policy={"admit_after": 2}, capacity=8,
-                              num_shards=2, consistency={"mode": "sync", "workers": 2}),
-     {"table": "t", "dim": 4, "optimizer": ROWS, "init": INIT, "policy": {"admit_after": 2}, "capacity": 8,
-      "num_shards": 2, "consistency": {"mode": "sync", "workers": 2}}),
-    (msg.HeartbeatRequest(worker=0, step=3), {"worker": 0, "step": 3}),
-    (msg.BarrierRequest(worker=0, name="b", wait=5.0, training_only=True),
-     {"worker": 0, "name": "b", "wait": 5.0, "training_only": True}),
-])
+@pytest.mark.parametrize(
+    "message, old",
+    [
+        (
+            msg.PushPullRequest(
+                pull=["w:0"],
+                worker=1,
+                step=4,
+                rows=[msg.RowPush("t", "r0.ids", "r0.grads")],
+                lookups=[msg.RowLookup("t", "l2.ids", "l2.rows")],
+                resumed="ckpt",
+                base=9,
+                lr={"g": 0.1},
+            ),
+            {
+                "pull": ["w:0"],
+                "worker": 1,
+                "step": 4,
+                "rows": [["t", "r0.ids", "r0.grads"]],
+                "lookups": [["t", "l2.ids", "l2.rows"]],
+                "resumed": "ckpt",
+                "base": 9,
+                "lr": {"g": 0.1},
+            },
+        ),
+        (
+            msg.PushPullRequest(pull=[], worker=0, step=0, marker=True),
+            {"pull": [], "worker": 0, "step": 0, "marker": True},
+        ),
+        (
+            msg.RegisterRequest(group="g", optimizer=SGD, consistency={"mode": "async"}, worker=2),
+            {"group": "g", "optimizer": SGD, "consistency": {"mode": "async"}, "worker": 2},
+        ),
+        (msg.LeaveRequest(worker=1, barrier="b"), {"worker": 1, "barrier": "b"}),
+        (msg.LeaveRequest(worker=1, gone="dead"), {"worker": 1, "gone": "dead"}),
+        (msg.CheckpointRequest(name="n"), {"name": "n"}),
+        (
+            msg.RegisterTableRequest(
+                table="t",
+                dim=4,
+                optimizer=ROWS,
+                init=INIT,
+                policy={"admit_after": 2},
+                capacity=8,
+                num_shards=2,
+                consistency={"mode": "sync", "workers": 2},
+            ),
+            {
+                "table": "t",
+                "dim": 4,
+                "optimizer": ROWS,
+                "init": INIT,
+                "policy": {"admit_after": 2},
+                "capacity": 8,
+                "num_shards": 2,
+                "consistency": {"mode": "sync", "workers": 2},
+            },
+        ),
+        (msg.HeartbeatRequest(worker=0, step=3), {"worker": 0, "step": 3}),
+        (
+            msg.BarrierRequest(worker=0, name="b", wait=5.0, training_only=True),
+            {"worker": 0, "name": "b", "wait": 5.0, "training_only": True},
+        ),
+    ],
+)
 def test_requests_encode_to_the_bytes_the_dict_built_requests_had(message, old):
     assert codec.encode(message.to_meta()) == codec.encode(old)
 
@@ -263,8 +327,9 @@ def test_every_method_of_each_service_has_its_messages():
 
 def test_docs_protocol_md_holds_the_tables_generated_from_the_messages():
     text = (ROOT / "docs" / "protocol.md").read_text(encoding="utf-8")
-    assert replaced(text, markdown(msg.SERVICES)) == text, \
+    assert replaced(text, markdown(msg.SERVICES)) == text, (
         "docs/protocol.md is out of date: run `python -m paramserver.wire.messages --write docs/protocol.md`"
+    )
 
 
 def test_docs_protocol_md_lists_the_streams_method_ids():

@@ -96,11 +96,26 @@ class NodeConfig:
             raise ConfigError(f"task type {self.task.type!r} is not one of {list(TASK_TYPES)}")
         count = len(getattr(self.cluster, self.task.type))
         unlisted_evaluator = self.task.type == EVALUATOR and count == 0  # it serves nothing: needs no address
-        if self.task.index < 0 or not unlisted_evaluator and self.task.index >= count:
+        if self.task.index < 0 or not unlisted_evaluator and self.task.index >= count and not self._joins():
             raise ConfigError(
                 f"task {self.task.type}:{self.task.index} is outside the cluster ({count} {self.task.type} address(es))"
+                + (
+                    f"; an elastic run takes worker indices below {self.num_workers - len(self.cluster.chief)}"
+                    if self.options.max_workers
+                    else ""
+                )
             )
         self.options.validate(self.cluster.num_workers)
+
+    def _joins(self) -> bool:
+        """An elastic run's worker the cluster spec does not list (TF_CONFIG with no worker list, or a
+        new index): it joins the coordinator, within the run's `max_workers` slots."""
+        return self.task.type == "worker" and self.options.max_workers > 0 and self.worker_index < self.num_workers
+
+    @property
+    def num_workers(self) -> int:
+        """The cluster's workers: those listed, or an elastic run's `max_workers` slots."""
+        return self.options.max_workers or self.cluster.num_workers
 
     @property
     def worker_index(self) -> int:

@@ -18,20 +18,22 @@ class ConsistencySpec:
     workers: int = 0
     backups: int = 0
     staleness: int = 0  # K of ssp:K
+    elastic: bool = False  # `workers` counts slots: workers join and leave while the run trains
 
     @classmethod
-    def parse(cls, text: str, workers: int, backups: int = 0) -> ConsistencySpec:
+    def parse(cls, text: str, workers: int, backups: int = 0, elastic: bool = False) -> ConsistencySpec:
         """From the command line's form: "async", "sync" or "ssp:K"."""
         name, _, arg = str(text).partition(":")
+        common = {"workers": workers, "backups": backups, **({"elastic": True} if elastic else {})}
         if name == "ssp":
             if not arg.isdigit():
                 raise InvalidArgumentError(f"mode {text!r}: ssp needs a staleness bound, e.g. ssp:2")
             if int(arg) == 0:
-                return cls.from_dict({"mode": "sync", "workers": workers, "backups": backups})
-            return cls.from_dict({"mode": "ssp", "workers": workers, "backups": backups, "staleness": int(arg)})
+                return cls.from_dict({"mode": "sync", **common})
+            return cls.from_dict({"mode": "ssp", **common, "staleness": int(arg)})
         if arg:
             raise InvalidArgumentError(f"mode {text!r}: only ssp takes an argument")
-        return cls.from_dict({"mode": name, "workers": workers, "backups": backups})
+        return cls.from_dict({"mode": name, **common})
 
     @classmethod
     def from_dict(cls, data: dict) -> ConsistencySpec:
@@ -50,6 +52,10 @@ class ConsistencySpec:
                 raise InvalidArgumentError(f"{key} must be a non-negative integer, got {getattr(self, key)!r}")
         if self.mode != "async" and self.workers < 1:
             raise InvalidArgumentError(f"mode {self.mode} needs the number of workers")
+        if not isinstance(self.elastic, bool):
+            raise InvalidArgumentError(f"elastic must be true or false, got {self.elastic!r}")
+        if self.elastic and self.backups:
+            raise InvalidArgumentError("an elastic run takes no backup workers: its steps wait for the workers present")
         if self.backups and (self.mode != "sync" or self.backups >= self.workers):
             raise InvalidArgumentError(
                 f"{self.backups} backup workers need sync mode and fewer backups than workers ({self.workers})"
@@ -61,10 +67,15 @@ class ConsistencySpec:
         return self.workers - self.backups
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        data = asdict(self)
+        if not self.elastic:  # the form every earlier node reads
+            del data["elastic"]
+        return data
 
     def __str__(self) -> str:
         text = f"ssp:{self.staleness}" if self.mode == "ssp" else self.mode
+        if self.elastic:
+            text += f", elastic (up to {self.workers} workers)"
         return text + (f" with {self.backups} backup workers" if self.backups else "")
 
 

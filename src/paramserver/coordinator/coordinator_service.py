@@ -44,7 +44,7 @@ class CoordinatorService:
         self.coordinator = coordinator
         self.run_secret = run_secret
         self.methods: dict[str, Callable[[Any], dict]] = {
-            "Hello": lambda request: coordinator.view(),
+            "Hello": lambda request: coordinator.hello(),
             "Join": lambda request: coordinator.join(request.worker),
             "Heartbeat": lambda request: coordinator.heartbeat(
                 request.worker, request.step, request.wait, request.checkpoints

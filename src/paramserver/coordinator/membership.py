@@ -9,6 +9,12 @@ Every worker of the cluster is a member, in one of these states:
 - ``dead``: silent for longer than `heartbeat_timeout_s` while training. A restart that joins
   again brings it back; until then it is gone for good: a barrier that needs it fails at once,
   naming it. A finished member that goes silent counts as exited (its work is done).
+- ``absent``: an elastic run's slot that no worker holds yet (docs/elastic.md).
+
+In an elastic run (`elastic`) workers join and leave while the others train: a slot nobody joined
+is absent, and nothing waits for an absent, exited or dead worker, nor for one that joined after a
+barrier began (it meets the next one): a worker that leaves or dies costs the others at most the
+heartbeat timeout. Joins and leaves are kept as `events`, with their times.
 
 A barrier opens once every member that is not exited has arrived (not finished either, for the
 pauses that only training workers reach: checkpoints and mode switches). Waits are long polls of at
@@ -43,7 +49,8 @@ _INT64 = 1 << 63
 # a Barrier call is a long poll of a few seconds (the client asks again): a longer one would only let a
 # caller hold one of the coordinator's few request threads
 MAX_BARRIER_WAIT_S = 60
-STATES = ("joining", "training", "finished", "exited", "dead")
+STATES = ("joining", "training", "finished", "exited", "dead", "absent")
+MAX_EVENTS = 1000  # joins and leaves kept (the oldest dropped first)
 
 
 @dataclass
@@ -55,6 +62,7 @@ class Member:
     finished: bool = False
     exited: bool = False
     reported_gone: bool = False  # `newly_gone` told the caller already
+    joined_at: float = 0.0  # the latest join (an elastic barrier does not wait for a worker that joined after it began)
 
 
 def checkpoint_barrier(number: int) -> str:
@@ -65,9 +73,14 @@ def checkpoint_barrier(number: int) -> str:
 class Coordinator:
     """The cluster's membership for `num_workers` workers."""
 
-    def __init__(self, num_workers: int, heartbeat_timeout_s: float = 30.0, clock=time.monotonic) -> None:
+    def __init__(
+        self, num_workers: int, heartbeat_timeout_s: float = 30.0, clock=time.monotonic, elastic: bool = False
+    ) -> None:
+        """`num_workers`: the cluster's workers, or an elastic run's slots (`elastic`)."""
         self.num_workers = num_workers
+        self.elastic = elastic
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.events: list[dict] = []  # joins and leaves: {"t": seconds since start, "worker", "event"}
         self._clock = clock
         self._members = {worker: Member(worker) for worker in range(num_workers)}
         self._barriers = Barriers()
@@ -84,10 +97,17 @@ class Coordinator:
         with self._cond:
             member = self._members[worker]
             again = member.joined
+            was = self._state(member)
             member.joined, member.finished, member.exited, member.reported_gone = True, False, False, False
-            member.last_seen = self._clock()
+            member.last_seen = member.joined_at = self._clock()
             self._barriers.forget(worker)  # a restarted worker waits nowhere yet
-            log.debug("coordinator: worker %d %s", worker, "joined again" if again else "joined")
+            self._event(worker, "joined" if was in ("joining", "absent", "exited") else "rejoined")
+            log.log(
+                logging.INFO if self.elastic else logging.DEBUG,
+                "coordinator: worker %d %s",
+                worker,
+                "joined again" if again else "joined",
+            )
             self._cond.notify_all()
             return self._view()
 
@@ -137,7 +157,10 @@ class Coordinator:
         """The worker's script ended: nothing waits for it any more."""
         self._check(worker)
         with self._cond:
-            self._members[worker].exited = True
+            member = self._members[worker]
+            if not member.exited:
+                self._event(worker, "left")
+            member.exited = True
             self._barriers.forget(worker)
             self._cond.notify_all()
             return self._view()
@@ -212,6 +235,7 @@ class Coordinator:
                 if self._state(member) == "dead" and not member.reported_gone:
                     member.reported_gone = True
                     found.append((member.worker, self._why_dead(member)))
+                    self._event(member.worker, "died")
             return found
 
     def all_done(self, joining_grace_s: float = 0.0) -> bool:
@@ -220,7 +244,7 @@ class Coordinator:
         with self._cond:
             states = [self._state(m) for m in self._members.values()]
             waiting_to_join = "joining" in states and self._clock() - self._started < joining_grace_s
-            return not waiting_to_join and all(s in ("exited", "dead", "joining") for s in states)
+            return not waiting_to_join and all(s in ("exited", "dead", "joining", "absent") for s in states)
 
     def wait_all_done(self, joining_grace_s: float, poll_s: float = 1.0) -> None:
         """Block until `all_done`: while any worker is alive, however long it takes."""
@@ -231,7 +255,7 @@ class Coordinator:
     # ---- internals ---------------------------------------------------------------------------
     def _state(self, member: Member) -> str:
         if not member.joined:
-            return "joining"
+            return "absent" if self.elastic and member.worker != 0 else "joining"
         if member.exited:
             return "exited"
         if self._clock() - member.last_seen > self.heartbeat_timeout_s:
@@ -249,7 +273,15 @@ class Coordinator:
         if training_only is None:
             training_only = self._barriers.training_only.get(name, False)
         arrived = self._barriers.arrived.get(name, set())
-        skipped = ("exited", "finished") if training_only else ("exited",)
+        skipped: tuple[str, ...] = ("exited", "absent", "finished") if training_only else ("exited", "absent")
+        if self.elastic:  # nothing waits for a worker that died, nor for one that joined after the barrier began
+            skipped += ("dead",)
+            began = self._barriers.started.get(name, self._clock())
+            return [
+                m.worker
+                for m in self._members.values()
+                if m.worker not in arrived and self._state(m) not in skipped and m.joined_at <= began
+            ]
         return [m.worker for m in self._members.values() if m.worker not in arrived and self._state(m) not in skipped]
 
     def _barrier_open(self, name: str, training_only: bool) -> bool:
@@ -304,6 +336,19 @@ class Coordinator:
 
     def _live(self) -> list[int]:
         return [m.worker for m in self._members.values() if self._state(m) in ("training", "finished")]
+
+    def _event(self, worker: int, what: str) -> None:
+        """Record a join or a leave (call under `_cond`)."""
+        self.events.append({"t": round(self._clock() - self._started, 3), "worker": worker, "event": what})
+        del self.events[:-MAX_EVENTS]
+
+    def hello(self) -> dict:
+        """The view, and in an elastic run the joins and leaves so far (`paramserver status`)."""
+        with self._cond:
+            if not self.elastic:
+                return self._view()
+            events = [[e["t"], e["worker"], e["event"]] for e in self.events]
+            return {**self._view(), "elastic": True, "events": events}
 
     def _view(self) -> dict:
         return {

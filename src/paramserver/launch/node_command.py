@@ -149,8 +149,9 @@ def run_script(config: NodeConfig, script: str, args: list[str]) -> int:
     sys.argv = [str(path), *args]
     sys.path.insert(0, str(path.resolve().parent))
     log.info("%s %d: running %s", config.task.type, config.task.index, path)
-    if config.options.checkpoint_dir and config.task.type != config_mod.EVALUATOR:
-        preemption.install(config.options.preempt_grace_s)  # SIGTERM: a checkpoint at the next step, then stop
+    leaves_alone = config.options.max_workers > 0 and config.worker_index != 0  # an elastic run's worker
+    if (config.options.checkpoint_dir or leaves_alone) and config.task.type != config_mod.EVALUATOR:
+        preemption.install(config.options.preempt_grace_s, leaves_alone)  # SIGTERM: a checkpoint (or a leave)
     completed = False
     try:
         runpy.run_path(str(path), run_name="__main__")

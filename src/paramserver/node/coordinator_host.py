@@ -58,7 +58,7 @@ class CoordinatorHost(Lifecycle):
         self.address = address
         self.options = options
         self.credentials = credentials or Credentials()
-        self.coordinator = Coordinator(num_workers, options.heartbeat_timeout_s)
+        self.coordinator = Coordinator(num_workers, options.heartbeat_timeout_s, elastic=options.max_workers > 0)
         self.guard = Guard.from_options(options, "coordinator", COORDINATOR_ACTIONS)  # token store and audit log
         service = CoordinatorService(self.coordinator, RunSecret.from_options(options))  # Prove: the run's secret
         service.guard = self.guard

@@ -237,6 +237,7 @@ class Shard:
     def _adopt(self, consistency: ConsistencySpec | None) -> None:
         if self.spec is None and consistency is not None:
             self.spec = consistency
+            self._quorum.elastic = consistency.elastic
             log.info("shard %d: consistency %s, %d workers", self.index, consistency, consistency.workers)
 
     @staticmethod
@@ -400,8 +401,7 @@ class Shard:
         with self._cond:
             self._check_worker(self.spec or ConsistencySpec(), worker)
             self._quorum.leave(worker, barrier)
-            if self._round is not None and self._round.contributors and len(self._round.contributors) >= self._needed():
-                self._apply_round()
+            self._apply_round_if_complete()
             self._cond.notify_all()
         log.debug("shard %d: worker %d %s", self.index, worker, f"waits at {barrier!r}" if barrier else "left")
 
@@ -411,8 +411,14 @@ class Shard:
         with self._cond:
             self._check_worker(self.spec or ConsistencySpec(), worker)
             self._quorum.forget(worker, why)
+            self._apply_round_if_complete()
             self._cond.notify_all()
         log.warning("shard %d: worker %d is gone (%s)", self.index, worker, why)
+
+    def _apply_round_if_complete(self) -> None:
+        """A worker left the quorum: the step under way may have all the pushes it needs now."""
+        if self._round is not None and self._round.contributors and len(self._round.contributors) >= self._needed():
+            self._apply_round()
 
     def _needed(self) -> int:
         """Pushes the sync step under way needs."""
@@ -432,6 +438,7 @@ class Shard:
                 self._apply_round()
             self._round = None
             self.spec = spec
+            self._quorum.elastic = spec.elastic
             self._switched = True
             self._cond.notify_all()
         log.info(
@@ -587,7 +594,7 @@ class Shard:
         spec = self.spec
         if spec is None or spec.mode != "ssp":
             return True
-        active = [w for w in range(spec.workers) if w not in self._quorum.left] or [worker]
+        active = self._quorum.active(spec.workers) or [worker]
         slowest = min(self._clocks.get(w, 0) for w in active)
         return self._clocks[worker] - slowest <= spec.staleness
 

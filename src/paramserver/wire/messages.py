@@ -349,6 +349,14 @@ SHARD_METHODS: dict[str, tuple[type[Message], type[Message]]] = {
 
 
 # ---- coordinator (paramserver.Coordinator) ---------------------------------------------------
+class MembershipEvent(NamedTuple):
+    """A worker joined or left an elastic run: seconds since the coordinator started, the worker, what."""
+
+    t: float
+    worker: int
+    event: str  # joined, rejoined, left or died
+
+
 @message("coordinator reply")
 class CoordinatorReply(Message):
     """The membership as the coordinator sees it (every method's reply)."""
@@ -356,7 +364,7 @@ class CoordinatorReply(Message):
     global_step: int = doc_field("sum of the members' reported steps")
     live: list[int] = doc_field("workers training or finished")
     workers: int = doc_field("workers in the cluster")
-    states: dict[str, str] = doc_field("by worker: joining, training, finished, exited or dead")
+    states: dict[str, str] = doc_field("by worker: joining, training, finished, exited, dead or absent")
     checkpoints_requested: int = doc_field(
         "checkpoints announced so far: every worker meets at barrier checkpoint#<this> after the step at "
         "which it learns of a new one"
@@ -371,6 +379,10 @@ class CoordinatorReply(Message):
         "what the hosting worker published for the others, by key "
         "(e.g. `dense_sync`: the all-reduce rendezvous address)",
         default=None,
+    )
+    elastic: bool | None = doc_field("Hello only: whether workers join and leave the run (max_workers)", default=None)
+    events: list[MembershipEvent] | None = doc_field(
+        "Hello only, elastic runs: the joins and leaves so far, [seconds since start, worker, what]", default=None
     )
 
 

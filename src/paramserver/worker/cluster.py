@@ -91,7 +91,7 @@ def cluster_context(config: NodeConfig) -> Context:
         )
     if options.torch_threads > 0:
         torch.set_num_threads(options.torch_threads)
-    workers = cluster.num_workers
+    workers = config.num_workers  # an elastic run's slots
     credentials = Credentials.from_options(options)  # files read once; the token is presented on every call
     metrics = NodeMetrics()
     rollback = RollbackFlag(max(10.0, 2 * options.heartbeat_s))
@@ -122,7 +122,9 @@ def cluster_context(config: NodeConfig) -> Context:
         )
         _join(coordinator, options.connect_timeout_s)
         checkpointer, meet = _pauses(config, client, coordinator)
-        modes = ModeSwitcher(client, index, workers, options.mode_changes, options.backup_workers, meet)
+        modes = ModeSwitcher(
+            client, index, workers, options.mode_changes, options.backup_workers, meet, options.max_workers > 0
+        )
     except BaseException:
         ops.stop()
         if host is not None:
@@ -189,7 +191,7 @@ def _host_coordinator(
     address = (config.cluster.chief or config.cluster.worker)[0]
     if config.worker_index != 0:
         return None, address
-    host = CoordinatorHost(config.cluster.num_workers, address, config.options, credentials, metrics)
+    host = CoordinatorHost(config.num_workers, address, config.options, credentials, metrics)
     return host, host.start()
 
 

@@ -285,6 +285,8 @@ class Context:
         now, at this step boundary, the others leave; then Preempted ends the script."""
         signum = preemption.requested()
         assert signum is not None
+        if self.elastic and not self.is_chief:
+            self._leave_run(signum, step)
         checkpointer = self.checkpointer
         if self.is_chief and checkpointer is not None:
             for optimizer in self.optimizers:  # nothing of this worker in flight while the shards write
@@ -299,6 +301,20 @@ class Context:
             else:
                 log.error("the preemption checkpoint was not written (see above); stopping after step %d", step)
         raise preemption.Preempted(signum, step)
+
+    @property
+    def elastic(self) -> bool:
+        """Whether workers join and leave this run while it trains (`max_workers`, docs/elastic.md)."""
+        return self.options.max_workers > 0
+
+    def _leave_run(self, signum: int, step: int) -> None:
+        """An elastic run's worker asked to go: its pushes applied, out of every quorum, its data handed
+        back, it leaves; the others train on."""
+        for optimizer in self.optimizers:
+            optimizer.synchronize()
+        self.client.leave(timeout=self.options.rpc_timeout_s)
+        log.info("worker %d leaves the run after step %d", self.worker_index, step, extra={"event": "left"})
+        raise preemption.Left(signum, step)
 
     def pause(self, step: int) -> None:
         """Meet the others at the barriers due after `step`: mode switches, checkpoints."""

@@ -19,6 +19,7 @@ class ModeSwitcher:
         schedule: Sequence[ModeChange] = (),
         backup_workers: int = 0,
         barrier=None,
+        elastic: bool = False,
     ) -> None:
         """`schedule`: Options.mode_changes (Options checked every mode in it when it was built)."""
         self.client = client
@@ -26,13 +27,14 @@ class ModeSwitcher:
         self.worker_index = worker_index
         self.num_workers = num_workers
         self.backup_workers = backup_workers
+        self.elastic = elastic  # a switch keeps the run elastic (docs/elastic.md)
         self.pending = list(schedule)
 
     def set_mode(self, mode: str, backup_workers: int | None = None) -> ConsistencySpec:
         if self.worker_index != 0:
             raise ParamServerError(f"only the chief (worker 0) switches modes; this is worker {self.worker_index}")
         backups = self.backup_workers if backup_workers is None else backup_workers
-        spec = ConsistencySpec.parse(mode, self.num_workers, backups if mode.startswith("sync") else 0)
+        spec = ConsistencySpec.parse(mode, self.num_workers, backups if mode.startswith("sync") else 0, self.elastic)
         self.client.set_mode(spec)
         return spec
 

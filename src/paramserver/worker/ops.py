@@ -48,8 +48,10 @@ class WorkerOps(Lifecycle):
         self.name = f"worker {config.worker_index}"
         self.metrics = metrics
         self.health = health or Health()
-        bind = bind_address(config.listed_address())
-        self.health_server = health_server(self.health, bind, tls) if health is None else None
+        # an elastic run's worker that the cluster spec does not list has no address to serve health on
+        listed = config.address
+        serves = health is None and listed is not None
+        self.health_server = health_server(self.health, bind_address(listed or ""), tls) if serves else None
         port = config.options.metrics_port
         self.endpoint = (
             MetricsEndpoint(metrics.registry, port, config.options.metrics_bind, self.name) if port >= 0 else None

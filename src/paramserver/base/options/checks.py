@@ -66,6 +66,7 @@ def range_problems(
             f"more than twice heartbeat_s ({options.heartbeat_s})",
         )
     found += _dense_sync_problems(options, needs)
+    found += _elastic_problems(options, num_workers, needs)
     for name in ("checkpoint_every", "checkpoint_every_seconds", "resume"):
         if needs(name, "checkpoint_dir") and getattr(options, name) and not options.checkpoint_dir:
             found.append(f"option {name!r} needs a checkpoint_dir")
@@ -87,6 +88,21 @@ def _dense_sync_problems(options: Options, needs: Callable[..., bool]) -> list[s
             )
         if needs("backup_workers") and options.backup_workers:
             found.append("option 'backup_workers' needs dense_sync 'ps' (the dense all-reduce waits for every worker)")
+    return found
+
+
+def _elastic_problems(options: Options, num_workers: int | None, needs: Callable[..., bool]) -> list[str]:
+    """What an elastic run (max_workers > 0) rules out: a worker set the steps count on."""
+    if not needs("max_workers") or not options.max_workers:
+        return []
+    found = []
+    if needs("backup_workers") and options.backup_workers:
+        found.append("option 'backup_workers' needs max_workers 0 (an elastic run's steps wait for those present)")
+    if needs("dense_sync") and options.dense_sync == "allreduce":
+        found.append("option 'max_workers' needs dense_sync 'ps' (the dense all-reduce's group is fixed at start)")
+    if num_workers is not None and num_workers > options.max_workers:
+        listed = f"the {num_workers} workers listed"
+        found.append(f"option 'max_workers' must be at least {listed}, got {options.max_workers}")
     return found
 
 

@@ -118,6 +118,15 @@ class Options:
              "workers)"),
         at_least=0, says="0 or more",
     )
+    max_workers: int = option(
+        0,
+        Flag("--max-workers", CONSISTENCY, "an elastic run: workers may join and leave, up to M in all", "M",
+             doc="0: the workers of the cluster spec, fixed for the run. M > 0: an elastic run of up to M workers "
+             "(slots 0..M-1; worker 0, the chief, stays for the whole run): workers join and leave while it "
+             "trains, and the coordinator hands out the data ([elastic.md](elastic.md)); refuses "
+             "`backup_workers` and dense_sync `allreduce`"),
+        at_least=0, says="0 or more",
+    )
     mode_schedule: str = option(
         "",
         Flag("--mode-schedule", CONSISTENCY, "switch modes at the chief's steps, e.g. 'sync@500'", "S",
@@ -467,7 +476,7 @@ class Options:
     def consistency(self, num_workers: int) -> ConsistencySpec:
         """The consistency spec these options give a cluster of `num_workers` workers."""
         self.validate(num_workers)
-        return ConsistencySpec.parse(self.mode, num_workers, self.backup_workers)
+        return ConsistencySpec.parse(self.mode, num_workers, self.backup_workers, self.max_workers > 0)
 
     def for_machine(self, memory: MachineMemory | None = None) -> Options:
         """These options with `max_table_rows` and `max_table_memory_bytes` left at 0 derived from

@@ -186,3 +186,20 @@ def demo_script() -> Path:
 
 def strip_dashes(args: list[str]) -> list[str]:
     return args[1:] if args[:1] == ["--"] else args
+
+
+def scale(target: list[str]) -> int:
+    """`paramserver scale [RUN] N`: ask the launcher of an elastic local run for N workers."""
+    from paramserver.launch.local import elastic
+    from paramserver.launch.local.run_files import local_run
+
+    if len(target) > 2 or not target[-1].isdigit():
+        raise ConfigError(f"scale takes [RUN] N, N the workers wanted; got {' '.join(target)!r}")
+    run = local_run(choice=target[0] if len(target) == 2 else None)
+    if not run.max_workers:
+        raise ConfigError(f"run {run.name} is not elastic: start it with --max-workers M to scale it")
+    wanted = int(target[-1])
+    elastic.check_count(wanted, run.max_workers)
+    elastic.write_wish(run.path, wanted)
+    print(f"asked run {run.name} for {wanted} workers (of at most {run.max_workers}); its output says when they run")
+    return 0

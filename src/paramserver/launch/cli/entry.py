@@ -54,6 +54,8 @@ def _run_command(args: argparse.Namespace) -> int:
         from paramserver.launch.cli.status_command import status
 
         return status(args)
+    if args.command == "scale":
+        return commands.scale(args.target)
     if args.command == "shutdown":
         from paramserver.launch.status import shutdown_cluster
 

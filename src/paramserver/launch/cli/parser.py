@@ -129,6 +129,15 @@ def _add_cluster_call_parsers(sub) -> None:
     stop.add_argument("--timeout", type=float, default=5.0, help="deadline of each call to a PS (default 5)")
     add_option_flags(stop, "shutdown")
 
+    scale = sub.add_parser("scale", help="change how many workers an elastic local run trains with (docs/elastic.md)")
+    scale.add_argument(
+        "target",
+        nargs="+",
+        metavar="[RUN] N",
+        help="the workers wanted, from 1 to the run's --max-workers; RUN (its name run-PID-TAG or its pid) when you "
+        "have several runs",
+    )
+
     health = sub.add_parser("health", help="one node's health (grpc.health.v1): exit 0 when SERVING")
     health.add_argument(
         "address", nargs="?", help="HOST:PORT of the node (default: every node of TF_CONFIG's cluster or the local run)"

@@ -11,6 +11,9 @@ addresses it writes `run-<pid>-<tag>.json` (0600; written again after a roll-bac
 
     {"cluster": {"ps": [...], "worker": [...]}, "launcher": {"pid": P, "start_time": T}}
 
+(with "max_workers": M for an elastic run, whose `run-<pid>-<tag>.scale` is `paramserver scale`'s
+wish: launch/local/elastic.py)
+
 (the cluster file format `node --cluster` takes) and deletes both when it stops. A run file is trusted
 only if both files are regular files of this user that no one else may read or write, its launcher
 (the process `pid`) is alive, is this user's, and started at `start_time` (field 22 of
@@ -155,9 +158,12 @@ class LauncherFiles:
         _write_private(files.secret_path, new_secret() + "\n")
         return files
 
-    def write(self, cluster: dict[str, list[str]]) -> Path:
-        """Write (or replace) this launcher's run file; returns its path."""
-        record = {"cluster": cluster, "launcher": {"pid": self.pid, "start_time": self.start_time}}
+    def write(self, cluster: dict[str, list[str]], max_workers: int = 0) -> Path:
+        """Write (or replace) this launcher's run file; returns its path. `max_workers` > 0: an elastic
+        run, which `paramserver scale` may resize (launch/local/elastic.py)."""
+        record: dict = {"cluster": cluster, "launcher": {"pid": self.pid, "start_time": self.start_time}}
+        if max_workers:
+            record["max_workers"] = max_workers
         partial = self.run_path.with_suffix(".tmp")
         partial.unlink(missing_ok=True)
         _write_private(partial, json.dumps(record))
@@ -165,8 +171,11 @@ class LauncherFiles:
         return self.run_path
 
     def remove(self) -> None:
-        for path in (self.run_path, self.run_path.with_suffix(".tmp"), self.secret_path):
+        for path in (self.run_path, self.run_path.with_suffix(".tmp"), self.secret_path, *self._wishes()):
             path.unlink(missing_ok=True)
+
+    def _wishes(self) -> tuple[Path, ...]:
+        return self.run_path.with_suffix(".scale"), self.run_path.with_suffix(".scale-tmp")
 
 
 @dataclass(frozen=True)
@@ -177,6 +186,7 @@ class LocalRun:
     cluster: ClusterSpec
     pid: int
     secret: RunSecret
+    max_workers: int = 0  # an elastic run's slots (`paramserver scale`); 0: a fixed worker set
 
     @property
     def name(self) -> str:
@@ -210,6 +220,9 @@ def read_run(path: Path, uid: int | None = None) -> LocalRun:
         if not (type(pid) is int and type(started) is int and path.name.startswith(f"run-{pid}-")):
             raise ValueError("its launcher's pid and start time do not match its name")
         cluster = ClusterSpec.from_dict(record["cluster"])
+        max_workers = record.get("max_workers", 0)
+        if type(max_workers) is not int or max_workers < 0:
+            raise ValueError(f"max_workers must be a non-negative integer, got {max_workers!r}")
     except (ValueError, KeyError, TypeError) as exc:
         raise ConfigError(f"{path} is not a run file: {exc}") from None
     if start_time(pid) != started or owner(pid) != uid:
@@ -221,7 +234,7 @@ def read_run(path: Path, uid: int | None = None) -> LocalRun:
         secret = RunSecret(_read_private(secret_path, uid).strip())
     except ConfigError as exc:
         raise ConfigError(f"{path}: its secret: {exc}") from None
-    return LocalRun(path, cluster, pid, secret)
+    return LocalRun(path, cluster, pid, secret, max_workers)
 
 
 def local_runs(uid: int | None = None) -> tuple[list[LocalRun], list[str]]:
@@ -283,7 +296,8 @@ def is_run_name(text: str) -> bool:
 def sweep_dead(folder: Path) -> None:
     """Delete the files launchers left when they were killed (a run file whose launcher is gone, a
     secret without a live launcher): in a directory check_runs_dir accepted, they are this user's."""
-    for path in [*folder.glob("run-*.json"), *folder.glob("run-*.secret"), *folder.glob("run-*.tmp")]:
+    leftovers = ("run-*.json", "run-*.secret", "run-*.tmp", "run-*.scale", "run-*.scale-tmp")
+    for path in [found for pattern in leftovers for found in folder.glob(pattern)]:
         pid = path.name.split("-")[1]
         if not pid.isdigit() or owner(int(pid)) is not None:
             continue  # alive (or a PID taken again since: kept, and not trusted by read_run)

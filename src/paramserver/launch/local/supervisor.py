@@ -22,6 +22,11 @@ first, waits for all of them together and SIGKILLs what is left after the grace.
 interrupt the progress board is frozen first, so the closing JSON line counts the steps up to
 the interrupt, not those the workers took while stopping.
 
+An elastic run (`max_workers` M > 0, docs/elastic.md) reserves M worker slots and starts the
+`num_workers` first; `paramserver scale` changes how many run (launch/local/elastic.py). There a
+worker other than the chief that is killed with no restart left, or asked to leave, is a leave, not
+a failure: the others train on. The closing line lists the joins and leaves (`membership`).
+
 A run given a checkpoint directory asks for checkpoints (periodic ones, and the final one at a
 clean end). The chief reports how many it wrote and how many failed (the closing JSON line's
 `checkpoints_written`, `checkpoints_failed`, `checkpoint_error`); a run that trained to its end
@@ -47,6 +52,7 @@ from paramserver.base.config import OPTIONS_ENV, TF_CONFIG_ENV, Options
 from paramserver.base.errors import ConfigError, FailedPreconditionError, UnavailableError
 from paramserver.base.lifecycle import RESTART_EXIT_CODE, Lifecycle, ReadyFlag
 from paramserver.launch import threads
+from paramserver.launch.local import elastic
 from paramserver.launch.local.ports import free_port
 from paramserver.launch.local.processes import Child, LineWriter, stop_all, wait_any
 from paramserver.launch.local.run_files import LauncherFiles
@@ -116,6 +122,12 @@ class LocalCluster(Lifecycle):
         self.certs = certs  # mutual TLS: each node's own certificate from this `paramserver certs` directory
         self.tokens = tokens
         self.restarts = 0
+        max_workers = self.options.max_workers
+        if max_workers and not num_workers <= max_workers:
+            raise ValueError(f"an elastic run of up to {max_workers} workers cannot start {num_workers}")
+        # an elastic run's wanted count, scale wishes and joins and leaves; None: a fixed worker set
+        self.elastic = elastic.WorkerSet(max_workers, num_workers) if max_workers else None
+        self._leaving: set[int] = set()  # elastic: slots asked to leave (SIGTERM), not yet exited
         self.with_evaluator = evaluator
         self.evaluator: Child | None = None  # reads checkpoints only: started once, kept through roll-backs
         self.board = ProgressBoard()
@@ -157,13 +169,14 @@ class LocalCluster(Lifecycle):
             argv = self._node_argv("--role", "ps", "--index", str(i), "--bind", "127.0.0.1:0")
             self.ps.append(self._spawn(f"ps{i}", argv, self._env(self._node_options(ps_node_name(i)))))
         self._wait_ps_ready(timeout)
-        # worker 0 serves the coordinator on its address; the others' are reserved the same way
-        self.worker_addresses = [f"127.0.0.1:{free_port()}" for _ in range(self.num_workers)]
+        # worker 0 serves the coordinator on its address; the others' (an elastic run's every slot) are reserved too
+        slots = self.elastic.max_workers if self.elastic else self.num_workers
+        self.worker_addresses = [f"127.0.0.1:{free_port()}" for _ in range(slots)]
         if self._watcher is None:
             self._watcher = threading.Thread(target=self._watch, name="run-watch", daemon=True)
             self._watcher.start()
         self._write_run_file()
-        for i in range(self.num_workers):
+        for i in range(self.elastic.wanted if self.elastic else self.num_workers):
             self.workers.append(self._start_worker(i))
         if self.with_evaluator and self.evaluator is None:
             config = json.dumps(
@@ -189,7 +202,9 @@ class LocalCluster(Lifecycle):
         cluster = {"ps": [a for a in self.ps_addresses if a], "worker": self.worker_addresses}
         first = self.run_file is None
         try:
-            self.run_file = self._run_files.write(cluster)
+            self.run_file = self._run_files.write(cluster, self.elastic.max_workers if self.elastic else 0)
+            if self.elastic:
+                self.elastic.wish_path = elastic.scale_path(self.run_file)
         except OSError as exc:
             self._lines.write("run", f"cannot write the cluster file: {exc}; `paramserver status` needs a cluster file")
             return
@@ -210,6 +225,8 @@ class LocalCluster(Lifecycle):
 
     def _start_worker(self, index: int) -> Child:
         options = self._node_options(worker_node_name(index))
+        if self.elastic:
+            self.elastic.record(index, "started")
         return self._spawn_reporting(f"worker{index}", index, options, self._tf_config(index))
 
     def _spawn_reporting(self, label: str, index: int, options: Options, tf_config: str) -> Child:
@@ -244,10 +261,15 @@ class LocalCluster(Lifecycle):
         deadline = None if timeout is None else time.monotonic() + timeout
         pending = list(self.workers)
         while pending:
+            if self.elastic:
+                pending += self._follow_wish()
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             # the PS first: a worker whose PS died exits too (75, or with the error), but the PS is the cause
             child = wait_any(self.ps + pending, min(left, 1.0) if left is not None else 1.0)
             if child is not None and self._killed_after_done(child, pending):
+                pending.remove(child)
+                continue
+            if child is not None and self._left(child):
                 pending.remove(child)
                 continue
             if child is not None and self._restartable_alone(child):
@@ -271,6 +293,50 @@ class LocalCluster(Lifecycle):
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"workers still running after {timeout}s")
         return 0
+
+    def _follow_wish(self) -> list[Child]:
+        """An elastic run: start or stop workers as a new scale wish asks; returns the workers started."""
+        assert self.elastic is not None
+        try:
+            wanted = self.elastic.new_wish()
+        except (ConfigError, OSError) as exc:
+            self._lines.write("run", f"scale wish refused: {exc}")
+            return []
+        if wanted is None:
+            return []
+        done = elastic.follow(self.workers, wanted, self._leaving, self._start_slot)
+        for slot in done.stopping:
+            self.elastic.record(slot, "asked to leave")
+        self._lines.write(
+            "run",
+            f"scaling to {wanted} workers: started {[s for s, _ in done.started]}, asked to leave {done.stopping}",
+            event="scale",
+        )
+        return [child for _, child in done.started]
+
+    def _start_slot(self, slot: int) -> Child:
+        """An elastic run's worker started in `slot` (a free one: never used, or its worker exited)."""
+        if slot < len(self.workers):
+            self._drain_progress(slot)
+            self.board.restart(slot)  # the totals of the slot's earlier worker are kept
+        return self._start_worker(slot)
+
+    def _left(self, child: Child) -> bool:
+        """An elastic run: a worker but the chief that left (asked to, or killed with no restart left);
+        the others train on."""
+        if self.elastic is None or child not in self.workers[1:]:
+            return False
+        slot, code = self.workers.index(child), child.poll()
+        if slot in self._leaving:
+            self._leaving.discard(slot)
+            self.elastic.record(slot, "left")
+            self._lines.write("run", f"{child.label} left the run ({_ended(child)})", event="left")
+            return True
+        if code is not None and code < 0 and not self._killed_with_restarts_left(child):
+            self.elastic.record(slot, "died")
+            self._lines.write("run", f"{child.label} {_ended(child)}; no restart left: the others go on", event="left")
+            return True
+        return False
 
     def _advice(self, child: Child) -> str:
         """What would have recovered from `child`, killed by a signal, when nothing did."""
@@ -365,6 +431,7 @@ class LocalCluster(Lifecycle):
             self._drain_progress(index)
         self.board.restart()
         self.ps, self.workers = [], []
+        self._leaving.clear()
         self.ps_addresses = [None] * self.num_ps
         self.options = replace(self.options, resume=True)
         self.start(timeout)
@@ -532,6 +599,9 @@ class LocalCluster(Lifecycle):
         recoveries = self.board.partial_recoveries()
         if recoveries:
             summary["partial_recoveries"] = recoveries  # shards restored alone: the steps each lost
+        if self.elastic:
+            summary["max_workers"] = self.elastic.max_workers
+            summary["membership"] = self.elastic.events  # joins and leaves, seconds since the start
         for worker in sorted(self.board.results, reverse=True):
             summary.update(self.board.results[worker])
         return summary
@@ -616,11 +686,15 @@ class LocalCluster(Lifecycle):
         t = self.board.totals()
         if t["steps"]:
             loss = f"{t['loss']:.4f}" if t["loss"] is not None else "-"
+            running = ""
+            if self.elastic:
+                count = sum(child.poll() is None for child in list(self.workers))
+                running = f" workers={count}/{self.elastic.max_workers}"
             self._lines.write(
                 "run",
                 f"steps={t['steps']:,} steps/s={t['recent_steps_per_s']:,.1f} "
                 f"examples/s={t['recent_examples_per_s']:,.0f} loss={loss} "
-                f"staleness={t['staleness_mean']:.2f}",
+                f"staleness={t['staleness_mean']:.2f}{running}",
             )
 
 

@@ -5,7 +5,8 @@ node of a cluster with a checkpoint_dir writes a checkpoint at the next step bou
 only sets a flag; the worker's next step (Context.on_step) sees it: the chief asks the coordinator
 for a checkpoint, meets the others for it and, once it is written, raises `Preempted`; any other
 worker leaves at its next step (the PS counted its data position, which the chief's checkpoint
-holds). A resumed run (`--resume`) goes on from that checkpoint.
+holds). A resumed run (`--resume`) goes on from that checkpoint. In an elastic run a worker other
+than the chief only leaves (`Left`): the others train on (docs/elastic.md).
 
 Bounded: when the node has not stopped `grace` seconds after the signal, it says so and exits
 without the checkpoint (the previous one stays the latest). A second signal stops the node at once
@@ -25,6 +26,7 @@ log = logging.getLogger(__name__)
 _requested: int | None = None  # the signal that asked for the preemption checkpoint, once one did
 _grace_s = 0.0
 _installed = False  # install() ran: a worker's steps look for a request (worker/context.py)
+_leaves = False  # an elastic run's worker: the signal asks it to leave, not to checkpoint
 
 
 class Preempted(KeyboardInterrupt):
@@ -40,10 +42,21 @@ class Preempted(KeyboardInterrupt):
         return 128 + self.signum
 
 
-def install(grace_s: float) -> None:
-    """Turn the first SIGTERM or SIGINT of this process into a preemption request (from the main thread)."""
-    global _grace_s, _installed
-    _grace_s, _installed = grace_s, True
+class Left(Preempted):
+    """Raised at a step boundary by a worker of an elastic run that was asked to go (SIGTERM: a
+    scale-down, or its pod or node going away) once it left: its data split went back to the
+    coordinator and nothing waits for it. Nothing failed: the node exits with 0."""
+
+    @property
+    def exit_code(self) -> int:
+        return 0
+
+
+def install(grace_s: float, leaves: bool = False) -> None:
+    """Turn the first SIGTERM or SIGINT of this process into a preemption request (from the main thread);
+    `leaves`: an elastic run's worker other than the chief, which then leaves the run instead."""
+    global _grace_s, _installed, _leaves
+    _grace_s, _installed, _leaves = grace_s, True, leaves
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, _on_signal)
 
@@ -65,8 +78,9 @@ def _on_signal(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
     _requested = signum
     log.warning(
-        "%s: writing a checkpoint at the next step, then stopping (within %.0fs; a second signal stops at once)",
+        "%s: %s at the next step, then stopping (within %.0fs; a second signal stops at once)",
         signal.Signals(signum).name,
+        "leaving the run" if _leaves else "writing a checkpoint",
         _grace_s,
         extra={"event": "preemption"},
     )
