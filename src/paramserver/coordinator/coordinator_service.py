@@ -2,7 +2,8 @@
 
 Methods of service ``paramserver.Coordinator`` (frames without tensors): Hello, Join, Heartbeat,
 Finish, Barrier (a long poll: the reply says "open", or the workers still "waiting"), Leave,
-RequestCheckpoint (each replies with the view, CoordinatorReply), and Prove (no token needed: the
+RequestCheckpoint, Split (the next split of the data: coordinator/dispatcher.py) (each replies with
+the view, CoordinatorReply), and Prove (no token needed: the
 host answers a challenge with its run's secret, security/run_secret.py). Requests and replies are
 the messages of wire/messages.py (COORDINATOR_METHODS), documented there and in docs/protocol.md.
 """
@@ -47,14 +48,17 @@ class CoordinatorService:
             "Hello": lambda request: coordinator.hello(),
             "Join": lambda request: coordinator.join(request.worker),
             "Heartbeat": lambda request: coordinator.heartbeat(
-                request.worker, request.step, request.wait, request.checkpoints
+                request.worker, request.step, request.wait, request.checkpoints, request.position
             ),
             "Finish": lambda request: coordinator.finish(request.worker),
             "Barrier": lambda request: coordinator.barrier(
-                request.name, request.worker, request.wait, request.training_only
+                request.name, request.worker, request.wait, request.training_only, request.position
             ),
-            "Leave": lambda request: coordinator.leave(request.worker),
+            "Leave": lambda request: coordinator.leave(request.worker, request.position),
             "RequestCheckpoint": lambda request: coordinator.request_checkpoint(request.worker),
+            "Split": lambda request: coordinator.split(
+                request.worker, request.splits, request.epochs, request.done, request.wait
+            ),
             "Prove": self._prove,
         }
         self.guard: Guard | None = None  # tokens, roles and audit (transport/dispatch.py), given by the host
@@ -111,6 +115,10 @@ class CoordinatorClient(Lifecycle):
         self.heartbeat_s = heartbeat_s
         self.poll_s = 5.0  # longest wait of one Barrier call
         self.step = 0
+        # the data split this worker trains and the batches of it trained, (epoch, split, position), set by the
+        # training thread (worker/dispatched.py) and sent with heartbeats, barriers and the leave
+        self.position: tuple[int, int, int] | None = None
+        self.split_lost = False  # a reply said the split reported on was taken back (the worker was found dead)
         self.view: dict = {}
         self.ready = ReadyFlag(f"worker {worker}'s join to the coordinator at {getattr(channel, 'address', '?')}")
         self._stopping = threading.Event()
@@ -124,6 +132,8 @@ class CoordinatorClient(Lifecycle):
         assert issubclass(request_type, msg.JoinRequest), method  # every method called here names its worker
         reply, _ = self.stub.call(method, request_type(worker=self.worker, **fields), timeout).wait(timeout)
         self.view = reply.to_meta()
+        if reply.split_lost:
+            self.split_lost = True
         incarnation = self.view.get("incarnation")
         if method == "Join" and self.incarnation is None:
             self.incarnation = incarnation
@@ -204,7 +214,14 @@ class CoordinatorClient(Lifecycle):
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             wait = self.poll_s if deadline is None else max(0.0, min(self.poll_s, deadline - time.monotonic()))
-            view = self._call("Barrier", wait + self.rpc_timeout_s, name=name, wait=wait, training_only=training_only)
+            view = self._call(
+                "Barrier",
+                wait + self.rpc_timeout_s,
+                name=name,
+                wait=wait,
+                training_only=training_only,
+                position=self.position,
+            )
             if view.get("open"):
                 return view
             if between is not None:
@@ -221,6 +238,11 @@ class CoordinatorClient(Lifecycle):
     def resume(self) -> dict:
         """Tell the coordinator this worker trains again after `finish` (it joins again)."""
         return self._call("Join")
+
+    def split(self, num_splits: int, epochs: int, done: tuple[int, int, int] | None, wait: float) -> dict:
+        """The next split of the data for this worker, after `done` (coordinator/dispatcher.py): the view
+        with `split` [epoch, split, position], or none and `data_done`. Holds at most `wait` seconds."""
+        return self._call("Split", wait + self.rpc_timeout_s, splits=num_splits, epochs=epochs, done=done, wait=wait)
 
     def request_checkpoint(self) -> dict:
         """Ask the coordinator for a checkpoint (the chief's step count or clock): the reply names the
@@ -241,6 +263,7 @@ class CoordinatorClient(Lifecycle):
                     step=self.step,
                     wait=min(self.heartbeat_s, MAX_BARRIER_WAIT_S),
                     checkpoints=known,
+                    position=self.position,
                 )
             except Exception as exc:
                 if self._stopping.is_set():  # a call cut off by stop(), or on the channel it closed: no news
@@ -263,7 +286,7 @@ class CoordinatorClient(Lifecycle):
         started = time.monotonic()
         if self._joined:
             try:
-                self._call("Leave", deadline_s=max(0.1, grace))
+                self._call("Leave", deadline_s=max(0.1, grace), position=self.position)
             except ParamServerError as exc:
                 log.info("leaving the coordinator: %s", exc)
         self.channel.close()

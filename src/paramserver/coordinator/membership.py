@@ -29,7 +29,12 @@ RequestCheckpoint call): `request_checkpoint` announces checkpoint number k in e
 step at which it learns of it. A request while checkpoint k is announced and not yet written
 (its "checkpoint#k:written" barrier has not opened) merges into it: no worker has trained a step
 since its barrier, so it would write the same state.
-The global step is the sum of the members' reported steps. Thread-safe.
+The global step is the sum of the members' reported steps.
+
+The coordinator also owns the data positions of a run whose script hands its data to it (`split`,
+coordinator/dispatcher.py): a worker reports its position with its heartbeats, at barriers and when
+it leaves; one that leaves or dies has its split taken back at the last position it reported. Lock
+order: the coordinator's, then the dispatcher's. Thread-safe.
 """
 
 from __future__ import annotations
@@ -43,12 +48,14 @@ from dataclasses import dataclass
 from paramserver.base.deadline import Deadline
 from paramserver.base.errors import FailedPreconditionError, InvalidArgumentError, UnavailableError
 from paramserver.coordinator.barriers import Barriers
+from paramserver.coordinator.dispatcher import Dispatcher
 
 log = logging.getLogger(__name__)
 _INT64 = 1 << 63
 # a Barrier call is a long poll of a few seconds (the client asks again): a longer one would only let a
 # caller hold one of the coordinator's few request threads
 MAX_BARRIER_WAIT_S = 60
+Position = tuple[int, int, int] | list[int]  # (epoch, split, batches of it trained)
 STATES = ("joining", "training", "finished", "exited", "dead", "absent")
 MAX_EVENTS = 1000  # joins and leaves kept (the oldest dropped first)
 
@@ -88,6 +95,8 @@ class Coordinator:
         self._published: dict[str, str] = {}  # what the hosting worker tells the others (rendezvous addresses)
         self._started = clock()
         self._cond = threading.Condition()
+        self.dispatcher = Dispatcher(clock)  # the data positions, when the script hands its data out (`split`)
+        self._data_held = False  # `hold_data`: no split is handed out until a checkpoint's positions are restored
         self.incarnation = secrets.token_hex(8)  # a restarted chief's coordinator is another: workers roll back
 
     # ---- a member's own calls ----------------------------------------------------------------
@@ -111,15 +120,21 @@ class Coordinator:
             self._cond.notify_all()
             return self._view()
 
-    def heartbeat(self, worker: int, step: int, wait_s: float = 0.0, checkpoints: int = 0) -> dict:
-        """The worker is alive at `step`. `wait_s`: hold the reply until a checkpoint after the
-        `checkpoints`-th is announced, or at most `wait_s` seconds (a long poll)."""
+    def heartbeat(
+        self, worker: int, step: int, wait_s: float = 0.0, checkpoints: int = 0, position: Position | None = None
+    ) -> dict:
+        """The worker is alive at `step` (and at `position` of the data it was handed). `wait_s`: hold
+        the reply until a checkpoint after the `checkpoints`-th is announced, or at most `wait_s`
+        seconds (a long poll)."""
         self._check(worker)
         if type(step) is not int or not 0 <= step < _INT64:
             raise InvalidArgumentError(f"worker {worker}: heartbeat step must be a non-negative int64, got {step!r}")
         if not 0 <= wait_s <= MAX_BARRIER_WAIT_S:  # also refuses NaN
             raise InvalidArgumentError(f"heartbeat wait must be between 0 and {MAX_BARRIER_WAIT_S} s, got {wait_s!r}")
-        view = self._heard(worker, step)
+        lost = self._report(worker, position)
+        view = {**self._heard(worker, step), **lost}
+        if lost:
+            return view
         if wait_s <= 0 or view["checkpoints_requested"] > checkpoints:
             return view
         deadline = Deadline(wait_s)
@@ -153,9 +168,12 @@ class Coordinator:
             self._cond.notify_all()
             return self._view()
 
-    def leave(self, worker: int) -> dict:
-        """The worker's script ended: nothing waits for it any more."""
+    def leave(self, worker: int, position: Position | None = None) -> dict:
+        """The worker's script ended, or it left an elastic run: nothing waits for it any more, and the
+        split it held goes back at `position`."""
         self._check(worker)
+        self._report(worker, position)
+        self._release(worker)
         with self._cond:
             member = self._members[worker]
             if not member.exited:
@@ -165,7 +183,9 @@ class Coordinator:
             self._cond.notify_all()
             return self._view()
 
-    def barrier(self, name: str, worker: int, wait_s: float, training_only: bool = False) -> dict:
+    def barrier(
+        self, name: str, worker: int, wait_s: float, training_only: bool = False, position: Position | None = None
+    ) -> dict:
         """Arrive at barrier `name` and wait at most `wait_s` for it to open. The view returned
         says "open" and, if not, the workers still "waiting"; the caller asks again.
 
@@ -177,6 +197,9 @@ class Coordinator:
         self._check(worker)
         if not 0 <= wait_s <= MAX_BARRIER_WAIT_S:  # also refuses NaN
             raise InvalidArgumentError(f"barrier wait must be between 0 and {MAX_BARRIER_WAIT_S} s, got {wait_s!r}")
+        lost = self._report(worker, position)  # before it arrives: a checkpoint's cut records exact positions
+        if lost:
+            return {**self.view(), **lost, "open": False, "waiting": []}
         with self._cond:
             now = self._clock()
             deadline = now + wait_s
@@ -211,6 +234,78 @@ class Coordinator:
             self._cond.notify_all()
             return self._view()
 
+    # ---- the data (coordinator/dispatcher.py) --------------------------------------------------
+    def split(
+        self, worker: int, num_splits: int, epochs: int, done: Position | None = None, wait_s: float = 0.0
+    ) -> dict:
+        """The next split for `worker` (`split` in the view: [epoch, split, position]), after it finished
+        `done`; the first call describes the data. With none to hand out, waits at most `wait_s` for
+        one taken back; then `data_done` says whether every split is done (else others hold the last)."""
+        self._check(worker)
+        if not 0 <= wait_s <= MAX_BARRIER_WAIT_S:  # also refuses NaN
+            raise InvalidArgumentError(f"split wait must be between 0 and {MAX_BARRIER_WAIT_S} s, got {wait_s!r}")
+        deadline = Deadline(wait_s)
+        with self._cond:
+            while self._data_held:  # the chief restores a checkpoint's positions first
+                if deadline.passed():
+                    return {**self._view(), "data_done": False}
+                self._cond.wait(min(1.0, deadline.left()))
+        self.dispatcher.describe(num_splits, epochs)
+        if done is not None:
+            self.dispatcher.complete(worker, *done)
+        with self._cond:
+            self._cond.notify_all()  # a completion may end the data: workers waiting for a split hear it
+            while (assigned := self.dispatcher.acquire(worker)) is None:
+                if self.dispatcher.finished or deadline.passed():
+                    return {**self._view(), "data_done": self.dispatcher.finished}
+                self._cond.wait(min(1.0, deadline.left()))
+            return {**self._view(), "split": [assigned.epoch, assigned.split, assigned.position]}
+
+    def data_state(self) -> dict | None:
+        """The dispatcher's record for a checkpoint (None when the script hands out no data)."""
+        return self.dispatcher.state() if self.dispatcher.described else None
+
+    def hold_data(self) -> None:
+        """Hand out no split until `restore_data` (the chief learns which checkpoint the run resumed from)."""
+        with self._cond:
+            self._data_held = True
+
+    def restore_data(self, state: object) -> None:
+        """Continue the data from a checkpoint's record (None: a fresh start; validated: InvalidArgumentError
+        names what is wrong), and hand out splits from now on."""
+        try:
+            if state is not None:
+                self.dispatcher.load_state(state)
+        finally:
+            with self._cond:
+                self._data_held = False
+                self._cond.notify_all()
+
+    def _report(self, worker: int, position: Position | None) -> dict:
+        """Record `worker`'s data position; {"split_lost": True} when its split was taken back."""
+        if position is None:
+            return {}
+        try:
+            self.dispatcher.report(worker, *position)
+        except FailedPreconditionError as exc:
+            log.warning("coordinator: worker %d: %s", worker, exc)
+            return {"split_lost": True}
+        return {}
+
+    def _release(self, worker: int) -> None:
+        if not self.dispatcher.described:
+            return
+        for taken in self.dispatcher.release(worker):
+            log.info(
+                "coordinator: split %d of epoch %d goes back at batch %d (worker %d left)",
+                taken.split,
+                taken.epoch,
+                taken.position,
+                worker,
+            )
+        with self._cond:
+            self._cond.notify_all()
+
     # ---- what the host asks ------------------------------------------------------------------
     def publish(self, key: str, value: str) -> None:
         """Tell every worker `value` under `key`, in every view from now on (e.g. where the dense
@@ -236,6 +331,8 @@ class Coordinator:
                     member.reported_gone = True
                     found.append((member.worker, self._why_dead(member)))
                     self._event(member.worker, "died")
+            for worker, _ in found:
+                self._release(worker)
             return found
 
     def all_done(self, joining_grace_s: float = 0.0) -> bool:

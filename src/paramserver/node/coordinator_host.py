@@ -59,6 +59,8 @@ class CoordinatorHost(Lifecycle):
         self.options = options
         self.credentials = credentials or Credentials()
         self.coordinator = Coordinator(num_workers, options.heartbeat_timeout_s, elastic=options.max_workers > 0)
+        if options.checkpoint_dir:  # the data positions of the checkpoint resumed from come first
+            self.coordinator.hold_data()
         self.guard = Guard.from_options(options, "coordinator", COORDINATOR_ACTIONS)  # token store and audit log
         service = CoordinatorService(self.coordinator, RunSecret.from_options(options))  # Prove: the run's secret
         service.guard = self.guard

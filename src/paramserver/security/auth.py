@@ -103,6 +103,7 @@ COORDINATOR_ACTIONS: dict[str, Action] = {
     "Barrier": _WORKER,
     "Leave": Action("worker", audited=True),
     "RequestCheckpoint": _CHIEF,
+    "Split": _WORKER,
 }
 
 

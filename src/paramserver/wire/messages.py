@@ -357,6 +357,14 @@ class MembershipEvent(NamedTuple):
     event: str  # joined, rejoined, left or died
 
 
+class DataPosition(NamedTuple):
+    """Where a worker is in the data the coordinator hands out: an epoch's split, and the batches of it trained."""
+
+    epoch: int
+    split: int
+    position: int
+
+
 @message("coordinator reply")
 class CoordinatorReply(Message):
     """The membership as the coordinator sees it (every method's reply)."""
@@ -384,6 +392,19 @@ class CoordinatorReply(Message):
     events: list[MembershipEvent] | None = doc_field(
         "Hello only, elastic runs: the joins and leaves so far, [seconds since start, worker, what]", default=None
     )
+    split: DataPosition | None = doc_field(
+        "Split only: the split this worker trains next, from `position` on (none: see `data_done`)", default=None
+    )
+    data_done: bool | None = doc_field(
+        "Split only, no split given: true when every split of every epoch is done; false: others hold the "
+        "last ones (ask again)",
+        default=None,
+    )
+    split_lost: bool | None = doc_field(
+        "Heartbeat and Barrier: the split this worker reported on was taken back (it was found dead): it stops "
+        "training it and asks for another",
+        default=None,
+    )
 
 
 @message("coordinator Hello request")
@@ -408,6 +429,9 @@ class HeartbeatRequest(JoinRequest):
     checkpoints: int = doc_field(
         "the checkpoints announced that this worker knows of: one more ends the wait", default=0
     )
+    position: DataPosition | None = doc_field(
+        "the split this worker trains and the batches of it trained (a dispatched run)", default=None
+    )
 
 
 @message("coordinator Finish request")
@@ -422,11 +446,28 @@ class BarrierRequest(JoinRequest):
     name: str = doc_field("the barrier's name", check=_NON_EMPTY)
     wait: float = doc_field("seconds to wait at most (0 to 60)")
     training_only: bool = doc_field("skip finished workers (checkpoint and mode-switch pauses)", default=False)
+    position: DataPosition | None = doc_field(
+        "as Heartbeat's: at a checkpoint's barrier the positions are exact, and the checkpoint records them",
+        default=None,
+    )
 
 
 @message("coordinator Leave request")
 class CoordinatorLeaveRequest(JoinRequest):
-    """A worker's script ended."""
+    """A worker's script ended, or it leaves an elastic run: the split it held goes back at `position`."""
+
+    position: DataPosition | None = doc_field("as Heartbeat's: its last position", default=None)
+
+
+@message("coordinator Split request")
+class SplitRequest(JoinRequest):
+    """The next split of the data for this worker (a long poll while others hold the last ones). The
+    first call describes the data; later ones must describe it the same way."""
+
+    splits: int = doc_field("the data's splits (1 to 2^20)")
+    epochs: int = doc_field("the epochs to train (1 to 2^20)")
+    done: DataPosition | None = doc_field("the split this worker finished, with its batch count", default=None)
+    wait: float = doc_field("seconds to wait at most for a split taken back (0 to 60)", default=0.0)
 
 
 @message("coordinator RequestCheckpoint request")
@@ -442,6 +483,7 @@ COORDINATOR_METHODS: dict[str, tuple[type[Message], type[Message]]] = {
     "Barrier": (BarrierRequest, CoordinatorReply),
     "Leave": (CoordinatorLeaveRequest, CoordinatorReply),
     "RequestCheckpoint": (RequestCheckpointRequest, CoordinatorReply),
+    "Split": (SplitRequest, CoordinatorReply),
     "Prove": (ProveRequest, ProveReply),
 }
 

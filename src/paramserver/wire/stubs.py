@@ -115,6 +115,11 @@ class CoordinatorStub(Stub):
     ) -> Pending[msg.CoordinatorReply]:
         return self.call("RequestCheckpoint", request, timeout, tensors, owned)
 
+    def split(
+        self, request: msg.SplitRequest, timeout: float, tensors: Tensors = (), owned: bool = False
+    ) -> Pending[msg.CoordinatorReply]:
+        return self.call("Split", request, timeout, tensors, owned)
+
     def prove(
         self, request: msg.ProveRequest, timeout: float, tensors: Tensors = (), owned: bool = False
     ) -> Pending[msg.ProveReply]:

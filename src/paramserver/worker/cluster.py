@@ -122,6 +122,8 @@ def cluster_context(config: NodeConfig) -> Context:
         )
         _join(coordinator, options.connect_timeout_s)
         checkpointer, meet = _pauses(config, client, coordinator)
+        if host is not None:
+            _restore_data(host, checkpointer)
         modes = ModeSwitcher(
             client, index, workers, options.mode_changes, options.backup_workers, meet, options.max_workers > 0
         )
@@ -166,6 +168,16 @@ def cluster_context(config: NodeConfig) -> Context:
         if checkpointer is not None and index == 0:
             checkpointer.before_save.append(context.partial.before_checkpoint)
     return context
+
+
+def _restore_data(host: CoordinatorHost, checkpointer) -> None:
+    """The chief: the data positions of the checkpoint the run resumed from go back to the coordinator,
+    which records them in each checkpoint from now on (worker/dispatched.py)."""
+    if checkpointer is None:
+        host.coordinator.restore_data(None)
+        return
+    checkpointer.data_state = host.coordinator.data_state
+    host.coordinator.restore_data(checkpointer.lineage.data)
 
 
 def _shard_channel(config: NodeConfig, credentials: Credentials):

@@ -11,10 +11,12 @@ from typing import Any, ClassVar
 
 from paramserver.base.config import Options
 from paramserver.base.consistency_spec import ConsistencySpec
+from paramserver.base.errors import InvalidArgumentError
 from paramserver.client.ps_client import PSClient
 from paramserver.client.table_client import TableClient
 from paramserver.coordinator.coordinator_service import CoordinatorClient
 from paramserver.worker import current
+from paramserver.worker.dispatched import DispatchedBatches, is_splits
 from paramserver.worker.modes import ModeSwitcher
 from paramserver.worker.pipeline import for_context
 from paramserver.worker.progress import ProgressWriter
@@ -50,6 +52,7 @@ class Context:
     address: str | None = None  # this worker's address in the cluster spec (where peers reach it)
     dense_group: Any = None  # worker.dense_sync.AllReduceGroup with dense_sync "allreduce"
     partial: Any = None  # worker.partial.ShardRecovery with recovery "partial": lost shards are restored alone
+    dispatched: Any = None  # worker.dispatched.DispatchedBatches while the loop trains data the coordinator hands out
     # the per-step work of the features that are on, in the order a step runs it (refresh_step_hooks)
     _step_hooks: list[StepHook] = field(default_factory=list, init=False, repr=False)
     _pausing: bool = field(default=False, init=False, repr=False)  # a checkpointer or a mode schedule
@@ -84,7 +87,12 @@ class Context:
     def resumable(self, source, epochs: int = 1, steps_per_epoch: int | None = None, prefetch_rows: bool = True):
         """`source`'s batches for `epochs` passes, starting at this worker's data position, and
         `finish_training()` once the last one is consumed; with `prefetch_rows`, each step brings
-        back the next batch's embedding rows. See worker/resumable.py and worker/pipeline.py."""
+        back the next batch's embedding rows. See worker/resumable.py and worker/pipeline.py.
+        `source` a `paramserver.Splits`: the coordinator hands its splits out (worker/dispatched.py)."""
+        if is_splits(source):
+            if steps_per_epoch is not None:
+                raise InvalidArgumentError("steps_per_epoch does not apply to Splits: an epoch is every split once")
+            return DispatchedBatches(source, epochs, self, prefetch_rows)
         return ResumableBatches(source, epochs, steps_per_epoch, self, prefetch_rows)
 
     def pipeline(self, batches):
@@ -105,14 +113,15 @@ class Context:
             return
         self._finish()
 
-    def _finish(self) -> None:
+    def _finish(self, idle: bool = False) -> None:
         for optimizer in self.optimizers:
             optimizer.synchronize()
         self.client.leave(timeout=self.options.rpc_timeout_s)
         self.coordinator.finish()
         self.progress.done()
         self.finished = True
-        log.info("worker %d finished its data after %d steps", self.worker_index, self.progress.steps)
+        if not idle:
+            log.info("worker %d finished its data after %d steps", self.worker_index, self.progress.steps)
 
     def _step_out(self, always: bool) -> None:
         """With dense_sync "allreduce", before this worker waits (out of the shards' quorums already,
@@ -266,10 +275,22 @@ class Context:
         progress.pushed_bytes = client.pushed_bytes
         progress.count_step(client.record.staleness)
         self.coordinator.step = progress.steps
+        if self.dispatched is not None:
+            self.dispatched.stepped()
+        self.busy()
+
+    def idle(self) -> None:
+        """No data for this worker now (others hold the last splits the coordinator hands out): out
+        of every quorum, and no checkpoint waits for it, until `busy`."""
+        if not self.finished:
+            self._finish(idle=True)
+
+    def busy(self) -> None:
+        """This worker trains again after `idle` or `finish_training` (a push would bring it back too)."""
         if self.finished:
             self.finished = False
             self.coordinator.resume()
-            progress.undone()
+            self.progress.undone()
 
     def _pause_after(self, step: int) -> None:
         self.pause(step)

@@ -93,6 +93,7 @@ class _Attempt:
     counters: list | None
     background: bool = False  # committed on the commit thread: its counts are reported by `settle`
     parent: str | None = None
+    data: dict | None = None  # the coordinator's data positions at the cut (coordinator/dispatcher.py)
 
     @property
     def what(self) -> str:
@@ -172,6 +173,8 @@ class Checkpointer:
         # what the chief runs before the shards write, `hook(timeout)`: e.g. writing the dense values
         # the workers train by all-reduce (optim/dense_sync.py)
         self.before_save: list[Callable[[float], None]] = []
+        # the chief's: the data positions the coordinator holds, recorded in each manifest ("data")
+        self.data_state: Callable[[], dict | None] | None = None
         self._commit_thread: threading.Thread | None = None  # the commit of a checkpoint written in the background
 
     def resumed(self, lineage: Lineage) -> None:
@@ -419,6 +422,8 @@ class Checkpointer:
             log.info("%s %s: replaces the complete checkpoint of that name", what, name)
         for hook in self.before_save:
             hook(timeout)
+        if self.data_state is not None:  # the workers wait at the barrier: their positions are exact
+            attempt.data = self.data_state()
         attempt.parent = self._parent_for(name)
         write = self.client.begin_checkpoint(name, timeout, parent=attempt.parent or "")
         if not write.begun:  # every shard refused: nothing is being written
@@ -463,6 +468,8 @@ class Checkpointer:
                 manifest.update(parent=parent, base=self._chain.base)
             if attempt.final:
                 manifest["final"] = True
+            if attempt.data is not None:
+                manifest["data"] = attempt.data
             self._check_written(store, name, manifest)
             store.commit(name, manifest)
         except (ParamServerError, OSError) as exc:  # a shard's error, a deadline, the store's CheckpointError

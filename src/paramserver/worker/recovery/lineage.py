@@ -42,6 +42,7 @@ class Lineage:
     run_id: str = field(default_factory=new_run_id)
     resumed_from: str | None = None
     resumed_step: int = 0
+    data: Any = None  # the data positions that checkpoint recorded (coordinator/dispatcher.py; unchecked here)
 
     def step_of(self, step: int, restored_position: int) -> int:
         """The run's step after `step` steps of this worker's optimizer, which started counting at
@@ -71,7 +72,7 @@ class Lineage:
         except CheckpointError as exc:
             log.warning("resumed from %s, whose manifest cannot be read now (%s): its step from its name", name, exc)
             manifest = {}
-        return cls(_run_id(name, manifest), name, _step(name, manifest))
+        return cls(_run_id(name, manifest), name, _step(name, manifest), manifest.get("data"))
 
 
 def _step(name: str, manifest: dict[str, Any]) -> int:
