@@ -47,6 +47,7 @@ class DispatchedBatches:
         self.context = context
         self.prefetch_rows = prefetch_rows
         self.splits_trained = 0  # splits this worker finished
+        self.skipped = 0  # batches read and dropped (Trainer.fit reads it): none, a split resumes at its position
         self._next: Position | None = None  # the split to train next, once the coordinator gave it
         self._yielded = 0  # batches of the current split handed to the loop
 
