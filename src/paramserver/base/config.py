@@ -90,6 +90,7 @@ class NodeConfig:
     cluster: ClusterSpec
     task: Task
     options: Options = field(default_factory=Options)
+    own_address: str | None = None  # an elastic run's worker the cluster does not list: its address, if known
 
     def __post_init__(self) -> None:
         if self.task.type not in TASK_TYPES:
@@ -128,7 +129,7 @@ class NodeConfig:
     def address(self) -> str | None:
         """This node's own address; None for an evaluator the cluster spec does not list."""
         addresses = getattr(self.cluster, self.task.type)
-        return addresses[self.task.index] if self.task.index < len(addresses) else None
+        return addresses[self.task.index] if self.task.index < len(addresses) else self.own_address
 
     def listed_address(self) -> str:
         """This node's own address, for a node that serves one (every node but an unlisted evaluator)."""
@@ -161,13 +162,18 @@ def parse_tf_config(text: str, options: Options | None = None, cluster: ClusterS
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ConfigError(f"TF_CONFIG is not valid: {exc!r}") from None
     if "sparseCluster" in data or isinstance(spec, Mapping) and isinstance(spec.get("worker"), Mapping):
-        return NodeConfig(_whole_cluster(spec, task, cluster), task, options or Options())
+        options = options or Options()
+        whole = _whole_cluster(spec, task, cluster, options.max_workers > 0)
+        unlisted = task.type == "worker" and task.index >= len(whole.worker)
+        own = (spec.get("worker") or {}).get(str(task.index)) if unlisted else None
+        return NodeConfig(whole, task, options, own if isinstance(own, str) else None)
     # the cluster's, the task's and the options' own errors say what is wrong themselves
     return NodeConfig(ClusterSpec.from_dict(spec), task, options or Options())
 
 
-def _whole_cluster(sparse: Any, task: Task, cluster: ClusterSpec | None) -> ClusterSpec:
-    """The whole cluster behind TF_CONFIG's sparse form, checked against what the form names."""
+def _whole_cluster(sparse: Any, task: Task, cluster: ClusterSpec | None, elastic: bool = False) -> ClusterSpec:
+    """The whole cluster behind TF_CONFIG's sparse form, checked against what the form names (in an
+    elastic run a worker beyond those listed joins: NodeConfig checks its index)."""
     if not isinstance(sparse, Mapping):
         raise ConfigError(f"TF_CONFIG's sparse cluster must be an object, got {sparse!r}")
     if cluster is None:
@@ -190,6 +196,8 @@ def _whole_cluster(sparse: Any, task: Task, cluster: ClusterSpec | None) -> Clus
         named.update({("ps", index): address for index, address in enumerate(ps)})
     for (role, index), address in named.items():
         listed = getattr(cluster, role)
+        if elastic and role == "worker" and index >= len(listed):
+            continue
         if index >= len(listed) or listed[index] != address:
             raise ConfigError(
                 f"TF_CONFIG names {role}:{index} at {address}, but the whole cluster given "
