@@ -60,12 +60,13 @@ class NodeStatus:
     index: int
     address: str
     health: str = UNREACHABLE
-    state: str | None = None  # a worker: joining, training, finished, exited or dead (the coordinator's view)
+    state: str | None = None  # a worker: joining, training, finished, exited, dead or absent (the coordinator's)
     step: int | None = None  # a worker: the run's step (`run_step`); a PS: its version (updates applied)
     pushes_per_s: float | None = None
     rows: int | None = None
     rss_bytes: int | None = None
     resumed_from: str | None = None  # a PS: the checkpoint it restored; a worker: the one the run resumed from
+    events: list | None = None  # worker 0 of an elastic run: the joins and leaves, [seconds, worker, what]
 
 
 def run_step(resumed_from: str | None, steps: int) -> int:
@@ -232,6 +233,7 @@ def _fill_workers(workers: list[NodeStatus], view: dict | None, resumed: tuple[b
     if view is None:
         return
     known, checkpoint = resumed
+    workers[0].events = view.get("events")
     for number, node in enumerate(workers):
         node.state = (view.get("states") or {}).get(str(number))
         steps = (view.get("steps") or {}).get(str(number))
@@ -265,8 +267,18 @@ def run_status(
 ) -> int:
     """Print the cluster's status; exit code 0 when every node is SERVING, else 1."""
     nodes = cluster_status(cluster, interval, timeout, access, secret)
-    print(json.dumps([asdict(n) for n in nodes]) if as_json else table(nodes), flush=True)
-    return 0 if all(n.health == "SERVING" for n in nodes) else 1
+    print(json.dumps([asdict(n) for n in nodes]) if as_json else table(nodes) + _membership(nodes), flush=True)
+    # an elastic run's slots no worker holds now serve nothing, and are not down
+    return 0 if all(n.health == "SERVING" or n.state in ("absent", "exited") for n in nodes) else 1
+
+
+def _membership(nodes: list[NodeStatus], shown: int = 10) -> str:
+    """An elastic run's latest joins and leaves, one line each (the coordinator's, seconds since it started)."""
+    events = next((n.events for n in nodes if n.events), None)
+    if not events:
+        return ""
+    lines = [f"  {t:8.1f}s  worker {worker} {what}" for t, worker, what in events[-shown:]]
+    return f"\njoins and leaves ({len(events)}, the latest {len(lines)}):\n" + "\n".join(lines)
 
 
 def shutdown_cluster(
