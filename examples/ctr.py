@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import paramserver as ps
-from paramserver.data import criteo
+from paramserver.data import criteo, criteo_splits
 from paramserver.evaluation import roc_auc
 
 
@@ -56,6 +56,19 @@ def evaluate(model: nn.Module, path: str, batch_size: int) -> float:
     return roc_auc(np.array(labels), np.array(scores))
 
 
+def training_data(args, ctx):
+    """The training data: this worker's share of the lines, or splits the coordinator hands out."""
+    if not (args.splits or ctx.elastic):
+        return lambda epoch: criteo.batches(args.train, args.batch_size, ctx.worker_index, ctx.num_workers,
+                                            prefetch=args.prefetch, parse_ahead=args.parse_ahead)
+    n = args.splits or 8 * ctx.num_workers
+
+    def split(k, epoch, position=0):
+        return criteo_splits.split_batches(args.train, args.batch_size, k, n, args.parse_ahead, position)
+
+    return ps.Splits(n, split, split)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--train", required=True)
@@ -74,6 +87,9 @@ def main() -> None:
                         help="have each step bring the next batch's rows back with its reply (with --overlap, "
                              "the batch after next; default: on)")
     parser.add_argument("--wide", action="store_true", help="add a wide (linear) part: Wide&Deep")
+    parser.add_argument("--splits", type=int, default=0,
+                        help="hand the data out from the coordinator in this many byte-range splits (an elastic "
+                             "run, --max-workers, always does: 8 per worker slot by default; docs/elastic.md)")
     args = parser.parse_args()
 
     ctx = ps.init()
@@ -83,10 +99,7 @@ def main() -> None:
     started, examples = time.perf_counter(), 0
     # this worker's share, from its data position on (a restarted worker skips what it trained); each
     # step brings back the embedding rows of the batch its reply serves (docs/embeddings.md, "Pipelining")
-    batches = ctx.resumable(lambda epoch: criteo.batches(args.train, args.batch_size, ctx.worker_index,
-                                                         ctx.num_workers, prefetch=args.prefetch,
-                                                         parse_ahead=args.parse_ahead),
-                            epochs=args.epochs, prefetch_rows=args.prefetch_rows)
+    batches = ctx.resumable(training_data(args, ctx), epochs=args.epochs, prefetch_rows=args.prefetch_rows)
     for dense, sparse, labels in batches:
         opt.zero_grad()
         loss = F.binary_cross_entropy_with_logits(model(dense, sparse), labels)

@@ -16,7 +16,7 @@ from paramserver.client.ps_client import PSClient
 from paramserver.client.table_client import TableClient
 from paramserver.coordinator.coordinator_service import CoordinatorClient
 from paramserver.worker import current
-from paramserver.worker.dispatched import DispatchedBatches, is_splits
+from paramserver.worker.dispatched import DispatchedBatches, Interleaved, is_splits
 from paramserver.worker.modes import ModeSwitcher
 from paramserver.worker.pipeline import for_context
 from paramserver.worker.progress import ProgressWriter
@@ -88,7 +88,10 @@ class Context:
         """`source`'s batches for `epochs` passes, starting at this worker's data position, and
         `finish_training()` once the last one is consumed; with `prefetch_rows`, each step brings
         back the next batch's embedding rows. See worker/resumable.py and worker/pipeline.py.
-        `source` a `paramserver.Splits`: the coordinator hands its splits out (worker/dispatched.py)."""
+        `source` a `paramserver.Splits`: the coordinator hands its splits out (worker/dispatched.py); so it
+        does in an elastic run with any `source`, split by batch index (each split reads all of it)."""
+        if self.elastic and not is_splits(source):  # workers come and go: no share of the data is a worker's own
+            source = Interleaved(source, self.num_workers)
         if is_splits(source):
             if steps_per_epoch is not None:
                 raise InvalidArgumentError("steps_per_epoch does not apply to Splits: an epoch is every split once")

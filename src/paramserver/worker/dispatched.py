@@ -19,6 +19,7 @@ Not thread-safe: iterate from the training thread, after the first optimizer was
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Generator, Iterator
 from typing import Any
@@ -29,6 +30,26 @@ from paramserver.worker import pipeline
 log = logging.getLogger(__name__)
 _WAIT_S = 5.0  # one Split poll while others hold the last splits
 Position = tuple[int, int, int]  # (epoch, split, batches of it trained)
+
+
+class Interleaved:
+    """A loader given to an elastic run as it is: split k of n keeps its batches k, k + n, k + 2n, ...
+    Each split reads the whole loader (and drops the rest): give `paramserver.Splits` for data that
+    can be read in parts. `source`: a re-iterable loader, or a callable taking the epoch."""
+
+    def __init__(self, source: Any, num_splits: int) -> None:
+        if isinstance(source, Iterator) and not callable(source):
+            raise InvalidArgumentError(
+                "an elastic run hands out a loader's batches by index, reading it once per split: pass a "
+                "re-iterable loader, a callable `lambda epoch: batches`, or paramserver.Splits, not a one-pass iterator"
+            )
+        self.source = source
+        self.num_splits = num_splits
+
+    def batches(self, split: int, epoch: int, position: int = 0) -> Iterator[Any]:
+        loader = self.source(epoch) if callable(self.source) else self.source
+        kept = itertools.islice(loader, split, None, self.num_splits)
+        return itertools.islice(kept, position, None)
 
 
 def is_splits(source: Any) -> bool:
