@@ -528,10 +528,16 @@ class Shard:
         return self._round.contributors if self._round is not None else set()
 
     def open_session(self, worker: int | None) -> None:
-        """`worker` registered (a group or a table) with this process: its pushes are taken from now on."""
+        """`worker` registered (a group or a table) with this process: its pushes are taken from now on.
+        In an elastic run it is in the quorum from now on, and its ssp clock starts at the slowest
+        present worker's, so that no worker waits for a newcomer to catch up on steps it never took."""
         with self._cond:
             if self.sessions is not None and worker is not None:
                 self.sessions.add(worker)
+            if worker is not None and self.spec is not None and self.spec.elastic:
+                self._quorum.registered(worker)
+                others = [self._clocks.get(w, 0) for w in self._quorum.active(self.spec.workers) if w != worker]
+                self._clocks[worker] = max(self._clocks.get(worker, 0), min(others, default=0))
 
     def _check_session(self, worker: int | None) -> None:
         """Refuse a push from a worker that has not registered with this PS process: it registered with an
