@@ -183,7 +183,9 @@ class Shard:
             else:
                 self._check_same(existing, optimizer_spec, initial, wire)
             self._adopt(consistency)
-            if worker is not None:
+            if worker is not None and self.spec is not None and self.spec.elastic:
+                self._joined(worker)
+            elif worker is not None:
                 self._quorum.registered(worker)
             return self.version
 
@@ -535,9 +537,14 @@ class Shard:
             if self.sessions is not None and worker is not None:
                 self.sessions.add(worker)
             if worker is not None and self.spec is not None and self.spec.elastic:
-                self._quorum.registered(worker)
-                others = [self._clocks.get(w, 0) for w in self._quorum.active(self.spec.workers) if w != worker]
-                self._clocks[worker] = max(self._clocks.get(worker, 0), min(others, default=0))
+                self._joined(worker)
+
+    def _joined(self, worker: int) -> None:
+        """An elastic run's `worker` registered (call under `_cond`): in the quorum, its clock at the slowest's."""
+        assert self.spec is not None  # elastic: a mode was set
+        others = [self._clocks.get(w, 0) for w in self._quorum.active(self.spec.workers) if w != worker]
+        self._quorum.registered(worker)
+        self._clocks[worker] = max(self._clocks.get(worker, 0), min(others, default=0))
 
     def _check_session(self, worker: int | None) -> None:
         """Refuse a push from a worker that has not registered with this PS process: it registered with an
