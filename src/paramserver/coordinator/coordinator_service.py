@@ -76,6 +76,17 @@ class CoordinatorService:
         _, reply = msg.COORDINATOR_METHODS[request.method]
         return sink(codec.encode_parts(reply(**view).to_meta()))
 
+    def caller_gone(self, method: str, payload: Any) -> None:
+        """The transport saw a worker's heartbeat cancelled before its deadline (its process died, so its
+        connection closed): an elastic run drops it now rather than after the heartbeat timeout."""
+        if method != "Heartbeat":
+            return
+        try:
+            worker = self.decode(method, payload).message.worker
+        except ParamServerError:
+            return
+        self.coordinator.caller_gone(worker)
+
     def _prove(self, request: msg.ProveRequest) -> dict:
         if self.run_secret is None:
             raise FailedPreconditionError("the coordinator holds no run secret: no `paramserver run` started it")

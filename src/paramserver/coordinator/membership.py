@@ -70,6 +70,7 @@ class Member:
     exited: bool = False
     reported_gone: bool = False  # `newly_gone` told the caller already
     joined_at: float = 0.0  # the latest join (an elastic barrier does not wait for a worker that joined after it began)
+    gone_why: str | None = None  # why it counts as dead before the heartbeat timeout (caller_gone)
 
 
 def checkpoint_barrier(number: int) -> str:
@@ -109,6 +110,7 @@ class Coordinator:
             was = self._state(member)
             member.joined, member.finished, member.exited, member.reported_gone = True, False, False, False
             member.last_seen = member.joined_at = self._clock()
+            member.gone_why = None
             self._barriers.forget(worker)  # a restarted worker waits nowhere yet
             self._event(worker, "joined" if was in ("joining", "absent", "exited") else "rejoined")
             log.log(
@@ -154,7 +156,7 @@ class Coordinator:
                 log.warning(
                     "coordinator: worker %d is heard from again after %.0fs", worker, self._clock() - member.last_seen
                 )
-            member.step, member.last_seen = max(member.step, step), self._clock()
+            member.step, member.last_seen, member.gone_why = max(member.step, step), self._clock(), None
             self._cond.notify_all()
             return self._view()
 
@@ -322,6 +324,19 @@ class Coordinator:
         with self._cond:
             return self._view()
 
+    def caller_gone(self, worker: int) -> None:
+        """`worker`'s heartbeat was cancelled by its caller (its connection closed): in an elastic run
+        it is dead now, not after the heartbeat timeout (`newly_gone` reports it); a heartbeat from it
+        brings it back. Not in a fixed run, where a worker found dead fails the barriers that need it."""
+        with self._cond:
+            member = self._members.get(worker)
+            if not self.elastic or member is None or self._state(member) != "training":
+                return
+            member.last_seen = self._clock() - self.heartbeat_timeout_s - 1.0
+            member.gone_why = "its heartbeat's connection closed"
+            log.info("coordinator: worker %d: its heartbeat's connection closed; it is gone", worker)
+            self._cond.notify_all()
+
     def newly_gone(self) -> list[tuple[int, str]]:
         """Members found dead since the last call, with why: for the host to tell the shards."""
         with self._cond:
@@ -360,6 +375,8 @@ class Coordinator:
         return "finished" if member.finished else "training"
 
     def _why_dead(self, member: Member) -> str:
+        if member.gone_why is not None:
+            return member.gone_why
         return f"no heartbeat for {self._clock() - member.last_seen:.0f}s, and it has not joined again"
 
     def _checkpoint_pending(self) -> bool:

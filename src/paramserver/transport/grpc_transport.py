@@ -125,6 +125,8 @@ class GrpcServer(Lifecycle):
             )
             if not result.ok:
                 context.abort(result.code, result.reply)
+            if not context.is_active():
+                _caller_gone(self.service, method, request, context)
             return result.reply
 
         return handle
@@ -209,6 +211,16 @@ class _NoMethods:
     """The service of a health-only server."""
 
     methods: dict = {}
+
+
+def _caller_gone(service, method: str, request: bytes, context: grpc.ServicerContext) -> None:
+    """The caller cancelled the call while it was served, before its deadline: its process is gone (its
+    connection closed) or it gave up. A service that cares (a long poll's caller: the coordinator's
+    heartbeats) has `caller_gone(method, request)`."""
+    remaining = context.time_remaining()
+    hook = getattr(service, "caller_gone", None)
+    if hook is not None and (remaining is None or remaining > 0):
+        hook(method, request)
 
 
 def health_server(health: Health, bind: str, tls: TlsMaterial | None = None) -> GrpcServer:

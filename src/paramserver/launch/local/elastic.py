@@ -13,7 +13,6 @@ Not thread-safe: the launcher's main thread (LocalCluster.wait) calls it.
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import os
@@ -63,7 +62,7 @@ class WorkerSet:
     started_at: float = field(default_factory=time.monotonic)
     wish_path: Path | None = None  # set once the run has a run file
     events: list[dict] = field(default_factory=list)
-    _wish_mtime: int = 0
+    _wish_mtime: tuple[int, int] = (0, 0)
 
     def new_wish(self) -> int | None:
         """The worker count a scale wish written since the last call asks for, or None (no new wish,
@@ -71,7 +70,8 @@ class WorkerSet:
         if self.wish_path is None:
             return None
         try:
-            mtime = self.wish_path.stat().st_mtime_ns
+            stat = self.wish_path.stat()
+            mtime = (stat.st_ino, stat.st_mtime_ns)  # each wish is a new file: two in one clock tick differ
         except FileNotFoundError:
             return None
         if mtime == self._wish_mtime:
@@ -107,12 +107,17 @@ class Rescale:
 
     started: list[tuple[int, Any]] = field(default_factory=list)
     stopping: list[int] = field(default_factory=list)
+    short: int = 0  # workers not started for want of a free slot (slots whose workers still leave)
 
 
-def follow(workers: list[Any], wanted: int, leaving: set[int], start: Callable[[int], Any]) -> Rescale:
-    """Match `wanted`: start the lowest free slots (`start(slot)` gives the child, put into `workers`
-    at its slot), or SIGTERM the highest-numbered running workers but the chief, adding them to
-    `leaving`. `workers` is the launcher's list by slot; a slot is free when its child exited."""
+def follow(
+    workers: list[Any], wanted: int, leaving: set[int], start: Callable[[int], Any], max_workers: int
+) -> Rescale:
+    """Match `wanted`: start the lowest free slots below `max_workers` (`start(slot)` gives the child,
+    put into `workers` at its slot), or SIGTERM the highest-numbered running workers but the chief,
+    adding them to `leaving`. `workers` is the launcher's list by slot; a slot is free once its child
+    exited and, if it was asked to leave, the launcher saw it go (it is no longer in `leaving`): the
+    workers that found no free slot are `short`, for a later call."""
     done = Rescale()
     running = [i for i, child in enumerate(workers) if child.poll() is None and i not in leaving]
     for slot in sorted(running, reverse=True)[: max(0, len(running) - wanted)]:
@@ -121,9 +126,12 @@ def follow(workers: list[Any], wanted: int, leaving: set[int], start: Callable[[
         workers[slot].terminate()
         leaving.add(slot)
         done.stopping.append(slot)
-    free = (i for i in itertools.count(1) if i >= len(workers) or workers[i].poll() is not None)
-    for _ in range(max(0, wanted - len(running))):
-        slot = next(free)
+    free = [
+        i for i in range(1, max_workers) if i not in leaving and (i >= len(workers) or workers[i].poll() is not None)
+    ]
+    missing = max(0, wanted - len(running))
+    done.short = max(0, missing - len(free))
+    for slot in free[:missing]:
         child = start(slot)
         if slot < len(workers):
             workers[slot] = child

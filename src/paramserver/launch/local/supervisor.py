@@ -128,6 +128,7 @@ class LocalCluster(Lifecycle):
         # an elastic run's wanted count, scale wishes and joins and leaves; None: a fixed worker set
         self.elastic = elastic.WorkerSet(max_workers, num_workers) if max_workers else None
         self._leaving: set[int] = set()  # elastic: slots asked to leave (SIGTERM), not yet exited
+        self._short = 0  # elastic: workers wanted that found no free slot yet (their slots still leave)
         self.with_evaluator = evaluator
         self.evaluator: Child | None = None  # reads checkpoints only: started once, kept through roll-backs
         self.board = ProgressBoard()
@@ -302,14 +303,23 @@ class LocalCluster(Lifecycle):
         except (ConfigError, OSError) as exc:
             self._lines.write("run", f"scale wish refused: {exc}")
             return []
-        if wanted is None:
+        fresh = wanted is not None
+        if not fresh and not self._short:
             return []
-        done = elastic.follow(self.workers, wanted, self._leaving, self._start_slot)
+        # a wish not followed in full (its slots still left) is followed again until it is
+        done = elastic.follow(
+            self.workers, self.elastic.wanted, self._leaving, self._start_slot, self.elastic.max_workers
+        )
+        self._short = done.short
+        if not (fresh or done.started or done.stopping):
+            return []
         for slot in done.stopping:
             self.elastic.record(slot, "asked to leave")
+        waiting = f"; {done.short} wait for slots still leaving" if done.short else ""
         self._lines.write(
             "run",
-            f"scaling to {wanted} workers: started {[s for s, _ in done.started]}, asked to leave {done.stopping}",
+            f"scaling to {self.elastic.wanted} workers: started {[s for s, _ in done.started]}, "
+            f"asked to leave {done.stopping}{waiting}",
             event="scale",
         )
         return [child for _, child in done.started]
