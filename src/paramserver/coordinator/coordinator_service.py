@@ -143,7 +143,7 @@ class CoordinatorClient(Lifecycle):
         assert issubclass(request_type, msg.JoinRequest), method  # every method called here names its worker
         reply, _ = self.stub.call(method, request_type(worker=self.worker, **fields), timeout).wait(timeout)
         self.view = reply.to_meta()
-        if reply.split_lost:
+        if reply.split_lost and _same_split(fields.get("position"), self.position):
             self.split_lost = True
         incarnation = self.view.get("incarnation")
         if method == "Join" and self.incarnation is None:
@@ -303,3 +303,9 @@ class CoordinatorClient(Lifecycle):
         self.channel.close()
         if self._thread.ident is not None:  # started
             self._thread.join(max(0.1, grace - (time.monotonic() - started)) + _CONNECT_ATTEMPT_S)
+
+
+def _same_split(sent: Any, now: tuple[int, int, int] | None) -> bool:
+    """Whether the position a call reported names the split this worker trains now: a late reply about
+    a split it finished or gave up already must not make it give up the next one."""
+    return sent is not None and now is not None and (sent[0], sent[1]) == (now[0], now[1])

@@ -254,7 +254,7 @@ class Coordinator:
                 self._cond.wait(min(1.0, deadline.left()))
         self.dispatcher.describe(num_splits, epochs)
         if done is not None:
-            self.dispatcher.complete(worker, *done)
+            self._complete(worker, done)
         with self._cond:
             self._cond.notify_all()  # a completion may end the data: workers waiting for a split hear it
             while (assigned := self.dispatcher.acquire(worker)) is None:
@@ -273,18 +273,19 @@ class Coordinator:
             self._data_held = True
 
     def restore_data(self, state: object) -> None:
-        """Continue the data from a checkpoint's record (None: a fresh start; validated: InvalidArgumentError
-        names what is wrong), and hand out splits from now on."""
-        try:
-            if state is not None:
-                self.dispatcher.load_state(state)
-        finally:
-            with self._cond:
-                self._data_held = False
-                self._cond.notify_all()
+        """Continue the data from a checkpoint's record (None: a fresh start), and hand out splits from
+        now on. A bad record raises InvalidArgumentError naming what is wrong and changes nothing: the
+        data stays held (a fresh start on a checkpoint's values would train its examples again)."""
+        if state is not None:
+            self.dispatcher.load_state(state)
+        with self._cond:
+            self._data_held = False
+            self._cond.notify_all()
 
     def _report(self, worker: int, position: Position | None) -> dict:
-        """Record `worker`'s data position; {"split_lost": True} when its split was taken back."""
+        """Record `worker`'s data position; {"split_lost": True} when its split was taken back. A
+        position behind the one recorded (a heartbeat that read it before a barrier reported a newer
+        one, and arrived after it) changes nothing."""
         if position is None:
             return {}
         try:
@@ -292,7 +293,31 @@ class Coordinator:
         except FailedPreconditionError as exc:
             log.warning("coordinator: worker %d: %s", worker, exc)
             return {"split_lost": True}
+        except InvalidArgumentError:
+            if not self._behind(worker, position):
+                raise
         return {}
+
+    def _behind(self, worker: int, position: Position) -> bool:
+        """Whether `position` is a valid position of the split `worker` holds, behind the one recorded."""
+        held = self.dispatcher.holding(worker)
+        epoch, split, batches = position
+        return (
+            held is not None
+            and (held.epoch, held.split) == (epoch, split)
+            and type(batches) is int
+            and 0 <= batches < held.position
+        )
+
+    def _complete(self, worker: int, done: Position) -> None:
+        """`worker` finished split `done`. One taken back meanwhile (it was found dead while only slow)
+        goes out again from its last reported position: the worker asks for its next split as usual."""
+        try:
+            self.dispatcher.complete(worker, *done)
+        except FailedPreconditionError as exc:
+            if self.dispatcher.holding(worker) is not None:  # it holds another split: the call is wrong
+                raise
+            log.warning("coordinator: worker %d finished a split taken back meanwhile: %s", worker, exc)
 
     def _release(self, worker: int) -> None:
         if not self.dispatcher.described:
