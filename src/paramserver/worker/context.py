@@ -277,7 +277,9 @@ class Context:
         progress, client = self.progress, self.client
         progress.pushed_bytes = client.pushed_bytes
         progress.count_step(client.record.staleness)
-        self.coordinator.step = progress.steps
+        # the steps since the checkpoint the run resumed from, a worker restarted alone counting those of
+        # its earlier life too (the shards counted them): `paramserver status` adds the checkpoint's step
+        self.coordinator.step = progress.steps + client.record.position - client.record.restored
         if self.dispatched is not None:
             self.dispatched.stepped()
         self.busy()
