@@ -33,8 +33,8 @@ The global step is the sum of the members' reported steps.
 
 The coordinator also owns the data positions of a run whose script hands its data to it (`split`,
 coordinator/dispatcher.py): a worker reports its position with its heartbeats, at barriers and when
-it leaves; one that leaves or dies has its split taken back at the last position it reported. Lock
-order: the coordinator's, then the dispatcher's. Thread-safe.
+it leaves; one that leaves or dies has its split taken back at the last position it reported
+(coordinator/handout.py). Lock order: the coordinator's, then the handout's. Thread-safe.
 """
 
 from __future__ import annotations
@@ -48,14 +48,13 @@ from dataclasses import dataclass
 from paramserver.base.deadline import Deadline
 from paramserver.base.errors import FailedPreconditionError, InvalidArgumentError, UnavailableError
 from paramserver.coordinator.barriers import Barriers
-from paramserver.coordinator.dispatcher import Dispatcher
+from paramserver.coordinator.handout import Handout, Position
 
 log = logging.getLogger(__name__)
 _INT64 = 1 << 63
 # a Barrier call is a long poll of a few seconds (the client asks again): a longer one would only let a
 # caller hold one of the coordinator's few request threads
 MAX_BARRIER_WAIT_S = 60
-Position = tuple[int, int, int] | list[int]  # (epoch, split, batches of it trained)
 STATES = ("joining", "training", "finished", "exited", "dead", "absent")
 MAX_EVENTS = 1000  # joins and leaves kept (the oldest dropped first)
 
@@ -96,8 +95,7 @@ class Coordinator:
         self._published: dict[str, str] = {}  # what the hosting worker tells the others (rendezvous addresses)
         self._started = clock()
         self._cond = threading.Condition()
-        self.dispatcher = Dispatcher(clock)  # the data positions, when the script hands its data out (`split`)
-        self._data_held = False  # `hold_data`: no split is handed out until a checkpoint's positions are restored
+        self.handout = Handout(clock)  # the data positions, when the script hands its data out (`split`)
         self.incarnation = secrets.token_hex(8)  # a restarted chief's coordinator is another: workers roll back
 
     # ---- a member's own calls ----------------------------------------------------------------
@@ -133,7 +131,7 @@ class Coordinator:
             raise InvalidArgumentError(f"worker {worker}: heartbeat step must be a non-negative int64, got {step!r}")
         if not 0 <= wait_s <= MAX_BARRIER_WAIT_S:  # also refuses NaN
             raise InvalidArgumentError(f"heartbeat wait must be between 0 and {MAX_BARRIER_WAIT_S} s, got {wait_s!r}")
-        lost = self._report(worker, position)
+        lost = self.handout.report(worker, position)
         view = {**self._heard(worker, step), **lost}
         if lost:
             return view
@@ -174,8 +172,8 @@ class Coordinator:
         """The worker's script ended, or it left an elastic run: nothing waits for it any more, and the
         split it held goes back at `position`."""
         self._check(worker)
-        self._report(worker, position)
-        self._release(worker)
+        self.handout.report(worker, position)
+        self.handout.release(worker)
         with self._cond:
             member = self._members[worker]
             if not member.exited:
@@ -199,7 +197,7 @@ class Coordinator:
         self._check(worker)
         if not 0 <= wait_s <= MAX_BARRIER_WAIT_S:  # also refuses NaN
             raise InvalidArgumentError(f"barrier wait must be between 0 and {MAX_BARRIER_WAIT_S} s, got {wait_s!r}")
-        lost = self._report(worker, position)  # before it arrives: a checkpoint's cut records exact positions
+        lost = self.handout.report(worker, position)  # before it arrives: a checkpoint's cut records exact positions
         if lost:
             return {**self.view(), **lost, "open": False, "waiting": []}
         with self._cond:
@@ -236,7 +234,7 @@ class Coordinator:
             self._cond.notify_all()
             return self._view()
 
-    # ---- the data (coordinator/dispatcher.py) --------------------------------------------------
+    # ---- the data (coordinator/handout.py) -----------------------------------------------------
     def split(
         self, worker: int, num_splits: int, epochs: int, done: Position | None = None, wait_s: float = 0.0
     ) -> dict:
@@ -246,92 +244,25 @@ class Coordinator:
         self._check(worker)
         if not 0 <= wait_s <= MAX_BARRIER_WAIT_S:  # also refuses NaN
             raise InvalidArgumentError(f"split wait must be between 0 and {MAX_BARRIER_WAIT_S} s, got {wait_s!r}")
-        deadline = Deadline(wait_s)
-        with self._cond:
-            while self._data_held:  # the chief restores a checkpoint's positions first
-                if deadline.passed():
-                    return {**self._view(), "data_done": False}
-                self._cond.wait(min(1.0, deadline.left()))
-        self.dispatcher.describe(num_splits, epochs)
-        if done is not None:
-            self._complete(worker, done)
-        with self._cond:
-            self._cond.notify_all()  # a completion may end the data: workers waiting for a split hear it
-            while (assigned := self.dispatcher.acquire(worker)) is None:
-                if self.dispatcher.finished or deadline.passed():
-                    return {**self._view(), "data_done": self.dispatcher.finished}
-                self._cond.wait(min(1.0, deadline.left()))
-            return {**self._view(), "split": [assigned.epoch, assigned.split, assigned.position]}
+        answer = self.handout.split(worker, num_splits, epochs, done, wait_s)
+        return {**self.view(), **answer}
+
+    @property
+    def dispatcher(self):
+        """Who holds which split, and the positions (coordinator/dispatcher.py; monitoring and tests)."""
+        return self.handout.dispatcher
 
     def data_state(self) -> dict | None:
         """The dispatcher's record for a checkpoint (None when the script hands out no data)."""
-        return self.dispatcher.state() if self.dispatcher.described else None
+        return self.handout.state()
 
     def hold_data(self) -> None:
         """Hand out no split until `restore_data` (the chief learns which checkpoint the run resumed from)."""
-        with self._cond:
-            self._data_held = True
+        self.handout.hold()
 
     def restore_data(self, state: object) -> None:
-        """Continue the data from a checkpoint's record (None: a fresh start), and hand out splits from
-        now on. A bad record raises InvalidArgumentError naming what is wrong and changes nothing: the
-        data stays held (a fresh start on a checkpoint's values would train its examples again)."""
-        if state is not None:
-            self.dispatcher.load_state(state)
-        with self._cond:
-            self._data_held = False
-            self._cond.notify_all()
-
-    def _report(self, worker: int, position: Position | None) -> dict:
-        """Record `worker`'s data position; {"split_lost": True} when its split was taken back. A
-        position behind the one recorded (a heartbeat that read it before a barrier reported a newer
-        one, and arrived after it) changes nothing."""
-        if position is None:
-            return {}
-        try:
-            self.dispatcher.report(worker, *position)
-        except FailedPreconditionError as exc:
-            log.warning("coordinator: worker %d: %s", worker, exc)
-            return {"split_lost": True}
-        except InvalidArgumentError:
-            if not self._behind(worker, position):
-                raise
-        return {}
-
-    def _behind(self, worker: int, position: Position) -> bool:
-        """Whether `position` is a valid position of the split `worker` holds, behind the one recorded."""
-        held = self.dispatcher.holding(worker)
-        epoch, split, batches = position
-        return (
-            held is not None
-            and (held.epoch, held.split) == (epoch, split)
-            and type(batches) is int
-            and 0 <= batches < held.position
-        )
-
-    def _complete(self, worker: int, done: Position) -> None:
-        """`worker` finished split `done`. One taken back meanwhile (it was found dead while only slow)
-        goes out again from its last reported position: the worker asks for its next split as usual."""
-        try:
-            self.dispatcher.complete(worker, *done)
-        except FailedPreconditionError as exc:
-            if self.dispatcher.holding(worker) is not None:  # it holds another split: the call is wrong
-                raise
-            log.warning("coordinator: worker %d finished a split taken back meanwhile: %s", worker, exc)
-
-    def _release(self, worker: int) -> None:
-        if not self.dispatcher.described:
-            return
-        for taken in self.dispatcher.release(worker):
-            log.info(
-                "coordinator: split %d of epoch %d goes back at batch %d (worker %d left)",
-                taken.split,
-                taken.epoch,
-                taken.position,
-                worker,
-            )
-        with self._cond:
-            self._cond.notify_all()
+        """Continue the data from a checkpoint's record (None: a fresh start); see Handout.restore."""
+        self.handout.restore(state)
 
     # ---- what the host asks ------------------------------------------------------------------
     def publish(self, key: str, value: str) -> None:
@@ -372,7 +303,7 @@ class Coordinator:
                     found.append((member.worker, self._why_dead(member)))
                     self._event(member.worker, "died")
             for worker, _ in found:
-                self._release(worker)
+                self.handout.release(worker)
             return found
 
     def all_done(self, joining_grace_s: float = 0.0) -> bool:
