@@ -32,6 +32,7 @@ from tests.fault.launcher_run import LauncherRun
 from tests.ports import free_port
 from tests.wait import finished, wait_until
 
+from paramserver.base.config import Options
 from paramserver.launch.local.run_files import RUN_DIR_ENV
 
 pytestmark = pytest.mark.fault  # each test: one run of 2-5 workers that join and leave, 20-40 s
@@ -44,6 +45,9 @@ HEARTBEAT_TIMEOUT = 6.0
 # for a dead worker lasts until the coordinator finds it dead: about the heartbeat timeout less one
 # heartbeat. Half the timeout tells such a stall from a slow step on a loaded machine.
 MAX_STALL_S = HEARTBEAT_TIMEOUT / 2
+# A worker whose process dies is found when its heartbeat's connection closes: within about one heartbeat
+# (`heartbeat_s`, 1 s) and the coordinator's next look (another), far below the default heartbeat timeout.
+KILL_STALL_S = 2.5
 BATCH = re.compile(r"^(?:\[worker(\d+)\] )?batch (\d+) (\d+) ([\d.]+)$")  # the launcher's prefix, or a node's
 PUSHED = re.compile(r"^\[worker(\d+)\] pushed (\d+) (\d+) (\d+)")
 
@@ -58,8 +62,16 @@ def run_dir(tmp_path, monkeypatch):
 
 
 def elastic_run(
-    procs, tmp_path, mode: str, workers: int, max_workers: int, script: str = COUNTED, *more: str
+    procs,
+    tmp_path,
+    mode: str,
+    workers: int,
+    max_workers: int,
+    script: str = COUNTED,
+    *more: str,
+    heartbeat_timeout: float | None = HEARTBEAT_TIMEOUT,
 ) -> LauncherRun:
+    """`paramserver run` with one PS and `script`; `heartbeat_timeout` None: the option's default."""
     args = [
         "--batches",
         "4000",
@@ -72,17 +84,19 @@ def elastic_run(
         *more,
     ]
     flags = [
+        "--ps",
+        "1",
         "--mode",
         mode,
         "--workers",
         str(workers),
         "--max-workers",
         str(max_workers),
-        "--heartbeat-timeout",
-        str(HEARTBEAT_TIMEOUT),
         "--max-restarts",
         "0",
     ]
+    if heartbeat_timeout is not None:
+        flags += ["--heartbeat-timeout", str(heartbeat_timeout)]
     return LauncherRun(procs, flags, script, args)
 
 
@@ -335,6 +349,155 @@ def test_sync_a_worker_joins_and_leaves_and_the_result_equals_plain_torch(procs,
         SEED,
         f"the chief made no step for {stall:.2f}s from {since - left_at:+.2f}s after worker 2 left",
     )
+    assert procs.leftovers() == [], SEED
+
+
+def kill_at_a_seeded_moment(run: LauncherRun, rng: random.Random, label: str) -> float:
+    """SIGKILL the node `label` a seeded part of a heartbeat (1 s, the period of its long poll) after the
+    line the test waited for; returns when."""
+    time.sleep(rng.uniform(0.0, 1.0))
+    run.kill(label)
+    return time.time()
+
+
+def found_gone_by_its_connection(run: LauncherRun, worker: int) -> None:
+    """The coordinator dropped the killed `worker` because its heartbeat's connection closed (not after the
+    heartbeat timeout, which would name the seconds of silence)."""
+    gone = f"coordinator: worker {worker} is gone: its heartbeat's connection closed"
+    wait_until(
+        lambda: any(gone in line for line in list(run.lines)),
+        f"{gone!r} (seed {SEED})",
+        timeout=30,
+    )
+
+
+def test_ssp_a_worker_that_joined_and_is_killed_holds_the_others_one_heartbeat_at_most(procs, tmp_path, run_dir):
+    """The heartbeat timeout is the default (30 s): only the closed connection of the killed worker's
+    heartbeat can free the others from its ssp bound within KILL_STALL_S."""
+    assert Options().heartbeat_timeout_s >= 10 * KILL_STALL_S, SEED
+    rng = random.Random(SEED)
+    run = elastic_run(procs, tmp_path, "ssp:2", workers=2, max_workers=3, heartbeat_timeout=None)
+    wait_batch(run, 0, rng.randint(10, 60))
+    scale(procs, 3)
+    run.wait_for("scaling to 3 workers: started [2], asked to leave []")
+    wait_batch(run, 2, rng.randint(10, 60))
+    killed_at = kill_at_a_seeded_moment(run, rng, "worker2")  # no restart left (--max-restarts 0): a leave
+    run.wait_for("no restart left: the others go on")
+    found_gone_by_its_connection(run, 2)
+    # the others train on past any stall that counts, then every worker stops
+    wait_until(
+        lambda: min(latest(run.lines, worker)[1] for worker in (0, 1)) > killed_at + KILL_STALL_S + 1.0,
+        f"workers 0 and 1 to train on after the kill (seed {SEED})",
+        timeout=120,
+    )
+    stop_training(tmp_path)
+    summary = run.finish(timeout=120)
+
+    assert events(summary) == [(0, "started"), (1, "started"), (2, "started"), (2, "died")], (
+        SEED,
+        summary["membership"],
+    )
+    counts = {worker: reported(run.lines, worker) for worker in range(3)}
+    assert counts[2] > 0, (SEED, counts)
+    check_cells(
+        json.loads((tmp_path / "out.json").read_text()), exact={0: counts[0], 1: counts[1]}, killed={2: counts[2]}
+    )
+    for worker in (0, 1):
+        times = [t for _, t in batches(run.lines)[worker]]
+        stall, since = longest_stall([t for t in times if t >= killed_at - 1.0])
+        print(f"seed {SEED}: worker {worker}'s longest gap around the kill {stall:.2f}s, {since - killed_at:+.2f}s on")
+        assert stall < KILL_STALL_S, (
+            SEED,
+            f"worker {worker} made no step for {stall:.2f}s from {since - killed_at:+.2f}s after the kill",
+        )
+        stall, since = longest_stall(times)
+        assert stall < MAX_STALL_S, (
+            SEED,
+            f"worker {worker} made no step for {stall:.2f}s from {since - killed_at:+.2f}s after the kill",
+        )
+    assert procs.leftovers() == [], SEED
+
+
+def sync_pushes(lines: list[str]) -> tuple[dict[int, list[tuple[int, int]]], dict[int, list[tuple[int, int, float]]]]:
+    """elastic_sync.py's "pushed W K S [T]" lines: each sync step's (worker, batch) pushes, and each worker's
+    (batch, step, time) in order (time 0.0 on the line of a worker that left inside its step)."""
+    steps: dict[int, list[tuple[int, int]]] = collections.defaultdict(list)
+    by_worker: dict[int, list[tuple[int, int, float]]] = collections.defaultdict(list)
+    for line in list(lines):
+        match = PUSHED.match(line.strip())
+        if match:
+            worker, k, step = int(match[2]), int(match[3]), int(match[4])
+            steps[step].append((worker, k))
+            by_worker[worker].append((k, step, float(line.split()[-1]) if len(line.split()) > 5 else 0.0))
+    return steps, by_worker
+
+
+def relative_error(got: dict, net: torch.nn.Linear) -> float:
+    return max(
+        ((torch.tensor(got[name]) - value).norm() / value.norm()).item()
+        for name, value in (("weight", net.weight), ("bias", net.bias))
+    )
+
+
+def test_sync_a_worker_that_joined_and_is_killed_leaves_the_quorum_within_a_heartbeat(procs, tmp_path, run_dir):
+    """One PS, the default heartbeat timeout (30 s): the step under way at the kill waits for the killed
+    worker only until its heartbeat's connection closes; every later step is the survivors' own."""
+    assert Options().heartbeat_timeout_s >= 10 * KILL_STALL_S, SEED
+    rng = random.Random(SEED)
+    run = elastic_run(procs, tmp_path, "sync", workers=2, max_workers=3, script=SYNC, heartbeat_timeout=None)
+    run.wait_for(f"[worker0] pushed 0 {rng.randint(10, 80)} ", timeout=120)
+    scale(procs, 3)
+    run.wait_for(f"[worker2] pushed 2 {rng.randint(10, 60)} ", timeout=120)
+    killed_at = kill_at_a_seeded_moment(run, rng, "worker2")
+    run.wait_for("no restart left: the others go on")
+    found_gone_by_its_connection(run, 2)
+    wait_until(
+        lambda: sync_pushes(run.lines)[1][0][-1][2] > killed_at + KILL_STALL_S + 1.0,
+        f"the chief to train on after the kill (seed {SEED})",
+        timeout=120,
+    )
+    stop_training(tmp_path)
+    summary = run.finish(timeout=120)
+
+    assert events(summary) == [(0, "started"), (1, "started"), (2, "started"), (2, "died")], (
+        SEED,
+        summary["membership"],
+    )
+    steps, by_worker = sync_pushes(run.lines)
+    chief = [t for _, _, t in by_worker[0]]
+    stall, since = longest_stall([t for t in chief if t >= killed_at - 1.0])
+    print(f"seed {SEED}: the chief's longest gap around the kill {stall:.2f}s, {since - killed_at:+.2f}s on")
+    assert stall < KILL_STALL_S, (
+        SEED,
+        f"the chief made no step for {stall:.2f}s from {since - killed_at:+.2f}s after the kill",
+    )
+    stall, since = longest_stall(chief)
+    assert stall < MAX_STALL_S, (
+        SEED,
+        f"the chief made no step for {stall:.2f}s from {since - killed_at:+.2f}s after the kill",
+    )
+    assert sorted(steps) == list(range(len(steps))), (SEED, "sync steps missing", sorted(steps)[:10])
+    for worker, pushes in by_worker.items():
+        assert [k for k, _, _ in pushes] == list(range(len(pushes))), (SEED, worker)
+        first = pushes[0][1]
+        assert [s for _, s, _ in pushes] == list(range(first, first + len(pushes))), (SEED, worker, pushes[:5])
+    assert by_worker[0][0][1] == 0, SEED
+    # every step has the push of each worker present then: worker 2 from its join to its last logged
+    # step, and none of it after (its push in flight at the kill, batch last_k + 1, logged nothing)
+    last_k, last_step, _ = by_worker[2][-1]
+    for step, pushers in sorted(steps.items()):
+        present = [w for w, pushes in sorted(by_worker.items()) if pushes[0][1] <= step <= pushes[-1][1]]
+        assert sorted(w for w, _ in pushers) == present, (SEED, step, pushers, f"worker 2 last in step {last_step}")
+    after = [step for step in steps if step > last_step]
+    assert len(after) > 10, (SEED, "the survivors trained on for a few steps only", after)
+    # the result is plain torch's with the survivors alone from the kill on (the in-flight push may or
+    # may not be in the step under way, last_step + 1). The model forgets early steps (the difference
+    # the in-flight push makes has faded by the end): this checks the steps near the end, the survivors'.
+    got = json.loads((tmp_path / "out.json").read_text())
+    without = relative_error(got, replay(steps))
+    in_flight = {**steps, last_step + 1: [*steps[last_step + 1], (2, last_k + 1)]}
+    within = relative_error(got, replay(in_flight))
+    assert min(without, within) < 1e-5, (SEED, f"equals no replay: {without=:.2e} {within=:.2e}", last_k, last_step)
     assert procs.leftovers() == [], SEED
 
 
