@@ -65,3 +65,12 @@ def test_a_fixed_run_and_a_worker_that_left_are_not_dropped_by_a_cancelled_heart
             assert coordinator.newly_gone() == []
         finally:
             server.stop(0.5)
+
+
+def test_only_a_held_heartbeat_once_cancelled_drops_a_worker():
+    """A call refused by the caller's checks never reaches the held poll: cancelling it drops no one."""
+    coordinator = Coordinator(2, heartbeat_timeout_s=60, elastic=True)
+    coordinator.join(0)
+    coordinator.join(1)
+    coordinator.caller_gone(1)  # no heartbeat of worker 1 is held now
+    assert coordinator.state(1) == "training" and coordinator.newly_gone() == []

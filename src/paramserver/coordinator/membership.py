@@ -70,6 +70,7 @@ class Member:
     reported_gone: bool = False  # `newly_gone` told the caller already
     joined_at: float = 0.0  # the latest join (an elastic barrier does not wait for a worker that joined after it began)
     gone_why: str | None = None  # why it counts as dead before the heartbeat timeout (caller_gone)
+    polls: int = 0  # its heartbeats held now (long polls): only such a call, once cancelled, says it is gone
 
 
 def checkpoint_barrier(number: int) -> str:
@@ -95,6 +96,7 @@ class Coordinator:
         self._published: dict[str, str] = {}  # what the hosting worker tells the others (rendezvous addresses)
         self._started = clock()
         self._cond = threading.Condition()
+        self.gone_found = threading.Event()  # set by `caller_gone`: the host's watcher tells the shards now
         self.handout = Handout(clock)  # the data positions, when the script hands its data out (`split`)
         self.incarnation = secrets.token_hex(8)  # a restarted chief's coordinator is another: workers roll back
 
@@ -140,8 +142,12 @@ class Coordinator:
         deadline = Deadline(wait_s)
         with self._cond:
             member = self._members[worker]
-            while self._checkpoints_requested <= checkpoints and not deadline.passed() and not member.exited:
-                self._cond.wait(deadline.left())
+            member.polls += 1
+            try:
+                while self._checkpoints_requested <= checkpoints and not deadline.passed() and not member.exited:
+                    self._cond.wait(deadline.left())
+            finally:
+                member.polls -= 1
             return self._view()
 
     def _heard(self, worker: int, step: int) -> dict:
@@ -281,17 +287,19 @@ class Coordinator:
             return self._view()
 
     def caller_gone(self, worker: int) -> None:
-        """`worker`'s heartbeat was cancelled by its caller (its connection closed): in an elastic run
-        it is dead now, not after the heartbeat timeout (`newly_gone` reports it); a heartbeat from it
-        brings it back. Not in a fixed run, where a worker found dead fails the barriers that need it."""
+        """`worker`'s heartbeat, held here, was cancelled by its caller (its connection closed): in an
+        elastic run it is dead now, not after the heartbeat timeout (`newly_gone` reports it); a heartbeat
+        from it brings it back. Not in a fixed run, where a worker found dead fails the barriers that need it."""
         with self._cond:
             member = self._members.get(worker)
-            if not self.elastic or member is None or self._state(member) != "training":
+            # a held heartbeat passed the caller's checks (its token's role and worker): no other call can drop it
+            if not self.elastic or member is None or not member.polls or self._state(member) != "training":
                 return
             member.last_seen = self._clock() - self.heartbeat_timeout_s - 1.0
             member.gone_why = "its heartbeat's connection closed"
             log.info("coordinator: worker %d: its heartbeat's connection closed; it is gone", worker)
             self._cond.notify_all()
+        self.gone_found.set()
 
     def newly_gone(self) -> list[tuple[int, str]]:
         """Members found dead since the last call, with why: for the host to tell the shards."""

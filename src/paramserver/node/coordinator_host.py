@@ -107,7 +107,12 @@ class CoordinatorHost(Lifecycle):
         self.incarnations, self.on_restart = list(incarnations or []), on_restart
 
     def _watch(self) -> None:
-        while not self._stopping.wait(self.options.heartbeat_s):
+        while not self._stopping.is_set():
+            # each heartbeat, or at once when a worker's connection closed (Coordinator.caller_gone)
+            self.coordinator.gone_found.wait(self.options.heartbeat_s)
+            self.coordinator.gone_found.clear()
+            if self._stopping.is_set():
+                return
             for worker, why in self.coordinator.newly_gone():
                 log.warning("coordinator: worker %d is gone: %s", worker, why)
                 if self.guard.audit is not None:
@@ -139,6 +144,7 @@ class CoordinatorHost(Lifecycle):
         if self._stopping.is_set():
             return
         self._stopping.set()
+        self.coordinator.gone_found.set()  # the watcher ends now
         self.server.stop(grace)
         if self._watcher.ident is not None:  # started
             self._watcher.join(grace + self.options.rpc_timeout_s)

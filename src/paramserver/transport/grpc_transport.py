@@ -120,13 +120,15 @@ class GrpcServer(Lifecycle):
 
     def _handler(self, method: str):
         def handle(request: bytes, context: grpc.ServicerContext) -> bytes:
+            served = threading.Event()
+            if hasattr(self.service, "caller_gone"):  # told at once when the caller cancels a call held here
+                context.add_callback(lambda: _caller_gone(self.service, method, request, context, served))
             result = answer(
                 self.service, method, request, context.peer(), token=bearer_token(context.invocation_metadata())
             )
+            served.set()
             if not result.ok:
                 context.abort(result.code, result.reply)
-            if not context.is_active():
-                _caller_gone(self.service, method, request, context)
             return result.reply
 
         return handle
@@ -213,14 +215,16 @@ class _NoMethods:
     methods: dict = {}
 
 
-def _caller_gone(service, method: str, request: bytes, context: grpc.ServicerContext) -> None:
-    """The caller cancelled the call while it was served, before its deadline: its process is gone (its
-    connection closed) or it gave up. A service that cares (a long poll's caller: the coordinator's
-    heartbeats) has `caller_gone(method, request)`."""
+def _caller_gone(service, method: str, request: bytes, context: grpc.ServicerContext, served: threading.Event) -> None:
+    """The call ended before it was served (gRPC's termination callback): unless its deadline passed,
+    the caller cancelled it: its process is gone (its connection closed) or it gave up. A service that
+    cares (a long poll's caller: the coordinator's heartbeats) has `caller_gone(method, request)`."""
     remaining = context.time_remaining()
-    hook = getattr(service, "caller_gone", None)
-    if hook is not None and (remaining is None or remaining > 0):
-        hook(method, request)
+    if not served.is_set() and (remaining is None or remaining > 0):
+        try:
+            service.caller_gone(method, request)
+        except Exception:  # gRPC's callback thread must not die of it; the heartbeat timeout still finds it
+            log.exception("%s: telling the service its caller went away failed", method)
 
 
 def health_server(health: Health, bind: str, tls: TlsMaterial | None = None) -> GrpcServer:
