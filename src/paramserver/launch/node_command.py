@@ -1,6 +1,7 @@
 """`paramserver node`: run one node of a multi-host cluster.
 
-The node's role comes from `--cluster FILE --role R --index I`, or from TF_CONFIG. A PS
+The node's role comes from `--cluster FILE --role R --index I`, from TF_CONFIG, or, in a task
+started by `srun` with neither, from the Slurm job step's environment (launch/slurm). A PS
 node serves its shard until SIGTERM; a worker (or chief) node runs SCRIPT with ARGS as
 `__main__`, and `paramserver.init()` inside it joins the cluster this node belongs to. An
 evaluator node runs the same SCRIPT, whose `init()` joins nothing (evaluation/evaluator.py), and
@@ -29,6 +30,7 @@ from paramserver.base.errors import ConfigError
 from paramserver.base.lifecycle import RESTART_EXIT_CODE
 from paramserver.launch import threads
 from paramserver.launch.logs import name_node, node_name
+from paramserver.launch.slurm.environment import in_slurm_step, slurm_config
 
 log = logging.getLogger(__name__)
 # RESTART_EXIT_CODE (75, EX_TEMPFAIL; base/lifecycle.py): a node asks its restart loop to start it again (a
@@ -36,7 +38,8 @@ log = logging.getLogger(__name__)
 
 
 def resolve(cluster_file: str | None, role: str | None, index: int | None, options: Options) -> NodeConfig | None:
-    """The node's config from flags (a cluster file), TF_CONFIG, or both; None if neither is given.
+    """The node's config from flags (a cluster file), TF_CONFIG, or both; else, in a Slurm job step
+    (srun) given no --role, from the step's environment; None if none of them is given.
 
     With `--cluster FILE` and no `--role`, the task is TF_CONFIG's and the file gives the whole
     cluster (what a TFJob's sparse TF_CONFIG leaves out)."""
@@ -48,6 +51,8 @@ def resolve(cluster_file: str | None, role: str | None, index: int | None, optio
             raise ConfigError("--cluster needs --role (ps, worker, chief or evaluator), or TF_CONFIG naming the task")
         return config_mod.load_cluster_file(cluster_file, role, index or 0, options)
     config = config_mod.config_from_environ(os.environ, options)
+    if config is None and role is None and not os.environ.get(config_mod.CLUSTER_ENV) and in_slurm_step(os.environ):
+        return slurm_config(os.environ, options)  # a --role (e.g. a PS `paramserver run` starts) keeps its flags
     if config is None and role is not None and os.environ.get(config_mod.CLUSTER_ENV):
         whole = config_mod.cluster_from_text(os.environ[config_mod.CLUSTER_ENV], config_mod.CLUSTER_ENV)
         return NodeConfig(whole, config_mod.Task(role, index or 0), options)
@@ -94,7 +99,9 @@ def run_node(
     if config is None and bind and role is None:
         raise ConfigError("--bind is where a PS listens: give --role ps too")
     if config is None:
-        raise ConfigError("a worker node needs TF_CONFIG or --cluster FILE --role worker --index I")
+        raise ConfigError(
+            "a worker node needs TF_CONFIG, --cluster FILE --role worker --index I, or a Slurm job step (srun)"
+        )
     if role == config_mod.EVALUATOR:
         return run_evaluator(config, script, args)
     if not script:

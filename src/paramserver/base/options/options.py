@@ -202,7 +202,7 @@ class Options:
         Flag("--resume", CONSISTENCY,
              "start from the latest complete checkpoint in --checkpoint-dir (fresh if none)",
              doc="every node starts from the latest complete checkpoint in `checkpoint_dir` (a fresh start if "
-             "there is none); a PS of a cluster started by `paramserver node` (TF_CONFIG or `--cluster`) with a "
+             "there is none); a PS of a cluster started by `paramserver node` (TF_CONFIG, `--cluster` or a Slurm step) with a "
              "`checkpoint_dir` always does, so that its restart resumes by itself "
              "([recovery.md](recovery.md#when-a-pod-dies))"),
     )
@@ -336,6 +336,26 @@ class Options:
              doc="tensor-stream connections one PS serves at once, counting those that proved themselves (a "
              "token, or a first message); one more is answered RESOURCE_EXHAUSTED and closed (at least 1)"),
         at_least=1,
+    )
+    # a node started by srun (launch/slurm/environment.py)
+    slurm_ps: int = option(
+        1,
+        Flag("--slurm-ps", LIMITS, "under srun: the first N ranks of the job step are PS (default {default})", "N",
+             doc="`paramserver node` under `srun` (no TF_CONFIG): the first N ranks of the job step are PS, the "
+             "next the chief, the rest workers; a heterogeneous job's component 0 is the PS instead "
+             "([configuration.md](configuration.md#slurm-the-nodes-role-from-the-job); at least 1)"),
+        at_least=1,
+    )
+    slurm_port: int = option(
+        0,
+        Flag("--slurm-port", LIMITS,
+             "under srun: each task's port is P + 2 x its SLURM_LOCALID (default 0: derived from the job id)",
+             "P", shown="0: 20000 + (SLURM_JOB_ID % 2000) x 20",
+             doc="`paramserver node` under `srun`: the base port of the job step; each task listens on it + 2 x its "
+             "number among the tasks at its node's address (its SLURM_LOCALID), a PS's tensor stream on the next "
+             "port; 0: 20000 + (SLURM_JOB_ID % 2000) x 20 "
+             "([configuration.md](configuration.md#slurm-the-nodes-role-from-the-job))"),
+        between=(0, 65534), says="0 (derived from the job id) or a port number up to 65534",
     )
     # operations
     metrics_port: int = option(
