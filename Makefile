@@ -2,8 +2,9 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-# The test tiers are markers (pyproject.toml): cluster, parity, fault. The fast tier is everything else.
-FAST_TIER := not (cluster or parity or fault)
+# The test tiers are markers (pyproject.toml): cluster, parity, fault; engines (tests/conftest.py). The fast tier is
+# everything else.
+FAST_TIER := not (cluster or parity or fault or engines)
 # Tests run in this many pytest processes (pytest-xdist); a test that waits on its nodes leaves the core to another.
 PYTEST_WORKERS ?= 2
 
@@ -12,7 +13,7 @@ PYTEST_WORKERS ?= 2
 CHECKOV_VENV := .venv-checkov
 CHECKOV_VERSION := $(shell sed -n 's/^checkov: *//p' deploy/checkov-skips.yaml)
 
-.PHONY: setup demo lint test test-all bench clean
+.PHONY: setup demo lint test test-all test-engines bench clean
 
 setup: $(VENV)/.installed
 
@@ -45,9 +46,15 @@ lint: setup
 test: lint
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) -m "$(FAST_TIER)" tests/unit
 
-# Every tier: what CI runs (.ci/run, .ci/under-load).
+# Every tier but the engines: what CI runs (.ci/run, .ci/under-load).
 test-all: lint $(CHECKOV_VENV)/.installed
-	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal --durations=15
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal --durations=15 -m "not engines"
+
+# The engines tier: a real Slurm cluster (installed with apt; network namespaces, so root) and a real Ray
+# cluster (the `ray` extra), each one per machine: one pytest process. Skipped, saying why, where they cannot run.
+test-engines: lint
+	$(BIN)/pip install -q -e '.[test,ray]'
+	$(BIN)/python -m pytest -q -rs --durations=10 -m engines tests/engines
 
 bench: setup
 	$(BIN)/python bench/dense.py

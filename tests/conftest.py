@@ -26,6 +26,15 @@ ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 _GUARD = pytest.StashKey[spawn_guard.Guard]()
+# The engines tier (tests/engines): real schedulers (a Slurm cluster in network namespaces). Its tests start
+# processes and daemons; `make test-all` runs them in a pytest process of their own (one cluster at a time).
+ENGINES = "engines"
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", f"{ENGINES}: a real scheduler (Slurm daemons, network namespaces); starts processes, one at a time"
+    )
 
 # The folders mirror the tiers (tests/tiers.py): when on, a collected test in the wrong folder stops the
 # session before any test runs, naming each. Off until every file sits in its tier's folder.
@@ -41,14 +50,14 @@ def pytest_collection_modifyitems(config, items):
     if wrong:
         raise pytest.UsageError(f"{len(wrong)} test(s) in the wrong tier folder "
                                 f"(tests/unit: the fast tier; tests/integration, tests/fault: cluster, parity, "
-                                f"fault):\n  " + "\n  ".join(wrong))
+                                f"fault; tests/engines: engines):\n  " + "\n  ".join(wrong))
 
 
 def _guarded(item):
     """Runs one phase of a test (set-up, call, teardown) with process starts refused, unless the
-    test is marked `cluster` or `fault` (tests/spawn_guard.py). A hook wrapper's body."""
+    test is marked `cluster`, `fault` (tests/spawn_guard.py) or `engines`. A hook wrapper's body."""
     guard = None
-    if not spawn_guard.allows_spawning(item):
+    if not spawn_guard.allows_spawning(item) and item.get_closest_marker(ENGINES) is None:
         guard = item.stash.setdefault(_GUARD, spawn_guard.Guard(item.nodeid))
         guard.install()
     try:

@@ -60,6 +60,7 @@ _LAZY = {
     "nn": ("paramserver.nn", None),
     "serving": ("paramserver.serving", None),
     "evaluation": ("paramserver.evaluation", None),
+    "ray": ("paramserver.launch.ray", None),
 }
 
 __all__ = [

@@ -64,7 +64,7 @@ def test_every_flag_group_goes_to_commands_and_flag_names_are_unique():
 def test_each_flag_sets_its_option_on_every_command_that_takes_it(field, flag):
     words, value = _value(field)
     for command in GROUPS[flag.group].commands:
-        positional = {"run": ["train.py"], "k8s": ["--image", "i", "train.py"]}.get(command, [])
+        positional = {"run": ["train.py"], "k8s": ["--image", "i", "train.py"], "slurm": ["train.py"]}.get(command, [])
         args = PARSER.parse_args([command, *positional[:-1], flag.name, *words, *positional[-1:]])
         given = cli.given_options(args)
         assert given == {field.name: value}, command

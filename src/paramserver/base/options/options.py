@@ -202,7 +202,8 @@ class Options:
         Flag("--resume", CONSISTENCY,
              "start from the latest complete checkpoint in --checkpoint-dir (fresh if none)",
              doc="every node starts from the latest complete checkpoint in `checkpoint_dir` (a fresh start if "
-             "there is none); a PS of a cluster started by `paramserver node` (TF_CONFIG, `--cluster` or a Slurm step) with a "
+             "there is none); a PS of a cluster started by `paramserver node` (TF_CONFIG, `--cluster` or a "
+             "Slurm step) with a "
              "`checkpoint_dir` always does, so that its restart resumes by itself "
              "([recovery.md](recovery.md#when-a-pod-dies))"),
     )

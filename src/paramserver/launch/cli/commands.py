@@ -23,6 +23,8 @@ def run_local(args: argparse.Namespace, script: str, script_args: list[str]) -> 
     """`run` and `demo`: a whole cluster on this machine, then one closing JSON line."""
     from paramserver.launch.local.supervisor import LocalCluster, default_torch_threads
 
+    if getattr(args, "engine", "local") == "ray":
+        return run_ray(args, script, script_args)
     if args.ps < 1 or args.workers < 1:
         raise ConfigError(f"--ps and --workers must be at least 1, got {args.ps} and {args.workers}")
     given = given_options(args)
@@ -61,6 +63,34 @@ def run_local(args: argparse.Namespace, script: str, script_args: list[str]) -> 
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         print(json.dumps(cluster.summary()), flush=True)
+
+
+def run_ray(args: argparse.Namespace, script: str, script_args: list[str]) -> int:
+    """`run --engine ray`: every node a Ray actor (launch/ray); the closing JSON line as `run`'s."""
+    from paramserver.launch.ray import run
+
+    if args.ps < 1 or args.workers < 1:
+        raise ConfigError(f"--ps and --workers must be at least 1, got {args.ps} and {args.workers}")
+    local_only = [
+        flag
+        for flag, given in (("--certs", args.certs), ("--tokens", args.tokens), ("--evaluator", args.evaluator))
+        if given
+    ]
+    if local_only:
+        raise ConfigError(f"--engine ray does not take {', '.join(local_only)} (the local launcher's)")
+    given = given_options(args)
+    options = Options(**{"torch_threads": 1, **given})  # each worker asks Ray for 1 CPU
+    return run(
+        script,
+        script_args,
+        args.ps,
+        args.workers,
+        options,
+        args.address,
+        progress_every=args.progress_every,
+        log_level=args.log_level,
+        max_restarts=args.max_restarts,
+    )
 
 
 def _cert_dir(args: argparse.Namespace, options: Options) -> Path | None:
@@ -103,6 +133,33 @@ def k8s(args: argparse.Namespace) -> int:
         options=given_options(args),
     )
     text = render(deployment)
+    if args.output:
+        Path(args.output).write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def slurm(args: argparse.Namespace) -> int:
+    from paramserver.launch.slurm.sbatch import BatchJob, render
+
+    job = BatchJob(
+        script=args.script,
+        args=tuple(strip_dashes(args.args)),
+        ps=args.ps,
+        workers=args.workers,
+        het=args.het,
+        nodes=args.nodes,
+        gpus_per_worker=args.gpus_per_worker,
+        ps_mem=args.ps_mem,
+        time=args.time,
+        grace=args.grace,
+        partition=args.partition,
+        name=args.name,
+        python=args.python,
+        options=given_options(args),  # --slurm-port among them
+    )
+    text = render(job)
     if args.output:
         Path(args.output).write_text(text)
     else:

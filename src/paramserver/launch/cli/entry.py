@@ -40,6 +40,8 @@ def _run_command(args: argparse.Namespace) -> int:
         return commands.make_certs(args)
     if args.command == "k8s":
         return commands.k8s(args)
+    if args.command == "slurm":
+        return commands.slurm(args)
     if args.command == "health":
         return commands.health(args)
     if args.command == "checkpoint":

@@ -15,7 +15,7 @@ from paramserver.base.byte_size import parse_byte_size
 from paramserver.base.options.fields import CONSISTENCY, LIMITS, OPERATIONS, RUN, SECURITY, Flag, choices_of, flag_of
 from paramserver.base.options.options import Options
 
-STARTS_NODES = ("run", "demo", "node", "k8s")
+STARTS_NODES = ("run", "demo", "node", "k8s", "slurm")
 _TYPES = {"int": int, "float": float}  # a str option's flag takes its words as they are
 CALLS_NODES = ("status", "shutdown", "health")
 
@@ -34,27 +34,27 @@ class FlagGroup:
 GROUPS = {
     RUN: FlagGroup(("run", "demo"), None, "Local runs", "`run` and `demo` only."),
     CONSISTENCY: FlagGroup(
-        STARTS_NODES, None, "Consistency, checkpoints and recovery", "`run`, `demo`, `node` and `k8s`."
+        STARTS_NODES, None, "Consistency, checkpoints and recovery", "`run`, `demo`, `node`, `k8s` and `slurm`."
     ),
     LIMITS: FlagGroup(
         STARTS_NODES,
         "limits (docs/security.md)",
         "Limits, tables bigger than memory, communication",
-        "`run`, `demo`, `node` and `k8s`. Every PS enforces its limits before it takes memory "
+        "`run`, `demo`, `node`, `k8s` and `slurm`. Every PS enforces its limits before it takes memory "
         "([security.md](security.md#limits-and-bad-input)).",
     ),
     OPERATIONS: FlagGroup(
         STARTS_NODES,
         "operations (docs/operations.md)",
         "Operations",
-        "`run`, `demo`, `node` and `k8s` ([operations.md](operations.md)).",
+        "`run`, `demo`, `node`, `k8s` and `slurm` ([operations.md](operations.md)).",
     ),
     SECURITY: FlagGroup(
         (*STARTS_NODES[:3], *CALLS_NODES),
         "security (docs/security.md)",
         "Security",
         "`run`, `demo` and `node`; `status`, `shutdown` and `health` too, to reach a cluster that uses them "
-        "(docs/security.md). `k8s` takes `--certs DIR` and `--tokens DIR` instead.",
+        "(docs/security.md). `k8s` takes `--certs DIR` and `--tokens DIR` instead; `slurm` takes none.",
     ),
 }
 

@@ -23,6 +23,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="also run SCRIPT as an evaluator task that evaluates each new checkpoint (needs "
         "--checkpoint-dir; docs/evaluator.md)",
     )
+    run.add_argument(
+        "--engine",
+        choices=["local", "ray"],
+        default="local",
+        help="local: every node a process on this machine (default); ray: every node a Ray actor of the Ray "
+        "cluster at --address (pip install 'paramserver[ray]'; docs/deploy.md)",
+    )
+    run.add_argument(
+        "--address", help="--engine ray: the Ray cluster's HOST:PORT (default: RAY_ADDRESS, else this host's)"
+    )
     run.add_argument("script", help="training script, run on every worker")
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
 
@@ -43,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_certs_parser(sub)
     _add_cluster_call_parsers(sub)
     _add_k8s_parser(sub)
+    _add_slurm_parser(sub)
 
     demo = sub.add_parser("demo", help="train the digits classifier on a local cluster and print one JSON line")
     _add_cluster_flags(demo, "demo", ps=2, workers=2)
@@ -180,6 +191,37 @@ def _add_k8s_parser(sub) -> None:
     add_option_flags(k8s, "k8s")
     k8s.add_argument("script", help="training script, its path inside the image")
     k8s.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+
+
+def _add_slurm_parser(sub) -> None:
+    slurm = sub.add_parser("slurm", help="print an sbatch script running SCRIPT on a Slurm cluster (docs/deploy.md)")
+    slurm.add_argument("--ps", type=int, default=1, help="number of PS (default 1)")
+    slurm.add_argument("--workers", type=int, default=1, help="number of workers, the chief among them (default 1)")
+    slurm.add_argument(
+        "--het",
+        action="store_true",
+        help="a heterogeneous job: the PS in component 0, the workers in component 1 (on nodes of their own)",
+    )
+    slurm.add_argument("--nodes", type=int, default=0, help="homogeneous job: nodes to spread the tasks over")
+    slurm.add_argument("--gpus-per-worker", type=int, default=0, help="--het: GPUs of each worker, one per node")
+    slurm.add_argument("--ps-mem", default="", help="--het: memory of the PS node (sbatch --mem), e.g. 8G")
+    slurm.add_argument("--time", default="", help="the job's time limit, HH:MM:SS or D-HH:MM:SS")
+    slurm.add_argument(
+        "--grace",
+        type=int,
+        default=120,
+        help="seconds before the time limit at which the workers write a checkpoint and the job is requeued "
+        "(default 120)",
+    )
+    slurm.add_argument("--partition", default="", help="the partition (default: the cluster's)")
+    slurm.add_argument("--name", default="paramserver", help="the job's name (default paramserver)")
+    slurm.add_argument(
+        "--python", default="python3", help="the Python with paramserver on every node (default python3)"
+    )
+    slurm.add_argument("-o", "--output", help="write the script to this file (default: stdout)")
+    add_option_flags(slurm, "slurm")
+    slurm.add_argument("script", help="training script, its path on every node")
+    slurm.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
 
 
 def _add_cluster_flags(parser: argparse.ArgumentParser, command: str, ps: int = 1, workers: int = 1) -> None:
