@@ -265,6 +265,27 @@ class ProgressBoard:
                 steps[worker] = steps.get(worker, 0) + record.get("steps", 0)
         return steps
 
+    def run_record(self, ps: int, workers: int, wall_s: float, **extra: Any) -> dict[str, Any]:
+        """A launcher's closing record of the run: totals, then `extra`, then the workers' results
+        (worker 0's win)."""
+        totals = self.totals()
+        steps = totals["steps"]
+        record: dict[str, Any] = {
+            "ps": ps,
+            "workers": workers,
+            "steps": steps,
+            "examples": totals["examples"],
+            "examples_per_s": round(totals["examples_per_s"], 1),
+            "staleness_mean": round(totals["staleness_mean"], 3),
+            "pushed_bytes": totals["pushed_bytes"],
+            "pushed_bytes_per_step": round(totals["pushed_bytes"] / steps) if steps else 0,
+            "wall_s": round(wall_s, 2),
+            **extra,
+        }
+        for worker in sorted(self.results, reverse=True):
+            record.update(self.results[worker])
+        return record
+
     def totals(self) -> dict[str, Any]:
         """Summed steps and examples, mean last loss, steps/s and examples/s since the previous call, and
         `examples_per_s` of the run: examples after the first line over the time from it to the latest step."""

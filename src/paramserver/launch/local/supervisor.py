@@ -591,30 +591,16 @@ class LocalCluster(Lifecycle):
     def summary(self) -> dict[str, Any]:
         """One JSON-able record of the run: totals, peak memory per role, and the workers' results
         (worker 0's win; the chief's checkpoint counts among them)."""
-        totals = self.board.totals()
-        summary = {
-            "ps": self.num_ps,
-            "workers": self.num_workers,
-            "steps": totals["steps"],
-            "examples": totals["examples"],
-            "examples_per_s": round(totals["examples_per_s"], 1),
-            "staleness_mean": round(totals["staleness_mean"], 3),
-            "pushed_bytes": totals["pushed_bytes"],
-            "pushed_bytes_per_step": round(totals["pushed_bytes"] / totals["steps"]) if totals["steps"] else 0,
-            "wall_s": round(self.wall_s, 2),
-            "peak_rss_mb": {role: round(rss / 2**20, 1) for role, rss in self.peak_rss.items()},
-        }
+        extra: dict[str, Any] = {"peak_rss_mb": {role: round(rss / 2**20, 1) for role, rss in self.peak_rss.items()}}
         if self.board.steps_redone:
-            summary["steps_redone"] = self.board.steps_redone  # after a roll-back: not in `steps`
+            extra["steps_redone"] = self.board.steps_redone  # after a roll-back: not in `steps`
         recoveries = self.board.partial_recoveries()
         if recoveries:
-            summary["partial_recoveries"] = recoveries  # shards restored alone: the steps each lost
+            extra["partial_recoveries"] = recoveries  # shards restored alone: the steps each lost
         if self.elastic:
-            summary["max_workers"] = self.elastic.max_workers
-            summary["membership"] = self.elastic.events  # joins and leaves, seconds since the start
-        for worker in sorted(self.board.results, reverse=True):
-            summary.update(self.board.results[worker])
-        return summary
+            extra["max_workers"] = self.elastic.max_workers
+            extra["membership"] = self.elastic.events  # joins and leaves, seconds since the start
+        return self.board.run_record(self.num_ps, self.num_workers, self.wall_s, **extra)
 
     # ---- internals -------------------------------------------------------------------------
     def _node_options(self, node: str) -> Options:

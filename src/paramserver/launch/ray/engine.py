@@ -183,23 +183,8 @@ class RayCluster:
     # ---- results ---------------------------------------------------------------------------
     def summary(self) -> dict[str, Any]:
         """One JSON-able record of the run, as the local launcher's: totals, the workers' results (worker 0's win)."""
-        totals = self.board.totals()
-        summary: dict[str, Any] = {
-            "engine": "ray",
-            "ps": self.num_ps,
-            "workers": self.num_workers,
-            "steps": totals["steps"],
-            "examples": totals["examples"],
-            "examples_per_s": round(totals["examples_per_s"], 1),
-            "staleness_mean": round(totals["staleness_mean"], 3),
-            "pushed_bytes": totals["pushed_bytes"],
-            "pushed_bytes_per_step": round(totals["pushed_bytes"] / totals["steps"]) if totals["steps"] else 0,
-            "wall_s": round(self.wall_s, 2),
-            "restarts": self.restarts,
-        }
-        for worker in sorted(self.board.results, reverse=True):
-            summary.update(self.board.results[worker])
-        return summary
+        record = self.board.run_record(self.num_ps, self.num_workers, self.wall_s, restarts=self.restarts)
+        return {"engine": "ray", **record}
 
     # ---- internals -------------------------------------------------------------------------
     def _new_actor(self, role: str, strategy: Any) -> Any:
