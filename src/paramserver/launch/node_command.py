@@ -18,6 +18,7 @@ Under a restart loop (Kubernetes' restartPolicy, a supervisor), recovery needs n
 from __future__ import annotations
 
 import dataclasses
+import io
 import logging
 import os
 import runpy
@@ -26,7 +27,7 @@ from pathlib import Path
 
 from paramserver.base import config as config_mod
 from paramserver.base.config import NodeConfig, Options, bind_address
-from paramserver.base.errors import ConfigError
+from paramserver.base.errors import ConfigError, RollbackError
 from paramserver.base.lifecycle import RESTART_EXIT_CODE
 from paramserver.launch import threads
 from paramserver.launch.logs import name_node, node_name
@@ -63,6 +64,17 @@ def resolve(cluster_file: str | None, role: str | None, index: int | None, optio
     return config
 
 
+def whole_lines() -> None:
+    """Make each line of this node's stdout and stderr one write, yet shown at once.
+
+    Launchers merge a node's stdout and stderr into one pipe. Unbuffered streams (PYTHONUNBUFFERED)
+    write print's text and its newline apart, and a log line of another thread can land between them.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(line_buffering=True, write_through=False)
+
+
 def run_node(
     cluster_file: str | None,
     role: str | None,
@@ -75,6 +87,7 @@ def run_node(
     """Run this node to completion; returns the process exit code. `overrides` are options given as flags."""
     # before torch (and its OpenMP) loads: idle OpenMP threads sleep unless the environment chose otherwise
     os.environ.update(threads.wait_policy_env(os.environ))
+    whole_lines()
     options = config_mod.options_from_environ(os.environ)
     if overrides:
         options = config_mod.Options.from_dict({**dataclasses.asdict(options), **overrides})
@@ -173,6 +186,8 @@ def run_script(config: NodeConfig, script: str, args: list[str]) -> int:
     except Exception as exc:
         context = current.existing()
         why = context.rollback_reason() if context is not None else None
+        if why is None and isinstance(exc, RollbackError):  # e.g. while it joined: no context yet
+            why = str(exc)
         if why is None:
             raise
         log.warning(

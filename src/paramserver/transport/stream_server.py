@@ -124,6 +124,8 @@ class StreamServer(Lifecycle):
         self._stopping = threading.Event()  # draining or stopped: nothing new is taken
         self._stopped = False
         self._acceptor = threading.Thread(target=self._accept, name="ps-stream-accept", daemon=True)
+        # every connection thread started (pruned as they end): one that left its slot lives on a moment
+        self._serving: list[threading.Thread] = []
 
     def start(self) -> int:
         with self._lock:
@@ -177,7 +179,7 @@ class StreamServer(Lifecycle):
         connections = self.slots.close()  # the connections left (closed already: none is added)
         for connection in connections:
             wake(connection.sock)  # its thread wakes and closes it
-        threads = [self._acceptor, *(c.thread for c in connections if c.thread is not None)]
+        threads = [self._acceptor, *(c.thread for c in connections if c.thread is not None), *self._serving]
         for thread in threads:
             if thread.ident is not None:  # started
                 thread.join(max(0.0, deadline - time.monotonic()))
@@ -216,6 +218,8 @@ class StreamServer(Lifecycle):
             else:
                 self._turn_away(conn, peer)
             return
+        self._serving = [thread for thread in self._serving if thread.is_alive()]
+        self._serving.append(connection.thread)
         connection.thread.start()
 
     def _turn_away(self, conn: socket.socket, peer) -> None:

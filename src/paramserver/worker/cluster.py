@@ -10,6 +10,7 @@ import torch
 from paramserver.base import omp_wait
 from paramserver.base.config import NodeConfig, Options
 from paramserver.base.consistency_spec import ConsistencySpec
+from paramserver.base.errors import ParamServerError, RollbackError
 from paramserver.base.grpc_fork import GRPC_FORK_SUPPORT_ENV, grpc_fork_handlers_on
 from paramserver.base.metrics import NodeMetrics
 from paramserver.client.ps_client import PSClient
@@ -24,7 +25,7 @@ from paramserver.worker.modes import ModeSwitcher
 from paramserver.worker.ops import WorkerCollector, WorkerOps
 from paramserver.worker.progress import ProgressWriter
 from paramserver.worker.recovery.partial import ShardRecovery, supported
-from paramserver.worker.recovery.rollback import RollbackFlag, roll_back_shards
+from paramserver.worker.recovery.rollback import RollbackFlag, restarted_shard, roll_back_shards
 from paramserver.worker.summaries import open_summaries
 
 log = logging.getLogger(__name__)
@@ -110,6 +111,7 @@ def cluster_context(config: NodeConfig) -> Context:
     ops.start()
     partial = supported(options)  # a PS that restarts restores its shard alone: the workers bring it back
     client.tolerate_lost = partial
+    coordinator: CoordinatorClient | None = None
     try:  # a worker that cannot join stops what it started
         if host is not None:
             host.tell_shards(list(cluster.ps), client.incarnations, None if partial else rollback.flag)
@@ -127,11 +129,14 @@ def cluster_context(config: NodeConfig) -> Context:
         modes = ModeSwitcher(
             client, index, workers, options.mode_changes, options.backup_workers, meet, options.max_workers > 0
         )
-    except BaseException:
+    except BaseException as exc:
+        why = _rolled_back_while_joining(client, rollback, coordinator) if isinstance(exc, ParamServerError) else None
         ops.stop()
         if host is not None:
             host.stop(1.0)
         client.close()
+        if why is not None:
+            raise RollbackError(f"worker {index}: the cluster rolled back while it joined: {why} ({exc})") from exc
         raise
     log.info(
         "worker %d of %d joined %d PS (%s); coordinator at %s",
@@ -168,6 +173,18 @@ def cluster_context(config: NodeConfig) -> Context:
         if checkpointer is not None and index == 0:
             checkpointer.before_save.append(context.partial.before_checkpoint)
     return context
+
+
+def _rolled_back_while_joining(client, rollback: RollbackFlag, coordinator: CoordinatorClient | None) -> str | None:
+    """Why joining failed because a peer went away under it (a PS or the chief restarting), or None:
+    a restart loop then starts this worker again, as after any roll-back, and it joins the new cluster.
+    A coordinator that never answered is not one: its address may be wrong."""
+    if rollback.reason is not None:
+        return rollback.reason
+    why = restarted_shard(client.channels, client.incarnations)
+    if why is None and coordinator is not None and coordinator.incarnation is not None:
+        why = coordinator.restarted()
+    return why
 
 
 def _restore_data(host: CoordinatorHost, checkpointer) -> None:
