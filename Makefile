@@ -46,14 +46,26 @@ lint: setup
 test: lint
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) -m "$(FAST_TIER)" tests/unit
 
-# Every tier but the engines: what CI runs (.ci/run, .ci/under-load).
-test-all: lint $(CHECKOV_VENV)/.installed
-	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal --durations=15 -m "not engines"
+# Every tier: what CI runs (.ci/run, .ci/under-load). The set-up steps run side by side (checkov's environment,
+# then lint beside the engines' installs), and the engines tier (one pytest process: one Slurm and one Ray cluster
+# per machine, mostly waiting on them) beside the others, its output kept until the others end.
+test-all:
+	$(MAKE) -j3 lint $(CHECKOV_VENV)/.installed $(VENV)/.engines
+	@$(BIN)/python -m pytest -q -rs -p no:cacheprovider -m engines tests/engines > .engines-tier.log 2>&1 & \
+	engines=$$!; \
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal --durations=15 -m "not engines"; main=$$?; \
+	wait $$engines; tier=$$?; echo "--- the engines tier (tests/engines) ---"; cat .engines-tier.log; \
+	rm -f .engines-tier.log; test $$main -eq 0 && test $$tier -eq 0
 
-# The engines tier: a real Slurm cluster (installed with apt; network namespaces, so root) and a real Ray
-# cluster (the `ray` extra), each one per machine: one pytest process. Skipped, saying why, where they cannot run.
-test-engines: lint
+# What the engines tier installs: the `ray` extra, and Slurm's Debian packages (apt; root only: without them
+# the Slurm tests are skipped, saying why).
+$(VENV)/.engines: $(VENV)/.installed pyproject.toml
 	$(BIN)/pip install -q -e '.[test,ray]'
+	-bash tests/engines/slurm_cluster.sh install > /dev/null
+	touch $@
+
+# The engines tier alone: a real Slurm cluster (network namespaces, so root) and a real Ray cluster.
+test-engines: lint $(VENV)/.engines
 	$(BIN)/python -m pytest -q -rs --durations=10 -m engines tests/engines
 
 bench: setup

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from tests.conftest import ROOT
 
-pytestmark = pytest.mark.cluster  # nine short two-worker runs, two at a time: ~45 s
+pytestmark = pytest.mark.cluster  # nine short two-worker runs, three at a time
 
 SCRIPT = str(ROOT / "tests" / "integration" / "scripts" / "train_checkpoint_triggers.py")
 BASE_SEED = random.randrange(1 << 20)
@@ -42,9 +42,9 @@ def run(procs, tmp_path, seed: int, *flags: str, script_args: tuple[str, ...] = 
 
 
 def run_all(procs, tmp_path, seeds: list[int], *flags: str, script_args: tuple[str, ...] = ()) -> list[dict]:
-    """`run` for each seed, two at a time: a run mostly sleeps through its seeded step timings, and
-    the other run's load only moves those timings further apart."""
-    pool = ThreadPoolExecutor(2)
+    """`run` for each seed, three at a time: a run mostly sleeps through its seeded step timings, and
+    the others' load only moves those timings further apart."""
+    pool = ThreadPoolExecutor(3)
     try:
         return list(pool.map(lambda seed: run(procs, tmp_path, seed, *flags, script_args=script_args), seeds))
     finally:
