@@ -17,12 +17,13 @@ CHECKOV_VERSION := $(shell sed -n 's/^checkov: *//p' deploy/checkov-skips.yaml)
 
 setup: $(VENV)/.installed
 
-# torch is pinned to the CPU build that pip finds locally; a looser spec pulls a multi-GB CUDA build.
+# torch is pinned to the CPU build that pip finds locally; a looser spec pulls a multi-GB CUDA build. --no-compile:
+# a module is compiled when first imported (a third of torch's modules are), not all at install (a minute and more).
 $(VENV)/.installed: pyproject.toml setup.py src/paramserver/base/_kernels.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q --no-compile torch==2.13.0
+	$(BIN)/pip install -q --no-compile -e '.[test]'
 	touch $@
 
 $(CHECKOV_VENV)/.installed: deploy/checkov-skips.yaml
@@ -60,7 +61,7 @@ test-all:
 # What the engines tier installs: the `ray` extra, and Slurm's Debian packages (apt; root only: without them
 # the Slurm tests are skipped, saying why).
 $(VENV)/.engines: $(VENV)/.installed pyproject.toml
-	$(BIN)/pip install -q -e '.[test,ray]'
+	$(BIN)/pip install -q --no-compile -e '.[test,ray]'
 	-bash tests/engines/slurm_cluster.sh install > /dev/null
 	touch $@
 
