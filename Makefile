@@ -13,7 +13,7 @@ PYTEST_WORKERS ?= 2
 CHECKOV_VENV := .venv-checkov
 CHECKOV_VERSION := $(shell sed -n 's/^checkov: *//p' deploy/checkov-skips.yaml)
 
-.PHONY: setup demo lint test test-all test-engines bench clean
+.PHONY: setup demo lint test test-all test-engines slurm-packages bench clean
 
 setup: $(VENV)/.installed
 
@@ -48,10 +48,12 @@ test: lint
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) -m "$(FAST_TIER)" tests/unit
 
 # Every tier: what CI runs (.ci/run, .ci/under-load). The set-up steps run side by side (checkov's environment,
-# then lint beside the engines' installs), and the engines tier (one pytest process: one Slurm and one Ray cluster
-# per machine, mostly waiting on them) beside the others, its output kept until the others end.
+# Slurm's packages, the venv; lint after them, as pip rewrites the editable install lint imports), and the
+# engines tier (one pytest process: one Slurm and one Ray cluster per machine, mostly waiting on them) beside
+# the other tiers, its output kept until theirs ends.
 test-all:
-	$(MAKE) -j3 lint $(CHECKOV_VENV)/.installed $(VENV)/.engines
+	$(MAKE) -j3 $(CHECKOV_VENV)/.installed $(VENV)/.engines slurm-packages
+	$(MAKE) lint
 	@$(BIN)/python -m pytest -q -rs -p no:cacheprovider -m engines tests/engines > .engines-tier.log 2>&1 & \
 	engines=$$!; \
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal --durations=15 -m "not engines"; main=$$?; \
@@ -59,14 +61,16 @@ test-all:
 	rm -f .engines-tier.log; test $$main -eq 0 && test $$tier -eq 0
 
 # What the engines tier installs: the `ray` extra, and Slurm's Debian packages (apt; root only: without them
-# the Slurm tests are skipped, saying why).
+# the Slurm tests are skipped, saying why). Apt needs no venv: it runs beside the venv's set-up.
 $(VENV)/.engines: $(VENV)/.installed pyproject.toml
 	$(BIN)/pip install -q --no-compile -e '.[test,ray]'
-	-bash tests/engines/slurm_cluster.sh install > /dev/null
 	touch $@
 
+slurm-packages:
+	-bash tests/engines/slurm_cluster.sh install > /dev/null
+
 # The engines tier alone: a real Slurm cluster (network namespaces, so root) and a real Ray cluster.
-test-engines: lint $(VENV)/.engines
+test-engines: lint $(VENV)/.engines slurm-packages
 	$(BIN)/python -m pytest -q -rs --durations=10 -m engines tests/engines
 
 bench: setup
