@@ -82,6 +82,7 @@ def slurm_cluster():
         "SLURM_LAB_NAME": "pse",
         "SLURM_LAB_NET": "10.78.0",
         "SLURM_LAB_PORT": "17817",
+        "SLURM_LAB_CRED_EXPIRE": "5",  # a requeued job starts again about 6 s later
         "SLURM_CONF": str(lab / "etc" / "slurm.conf"),
     }
     for key in ("TF_CONFIG", "PARAMSERVER_OPTIONS", "PARAMSERVER_CLUSTER"):

@@ -27,6 +27,7 @@
 #   SLURM_LAB_NET=10.77.0      /24 prefix used in netns mode
 #   SLURM_LAB_TIMEOUT=60       seconds to wait for all nodes idle
 #   SLURM_LAB_SLURMD_TIMEOUT=10 SlurmdTimeout (a killed node is DOWN ~25 s later either way)
+#   SLURM_LAB_CRED_EXPIRE=10   munge credentials' lifetime: also how long a requeued job waits to start again
 #
 # Clients need SLURM_CONF=$SLURM_LAB/etc/slurm.conf (see `env`); nothing under /etc is touched.
 set -euo pipefail
@@ -35,6 +36,7 @@ LAB=${SLURM_LAB:-/tmp/slurm-lab}
 MODE=${SLURM_LAB_MODE:-loopback}
 NNODES=${SLURM_LAB_NODES:-2}
 NAME=${SLURM_LAB_NAME:-node}
+CRED_EXPIRE=${SLURM_LAB_CRED_EXPIRE:-10}
 CPUS=${SLURM_LAB_CPUS:-4}
 MEM=${SLURM_LAB_MEM:-8192}
 GPUS=${SLURM_LAB_GPUS:-2}
@@ -94,7 +96,7 @@ SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
 # cred_expire: also how long a requeued job waits before it may start again (default 120 s)
-AuthInfo=socket=$LAB/munge/munge.socket.2,cred_expire=10
+AuthInfo=socket=$LAB/munge/munge.socket.2,cred_expire=$CRED_EXPIRE
 StateSaveLocation=$LAB/state/ctld
 SlurmdSpoolDir=$LAB/state/%n
 SlurmctldPidFile=$LAB/run/slurmctld.pid

@@ -56,17 +56,16 @@ def test_a_heterogeneous_job_gives_the_ps_memory_and_each_worker_a_gpu_node():
     assert directives.index("--requeue") < het and directives.index("--signal=B:TERM@120") < het
     assert "srun --het-group=0,1 --kill-on-bad-exit=0" in text
     assert "slurm_ps" not in _assigned(text, "OPTIONS")  # component 0 is the PS
-    assert "srun --overlap --het-group=1 -N 4 -n 4 " in text  # the preemption reaches every worker node once
 
 
-def test_slurms_warning_reaches_the_workers_then_the_ps_then_the_job_is_requeued():
+def test_slurms_warning_reaches_every_task_and_a_preempted_step_is_requeued():
     text = render(BatchJob("train.py", ps=3, workers=2, grace=300, options={**CKPT, "preempt_grace_s": 60}))
-    assert "#SBATCH --signal=B:TERM@300" in text  # the batch shell alone: the PS must outlive the checkpoint
+    assert "#SBATCH --signal=B:TERM@300" in text  # the batch shell, which passes it on
     trap = text[text.index("preempt() {") : text.index("trap preempt TERM")]
-    workers = trap.index("-m paramserver.launch.slurm.preempt")
-    assert "--first-worker 3 --wait 295" in trap
-    assert workers < trap.index('scancel --signal=TERM "$SLURM_JOB_ID.0"')  # the PS after the workers
-    assert 'if [ "$preempted" = 1 ]; then scontrol requeue "$SLURM_JOB_ID"; exit 0; fi' in text
+    assert 'scancel --signal=TERM "$SLURM_JOB_ID.0"' in trap  # every task of the nodes' step, the PS too
+    # warned, or the step's tasks stopped by a TERM (scancel --signal=TERM JOBID): requeued
+    assert 'if [ "$preempted" = 1 ] || [ "$code" = 143 ]; then' in text
+    assert 'scontrol requeue "$SLURM_JOB_ID" && exit 0' in text
     assert 'if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then OPTIONS=$RESUMING; fi' in text
     assert text.index("OPTIONS=$RESUMING") < text.index("export PARAMSERVER_OPTIONS=$OPTIONS")
 

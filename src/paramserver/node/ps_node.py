@@ -2,8 +2,9 @@
 
 Operations (docs/operations.md): the gRPC port also serves grpc.health.v1 (NOT_SERVING until
 `wait_ready` passed, SERVING, NOT_SERVING once draining); with `metrics_port` >= 0 a Prometheus
-endpoint serves the node's metrics (its port is logged). SIGTERM drains: health goes NOT_SERVING,
-calls in flight get `drain_grace_s` seconds to finish, then the process exits 0.
+endpoint serves the node's metrics (its port is logged). SIGTERM drains (at once, or after a
+preemption's grace: node/ps_stop.py): health goes NOT_SERVING, calls in flight get `drain_grace_s`
+seconds to finish, then the process exits 0.
 
 Restarts (docs/recovery.md, "When a pod dies"): each PS process has a random `incarnation`, announced
 in Hello, so that a worker or the chief can tell a restarted PS from the one it registered with; a

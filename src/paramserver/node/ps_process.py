@@ -1,5 +1,7 @@
 """A PS process: one PSNode (node/ps_node.py) from start until SIGTERM / SIGINT or a Shutdown (an
-admin's, or the chief's at the end of the run with `stop_ps_at_end`).
+admin's, or the chief's at the end of the run with `stop_ps_at_end`). A PS of a run that ends it
+(`stop_ps_at_end`) with a `checkpoint_dir` serves on after its first signal, up to `preempt_grace_s`,
+for the workers' preemption checkpoint (node/ps_stop.py).
 
 Once ready (`PSNode.wait_ready`), `run_ps_node` prints one line ``PARAMSERVER_READY ps <index>
 <host:port>`` to stdout: the launcher (or whoever started the process) reads it to learn that the
@@ -18,11 +20,11 @@ import logging
 import resource
 import signal
 import sys
-import threading
 
 from paramserver.base.config import Options
 from paramserver.base.lifecycle import RESTART_EXIT_CODE
 from paramserver.node.ps_node import PSNode
+from paramserver.node.ps_stop import StopRequests, preemption_grace
 
 log = logging.getLogger(__name__)
 READY_PREFIX = "PARAMSERVER_READY"
@@ -32,36 +34,30 @@ SPILL_FAILED_EXIT_CODE = 74  # EX_IOERR: the spill store failed; recover this sh
 def run_ps_node(
     bind: str, index: int, options: Options, ready_timeout: float = 60.0, cluster_address: str | None = None
 ) -> int:
-    """Serve until SIGTERM, SIGINT or an admin's Shutdown call, then drain within `drain_grace_s`;
-    returns the process exit code.
+    """Serve until SIGTERM, SIGINT or an admin's Shutdown call (or, in a preemption, its grace: node/ps_stop.py),
+    then drain within `drain_grace_s`; returns the process exit code.
     Call from the main thread.
 
     Once `wait_ready` passed, prints the ready line (module docstring): the one readiness signal a
     PS process gives the process that started it."""
     raise_open_file_limit()
-    stopping = threading.Event()
-    causes: list[int | str] = []  # what stopped it, in order: signal numbers, "restart", "end", "spill"
-
-    def stop(cause: int | str) -> None:
-        causes.append(cause)
-        stopping.set()
-
+    requests = StopRequests(index, preemption_grace(options))
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, _: stop(signum))
+        signal.signal(sig, lambda signum, _: requests.signalled(signum))
 
     def shutdown(restart_asked: bool) -> None:  # a Shutdown (admin, or the chief: restart, end) drains like SIGTERM
-        stop("restart" if restart_asked else "end")
+        requests.stop("restart" if restart_asked else "end")
 
     with PSNode(bind, index, options, cluster_address) as node:
         node.service.on_shutdown = shutdown
-        node.on_spill_failure = lambda cause: stop("spill")
+        node.on_spill_failure = lambda cause: requests.stop("spill")
         node.wait_ready(ready_timeout)
         print(f"{READY_PREFIX} ps {index} {node.address}", flush=True)
-        while not stopping.wait(1.0):
+        while not requests.wait(1.0):
             node.check_spill()  # a spill directory removed, a disk full for too long
         node.drain(options.drain_grace_s)
     sys.stdout.flush()
-    return _exit_code(options, causes, index)
+    return _exit_code(options, requests.causes, index)
 
 
 def _exit_code(options: Options, causes: list[int | str], index: int) -> int:

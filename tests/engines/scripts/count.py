@@ -4,6 +4,10 @@ position on (a resumed run goes on from the checkpoint's). Prints, per worker:
 
     worker I on HOST starts at position P
     worker I on HOST trained to position Q
+
+With `--record DIR`, each worker also appends to DIR/worker-I.txt a line "start P" when it starts, then the
+index of each batch it trained, as the batch says it (the test counts which batches a requeued job lost or
+repeated).
 """
 
 import argparse
@@ -19,6 +23,7 @@ import paramserver as ps
 parser = argparse.ArgumentParser()
 parser.add_argument("--batches", type=int, default=200)
 parser.add_argument("--step-sleep", type=float, default=0.0)
+parser.add_argument("--record", default="")
 args = parser.parse_args()
 
 ctx = ps.init()
@@ -31,14 +36,19 @@ opt = ps.optim.SGD(model.named_parameters(), lr=0.01)
 def batches(epoch):
     for k in range(args.batches):
         g = torch.Generator().manual_seed(k)
-        yield torch.randn(8, 4, generator=g), torch.randn(8, generator=g)
+        yield torch.randn(8, 4, generator=g), torch.randn(8, generator=g), torch.tensor([k])
 
 
 print(f"worker {ctx.worker_index} on {host} starts at position {ctx.resume_step}", flush=True)
+record = open(f"{args.record}/worker-{ctx.worker_index}.txt", "a", buffering=1) if args.record else None
+if record:
+    record.write(f"start {ctx.resume_step}\n")
 position = ctx.resume_step
-for x, y in ctx.resumable(batches, steps_per_epoch=args.batches):
+for x, y, k in ctx.resumable(batches, steps_per_epoch=args.batches):
     opt.zero_grad()
     F.mse_loss(model(x).squeeze(1), y).backward()
+    if record:  # before the step: after a preemption's checkpoint, its step ends the script (Preempted)
+        record.write(f"{int(k)}\n")
     opt.step()
     position += 1
     if position % 20 == 0:

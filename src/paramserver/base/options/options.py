@@ -420,7 +420,8 @@ class Options:
              "with --checkpoint-dir, SIGTERM or a first Ctrl-C writes a checkpoint at the next step, then stops: "
              "seconds it may take (default {default:.0f})", "S",
              doc="with a `checkpoint_dir`: SIGTERM or a first Ctrl-C writes a checkpoint at the workers' next "
-             "step, then stops; seconds that may take before a worker exits without it (positive)"),
+             "step, then stops; seconds that may take before a worker exits without it (positive); a PS of a run "
+             "that ends its PS (`stop_ps_at_end`) serves on that long after its first SIGTERM, for that checkpoint"),
         positive=True,
     )
     # security

@@ -327,7 +327,8 @@ def _volumes(d: Deployment, role: str, nodes: list[str]) -> tuple[list[dict], li
 
 
 def _grace(d: Deployment) -> int:
-    """More than the PS's drain grace and a worker's preemption checkpoint (SIGTERM, then a checkpoint at the
-    next step), so SIGKILL cuts neither short."""
+    """More than a PS's preemption grace plus its drain (node/ps_stop.py), which also covers a worker's
+    preemption checkpoint (SIGTERM, then a checkpoint at the next step), so SIGKILL cuts neither short."""
     drain = d.options.get("drain_grace_s", Options.drain_grace_s)
-    return int(max(drain, d.options.get("preempt_grace_s", Options.preempt_grace_s))) + 20
+    preempt = d.options.get("preempt_grace_s", Options.preempt_grace_s)
+    return int(drain + preempt) + 20  # a PS serves the preemption grace, then drains

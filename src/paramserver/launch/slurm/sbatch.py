@@ -7,12 +7,14 @@ many ranks are PS), or with `het` a heterogeneous job whose component 0 holds th
 component 1 the workers (with `--gres=gpu:G`, one worker per node, when GPUs are asked). The components
 of a heterogeneous job never share a node, so it needs two nodes at least.
 
-Preemption: `#SBATCH --signal=B:TERM@<grace>` sends Slurm's warning before the time limit to the batch
-shell alone. A TERM reaching every task would stop the PS at once (a PS drains on SIGTERM), before the
-chief's checkpoint; so the shell TERMs the workers alone (launch/slurm/preempt.py, one task per node,
-waiting until they exited: the chief after its preemption checkpoint), then the step, whose PS drain,
-and requeues the job (`--requeue`). A requeued job (SLURM_RESTART_COUNT > 0) starts with `resume`:
-every node from the latest complete checkpoint. By hand: `scancel --batch --signal=TERM JOBID`.
+Preemption: every task of the nodes' step gets SIGTERM at once: from `scancel --signal=TERM JOBID`, or from
+the batch shell, which `#SBATCH --signal=B:TERM@<grace>` warns before the time limit (and `scancel --batch
+--signal=TERM`) and which passes it on to the step. The chief writes a checkpoint at its next step, the
+other workers stop (worker/recovery/preemption.py); the PS serve on until then (a PS of a run that ends it,
+with a checkpoint_dir, waits up to `preempt_grace_s` after its first TERM: node/ps_stop.py), and every
+task exits 128 + SIGTERM. The batch shell requeues the job (`--requeue`) when it was warned or when the step
+exited so. A requeued job (SLURM_RESTART_COUNT > 0) starts with `resume`: every node from the latest
+complete checkpoint.
 
 Pure text: nothing here runs Slurm. Thread-safe (immutable).
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import signal
 from dataclasses import dataclass, field
 
 from paramserver.base.config import Options
@@ -31,6 +34,7 @@ _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 _TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")  # Slurm's forms: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S
 _MEMORY = re.compile(r"^\d+[KMGT]?$")
 STEP = 0  # the nodes' step: the script's first srun
+PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM  # a node stopped by SIGTERM (a PS, or a worker after the checkpoint)
 
 
 @dataclass(frozen=True)
@@ -162,14 +166,6 @@ def _body(job: BatchJob) -> list[str]:
     q = shlex.quote
     node = " ".join(q(word) for word in (job.script, *job.args))
     group = "--het-group=0,1 " if job.het else ""
-    # one preempt task on each node of the workers (het: component 1's); -n given, or srun would take the
-    # job's task count from SLURM_NTASKS and start two on a node, whose second TERM stops a worker at once
-    if job.het:
-        nodes = str(job.workers if job.gpus_per_worker else 1)
-        spread = f"--het-group=1 -N {nodes} -n {nodes}"
-    else:
-        spread = '-N "$SLURM_JOB_NUM_NODES" -n "$SLURM_JOB_NUM_NODES"'
-    preempt_wait = int(job.grace) - 5
     return [
         "set -u",
         f"PYTHON={q(job.python)}",
@@ -182,14 +178,13 @@ def _body(job: BatchJob) -> list[str]:
         "",
         "preempted=0",
         "preempt() {",
-        "    # Slurm's warning (--signal) or `scancel --batch --signal=TERM`: the workers first (the chief",
-        "    # writes a checkpoint at its next step), the PS once they are gone; then the job is requeued",
+        "    # Slurm's warning (--signal) or `scancel --batch --signal=TERM`: passed on to every task of the",
+        "    # step, as `scancel --signal=TERM JOBID` does; the chief writes a checkpoint at its next step, the",
+        "    # PS serve until it is written; then the job is requeued",
         "    trap '' TERM",
         "    preempted=1",
         '    echo "paramserver: SIGTERM: a checkpoint at the workers\' next step, then a requeue"',
-        f'    srun --overlap {spread} "$PYTHON" -m paramserver.launch.slurm.preempt \\',
-        f'        --job "$SLURM_JOB_ID" --step {STEP} --first-worker {job.ps} --wait {preempt_wait}',
-        f'    scancel --signal=TERM "$SLURM_JOB_ID.{STEP}" 2>/dev/null || true  # the PS, unless the step ended',
+        f'    scancel --signal=TERM "$SLURM_JOB_ID.{STEP}" 2>/dev/null || true  # unless the step ended',
         "}",
         "trap preempt TERM",
         "",
@@ -198,6 +193,9 @@ def _body(job: BatchJob) -> list[str]:
         'wait "$nodes"; code=$?',
         'while kill -0 "$nodes" 2>/dev/null; do wait "$nodes"; code=$?; done  # a trap returns wait early',
         'echo "paramserver: job $SLURM_JOB_ID nodes exited with $code"',
-        'if [ "$preempted" = 1 ]; then scontrol requeue "$SLURM_JOB_ID"; exit 0; fi',
+        f"# {PREEMPTED_EXIT_CODE} = 128 + SIGTERM: the step's tasks were told to stop (scancel --signal=TERM)",
+        f'if [ "$preempted" = 1 ] || [ "$code" = {PREEMPTED_EXIT_CODE} ]; then',
+        '    scontrol requeue "$SLURM_JOB_ID" && exit 0',
+        "fi",
         'exit "$code"',
     ]
