@@ -266,8 +266,14 @@ class ProgressBoard:
         return steps
 
     def run_record(self, ps: int, workers: int, wall_s: float, **extra: Any) -> dict[str, Any]:
-        """A launcher's closing record of the run: totals, then `extra`, then the workers' results
-        (worker 0's win)."""
+        """A launcher's closing record of the run: totals, then `extra`, what recovery redid or lost
+        (`steps_redone` after a roll-back, not in `steps`; `partial_recoveries`: shards restored alone),
+        then the workers' results (worker 0's win)."""
+        if self.steps_redone:
+            extra["steps_redone"] = self.steps_redone
+        recoveries = self.partial_recoveries()
+        if recoveries:
+            extra["partial_recoveries"] = recoveries
         totals = self.totals()
         steps = totals["steps"]
         record: dict[str, Any] = {

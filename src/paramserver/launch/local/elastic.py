@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from paramserver.base.errors import ConfigError
+from paramserver.launch.local.processes import LineWriter
 
 log = logging.getLogger(__name__)
 _MAX_WISH_BYTES = 4096  # {"workers": N} is far less
@@ -62,6 +63,8 @@ class WorkerSet:
     started_at: float = field(default_factory=time.monotonic)
     wish_path: Path | None = None  # set once the run has a run file
     events: list[dict] = field(default_factory=list)
+    leaving: set[int] = field(default_factory=set)  # slots asked to leave (SIGTERM), not yet seen to go
+    short: int = 0  # workers wanted that found no free slot yet (their slots still leave)
     _wish_mtime: tuple[int, int] = (0, 0)
 
     def new_wish(self) -> int | None:
@@ -86,6 +89,48 @@ class WorkerSet:
     def record(self, worker: int, event: str) -> None:
         """A worker started, left, died or was asked to leave: kept with the seconds since the run began."""
         self.events.append({"t": round(time.monotonic() - self.started_at, 2), "worker": worker, "event": event})
+
+    def follow_wish(self, workers: list[Any], start: Callable[[int], Any], lines: LineWriter) -> list[tuple[int, Any]]:
+        """Start or ask to leave workers as a new scale wish asks (`workers`: the launcher's nodes by slot,
+        changed in place; `start(slot)`: a new worker in `slot`), saying so on `lines`; returns the
+        (slot, node) started. A wish not followed in full (its slots still left) is followed again
+        until it is."""
+        try:
+            fresh = self.new_wish() is not None
+        except (ConfigError, OSError) as exc:
+            lines.write("run", f"scale wish refused: {exc}")
+            return []
+        if not fresh and not self.short:
+            return []
+        done = follow(workers, self.wanted, self.leaving, start, self.max_workers)
+        self.short = done.short
+        if not (fresh or done.started or done.stopping):
+            return []
+        for slot in done.stopping:
+            self.record(slot, "asked to leave")
+        waiting = f"; {done.short} wait for slots still leaving" if done.short else ""
+        lines.write(
+            "run",
+            f"scaling to {self.wanted} workers: started {[slot for slot, _ in done.started]}, "
+            f"asked to leave {done.stopping}{waiting}",
+            event="scale",
+        )
+        return done.started
+
+    def left(self, slot: int, label: str, how: str, killed: bool, restart_left: bool, lines: LineWriter) -> bool:
+        """Whether the worker of `slot` (not the chief), ended (`how`: in words), left the run rather
+        than finished or failed: it was asked to, or it was `killed` (a signal, or its host lost) with
+        no restart left. Said on `lines` and recorded."""
+        if slot in self.leaving:
+            self.leaving.discard(slot)
+            self.record(slot, "left")
+            lines.write("run", f"{label} left the run ({how})", event="left")
+            return True
+        if killed and not restart_left:
+            self.record(slot, "died")
+            lines.write("run", f"{label} {how}; no restart left: the others go on", event="left")
+            return True
+        return False
 
 
 def write_wish(run_path: Path, workers: int) -> Path:

@@ -127,8 +127,6 @@ class LocalCluster(Lifecycle):
             raise ValueError(f"an elastic run of up to {max_workers} workers cannot start {num_workers}")
         # an elastic run's wanted count, scale wishes and joins and leaves; None: a fixed worker set
         self.elastic = elastic.WorkerSet(max_workers, num_workers) if max_workers else None
-        self._leaving: set[int] = set()  # elastic: slots asked to leave (SIGTERM), not yet exited
-        self._short = 0  # elastic: workers wanted that found no free slot yet (their slots still leave)
         self.with_evaluator = evaluator
         self.evaluator: Child | None = None  # reads checkpoints only: started once, kept through roll-backs
         self.board = ProgressBoard()
@@ -298,31 +296,7 @@ class LocalCluster(Lifecycle):
     def _follow_wish(self) -> list[Child]:
         """An elastic run: start or stop workers as a new scale wish asks; returns the workers started."""
         assert self.elastic is not None
-        try:
-            wanted = self.elastic.new_wish()
-        except (ConfigError, OSError) as exc:
-            self._lines.write("run", f"scale wish refused: {exc}")
-            return []
-        fresh = wanted is not None
-        if not fresh and not self._short:
-            return []
-        # a wish not followed in full (its slots still left) is followed again until it is
-        done = elastic.follow(
-            self.workers, self.elastic.wanted, self._leaving, self._start_slot, self.elastic.max_workers
-        )
-        self._short = done.short
-        if not (fresh or done.started or done.stopping):
-            return []
-        for slot in done.stopping:
-            self.elastic.record(slot, "asked to leave")
-        waiting = f"; {done.short} wait for slots still leaving" if done.short else ""
-        self._lines.write(
-            "run",
-            f"scaling to {self.elastic.wanted} workers: started {[s for s, _ in done.started]}, "
-            f"asked to leave {done.stopping}{waiting}",
-            event="scale",
-        )
-        return [child for _, child in done.started]
+        return [child for _, child in self.elastic.follow_wish(self.workers, self._start_slot, self._lines)]
 
     def _start_slot(self, slot: int) -> Child:
         """An elastic run's worker started in `slot` (a free one: never used, or its worker exited)."""
@@ -336,17 +310,11 @@ class LocalCluster(Lifecycle):
         the others train on."""
         if self.elastic is None or child not in self.workers[1:]:
             return False
-        slot, code = self.workers.index(child), child.poll()
-        if slot in self._leaving:
-            self._leaving.discard(slot)
-            self.elastic.record(slot, "left")
-            self._lines.write("run", f"{child.label} left the run ({_ended(child)})", event="left")
-            return True
-        if code is not None and code < 0 and not self._killed_with_restarts_left(child):
-            self.elastic.record(slot, "died")
-            self._lines.write("run", f"{child.label} {_ended(child)}; no restart left: the others go on", event="left")
-            return True
-        return False
+        code = child.poll()
+        killed = code is not None and code < 0
+        restart_left = killed and self._killed_with_restarts_left(child)
+        slot = self.workers.index(child)
+        return self.elastic.left(slot, child.label, _ended(child), killed, restart_left, self._lines)
 
     def _advice(self, child: Child) -> str:
         """What would have recovered from `child`, killed by a signal, when nothing did."""
@@ -441,7 +409,8 @@ class LocalCluster(Lifecycle):
             self._drain_progress(index)
         self.board.restart()
         self.ps, self.workers = [], []
-        self._leaving.clear()
+        if self.elastic:
+            self.elastic.leaving.clear()
         self.ps_addresses = [None] * self.num_ps
         self.options = replace(self.options, resume=True)
         self.start(timeout)
@@ -592,11 +561,6 @@ class LocalCluster(Lifecycle):
         """One JSON-able record of the run: totals, peak memory per role, and the workers' results
         (worker 0's win; the chief's checkpoint counts among them)."""
         extra: dict[str, Any] = {"peak_rss_mb": {role: round(rss / 2**20, 1) for role, rss in self.peak_rss.items()}}
-        if self.board.steps_redone:
-            extra["steps_redone"] = self.board.steps_redone  # after a roll-back: not in `steps`
-        recoveries = self.board.partial_recoveries()
-        if recoveries:
-            extra["partial_recoveries"] = recoveries  # shards restored alone: the steps each lost
         if self.elastic:
             extra["max_workers"] = self.elastic.max_workers
             extra["membership"] = self.elastic.events  # joins and leaves, seconds since the start

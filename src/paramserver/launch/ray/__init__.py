@@ -42,7 +42,11 @@ def run(
     `resources`: each node's Ray resource request ({"CPU": 2, "GPU": 1, "memory": bytes, custom...}), or one per
     role ({"ps": {...}, "worker": {...}}); default 1 CPU. Prints the nodes' prefixed output, progress lines and,
     last, the closing JSON line to `out` (default stdout); returns the exit code (0: every worker succeeded).
-    Call from one thread; a process already connected to Ray (`ray.init`) stays connected."""
+    A node lost is recovered from at most `max_restarts` times (a worker restarted alone; with
+    `options.checkpoint_dir`, a lost PS or chief rolls the cluster back, or with recovery "partial" a PS is
+    restored alone); `options.max_workers` makes the run elastic (`paramserver scale` on this host resizes it).
+    See launch/ray/engine.py. Call from one thread; a process already connected to Ray (`ray.init`) stays
+    connected."""
     from paramserver.launch.ray.connect import connect, import_ray
     from paramserver.launch.ray.placement import requests
 
@@ -51,8 +55,6 @@ def run(
     wanted = requests(resources)
     options = options or Options(torch_threads=max(1, int(wanted["worker"].get("CPU", 1))))
     options.validate(num_workers)
-    if options.max_workers:
-        raise ConfigError("the Ray engine runs a fixed worker count: max_workers (elastic workers) is not supported")
     ray = import_ray(address)
     from paramserver.launch.ray.engine import RayCluster
 
