@@ -44,23 +44,11 @@ def ray_lab():
 
 
 def _run(lab, script: str, args: list[str], **options) -> tuple[int, str, dict]:
-    import paramserver
-    from paramserver.base.config import Options
-
-    out = io.StringIO()
-    code = paramserver.ray.run(
-        script,
-        args,
-        num_ps=1,
-        num_workers=2,
-        options=Options(torch_threads=1, **options),
-        address=lab.address,
-        resources=RESOURCES,
-        out=out,
-        progress_every=1.0,
-    )
-    text = out.getvalue()
-    return code, text, json.loads(text.strip().splitlines()[-1])
+    """A run to its end: exit code, output, closing record."""
+    driver = _Driver(lab, script, args, RESOURCES, **options)
+    driver.join(300)
+    text = driver.finish()
+    return driver.code or 0, text, json.loads(text.strip().splitlines()[-1])
 
 
 def _placed(text: str, which: int = 0) -> dict[str, str]:
@@ -167,23 +155,6 @@ def test_an_elastic_run_takes_a_worker_on_a_ray_node_that_joined_then_lets_it_le
     runs.mkdir(mode=0o700)
     monkeypatch.setenv(RUN_DIR_ENV, str(runs))  # the driver's run file, where `paramserver scale` looks
     cells, stop = tmp_path / "cells.json", tmp_path / "stop"
-    out = _Stream()
-    result: dict = {}
-
-    def drive() -> None:
-        import paramserver
-        from paramserver.base.config import Options
-
-        result["code"] = paramserver.ray.run(
-            ELASTIC,
-            ["--batches", "1000", "--pace", "0.05", "--stop", str(stop), "--out", str(cells)],
-            num_ps=1,
-            num_workers=2,
-            options=Options(torch_threads=1, max_workers=3),
-            address=ray_lab.address,
-            resources={"ps": {"CPU": 1}, "worker": {"CPU": 2, "spare": 0.01}},
-            out=out,
-        )
 
     def scale(workers: int) -> None:
         env = {**os.environ, RUN_DIR_ENV: str(runs)}
@@ -197,8 +168,14 @@ def test_an_elastic_run_takes_a_worker_on_a_ray_node_that_joined_then_lets_it_le
         )
         assert done.returncode == 0, done.stdout + done.stderr
 
-    driver = threading.Thread(target=drive, name="ray-driver")
-    driver.start()
+    driver = _Driver(
+        ray_lab,
+        ELASTIC,
+        ["--batches", "1000", "--pace", "0.05", "--stop", str(stop), "--out", str(cells)],
+        {"ps": {"CPU": 1}, "worker": {"CPU": 2, "spare": 0.01}},
+        max_workers=3,
+    )
+    out = driver.out
     joined = None
     try:
         out.wait_for("[worker1] batch 1 10 ", 60)
@@ -212,10 +189,7 @@ def test_an_elastic_run_takes_a_worker_on_a_ray_node_that_joined_then_lets_it_le
     finally:
         stop.touch()
         driver.join(120)
-    text = out.getvalue()
-    print("\n".join(line for line in text.splitlines() if line.startswith("[run]") and "steps=" not in line))
-    assert not driver.is_alive(), text
-    assert result["code"] == 0, text
+    text = driver.finish()
     assert joined is not None and f"[run] worker2 on Ray: 127.0.0.1/{joined.node_id[:8]}" in text, text
     assert "[run] scaling to 3 workers: started [2], asked to leave []" in text, text
     assert "[run] scaling to 2 workers: started [], asked to leave [2]" in text, text
@@ -236,34 +210,14 @@ def test_a_worker_whose_ray_node_is_lost_rejoins_on_another(ray_lab, tmp_path):
     """worker1's Ray node dies (its raylet and every process under it SIGKILLed): Ray reports its actor dead, the
     engine starts worker1 again in a new actor elsewhere, it resumes at its position and the run finishes."""
     cells = tmp_path / "cells.json"
-    out = _Stream()
-    result: dict = {}
-
-    def drive() -> None:
-        import paramserver
-        from paramserver.base.config import Options
-
-        result["code"] = paramserver.ray.run(
-            COUNTED,
-            ["--batches", "80", "--pace", "0.1", "--out", str(cells)],
-            num_ps=1,
-            num_workers=2,
-            options=Options(torch_threads=1),
-            address=ray_lab.address,
-            resources=RESOURCES,
-            out=out,
-        )
-
-    driver = threading.Thread(target=drive, name="ray-driver")
-    driver.start()
+    driver = _Driver(ray_lab, COUNTED, ["--batches", "80", "--pace", "0.1", "--out", str(cells)], RESOURCES)
+    out = driver.out
     try:
         out.wait_for("[worker1] worker 1 at batch 20", 60)
         victim = _kill_ray_node(ray_lab, _placed(out.getvalue())["worker1"])
     finally:
         driver.join(120)
-    text = out.getvalue()
-    assert not driver.is_alive(), text
-    assert result["code"] == 0, text
+    text = driver.finish()
     assert re.search(r"\[run\] worker1 was lost with its Ray actor .*restarting it alone", text), text
     summary = json.loads(text.strip().splitlines()[-1])
     assert summary["restarts"] == 1, text
@@ -276,27 +230,15 @@ def test_a_killed_ps_is_restored_alone_on_its_ray_node_under_partial_recovery(ra
     in a new actor on that Ray node, on its address, from its newest checkpoint; the workers go on. Its shard
     lost exactly the batches each worker was told of, and no batch was applied twice."""
     cells = tmp_path / "cells.json"
-    out = _Stream()
-    result: dict = {}
     options = {"mode": "async", "recovery": "partial", "checkpoint_dir": str(tmp_path / "ckpt"), "checkpoint_every": 20}
-
-    def drive() -> None:
-        import paramserver
-        from paramserver.base.config import Options
-
-        result["code"] = paramserver.ray.run(
-            COUNTED,
-            ["--batches", "60", "--pace", "0.1", "--out", str(cells)],
-            num_ps=1,
-            num_workers=2,
-            options=Options(torch_threads=1, **options),
-            address=ray_lab.address,
-            resources={"ps": {"CPU": 1, "spare": 0.01}, "worker": {"CPU": 1}},
-            out=out,
-        )
-
-    driver = threading.Thread(target=drive, name="ray-driver")
-    driver.start()
+    driver = _Driver(
+        ray_lab,
+        COUNTED,
+        ["--batches", "60", "--pace", "0.1", "--out", str(cells)],
+        {"ps": {"CPU": 1, "spare": 0.01}, "worker": {"CPU": 1}},
+        **options,
+    )
+    out = driver.out
     try:
         out.wait_for(": committed", 60)
         out.wait_for("[worker1] worker 1 at batch 30", 60)
@@ -307,10 +249,7 @@ def test_a_killed_ps_is_restored_alone_on_its_ray_node_under_partial_recovery(ra
         print(f"killed ps0's process {ps.pid} at {time.strftime('%X')}")
     finally:
         driver.join(120)
-    text = out.getvalue()
-    print("\n".join(line for line in text.splitlines() if line.startswith("[run]") and "steps=" not in line))
-    assert not driver.is_alive(), text
-    assert result["code"] == 0, text
+    text = driver.finish()
     restored = rf"\[run\] ps0 was killed \(signal 9\); restoring shard 0 alone.* \(Ray node {node_id}\)"
     assert re.search(restored, text), text  # on its Ray node, on its address
     assert "rolling the whole cluster back" not in text and text.count(" starts at batch ") == 2, text  # none restarted
@@ -327,26 +266,15 @@ def test_a_ps_whose_ray_node_is_lost_comes_back_on_another_and_the_cluster_rolls
     engine places every node again on the Ray nodes left, ps0 on another, all from the latest checkpoint, and
     the run finishes with every batch applied exactly once (the steps after the checkpoint trained again)."""
     cells = tmp_path / "cells.json"
-    out = _Stream()
-    result: dict = {}
-
-    def drive() -> None:
-        import paramserver
-        from paramserver.base.config import Options
-
-        result["code"] = paramserver.ray.run(
-            COUNTED,
-            ["--batches", "60", "--pace", "0.08", "--out", str(cells)],
-            num_ps=1,
-            num_workers=2,
-            options=Options(torch_threads=1, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=20),
-            address=ray_lab.address,
-            resources={"ps": {"CPU": 1, "spare": 0.01}, "worker": {"CPU": 1}},  # the PS on a node that may go
-            out=out,
-        )
-
-    driver = threading.Thread(target=drive, name="ray-driver")
-    driver.start()
+    driver = _Driver(
+        ray_lab,
+        COUNTED,
+        ["--batches", "60", "--pace", "0.08", "--out", str(cells)],
+        {"ps": {"CPU": 1, "spare": 0.01}, "worker": {"CPU": 1}},  # the PS on a node that may go
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        checkpoint_every=20,
+    )
+    out = driver.out
     try:
         out.wait_for(": committed", 60)
         out.wait_for("[worker1] worker 1 at batch 30", 60)
@@ -354,10 +282,7 @@ def test_a_ps_whose_ray_node_is_lost_comes_back_on_another_and_the_cluster_rolls
         victim = _kill_ray_node(ray_lab, node_id)
     finally:
         driver.join(150)
-    text = out.getvalue()
-    print("\n".join(line for line in text.splitlines() if line.startswith("[run]") and "steps=" not in line))
-    assert not driver.is_alive(), text
-    assert result["code"] == 0, text
+    text = driver.finish()
     # named once Ray reports its actor dead; the workers, which saw it go first, ask for the roll-back meanwhile
     assert re.search(r"\[run\] (ps0 was lost with its Ray actor|worker\d exited with code 75).*rolling the whole", text)
     assert "[run] cluster restarted in" in text, text
@@ -404,3 +329,43 @@ class _Stream(io.StringIO):
                 if time.monotonic() > deadline:
                     raise AssertionError(f"no {needle!r} within {timeout}s:\n{self.getvalue()}")
                 self._grew.wait(0.5)
+
+
+class _Driver:
+    """`paramserver.ray.run(script, args, 1 PS, 2 workers)` on a thread of its own, its output in `out`: the test
+    acts on the run while it trains, then `finish` joins it and gives its output (asserting that it ended)."""
+
+    def __init__(self, lab, script: str, args: list[str], resources: dict, **options) -> None:
+        self.out = _Stream()
+        self.code: int | None = None
+        self._thread = threading.Thread(
+            target=self._drive, args=(lab, script, args, resources, options), name="ray-driver"
+        )
+        self._thread.start()
+
+    def _drive(self, lab, script: str, args: list[str], resources: dict, options: dict) -> None:
+        import paramserver
+        from paramserver.base.config import Options
+
+        self.code = paramserver.ray.run(
+            script,
+            args,
+            num_ps=1,
+            num_workers=2,
+            options=Options(torch_threads=1, **options),
+            address=lab.address,
+            resources=resources,
+            out=self.out,
+            progress_every=1.0,
+        )
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
+    def finish(self) -> str:
+        """The run's output, once it ended (the caller joined it) with exit code 0; its `[run]` lines printed."""
+        text = self.out.getvalue()
+        print("\n".join(line for line in text.splitlines() if line.startswith("[run]") and "steps=" not in line))
+        assert not self._thread.is_alive(), text
+        assert self.code == 0, text
+        return text
