@@ -2,9 +2,9 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-# The test tiers are markers (pyproject.toml): cluster, parity, fault; engines (tests/conftest.py). The fast tier is
+# The test tiers are markers (pyproject.toml): cluster, parity, fault, net; engines (tests/conftest.py). The fast tier is
 # everything else.
-FAST_TIER := not (cluster or parity or fault or engines)
+FAST_TIER := not (cluster or parity or fault or engines or net)
 # Tests run in this many pytest processes (pytest-xdist); a test that waits on its nodes leaves the core to another.
 PYTEST_WORKERS ?= 2
 
@@ -13,7 +13,7 @@ PYTEST_WORKERS ?= 2
 CHECKOV_VENV := .venv-checkov
 CHECKOV_VERSION := $(shell sed -n 's/^checkov: *//p' deploy/checkov-skips.yaml)
 
-.PHONY: setup demo lint test test-all test-engines slurm-packages bench clean
+.PHONY: setup demo lint test test-all test-engines test-net slurm-packages bench clean
 
 setup: $(VENV)/.installed
 
@@ -56,9 +56,11 @@ test-all:
 	$(MAKE) lint
 	@$(BIN)/python -m pytest -q -rs -p no:cacheprovider -m engines tests/engines > .engines-tier.log 2>&1 & \
 	engines=$$!; \
-	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal --durations=15 -m "not engines"; main=$$?; \
-	wait $$engines; tier=$$?; echo "--- the engines tier (tests/engines) ---"; cat .engines-tier.log; \
-	rm -f .engines-tier.log; test $$main -eq 0 && test $$tier -eq 0
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal --durations=15 -m "not engines and not net"; \
+	main=$$?; wait $$engines; tier=$$?; echo "--- the engines tier (tests/engines) ---"; cat .engines-tier.log; \
+	rm -f .engines-tier.log; \
+	$(BIN)/python -m pytest -q -rs -p no:cacheprovider -m net tests/net; net=$$?; \
+	test $$main -eq 0 && test $$tier -eq 0 && test $$net -eq 0
 
 # What the engines tier installs: the `ray` extra, and Slurm's Debian packages (apt; root only: without them
 # the Slurm tests are skipped, saying why). Apt needs no venv: it runs beside the venv's set-up.
@@ -68,6 +70,11 @@ $(VENV)/.engines: $(VENV)/.installed pyproject.toml
 
 slurm-packages:
 	-bash tests/engines/slurm_cluster.sh install > /dev/null
+
+# The net tier alone: the emulated network of bench/net/ (root: network namespaces and tc; skipped without).
+# In test-all it runs after the others: a link's rate check cannot share the cores.
+test-net: lint
+	$(BIN)/python -m pytest -q -rs -p no:cacheprovider -m net tests/net
 
 # The engines tier alone: a real Slurm cluster (network namespaces, so root) and a real Ray cluster.
 test-engines: lint $(VENV)/.engines slurm-packages

@@ -50,7 +50,7 @@ def pytest_collection_modifyitems(config, items):
     if wrong:
         raise pytest.UsageError(f"{len(wrong)} test(s) in the wrong tier folder "
                                 f"(tests/unit: the fast tier; tests/integration, tests/fault: cluster, parity, "
-                                f"fault; tests/engines: engines):\n  " + "\n  ".join(wrong))
+                                f"fault; tests/engines: engines; tests/net: net):\n  " + "\n  ".join(wrong))
 
 
 def _guarded(item):

@@ -14,7 +14,7 @@ import subprocess
 import threading
 
 # the markers that allow a test to start processes
-SPAWN_MARKERS = ("cluster", "fault")
+SPAWN_MARKERS = ("cluster", "fault", "net")
 
 
 class SpawnRefused(RuntimeError):

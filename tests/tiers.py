@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-TIER_MARKERS = frozenset({"cluster", "parity", "fault", "engines"})
+TIER_MARKERS = frozenset({"cluster", "parity", "fault", "engines", "net"})
 FAST_FOLDERS = frozenset({"unit"})
-SLOW_FOLDERS = frozenset({"integration", "fault", "engines"})
+SLOW_FOLDERS = frozenset({"integration", "fault", "engines", "net"})
 
 
 def misplaced(folder: str, markers: set[str]) -> str | None:

@@ -1,0 +1,70 @@
+"""The emulated network of bench/net/: a shaped link carries its rate, and nothing it made outlives it.
+
+The `net` tier: namespaces, tc and processes pinned to CPUs, so root; skipped elsewhere with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from bench.net.link_rate import measure
+from bench.net.testbed import Network, NetworkError, namespaces, unavailable
+
+pytestmark = pytest.mark.net
+
+needs_root = pytest.mark.skipif(unavailable() is not None, reason=unavailable() or "")
+TRIES = 3  # other work on the cores only slows a transfer: the best try is the link's reading
+
+
+@needs_root
+def test_a_1_gbit_link_carries_its_rate_within_10_percent():
+    with Network() as net:
+        ps, worker = net.add_host("ps", "0"), net.add_host("worker0", "1")
+        net.shape(1.0)
+        rates = []
+        for _ in range(TRIES):
+            rates.append(measure(net, worker, ps, seconds=2.0))
+            assert rates[-1] <= 1.1, rates  # never past the bucket: the shaping holds
+            if rates[-1] >= 0.9:
+                break
+        assert max(rates) >= 0.9, rates
+
+
+@needs_root
+def test_every_namespace_qdisc_and_process_it_made_is_gone_after_it():
+    with Network() as net:
+        host = net.add_host("ps", "0")
+        net.add_host("worker0", "1")
+        net.shape(1.0)
+        assert len(net.qdiscs()) == 4  # each host's link, both ways
+        sleeper = net.start(host, ["sleep", "300"], env=None, out=Path(os.devnull))
+        assert len(net.leftovers()) == 3  # the switch and two hosts
+    assert sleeper.poll() is not None
+    assert not [name for name in namespaces() if name.startswith(net.tag)]
+
+
+@needs_root
+def test_an_exception_inside_removes_everything_too():
+    with pytest.raises(RuntimeError, match="a failure inside"), Network() as net:
+        net.add_host("ps", "0")
+        net.shape(1.0)
+        raise RuntimeError("a failure inside")
+    assert net.leftovers() == []
+
+
+@needs_root
+def test_unshaping_removes_the_buckets():
+    with Network() as net:
+        net.add_host("ps", "0")
+        net.shape(10.0)
+        net.shape(None)
+        assert net.qdiscs() == []
+
+
+def test_without_root_it_says_why(monkeypatch):
+    monkeypatch.setattr("os.geteuid", lambda: 1000)
+    assert "needs root" in (unavailable() or "")
+    with pytest.raises(NetworkError, match="needs root"), Network():
+        pass
