@@ -17,9 +17,30 @@ def torch_bf16_bits(values: np.ndarray) -> np.ndarray:
 def edge_values() -> np.ndarray:
     """Zeros, infinities, the extremes, subnormals, exact ties (odd and even), values that round up
     into the next binade or into infinity."""
-    bits = [0x00000000, 0x80000000, 0x7F800000, 0xFF800000, 0x7F7FFFFF, 0xFF7FFFFF, 0x00000001, 0x807FFFFF,
-            0x00008000, 0x00018000, 0x3F808000, 0x3F818000, 0x3F7FFFFF, 0x3F7F8000, 0x7F7F8000, 0x7F7F7FFF,
-            0x3F807FFF, 0x3F808001, 0xBF808000, 0xBF818000, 0x00800000, 0x007FFFFF]
+    bits = [
+        0x00000000,
+        0x80000000,
+        0x7F800000,
+        0xFF800000,
+        0x7F7FFFFF,
+        0xFF7FFFFF,
+        0x00000001,
+        0x807FFFFF,
+        0x00008000,
+        0x00018000,
+        0x3F808000,
+        0x3F818000,
+        0x3F7FFFFF,
+        0x3F7F8000,
+        0x7F7F8000,
+        0x7F7F7FFF,
+        0x3F807FFF,
+        0x3F808001,
+        0xBF808000,
+        0xBF818000,
+        0x00800000,
+        0x007FFFFF,
+    ]
     return np.array(bits, np.uint32).view(np.float32)
 
 
@@ -91,6 +112,7 @@ def test_conversions_write_into_a_given_buffer():
 
 def test_all_finite_finds_one_nan_or_infinity_anywhere():
     from paramserver.base.kernels import all_finite
+
     values = np.linspace(-3e38, 3e38, 10_001, dtype=np.float32)
     assert all_finite(values) and all_finite(values[::2]) and all_finite(np.zeros(0, np.float32))
     for bad in (np.nan, np.inf, -np.inf):
@@ -99,3 +121,19 @@ def test_all_finite_finds_one_nan_or_infinity_anywhere():
             broken[where] = bad
             assert not all_finite(broken), (bad, where)
     assert not all_finite(np.float16([1, np.inf]))  # other dtypes: the numpy path
+
+
+def test_the_fp16_codec_casts_gradient_sized_values_as_numpy_does_bit_for_bit():
+    """Gradients of 1e-5 and less become float16 subnormals, which numpy's cast handles in software
+    (14x slower); the codec's cast (the C kernel) must give the same bits, and the same float32 back."""
+    from paramserver.base.codecs.fp16 import Float16
+
+    rng = np.random.default_rng(7)
+    grad = np.concatenate([rng.standard_normal(50_000) * scale for scale in (1.0, 1e-4, 1e-6, 1e-8)]).astype(np.float32)
+    grad[:6] = [np.inf, -np.inf, 70_000.0, 65_519.0, -65_520.0, -1e-30]
+    with np.errstate(over="ignore"):
+        expected = grad.astype(np.float16)
+    payload = Float16().encode(grad).payload
+    assert payload.dtype == np.float16 and np.array_equal(payload.view(np.uint16), expected.view(np.uint16))
+    back = Float16.decode("g", {"codec": "fp16"}, payload, {})
+    assert back.dtype == np.float32 and np.array_equal(back, expected.astype(np.float32))

@@ -12,7 +12,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from paramserver.base.half import BF16_NAN, bf16_bits_to_float32, by_kernel, float32_to_bf16_bits
+from paramserver.base.half import (
+    BF16_NAN,
+    bf16_bits_to_float32,
+    float16_to_float32,
+    float32_to_bf16_bits,
+    float32_to_float16,
+)
 
 __all__ = ["BF16_NAN", "WIRE_DTYPES", "bf16_bits_to_float32", "float32_to_bf16_bits", "from_wire", "to_wire"]
 
@@ -30,12 +36,7 @@ def to_wire(values: np.ndarray, wire: str, out: np.ndarray | None = None) -> np.
         return values
     if wire == "bfloat16":
         return float32_to_bf16_bits(values, out)
-    values = np.ascontiguousarray(values, np.float32)
-    out, done = by_kernel("ps_f16_from_f32", values, out, np.float16)
-    if not done:
-        with np.errstate(over="ignore"):  # beyond float16's range is infinity, as in torch
-            np.copyto(out, values, casting="unsafe")
-    return out
+    return float32_to_float16(values, out)
 
 
 def from_wire(array: np.ndarray, wire: str) -> np.ndarray:
@@ -43,8 +44,5 @@ def from_wire(array: np.ndarray, wire: str) -> np.ndarray:
     if wire == "bfloat16":
         return bf16_bits_to_float32(array)
     if wire == "float16":
-        out, done = by_kernel("ps_f32_from_f16", np.asarray(array, np.float16), None, np.float32)
-        if not done:
-            np.copyto(out, array)
-        return out
+        return float16_to_float32(array)
     return np.asarray(array, np.float32)

@@ -8,6 +8,7 @@ from typing import ClassVar
 import numpy as np
 
 from paramserver.base.codecs._codec import Codec, Encoded
+from paramserver.base.half import float16_to_float32, float32_to_float16
 
 
 @dataclass(frozen=True)
@@ -18,8 +19,8 @@ class Float16(Codec):
     payload_dtype: ClassVar[np.dtype] = np.dtype(np.float16)
 
     def encode(self, grad: np.ndarray, chunk: int | None = None) -> Encoded:
-        return Encoded({"codec": self.kind}, grad.astype(np.float16))
+        return Encoded({"codec": self.kind}, float32_to_float16(grad))
 
     @classmethod
     def decode(cls, name: str, header: dict, payload: np.ndarray, aux: dict[str, np.ndarray]) -> np.ndarray:
-        return payload.astype(np.float32)
+        return float16_to_float32(payload)
