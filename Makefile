@@ -17,13 +17,14 @@ CHECKOV_VERSION := $(shell sed -n 's/^checkov: *//p' deploy/checkov-skips.yaml)
 
 setup: $(VENV)/.installed
 
-# torch is pinned to the CPU build that pip finds locally; a looser spec pulls a multi-GB CUDA build. --no-compile:
-# a module is compiled when first imported (a third of torch's modules are), not all at install (a minute and more).
+# torch is pinned to the CPU build that pip finds locally; a looser spec pulls a multi-GB CUDA build. pip compiles
+# every module at install: where PYTHONDONTWRITEBYTECODE is set (CI), nothing else would, and each node process
+# would compile torch again at its start.
 $(VENV)/.installed: pyproject.toml setup.py src/paramserver/base/_kernels.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q --no-compile torch==2.13.0
-	$(BIN)/pip install -q --no-compile -e '.[test]'
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
 	touch $@
 
 $(CHECKOV_VENV)/.installed: deploy/checkov-skips.yaml
@@ -65,7 +66,7 @@ test-all:
 # What the engines tier installs: the `ray` extra, and Slurm's Debian packages (apt; root only: without them
 # the Slurm tests are skipped, saying why). Apt needs no venv: it runs beside the venv's set-up.
 $(VENV)/.engines: $(VENV)/.installed pyproject.toml
-	$(BIN)/pip install -q --no-compile -e '.[test,ray]'
+	$(BIN)/pip install -q -e '.[test,ray]'
 	touch $@
 
 slurm-packages:

@@ -44,6 +44,7 @@ TIER_FOLDERS_CHECKED = True
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Before `-m` deselects anything, so a run of one tier still checks every test it collected."""
+    _longest_first(items)
     if not TIER_FOLDERS_CHECKED:
         return
     wrong = tiers.misplaced_tests(items, ROOT / "tests")
@@ -51,6 +52,26 @@ def pytest_collection_modifyitems(config, items):
         raise pytest.UsageError(f"{len(wrong)} test(s) in the wrong tier folder "
                                 f"(tests/unit: the fast tier; tests/integration, tests/fault: cluster, parity, "
                                 f"fault; tests/engines: engines; tests/net: net):\n  " + "\n  ".join(wrong))
+
+
+# The longest tests (pytest --durations in CI), started first: a worker that draws one of them last holds the
+# whole run up by its length. `make test-all` hands tests out with xdist's worksteal, which keeps this order
+# within each worker's share; the fast tests fill in behind.
+LONGEST_FIRST = (
+    "tests/fault/test_lifecycle.py::test_digits_in_sync_mode_with_a_backup_worker_passes_ten_runs_of_ten",
+    "tests/fault/test_lifecycle.py::test_a_run_finishes_by_itself_whatever_the_order_of_starts_finishes_and_kills",
+    "tests/integration/test_checkpoint_triggers.py::test_the_chiefs_step_count_and_clock_make_one_barrier_every_worker_meets",
+    "tests/fault/test_in_cluster_recovery.py::test_a_cluster_under_restart_loops_recovers_from_a_ps_the_chief_and_a_worker_killed",
+    "tests/fault/test_chaos.py::test_killing_a_worker_a_ps_and_the_chief_costs_no_accuracy",
+    "tests/fault/test_lifecycle.py::test_the_ctr_example_survives_a_killed_ps_then_a_killed_worker_at_the_same_auc",
+    "tests/integration/test_dataloader_workers.py::test_spawned_dataloader_workers_reimport_the_script_and_deliver_every_sample_in_every_mode",
+    "tests/fault/test_dispatched_data.py::test_workers_join_one_is_killed_one_leaves_and_only_the_killed_ones_last_batches_repeat",
+)
+
+
+def _longest_first(items) -> None:
+    rank = {name: position for position, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("[")[0], len(rank)))  # stable: the rest keep their order
 
 
 def _guarded(item):
