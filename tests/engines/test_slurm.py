@@ -112,11 +112,7 @@ def test_scancel_term_writes_a_checkpoint_and_the_requeued_job_resumes_at_the_sa
     job, out = _count(slurm_cluster, "requeue", batches=200, step_sleep=0.03, preempt_grace_s=6)
     slurm_cluster.wait(job, 60, until=lambda f: re.search(r"worker 0 on \S+ at position ([4-9]\d|\d{3})", _output(out)))
     slurm_cluster.run("scancel", "--signal=TERM", job)  # every task of the job's step: the PS as well
-    fields = slurm_cluster.wait(
-        job,
-        timeout=90,
-        until=lambda f: f["JobState"] in {"COMPLETED", "FAILED", "CANCELLED"} and int(f.get("Restarts", "0")) >= 1,
-    )
+    fields = _ended_after_a_requeue(slurm_cluster, job)
     text = _output(out)
     assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", text
     assert fields["Restarts"] == "1", text
@@ -141,11 +137,7 @@ def test_a_lost_node_requeues_the_job_which_resumes_from_the_latest_checkpoint(s
     # what slurmctld decides by itself once the node stops answering (about 25 s here), at once
     slurm_cluster.run("scontrol", "update", "nodename=pse2", "state=down", "reason=lost")
     slurm_cluster.script("restart-node", "pse2")
-    fields = slurm_cluster.wait(
-        job,
-        timeout=90,
-        until=lambda f: f["JobState"] in {"COMPLETED", "FAILED", "CANCELLED"} and int(f.get("Restarts", "0")) >= 1,
-    )
+    fields = _ended_after_a_requeue(slurm_cluster, job)
     text = _output(out)
     assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", text
     starts = [(int(w), int(p)) for w, _, p in STARTS.findall(text)]
@@ -153,3 +145,12 @@ def test_a_lost_node_requeues_the_job_which_resumes_from_the_latest_checkpoint(s
     resumed = dict(starts[2:])
     assert resumed.keys() == {0, 1} and resumed[0] >= 20, text  # from a periodic checkpoint, not from 0
     assert {int(w): int(p) for w, _, p in TRAINED.findall(text)} == {0: 200, 1: 200}, text
+
+
+def _ended_after_a_requeue(cluster, job: str) -> dict[str, str]:
+    """The job's fields once its run after a requeue ended (90 s at most)."""
+    return cluster.wait(
+        job,
+        timeout=90,
+        until=lambda f: f["JobState"] in {"COMPLETED", "FAILED", "CANCELLED"} and int(f.get("Restarts", "0")) >= 1,
+    )
