@@ -263,3 +263,29 @@ def test_barriers_that_come_to_wait_for_each_other_late_fail_within_half_the_hea
     clock.now = 35
     with pytest.raises(FailedPreconditionError, match=r"worker 1 \(waits at 'mode@100' for 5s\)"):
         coordinator.barrier("eval", 0, wait_s=0)
+
+
+def test_a_worker_stopping_to_be_restarted_stays_awaited_and_one_that_ends_leaves():
+    """A worker exiting after a roll-back (its restart loop starts it again) does not leave: a chief
+    done with its data keeps the coordinator up for it until it joins again or the heartbeat timeout
+    finds it dead. One whose script ended leaves at once."""
+    from paramserver.coordinator.coordinator_service import CoordinatorClient, CoordinatorService
+    from paramserver.transport.inprocess import InProcessChannel
+
+    coordinator, clock = make(3)
+    clients = [
+        CoordinatorClient(InProcessChannel(CoordinatorService(coordinator), "inprocess:coordinator"), w, 5.0, 60.0)
+        for w in range(3)
+    ]
+    for client in clients:
+        client.start()
+        client.wait_ready(5.0)
+    coordinator.finish(0)
+    coordinator.leave(0)  # the chief's script ended
+    clients[1].stop(1.0, leave=False)  # rolling back: restarted by its loop
+    clients[2].stop(1.0)  # its script ended
+    assert [coordinator.state(w) for w in range(3)] == ["exited", "training", "exited"]
+    assert not coordinator.all_done()  # the chief keeps serving for the restart
+    clock.now = 11  # past the heartbeat timeout, it never came back
+    assert coordinator.state(1) == "dead" and coordinator.all_done()
+    clients[0].stop(1.0)

@@ -286,16 +286,20 @@ class CoordinatorClient(Lifecycle):
             if int(view.get("checkpoints_requested", 0)) <= known:
                 self._stopping.wait(max(0.0, self.heartbeat_s - (time.monotonic() - started)))
 
-    def stop(self, grace: float = 5.0) -> None:
+    def stop(self, grace: float = 5.0, leave: bool = True) -> None:
         """Leave (at most `grace` seconds), close the channel (a heartbeat in flight ends with it) and
-        join the heartbeat thread. Idempotent; any thread."""
+        join the heartbeat thread. Idempotent; any thread.
+
+        `leave=False` for a worker that exits to be restarted (a roll-back): it stays a member the
+        others wait for, so that a chief done with its data keeps the coordinator up until the restart
+        joins again (or the heartbeat timeout finds it dead)."""
         with self._stop_lock:
             if self._stopping.is_set():
                 return
             self._stopping.set()
         self.ready.fail(UnavailableError(f"worker {self.worker} stopped before it joined the coordinator"))
         started = time.monotonic()
-        if self._joined:
+        if self._joined and leave:
             try:
                 self._call("Leave", deadline_s=max(0.1, grace), position=self.position)
             except ParamServerError as exc:

@@ -131,6 +131,8 @@ def cluster_context(config: NodeConfig) -> Context:
         )
     except BaseException as exc:
         why = _rolled_back_while_joining(client, rollback, coordinator) if isinstance(exc, ParamServerError) else None
+        if coordinator is not None:
+            coordinator.stop(1.0, leave=why is None)  # one restarting after a roll-back is still awaited
         ops.stop()
         if host is not None:
             host.stop(1.0)

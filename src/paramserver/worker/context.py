@@ -397,8 +397,9 @@ class Context:
         self.progress.flush()
         self.progress.close(done=completed)
         self.client.leave(timeout=5.0)
-        self.coordinator.stop()
-        if self.coordinator_host is not None and self.rollback is not None and self.rollback.reason is not None:
+        rolling_back = self.rollback is not None and self.rollback.reason is not None
+        self.coordinator.stop(leave=not rolling_back)  # a worker restarting after a roll-back is still awaited
+        if self.coordinator_host is not None and rolling_back:
             self.coordinator_host.stop(1.0)  # rolling back: every worker restarts, none needs this coordinator
         elif self.coordinator_host is not None:
             started = time.monotonic()
