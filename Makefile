@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # everything else.
 FAST_TIER := not (cluster or parity or fault or engines or net)
 # Tests run in this many pytest processes (pytest-xdist); a test that waits on its nodes leaves the core to another.
-PYTEST_WORKERS ?= 2
+PYTEST_WORKERS ?= $(shell nproc 2>/dev/null || echo 2)  # every core: the tests that spawn processes mostly wait
 
 # checkov, the static checker of the Kubernetes manifests (tests/integration/test_k8s_pods.py), in an environment of its
 # own: its pins (packaging, networkx, boto3, ...) would move the project's. deploy/checkov-skips.yaml names the version.

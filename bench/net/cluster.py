@@ -33,7 +33,7 @@ def node_argv(cluster_file: Path, role: str, index: int, script: list[str]) -> l
         "-m",
         "paramserver",
         "--log-level",
-        "WARNING",
+        "INFO",  # compression auto says its choice at INFO (auto_choice reads it)
         "node",
         "--cluster",
         str(cluster_file),
@@ -52,10 +52,12 @@ def results(out: Path) -> list[dict]:
 
 def run_case(net, ps, workers, script: list[str], codec: str, seconds: float, folder: Path) -> dict:
     """Trains `script` on `workers` against one PS in `ps` (hosts of `net`) and returns the workers' figures
-    summed. `codec`: a `--compression` value, or "none"."""
+    summed. `codec`: a `--compression` value ("none", "auto", ...), `+pull` after it for values pulled as
+    bfloat16 (option `pull_as`)."""
     options = {"stream_port": STREAM_PORT, "torch_threads": 1}  # one core per worker host at most
-    if codec != "none":
-        options["compression"] = codec
+    options["compression"] = codec.removesuffix("+pull")
+    if codec.endswith("+pull"):
+        options["pull_as"] = "bfloat16"
     cluster_file = folder / "cluster.json"
     write_cluster(cluster_file, ps, workers, options)
     # `paramserver node` hands a PS the options of its flags and environment, not its cluster file's.
@@ -86,4 +88,13 @@ def run_case(net, ps, workers, script: list[str], codec: str, seconds: float, fo
         "examples_per_s": round(sum(r["examples_per_s"] for r in per_worker), 1),
         "per_worker_examples_per_s": [r["examples_per_s"] for r in per_worker],
         "pushed_bytes_per_step": round(sum(r["pushed_bytes_per_step"] for r in per_worker) / len(per_worker)),
+        "auto_chose": [auto_choice(out) for out in outs] if codec == "auto" else None,
     }
+
+
+def auto_choice(out: Path) -> str | None:
+    """What compression auto chose in a worker's output (its log line, client/link.py), or None."""
+    for line in out.read_text(errors="replace").splitlines():
+        if "compression auto:" in line and "→" in line:
+            return line.rsplit("→", 1)[1].strip()
+    return None

@@ -1,13 +1,14 @@
 """Training throughput across an emulated network: per link rate, model and gradient codec, one JSON line.
 
     sudo .venv/bin/python bench/net/run.py --rates 1,10,25 --models mlp,ctr [--workers 1] [--seconds 10]
-        [--codecs none,fp16,bf16,int8,topk:0.01]
+        [--codecs none,auto,bf16,bf16+pull,int8,topk:0.01,fp16]
 
 A PS host and worker hosts as network namespaces on a bridge (bench/net/testbed.py), every link shaped
 with tc's token bucket to the rate (`none`: unshaped), the PS host pinned to the first CPU and the worker
 hosts to the others. Per rate it first measures the link (bench/net/link_rate.py, worker0 to the PS),
-then trains each model with each codec (bench/net/cluster.py). Each line: the model, the codec, the set
-and measured link rates, examples/s (summed over the workers) and the bytes a worker pushed per step.
+then trains each model with each codec (bench/net/cluster.py; `bf16+pull`: bf16 pushes and values pulled
+as bfloat16, `auto`: what compression auto chooses, said in `auto_chose`). Each line: the model, the codec,
+the set and measured link rates, examples/s (summed over the workers) and the bytes a worker pushed per step.
 Links have no added delay: this kernel has no netem. Needs root; everything it made is removed on exit,
 Ctrl-C and SIGTERM included.
 """
@@ -34,7 +35,7 @@ log = logging.getLogger("bench.net.run")
 
 HERE = Path(__file__).resolve().parent
 MODELS = ("mlp", "ctr")
-CODECS = "none,fp16,bf16,int8,topk:0.01"
+CODECS = "none,auto,bf16,bf16+pull,int8,topk:0.01,fp16"
 CTR_ROWS, CTR_VOCAB = 100_000, 200_000  # synthetic click logs (examples/ctr_data.py), as bench/compression.py
 
 

@@ -61,7 +61,11 @@ def wrong(hint):
 
 
 # fields whose check takes only values of a form (base/names.py): an example of that form
-FORMED = {(msg.CheckpointRequest, "name"): "ckpt-000000002", (msg.CheckpointRequest, "parent"): "ckpt-000000001"}
+FORMED = {
+    (msg.CheckpointRequest, "name"): "ckpt-000000002",
+    (msg.CheckpointRequest, "parent"): "ckpt-000000001",
+    (msg.PushPullRequest, "pull_as"): "bfloat16",
+}
 
 
 def value_of(cls, spec):

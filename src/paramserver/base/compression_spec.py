@@ -10,6 +10,7 @@ its argument after a colon where it takes one (`topk:0.01`). A codec that is not
 
     "fp16"                                   every gradient as float16
     "mlp.*=int8,ctr.embedding=bf16"          two rules; the rest as is
+    "auto"                                   chosen by each worker from its measured links (client/link.py)
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from dataclasses import dataclass
 from paramserver.base.codecs import NONE, Codec, parse, registered
 from paramserver.base.errors import InvalidArgumentError
 
-__all__ = ["NONE", "Codec", "CompressionSpec", "parse"]
+__all__ = ["AUTO", "NONE", "Codec", "CompressionSpec", "parse"]
+
+AUTO = "auto"
 
 
 @dataclass(frozen=True)
@@ -28,9 +31,12 @@ class CompressionSpec:
     """The parsed `compression` option: ordered (pattern, codec) rules."""
 
     rules: tuple[tuple[str, Codec], ...] = ()
+    auto: bool = False  # "auto": no rules; the worker chooses from its measured links (client/link.py)
 
     @classmethod
     def parse(cls, text: str) -> CompressionSpec:
+        if text.strip() == AUTO:
+            return cls(auto=True)
         rules = []
         for part in (p.strip() for p in text.split(",")):
             if not part:

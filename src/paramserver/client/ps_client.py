@@ -10,6 +10,7 @@ may be called from one thread at a time per client (one training loop).
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,9 +24,11 @@ from paramserver.base.errors import InvalidArgumentError, ParamServerError, Roll
 from paramserver.client import checkpoint_write
 from paramserver.client.checkpoint_write import CheckpointWrite
 from paramserver.client.compression import GradientCompressor
+from paramserver.client.link import AutoCompression, measure
 from paramserver.client.placement import DEFAULT_SPLIT_BYTES, Part, Placer
 from paramserver.client.table_client import NO_ROWS, StepRiders
 from paramserver.transport.channel import ShardChannel
+from paramserver.transport.stream import host_id
 from paramserver.wire import messages as msg
 from paramserver.wire.calls import Pending, gather
 from paramserver.wire.stubs import ShardStub
@@ -143,6 +146,10 @@ class PSClient:
         self._part_by_name: dict[str, Part] = {}
         self._groups_on: dict[int, set[str]] = {}
         self.compressor = GradientCompressor()  # codecs by variable (register), their residuals
+        # "bfloat16" / "float16": PushPull replies bring float32 variables' values at half width (None: as they are)
+        self.pull_as: str | None = None
+        self.auto: AutoCompression | None = None  # compression "auto" (client/link.py): see enable_auto
+        self._plain: dict[str, tuple[int, ...]] = {}  # float32 variables sent as they are: what auto may compress
         self.pushed_bytes = 0  # PushPull requests that pushed something, whole frames
         self.tolerate_lost = False  # partial recovery: a lost shard's calls fail in the handle, not in wait()
         # by shard: each registration sent to it, in order (a shard restored alone is registered with again)
@@ -204,6 +211,9 @@ class PSClient:
                     dtypes.setdefault(part.shard, {})[part.name] = dtype
         for var, var_codec in (codecs or {}).items():
             self.compressor.add(var, var_codec, tuple(values[var].shape))
+        for var, array in values.items():
+            if (wire or {}).get(var, "float32") == "float32" and var not in self.compressor.codecs:
+                self._plain[var] = tuple(array.shape)
         for shard in by_shard:
             self._groups_on.setdefault(shard, set()).add(group)
         calls = []
@@ -258,6 +268,9 @@ class PSClient:
         lookups sent in the same requests (their rows come back in the handle's `riders`).
         """
         bases = self.record.base_versions if base_versions is None else base_versions
+        if self.auto is not None and self.auto.deciding and grads:
+            plain = [var for var in grads if var in self._plain]
+            self.auto.on_step(self._plain_bytes(plain), self._plain_bytes(pull), grads[plain[0]] if plain else None)
         pushed, headers = self._encoded(grads)
         pulled: dict[int, list[str]] = {}
         for var in pull:
@@ -285,6 +298,7 @@ class PSClient:
                 base=bases.get(shard),
                 lr={g: lr for g, lr in (lrs or {}).items() if g in self._groups_on.get(shard, ())},
                 codecs={**headers.get(shard, {}), **rows.codecs},
+                pull_as=self.pull_as if pulled.get(shard) else None,
             )
             tensors = [*pushed.get(shard, ()), *rows.tensors]
             call = self.stubs[shard].push_pull(request, self.rpc_timeout_s, tensors, owned)
@@ -297,6 +311,34 @@ class PSClient:
             lambda replies: self.record.note(replies, bool(grads)),
             tolerate_lost=self.tolerate_lost,
         )
+
+    def enable_auto(self, timeout: float) -> None:
+        """Compression "auto" (client/link.py): PS on another host (their Hello's host id is not this
+        host's) have their links measured at the first step and, after a window of steps, the float32
+        variables sent as they are may be compressed for all of them. Call after `connect`."""
+        here = host_id()
+        hosts = [(getattr(channel, "hello", None) or {}).get("host_id") for channel in self.channels]
+        remote = [shard for shard, host in enumerate(hosts) if host is not None and host != here]
+        self.auto = AutoCompression(remote, lambda shard: measure(self.stubs[shard], timeout), self._apply_auto)
+
+    def _apply_auto(self, codec: Codec, pull_as: str | None) -> None:
+        for var, shape in self._plain.items():
+            self.compressor.add(var, codec, shape)
+        self.pull_as = self.pull_as or pull_as  # a `pull_as` set by the user stays
+
+    def _plain_bytes(self, names) -> dict[int, int]:
+        """The float32 bytes of the plain variables among `names`, by shard."""
+        found: dict[int, int] = {}
+        for var in names:
+            shape = self._plain.get(var)
+            if shape is None:
+                continue
+            row = 4 * math.prod(shape[1:]) if shape else 4
+            for part in self.parts_of[var]:
+                found[part.shard] = found.get(part.shard, 0) + row * (
+                    (shape[0] if shape else 1) if part.whole else part.hi - part.lo
+                )
+        return found
 
     def _encoded(
         self, grads: dict[str, np.ndarray]

@@ -10,9 +10,11 @@ import numpy as np
 import torch
 
 from paramserver.base.errors import FailedPreconditionError
-from paramserver.wire.half import WIRE_DTYPES
+from paramserver.wire.half import WIRE_DTYPES, bf16_bits_to_float32, float16_to_float32
 
 WIRE_OF = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+# how a float32 variable's values pulled at half width (PushPull's pull_as) widen again, by their dtype
+PULLED_AS = {np.dtype(np.uint16): bf16_bits_to_float32, np.dtype(np.float16): float16_to_float32}
 
 
 def wire_array(tensor: torch.Tensor) -> np.ndarray:
@@ -29,6 +31,13 @@ def write_wire(name: str, target: torch.Tensor, array: np.ndarray) -> None:
     """Copy values that travelled in `target`'s wire dtype into `target` (on its own device)."""
     if target.dtype is torch.float32 and array.dtype == np.float32 and target.is_cpu:
         np.copyto(target.numpy(), array)  # the common case, checked in one go
+        return
+    if target.dtype is torch.float32 and array.dtype in PULLED_AS:  # a float32 variable pulled at half width
+        widen = PULLED_AS[array.dtype]
+        if target.is_cpu and target.is_contiguous():
+            widen(array, target.numpy())
+        else:
+            target.copy_(torch.from_numpy(widen(array)), non_blocking=False)
         return
     wire = WIRE_OF[target.dtype]
     if array.dtype != WIRE_DTYPES[wire]:

@@ -85,6 +85,7 @@ SHARD_ACTIONS: dict[str, Action] = {
     "PushPull": _WORKER,
     "RegisterTable": _WORKER,
     "Lookup": _WORKER,
+    "Probe": _WORKER,
     "Leave": _WORKER,
     "Forget": Action("chief", audited=True, any_worker=True, form_of="Leave"),
     "SetMode": _CHIEF,

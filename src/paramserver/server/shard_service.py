@@ -34,6 +34,7 @@ from paramserver.wire import codec
 from paramserver.wire import messages as msg
 from paramserver.wire.calls import Request, decode_request
 from paramserver.wire.gradient_codec import decode_tensors
+from paramserver.wire.half import to_wire
 
 log = logging.getLogger(__name__)
 SERVICE = "paramserver.Shard"
@@ -78,7 +79,9 @@ class ShardService:
             "Assign": self.assign,
             "Shutdown": self.shutdown,
             "Prove": self.prove,
+            "Probe": self.probe,
         }
+        self._probe_reply = np.zeros(0, np.uint8)  # zeros a Probe reply carries, grown to the largest asked
 
     @property
     def tables(self):
@@ -163,8 +166,11 @@ class ShardService:
             marker=request.marker,
         )
         names = [lookup.rows for lookup in request.lookups]
+        pull_as = request.pull_as
 
         def reply(outcome: StepOutcome, values: list, rows: list[np.ndarray]) -> Any:
+            if pull_as is not None:  # float32 values as half precision: half the bytes back
+                values = [(name, to_wire(v, pull_as) if v.dtype == np.float32 else v) for name, v in values]
             answer = msg.PushPullReply(
                 version=outcome.version, step=outcome.sync_step, staleness=outcome.staleness, applied=outcome.applied
             )
@@ -194,6 +200,14 @@ class ShardService:
             position=self.shard.position(request.worker), restored=self.shard.restored_position(request.worker)
         )
         return _send(sink, reply)
+
+    def probe(self, request: msg.ProbeRequest, tensors: dict, sink: Sink) -> Any:
+        payload = tensors.get("payload")
+        if payload is not None and (payload.dtype != np.uint8 or payload.size > msg.PROBE_MAX_BYTES):
+            raise MalformedFrameError(f"Probe payload must be uint8, at most {msg.PROBE_MAX_BYTES} bytes")
+        if self._probe_reply.size < request.reply_bytes:
+            self._probe_reply = np.zeros(request.reply_bytes, np.uint8)  # read-only from here: shared by calls
+        return _send(sink, msg.ProbeReply(), [("payload", self._probe_reply[: request.reply_bytes])])
 
     def lookup(self, request: msg.LookupRequest, tensors: dict, sink: Sink) -> Any:
         rows = self.tables.lookup(request.table, _tensor(tensors, "ids", "Lookup"))

@@ -57,7 +57,7 @@ from paramserver.transport.shared_memory import write_parts
 from paramserver.wire.codec import float32_spans, header_bytes, split_parts
 
 MAGIC = b"PSTS"
-METHODS = ("Hello", "Register", "PushPull", "SetMode", "Leave", "RegisterTable", "Lookup")
+METHODS = ("Hello", "Register", "PushPull", "SetMode", "Leave", "RegisterTable", "Lookup", "Probe")
 PREFIX = struct.Struct("<4sBBHQ")
 REQUEST, REPLY, REQUEST_SHM, REPLY_SHM, ATTACH, AUTH, ACK = range(7)
 MORE = 0x80  # kind flag: a part of a longer request or reply; the parts that follow complete it

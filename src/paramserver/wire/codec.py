@@ -33,8 +33,9 @@ from paramserver.base.errors import MalformedFrameError, ProtocolVersionError
 
 MAGIC = b"PSFR"
 PROTOCOL_MAJOR = 2  # 2: a step's dense parts, row pushes and lookups named by typed fields (PushPull)
-# 1: RegisterTable's reply says the worker's data position; 2: checkpoints written in the background
-PROTOCOL_MINOR = 2  # (docs/protocol.md)
+# 1: RegisterTable's reply says the worker's data position; 2: checkpoints written in the background;
+# 3: pulled values as half precision (PushPull's pull_as)
+PROTOCOL_MINOR = 3  # (docs/protocol.md)
 _PREFIX = struct.Struct("<4sHHI")
 _ALIGN = 8
 _MAX_DIMS = 32  # numpy's limit is 64; no variable of this project has more than a few

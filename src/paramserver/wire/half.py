@@ -20,7 +20,16 @@ from paramserver.base.half import (
     float32_to_float16,
 )
 
-__all__ = ["BF16_NAN", "WIRE_DTYPES", "bf16_bits_to_float32", "float32_to_bf16_bits", "from_wire", "to_wire"]
+__all__ = [
+    "BF16_NAN",
+    "WIRE_DTYPES",
+    "bf16_bits_to_float32",
+    "float16_to_float32",
+    "float32_to_bf16_bits",
+    "float32_to_float16",
+    "from_wire",
+    "to_wire",
+]
 
 # how each wire dtype's arrays travel in a frame
 WIRE_DTYPES: dict[str, np.dtype] = {

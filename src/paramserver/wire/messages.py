@@ -142,6 +142,12 @@ class PushPullRequest(Message):
         'before any check (see "Compressed gradients")',
         default={},
     )
+    pull_as: str | None = doc_field(
+        "`bfloat16` or `float16`: the pulled float32 variables' values come back in that dtype (half the bytes; "
+        "the PS keeps float32 masters). Absent: each in its wire dtype",
+        default=None,
+        check=lambda dtype: None if dtype in (None, "bfloat16", "float16") else "must be bfloat16 or float16",
+    )
 
 
 @message(
@@ -225,6 +231,26 @@ class LookupRequest(Message):
 
 @message("Lookup reply", tensors="`rows` (len(ids) x dim, in the table's wire dtype)")
 class LookupReply(Message):
+    pass
+
+
+PROBE_MAX_BYTES = 16 << 20  # the most a Probe carries either way: enough to time a 25 Gbit/s link
+
+
+@message("Probe request", tensors="`payload` (uint8, 1-D, at most 16 MiB): bytes sent to time the link up")
+class ProbeRequest(Message):
+    """Time the link to this shard (`compression` `auto`, client/link.py): the reply carries `reply_bytes`
+    zero bytes back. Changes nothing on the shard."""
+
+    reply_bytes: int = doc_field(
+        "bytes the reply carries back (0 to 16 MiB)",
+        default=0,
+        check=lambda n: None if 0 <= n <= PROBE_MAX_BYTES else f"must be 0 to {PROBE_MAX_BYTES}",
+    )
+
+
+@message("Probe reply", tensors="`payload` (uint8, `reply_bytes` of them)")
+class ProbeReply(Message):
     pass
 
 
@@ -345,6 +371,7 @@ SHARD_METHODS: dict[str, tuple[type[Message], type[Message]]] = {
     "Assign": (AssignRequest, AssignReply),
     "Shutdown": (ShutdownRequest, ShutdownReply),
     "Prove": (ProveRequest, ProveReply),
+    "Probe": (ProbeRequest, ProbeReply),
 }
 
 

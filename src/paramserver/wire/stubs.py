@@ -73,6 +73,11 @@ class ShardStub(Stub):
     ) -> Pending[msg.ProveReply]:
         return self.call("Prove", request, timeout, tensors, owned)
 
+    def probe(
+        self, request: msg.ProbeRequest, timeout: float, tensors: Tensors = (), owned: bool = False
+    ) -> Pending[msg.ProbeReply]:
+        return self.call("Probe", request, timeout, tensors, owned)
+
 
 class CoordinatorStub(Stub):
     """The coordinator's RPCs on one channel."""

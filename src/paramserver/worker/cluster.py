@@ -233,6 +233,9 @@ def _connect_shards(config: NodeConfig, spec: ConsistencySpec, credentials: Cred
     ]
     client = PSClient(channels, options.rpc_timeout_s, options.split_bytes, config.worker_index, spec)
     client.connect(options.connect_timeout_s)
+    client.pull_as = options.pull_as or None
+    if options.compression_spec.auto:
+        client.enable_auto(options.rpc_timeout_s)
     return client
 
 
