@@ -1,7 +1,7 @@
 """Gradient compression: bytes pushed per step, examples/s and model quality for each codec.
 
-For each codec (none, fp16, bf16, int8, topk:0.01), back to back in one run, two short local
-clusters through `paramserver run --ps 1 --workers 2 --compression CODEC`:
+For each codec (none, fp16, bf16, bf16+pull: values pulled as bfloat16 too, int8, topk:0.01), back to
+back in one run, two short local clusters through `paramserver run --ps 1 --workers 2 --compression CODEC`:
 
 - the digits model (examples/digits.py, 784-1024-512-10, Adam): held-out accuracy;
 - the CTR model (examples/ctr.py on examples/ctr_data.py's synthetic click logs): held-out AUC
@@ -21,12 +21,15 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CODECS = "none,fp16,bf16,int8,topk:0.01"
+CODECS = "none,fp16,bf16,bf16+pull,int8,topk:0.01"
 
 
 def paramserver_run(codec: str, script: str, args: list[str]) -> dict:
     """The closing JSON line of `paramserver run` with `--compression codec`."""
-    compression = [] if codec == "none" else ["--compression", codec]
+    # "none" explicitly: the default, auto, would measure links (none here: all on loopback)
+    compression = ["--compression", codec.removesuffix("+pull")]
+    if codec.endswith("+pull"):  # values pulled as bfloat16 too
+        compression += ["--pull-as", "bfloat16"]
     argv = [sys.executable, "-m", "paramserver", "--log-level", "WARNING", "run", "--ps", "1", "--workers", "2",
             "--progress-every", "0", *compression, str(ROOT / "examples" / script), "--", *args]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=900)

@@ -5,16 +5,18 @@ paramserver.data.criteo and mapped to a vocabulary per feature (26 tables, dim 1
 per categorical feature), the same MLP (429-256-128-1) over the dense features and the
 26 embeddings, batch 512 per process; tables with fbgemm's fused row-wise Adagrad in the
 backward (TorchRec's usual CPU setup), the MLP with torch.optim.Adam; DistributedModelParallel
-over gloo, tables sharded table-wise; each process gets the torch threads and OpenMP wait policy
-paramserver's launcher would give a worker (launch/threads.py). One TorchRec process runs against paramserver 1 PS x 1
-worker, two against 2 x 2. Ours: examples/ctr.py (Adam on the PS for the MLP and the rows).
+over gloo, tables sharded table-wise. TorchRec runs as its users run it ("own": torch's default threads,
+every core, for one process; torchrun's OMP_NUM_THREADS=1 each for several) and, beside it, with the
+torch threads and OpenMP wait policy paramserver's launcher would give a worker ("launcher split",
+launch/threads.py). One TorchRec process runs against paramserver 1 PS x 1 worker, two against 2 x 2.
+Ours: examples/ctr.py (Adam on the PS for the MLP and the rows).
 
     pip install --no-deps 'torchrec==1.8.*' 'fbgemm-gpu-cpu==1.8.*' tensordict torchmetrics==1.0.3 \\
         pyre-extensions typing-inspect pyvers          # the `torchrec` extra of pyproject.toml
     python bench/ctr_vs_torchrec.py [--pairs 3] [--topologies 1x1,2x2] [--rows 400000] [--flags=--overlap]
 
-One JSON line per pair (both examples/s, their ratio, the load averages), then one summary line
-per topology.
+One JSON line per pair (examples/s of ours and of both TorchRec setups, the ratios, the load averages),
+then one summary line per topology. `ratio` is against TorchRec as its users run it.
 """
 
 import argparse
@@ -143,7 +145,17 @@ def _rank(rank: int, world: int, data: str, port: int, result: str, threads: int
     os._exit(0)
 
 
-def torchrec_run(world: int, data: str, tmp: str) -> dict:
+def torchrec_threads(world: int, setup: str) -> tuple[int, dict[str, str]]:
+    """(torch threads, environment) of each TorchRec process. "own": what its users run with, torch's
+    default (every core this process may use) for a single process, torchrun's OMP_NUM_THREADS=1 for
+    several; "launcher": what paramserver's launcher would give `world` workers (launch/threads.py)."""
+    if setup == "launcher":
+        choice = launch_threads.measure(world)
+        return choice.torch_threads, dict(choice.env)
+    return (len(os.sched_getaffinity(0)) if world == 1 else 1), {}
+
+
+def torchrec_run(world: int, data: str, tmp: str, setup: str = "own") -> dict:
     import socket
 
     import torch.multiprocessing as mp
@@ -154,12 +166,11 @@ def torchrec_run(world: int, data: str, tmp: str) -> dict:
     result = f"{tmp}/torchrec.json"
     if os.path.exists(result):
         os.remove(result)
-    # the threads and OpenMP wait policy paramserver's launcher would choose for `world` workers
-    choice = launch_threads.measure(world)
-    saved = {name: os.environ.get(name) for name in choice.env}
-    os.environ.update(choice.env)  # the spawned processes start with it, before their torch starts OpenMP
+    threads, env = torchrec_threads(world, setup)
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)  # the spawned processes start with it, before their torch starts OpenMP
     try:
-        mp.spawn(_rank, args=(world, data, port, result, choice.torch_threads), nprocs=world, join=True)
+        mp.spawn(_rank, args=(world, data, port, result, threads), nprocs=world, join=True)
     finally:
         for name, value in saved.items():
             if value is None:
@@ -167,7 +178,7 @@ def torchrec_run(world: int, data: str, tmp: str) -> dict:
             else:
                 os.environ[name] = value
     with open(result) as f:
-        return {**json.load(f), "torch_threads": choice.torch_threads}
+        return {**json.load(f), "torch_threads": threads}
 
 
 def main() -> None:
@@ -189,7 +200,9 @@ def main() -> None:
             for num_ps, workers in topologies:
                 ours = run_ctr(num_ps, workers, shlex.split(args.flags), train, test)
                 ours_load = load()
-                theirs = torchrec_run(workers, data, tmp)
+                theirs = torchrec_run(workers, data, tmp, "own")
+                theirs_load = load()
+                split = torchrec_run(workers, data, tmp, "launcher")
                 record = {"bench": "ctr_vs_torchrec", "case": "pair", "pair": pair, "topology": f"{num_ps}x{workers}",
                           "flags": args.flags,
                           "paramserver_examples_per_s": ours["examples_per_s"], "paramserver_load": ours_load,
@@ -197,15 +210,19 @@ def main() -> None:
                           "paramserver_test_auc": ours["test_auc"], "torchrec_processes": workers,
                           "torchrec_examples_per_s": round(theirs["examples_per_s"], 1),
                           "torchrec_test_auc": theirs["test_auc"], "torchrec_torch_threads": theirs["torch_threads"],
-                          "torchrec_load": load(),
-                          "ratio": round(ours["examples_per_s"] / theirs["examples_per_s"], 3)}
+                          "torchrec_load": theirs_load,
+                          "ratio": round(ours["examples_per_s"] / theirs["examples_per_s"], 3),
+                          "torchrec_launcher_split_examples_per_s": round(split["examples_per_s"], 1),
+                          "torchrec_launcher_split_torch_threads": split["torch_threads"],
+                          "ratio_to_launcher_split": round(ours["examples_per_s"] / split["examples_per_s"], 3)}
                 results[record["topology"]].append(record)
                 print(json.dumps(record), flush=True)
     for topology, pairs in results.items():
-        ratios = [p["ratio"] for p in pairs]
+        ratios, split = [p["ratio"] for p in pairs], [p["ratio_to_launcher_split"] for p in pairs]
         print(json.dumps({"bench": "ctr_vs_torchrec", "case": "summary", "topology": topology, "pairs": len(pairs),
                           "ratio_median": round(statistics.median(ratios), 3), "ratio_min": min(ratios),
-                          "ratio_max": max(ratios)}), flush=True)
+                          "ratio_max": max(ratios),
+                          "ratio_to_launcher_split_median": round(statistics.median(split), 3)}), flush=True)
 
 
 if __name__ == "__main__":

@@ -50,14 +50,31 @@ def results(out: Path) -> list[dict]:
     return [json.loads(line) for line in out.read_text(errors="replace").splitlines() if line.startswith('{"worker"')]
 
 
-def run_case(net, ps, workers, script: list[str], codec: str, seconds: float, folder: Path) -> dict:
-    """Trains `script` on `workers` against one PS in `ps` (hosts of `net`) and returns the workers' figures
-    summed. `codec`: a `--compression` value ("none", "auto", ...), `+pull` after it for values pulled as
-    bfloat16 (option `pull_as`)."""
-    options = {"stream_port": STREAM_PORT, "torch_threads": 1}  # one core per worker host at most
-    options["compression"] = codec.removesuffix("+pull")
+def case_options(case: str) -> dict:
+    """The node options of a case: a `--compression` value ("none", "auto", "bf16", ...), then `+pull` for
+    values pulled as bfloat16 (option `pull_as`), `@grpc` for gRPC instead of the tensor stream, `@msg=N`
+    for messages of at most N bytes (option `max_message_bytes`, as TF_GRPC_MAX_BUFFER_SIZE),
+    `@allreduce` for the dense part all-reduced among the workers (option `dense_sync`)."""
+    codec, *variants = case.split("@")
+    options: dict = {"compression": codec.removesuffix("+pull")}
     if codec.endswith("+pull"):
         options["pull_as"] = "bfloat16"
+    for variant in variants:
+        if variant == "grpc":
+            options["use_stream"] = False
+        elif variant == "allreduce":
+            options["dense_sync"] = "allreduce"
+        elif variant.startswith("msg="):
+            options["max_message_bytes"] = int(variant.removeprefix("msg="))
+        else:
+            raise ValueError(f"case {case!r}: unknown variant {variant!r} (grpc, msg=N, allreduce)")
+    return options
+
+
+def run_case(net, ps, workers, script: list[str], codec: str, seconds: float, folder: Path) -> dict:
+    """Trains `script` on `workers` against one PS in `ps` (hosts of `net`) and returns the workers' figures
+    summed. `codec`: a case of `case_options`."""
+    options = {"stream_port": STREAM_PORT, "torch_threads": 1, **case_options(codec)}
     cluster_file = folder / "cluster.json"
     write_cluster(cluster_file, ps, workers, options)
     # `paramserver node` hands a PS the options of its flags and environment, not its cluster file's.
@@ -88,7 +105,7 @@ def run_case(net, ps, workers, script: list[str], codec: str, seconds: float, fo
         "examples_per_s": round(sum(r["examples_per_s"] for r in per_worker), 1),
         "per_worker_examples_per_s": [r["examples_per_s"] for r in per_worker],
         "pushed_bytes_per_step": round(sum(r["pushed_bytes_per_step"] for r in per_worker) / len(per_worker)),
-        "auto_chose": [auto_choice(out) for out in outs] if codec == "auto" else None,
+        "auto_chose": [auto_choice(out) for out in outs] if codec.startswith("auto") else None,
     }
 
 

@@ -7,7 +7,8 @@ A PS host and worker hosts as network namespaces on a bridge (bench/net/testbed.
 with tc's token bucket to the rate (`none`: unshaped), the PS host pinned to the first CPU and the worker
 hosts to the others. Per rate it first measures the link (bench/net/link_rate.py, worker0 to the PS),
 then trains each model with each codec (bench/net/cluster.py; `bf16+pull`: bf16 pushes and values pulled
-as bfloat16, `auto`: what compression auto chooses, said in `auto_chose`). Each line: the model, the codec,
+as bfloat16, `auto`: what compression auto chooses, said in `auto_chose`; `@grpc`: gRPC instead of the tensor
+stream; `@msg=N`: messages of at most N bytes: bench/net/cluster.py's case_options). Each line: the model, the codec,
 the set and measured link rates, examples/s (summed over the workers) and the bytes a worker pushed per step.
 Links have no added delay: this kernel has no netem. Needs root; everything it made is removed on exit,
 Ctrl-C and SIGTERM included.
