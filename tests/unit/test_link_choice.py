@@ -65,12 +65,35 @@ def test_auto_measures_once_times_a_window_then_applies_its_choice_once():
     )
     for _ in range(link.WARMUP_STEPS + link.WINDOW_STEPS - 1):
         auto.on_step({0: 10**6}, {0: 10**6}, np.ones(1000, np.float32))
-        assert auto.deciding
+        assert auto.choice is None
     auto.on_step({0: 10**6}, {0: 10**6}, None)
-    assert not auto.deciding and measured == [0]
+    assert auto.choice is not None and measured == [0]
     assert [(c.kind, p) for c, p in applied] == [("bf16", "bfloat16")]
     auto.on_step({0: 10**6}, {0: 10**6}, None)
-    assert len(applied) == 1  # decided once
+    assert len(applied) == 1 and auto.choices == 1  # steps as fast as before: nothing measured again
+
+
+def test_steps_that_slow_down_have_the_links_measured_and_the_choice_made_again():
+    now, step_s = [0.0], [0.2]
+    links = [Link(0.1 * GBIT, 0.1 * GBIT, 1e-4), Link(10 * GBIT, 10 * GBIT, 1e-4)]  # then the link got fast
+    measured, applied = [], []
+
+    def clock():
+        now[0] += step_s[0]
+        return now[0]
+
+    auto = AutoCompression([0], lambda s: measured.append(s) or links[len(measured) - 1],
+                           lambda c, p: applied.append((c.kind, p)), clock)
+    for _ in range(link.WARMUP_STEPS + link.WINDOW_STEPS):  # the choice: bf16 both ways
+        auto.on_step({0: 10**6}, {0: 10**6}, None)
+    for _ in range(link.WINDOW_STEPS):  # the first window under it: its step time is the baseline
+        auto.on_step({0: 10**6}, {0: 10**6}, None)
+    assert applied == [("bf16", "bfloat16")] and len(measured) == 1
+    step_s[0] = 0.2 * link.SLOWER * 1.5  # e.g. the compute slowed: the link, measured again, is fast now
+    for _ in range(link.WINDOW_STEPS):
+        auto.on_step({0: 10**6}, {0: 10**6}, None)
+    assert len(measured) == 2 and auto.choices == 2
+    assert applied == [("bf16", "bfloat16"), ("none", None)]  # back to sending as is
 
 
 def test_with_every_ps_on_this_host_nothing_is_measured_nor_applied():
@@ -125,3 +148,14 @@ def test_a_link_that_cannot_be_measured_means_no_compression():
     auto = AutoCompression([0], refuse, lambda c, p: pytest.fail("applied"))
     auto.on_step({0: 10**6}, {0: 10**6}, None)
     assert auto.choice is not None and auto.choice.codec == "none" and "could not be measured" in auto.choice.reason
+
+
+def test_a_variable_set_back_to_none_is_sent_as_it_is_and_loses_its_residual():
+    from paramserver.base.codecs import NONE
+    from paramserver.client.compression import GradientCompressor
+
+    compressor = GradientCompressor()
+    compressor.add("w", link.parse("int8"), (4,))
+    assert "w" in compressor.codecs and "w" in compressor.residuals
+    compressor.add("w", NONE, (4,))
+    assert compressor.codecs == {} and compressor.residuals == {}

@@ -25,9 +25,12 @@ class GradientCompressor:
         self.gradient_bytes = 0  # of every gradient pushed, as encoded (scales and positions included)
 
     def add(self, var: str, codec: Codec, shape: tuple[int, ...]) -> None:
-        """Encode variable `var` (of `shape`) by `codec` from now on."""
+        """Encode variable `var` (of `shape`) by `codec` from now on (NONE: send it as it is again)."""
         if codec != NONE:
             self.codecs[var] = codec
+        else:
+            self.codecs.pop(var, None)
+        self.residuals.pop(var, None)  # a residual belongs to the codec that made it
         if codec.error_feedback:
             self.residuals[var] = np.zeros(shape, np.float32)
 

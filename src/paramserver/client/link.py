@@ -12,8 +12,10 @@ and are the user's to choose): float32 both ways; bf16 pushes (base/codecs/bf16.
 pulls (the PS sends its float32 masters' values as bfloat16: PushPull's `pull_as`). Only float32
 dense variables are affected; embedding rows travel as their tables say.
 
-The choice is logged with its reason, once; it is made once per process (a restarted worker measures
-again). Not thread-safe: the client's caller thread drives it (PSClient.push_pull).
+The choice is logged with its reason. Steps keep being timed in windows: when one is `SLOWER` than the
+first window after the choice, the links are measured again and the choice made again from the step
+as it is now (another job on the link, a PS moved). Not thread-safe: the client's caller thread drives
+it (PSClient.push_pull).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ WARMUP_STEPS = 5  # steps not timed: the first ones allocate, compile and fill c
 WINDOW_STEPS = 20  # steps timed before the choice...
 WINDOW_MIN_S = 1.0  # ...and at least this long
 MIN_GAIN = 0.05  # a candidate must predict a step this much faster than no compression
+SLOWER = 1.5  # steps this much slower than the first window after a choice: measure the links again
 
 
 @dataclass(frozen=True)
@@ -85,13 +88,18 @@ def measure(stub: ShardStub, timeout: float, probe_bytes: int = PROBE_BYTES) -> 
 
 
 def choose(
-    links: dict[int, Link], pushed: dict[int, float], pulled: dict[int, float], step_s: float, bf16_s_per_byte: float
+    links: dict[int, Link],
+    pushed: dict[int, float],
+    pulled: dict[int, float],
+    step_s: float,
+    bf16_s_per_byte: float,
+    current: tuple[str, str | None] = NONE_CHOICE,
 ) -> Choice:
-    """The fastest candidate for a step of `step_s` seconds that pushes `pushed[shard]` and pulls
-    `pulled[shard]` float32 bytes to the PS of `links` (the remote ones). A step's wire time is its
-    slowest shard's (calls to the shards go out together); the rest of the step (compute, the PS's
-    work) stays as measured. `bf16_s_per_byte`: converting one float32 byte to bfloat16 or back, paid
-    on each side of a link."""
+    """The fastest candidate for a step of `step_s` seconds, measured under the `current` choice, that
+    pushes `pushed[shard]` and pulls `pulled[shard]` float32 bytes (before any codec) to the PS of
+    `links` (the remote ones). A step's wire time is its slowest shard's (calls to the shards go out
+    together); the rest of the step (compute, the PS's work) stays as measured. `bf16_s_per_byte`:
+    converting one float32 byte to bfloat16 or back, paid on each side of a link."""
     if not links:
         return Choice(*NONE_CHOICE, "every PS is on this host: nothing to gain on its links")
 
@@ -107,16 +115,16 @@ def choose(
         return 2 * converted * bf16_s_per_byte  # encoded on one side, decoded on the other
 
     base_wire = wire_s(*NONE_CHOICE)
-    rest = max(0.0, step_s - base_wire)  # compute, the PS's work, round trips: unchanged by a codec
+    rest = max(0.0, step_s - wire_s(*current) - convert_s(*current))  # compute, the PS's work: no codec changes it
     predicted = {c: rest + wire_s(*c) + convert_s(*c) for c in CANDIDATES}
     best = min(predicted, key=lambda c: predicted[c])
     slowest = min(links, key=lambda s: min(links[s].up_bytes_s, links[s].down_bytes_s))
     said = (
         f"link to ps {slowest}: {links[slowest].describe()}; a step moves "
         f"{sum(pushed.values()) / 1e6:.2f} MB up and {sum(pulled.values()) / 1e6:.2f} MB down of float32 values: "
-        f"{base_wire * 1e3:.1f} ms of wire in a {step_s * 1e3:.1f} ms step"
+        f"{base_wire * 1e3:.1f} ms of wire uncompressed, a {step_s * 1e3:.1f} ms step"
     )
-    if predicted[best] > step_s * (1 - MIN_GAIN) or best == NONE_CHOICE:
+    if predicted[best] > predicted[NONE_CHOICE] * (1 - MIN_GAIN) or best == NONE_CHOICE:
         return Choice(*NONE_CHOICE, f"{said}; no codec predicts a step {MIN_GAIN:.0%} faster")
     what = "bf16 pushes" + (", pulls as bfloat16" if best[1] else "")
     return Choice(
@@ -137,7 +145,8 @@ def bf16_cost_s_per_byte(sample: np.ndarray | None) -> float:
 
 class AutoCompression:
     """Drives `compression` "auto" for one PSClient: measure the links at the first step, time a window
-    of steps, choose once, then apply the choice through `apply(codec, pull_as)`."""
+    of steps, choose, apply the choice through `apply(codec, pull_as)`; then keep timing windows, and
+    measure and choose again when steps slow."""
 
     def __init__(
         self,
@@ -149,6 +158,8 @@ class AutoCompression:
         self.remote, self._measure, self._apply, self._clock = list(remote), measure_link, apply, clock
         self.links: dict[int, Link] = {}
         self.choice: Choice | None = None
+        self.choices = 0  # how many times it chose (a re-measure after steps slowed chooses again)
+        self._baseline_s: float | None = None  # the step time of the first window under the choice
         self._steps = 0
         self._started = 0.0
         self._pushed: dict[int, float] = {}
@@ -156,24 +167,17 @@ class AutoCompression:
         self._sample: np.ndarray | None = None
 
     @property
-    def deciding(self) -> bool:
-        return self.choice is None
+    def watching(self) -> bool:
+        """Whether steps still need to be reported: until the choice, and after it while any PS is remote."""
+        return self.choice is None or (bool(self.remote) and bool(self.links))
 
     def on_step(self, pushed: dict[int, int], pulled: dict[int, int], sample: np.ndarray | None) -> None:
-        """Called before each PushPull that pushes gradients, with its float32 bytes by shard."""
-        if self.choice is not None:
-            return
+        """Called before each PushPull that pushes gradients, with its plain float32 bytes by shard."""
         if not self.remote:
             self._decide(Choice(*NONE_CHOICE, "every PS is on this host: nothing to gain on its links"))
             return
-        if not self.links:
-            started = time.monotonic()
-            try:
-                self.links = {shard: self._measure(shard) for shard in self.remote}
-            except ParamServerError as exc:  # e.g. a PS of protocol 2.2, which has no Probe
-                self._decide(Choice(*NONE_CHOICE, f"the links could not be measured ({exc})"))
-                return
-            log.info("compression auto: links measured in %.2fs", time.monotonic() - started)
+        if not self.links and not self._measure_links():
+            return
         self._steps += 1
         if self._steps <= WARMUP_STEPS:
             self._started = self._clock()
@@ -186,16 +190,47 @@ class AutoCompression:
         if timed < WINDOW_STEPS or elapsed < WINDOW_MIN_S:
             return
         # the bytes of the step this one's call ends are counted: `timed` steps took `elapsed`
+        step_s = elapsed / timed
         per_step = {s: b / timed for s, b in self._pushed.items()}, {s: b / timed for s, b in self._pulled.items()}
-        self._decide(choose(self.links, *per_step, elapsed / timed, bf16_cost_s_per_byte(self._sample)))
+        self._next_window()
+        if self.choice is None:
+            self._decide(choose(self.links, *per_step, step_s, bf16_cost_s_per_byte(self._sample)))
+        elif self._baseline_s is None:
+            self._baseline_s = step_s
+        elif step_s > SLOWER * self._baseline_s:
+            log.info(
+                "compression auto: steps slowed from %.1f to %.1f ms: the links are measured again",
+                self._baseline_s * 1e3,
+                step_s * 1e3,
+            )
+            if self._measure_links():
+                current = (self.choice.codec, self.choice.pull_as)
+                self._decide(choose(self.links, *per_step, step_s, bf16_cost_s_per_byte(self._sample), current))
+
+    def _measure_links(self) -> bool:
+        started = time.monotonic()
+        try:
+            self.links = {shard: self._measure(shard) for shard in self.remote}
+        except ParamServerError as exc:  # e.g. a PS of protocol 2.2, which has no Probe
+            self.links = {}
+            self._decide(Choice(*NONE_CHOICE, f"the links could not be measured ({exc})"))
+            return False
+        log.info("compression auto: links measured in %.2fs", time.monotonic() - started)
+        return True
+
+    def _next_window(self) -> None:
+        self._steps, self._started = WARMUP_STEPS, self._clock()
+        self._pushed, self._pulled = {}, {}
 
     def _decide(self, choice: Choice) -> None:
-        self.choice = choice
+        before = (self.choice.codec, self.choice.pull_as) if self.choice is not None else NONE_CHOICE
+        self.choice, self._baseline_s = choice, None
+        self.choices += 1
         log.info(
             "compression auto: %s → %s%s",
             choice.reason,
             choice.codec,
             f" / pull {choice.pull_as}" if choice.pull_as else "",
         )
-        if choice.codec != "none" or choice.pull_as:
+        if (choice.codec, choice.pull_as) != before:
             self._apply(parse(choice.codec), choice.pull_as)

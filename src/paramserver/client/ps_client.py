@@ -268,7 +268,7 @@ class PSClient:
         lookups sent in the same requests (their rows come back in the handle's `riders`).
         """
         bases = self.record.base_versions if base_versions is None else base_versions
-        if self.auto is not None and self.auto.deciding and grads:
+        if self.auto is not None and self.auto.watching and grads:
             plain = [var for var in grads if var in self._plain]
             self.auto.on_step(self._plain_bytes(plain), self._plain_bytes(pull), grads[plain[0]] if plain else None)
         pushed, headers = self._encoded(grads)
