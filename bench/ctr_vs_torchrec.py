@@ -14,6 +14,7 @@ Ours: examples/ctr.py (Adam on the PS for the MLP and the rows).
     pip install --no-deps 'torchrec==1.8.*' 'fbgemm-gpu-cpu==1.8.*' tensordict torchmetrics==1.0.3 \\
         pyre-extensions typing-inspect pyvers          # the `torchrec` extra of pyproject.toml
     python bench/ctr_vs_torchrec.py [--pairs 3] [--topologies 1x1,2x2] [--rows 400000] [--flags=--overlap]
+        [--contend 2]        # two busy processes beside every run, as other jobs on a shared machine
 
 One JSON line per pair (examples/s of ours and of both TorchRec setups, the ratios, the load averages),
 then one summary line per topology. `ratio` is against TorchRec as its users run it.
@@ -34,7 +35,7 @@ import numpy as np
 from paramserver.launch import threads as launch_threads
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from contend import load  # a sibling module
+from contend import busy_processes, load  # a sibling module
 from embedding import run_ctr, write_ctr_data  # a sibling benchmark script
 
 BATCH, DIM, WARMUP = 512, 16, 5
@@ -189,6 +190,7 @@ def main() -> None:
     # as ids first come and is timed as a cluster, to its last worker's end: a short run weighs those
     parser.add_argument("--rows", type=int, default=400_000, help="training lines")
     parser.add_argument("--flags", default="", help="examples/ctr.py flags, e.g. --flags=--overlap")
+    parser.add_argument("--contend", type=int, default=0, help="busy processes beside every run (bench/contend.py)")
     args = parser.parse_args()
     topologies = [tuple(int(n) for n in t.split("x")) for t in args.topologies.split(",")]
     results: dict[str, list[dict]] = {f"{p}x{w}": [] for p, w in topologies}
@@ -198,13 +200,14 @@ def main() -> None:
         prepare(train, test, data)
         for pair in range(args.pairs):
             for num_ps, workers in topologies:
-                ours = run_ctr(num_ps, workers, shlex.split(args.flags), train, test)
-                ours_load = load()
-                theirs = torchrec_run(workers, data, tmp, "own")
-                theirs_load = load()
-                split = torchrec_run(workers, data, tmp, "launcher")
+                with busy_processes(args.contend):
+                    ours = run_ctr(num_ps, workers, shlex.split(args.flags), train, test)
+                    ours_load = load()
+                    theirs = torchrec_run(workers, data, tmp, "own")
+                    theirs_load = load()
+                    split = torchrec_run(workers, data, tmp, "launcher")
                 record = {"bench": "ctr_vs_torchrec", "case": "pair", "pair": pair, "topology": f"{num_ps}x{workers}",
-                          "flags": args.flags,
+                          "flags": args.flags, "contend": args.contend,
                           "paramserver_examples_per_s": ours["examples_per_s"], "paramserver_load": ours_load,
                           "paramserver_torch_threads": ours["torch_threads"],
                           "paramserver_test_auc": ours["test_auc"], "torchrec_processes": workers,
