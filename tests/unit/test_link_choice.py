@@ -32,7 +32,7 @@ def test_a_1_gbit_link_that_limits_the_step_gets_bf16_both_ways():
     links = {0: Link(0.96 * GBIT, 0.96 * GBIT, 2e-4)}
     choice = choose(links, {0: MLP}, {0: MLP}, 0.118, 3e-10)
     assert (choice.codec, choice.pull_as) == ("bf16", "bfloat16")
-    assert "0.96 Gbit/s up" in choice.reason and "x)" in choice.reason
+    assert "0.96 Gbit/s up" in choice.reason and "(1.48x none)" in choice.reason
 
 
 def test_a_fast_link_or_a_compute_bound_step_stays_uncompressed():

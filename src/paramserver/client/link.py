@@ -127,9 +127,8 @@ def choose(
     if predicted[best] > predicted[NONE_CHOICE] * (1 - MIN_GAIN) or best == NONE_CHOICE:
         return Choice(*NONE_CHOICE, f"{said}; no codec predicts a step {MIN_GAIN:.0%} faster")
     what = "bf16 pushes" + (", pulls as bfloat16" if best[1] else "")
-    return Choice(
-        best[0], best[1], f"{said}; {what} predict {predicted[best] * 1e3:.1f} ms ({step_s / predicted[best]:.2f}x)"
-    )
+    gain = predicted[NONE_CHOICE] / predicted[best]
+    return Choice(best[0], best[1], f"{said}; {what} predict {predicted[best] * 1e3:.1f} ms ({gain:.2f}x none)")
 
 
 def bf16_cost_s_per_byte(sample: np.ndarray | None) -> float:
