@@ -159,3 +159,27 @@ def test_a_variable_set_back_to_none_is_sent_as_it_is_and_loses_its_residual():
     assert "w" in compressor.codecs and "w" in compressor.residuals
     compressor.add("w", NONE, (4,))
     assert compressor.codecs == {} and compressor.residuals == {}
+
+
+def test_the_client_counts_plain_bytes_by_shard_and_applies_and_undoes_a_choice():
+    from paramserver.base.codecs import NONE
+
+    client = PSClient(in_process_shards(2), 5.0, split_bytes=64)
+    client.connect(5.0)
+    client.register("g", {"name": "sgd", "hyper": {"lr": 0.1}}, {"w": np.zeros((16, 4), np.float32),
+                                                                 "b": np.zeros(3, np.float32)}).wait(5.0)
+    counted = client._plain_bytes(["w", "b"])
+    assert sum(counted.values()) == 16 * 4 * 4 + 3 * 4 and len(counted) == 2  # w split over both shards
+    client.pull_as = "float16"  # the user's
+    client.enable_auto(5.0)
+    assert client.auto.remote == []  # in-process shards say no host id: this host
+    client._apply_auto(link.parse("bf16"), "bfloat16")
+    assert set(client.compressor.codecs) == {"w", "b"} and client.pull_as == "float16"
+    client._apply_auto(NONE, None)
+    assert client.compressor.codecs == {} and client.pull_as == "float16"
+    client.pull_as = None
+    client.enable_auto(5.0)
+    client._apply_auto(link.parse("bf16"), "bfloat16")
+    assert client.pull_as == "bfloat16"
+    client._apply_auto(NONE, None)
+    assert client.pull_as is None  # auto's own choice is undone

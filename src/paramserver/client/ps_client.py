@@ -149,6 +149,7 @@ class PSClient:
         # "bfloat16" / "float16": PushPull replies bring float32 variables' values at half width (None: as they are)
         self.pull_as: str | None = None
         self.auto: AutoCompression | None = None  # compression "auto" (client/link.py): see enable_auto
+        self._pull_as_set: str | None = None
         self._plain: dict[str, tuple[int, ...]] = {}  # float32 variables sent as they are: what auto may compress
         self.pushed_bytes = 0  # PushPull requests that pushed something, whole frames
         self.tolerate_lost = False  # partial recovery: a lost shard's calls fail in the handle, not in wait()
@@ -319,12 +320,13 @@ class PSClient:
         here = host_id()
         hosts = [(getattr(channel, "hello", None) or {}).get("host_id") for channel in self.channels]
         remote = [shard for shard, host in enumerate(hosts) if host is not None and host != here]
+        self._pull_as_set = self.pull_as  # the user's `pull_as` stays whatever auto chooses
         self.auto = AutoCompression(remote, lambda shard: measure(self.stubs[shard], timeout), self._apply_auto)
 
     def _apply_auto(self, codec: Codec, pull_as: str | None) -> None:
         for var, shape in self._plain.items():
             self.compressor.add(var, codec, shape)
-        self.pull_as = self.pull_as or pull_as  # a `pull_as` set by the user stays
+        self.pull_as = self._pull_as_set or pull_as
 
     def _plain_bytes(self, names) -> dict[int, int]:
         """The float32 bytes of the plain variables among `names`, by shard."""
@@ -333,11 +335,10 @@ class PSClient:
             shape = self._plain.get(var)
             if shape is None:
                 continue
-            row = 4 * math.prod(shape[1:]) if shape else 4
+            row_bytes = 4 * math.prod(shape[1:])  # a scalar is one row of 4 bytes
             for part in self.parts_of[var]:
-                found[part.shard] = found.get(part.shard, 0) + row * (
-                    (shape[0] if shape else 1) if part.whole else part.hi - part.lo
-                )
+                rows = part.hi - part.lo if not part.whole else (shape[0] if shape else 1)
+                found[part.shard] = found.get(part.shard, 0) + row_bytes * rows
         return found
 
     def _encoded(
