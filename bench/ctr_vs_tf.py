@@ -29,6 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from contend import busy_processes, load  # a sibling module
+from cpu_share import CpuShare  # a sibling module
 from embedding import run_ctr, write_ctr_data  # a sibling benchmark script
 
 HERE = Path(__file__).resolve().parent
@@ -57,14 +58,19 @@ def summary(topology: str, flags: str, pairs: list[dict]) -> dict:
 
 
 def measure(tf_python: str | None, num_ps: int, workers: int, flags: list[str], train: str, test: str,
-            prefix: str) -> dict:
-    """One run of ours and one of TensorFlow's (when given), back to back; their figures under `prefix`."""
-    ours = run_ctr(num_ps, workers, flags, train, test)
+            prefix: str, busy: list[int]) -> dict:
+    """One run of ours and one of TensorFlow's (when given), back to back; their figures under `prefix`
+    (`busy`: the PIDs of the busy processes, left out of the cores each process used)."""
+    with CpuShare(exclude=busy) as ours_cores:
+        ours = run_ctr(num_ps, workers, flags, train, test)
     record = {f"{prefix}paramserver_examples_per_s": ours["examples_per_s"], f"{prefix}paramserver_load": load(),
-              f"{prefix}paramserver_torch_threads": ours["torch_threads"]}
+              f"{prefix}paramserver_torch_threads": ours["torch_threads"],
+              f"{prefix}paramserver_cores": ours_cores.cores()}
     if tf_python:
-        theirs = tensorflow_rate(tf_python, num_ps, workers, train, test)
+        with CpuShare(exclude=busy) as theirs_cores:
+            theirs = tensorflow_rate(tf_python, num_ps, workers, train, test)
         record.update({f"{prefix}tensorflow_examples_per_s": theirs, f"{prefix}tensorflow_load": load(),
+                       f"{prefix}tensorflow_cores": theirs_cores.cores(),
                        f"{prefix}ratio": round(record[f"{prefix}paramserver_examples_per_s"] / theirs, 3)})
     return record
 
@@ -103,11 +109,11 @@ def main() -> None:
 def pair_figures(args: argparse.Namespace, num_ps: int, workers: int, flags: list[str], train: str,
                  test: str) -> dict:
     """One pair's figures: quiet, and with `--contend` busy processes too."""
-    record = measure(args.tf_python, num_ps, workers, flags, train, test, "")
+    record = measure(args.tf_python, num_ps, workers, flags, train, test, "", [])
     if args.contend:
         record["contend"] = args.contend
-        with busy_processes(args.contend):
-            record.update(measure(args.tf_python, num_ps, workers, flags, train, test, "contended_"))
+        with busy_processes(args.contend) as busy:
+            record.update(measure(args.tf_python, num_ps, workers, flags, train, test, "contended_", busy))
         for side in ("paramserver", "tensorflow"):
             if f"{side}_examples_per_s" in record:
                 record[f"{side}_contended_ratio"] = round(

@@ -16,7 +16,8 @@ Ours: examples/ctr.py (Adam on the PS for the MLP and the rows).
     python bench/ctr_vs_torchrec.py [--pairs 3] [--topologies 1x1,2x2] [--rows 400000] [--flags=--overlap]
         [--contend 2]        # two busy processes beside every run, as other jobs on a shared machine
 
-One JSON line per pair (examples/s of ours and of both TorchRec setups, the ratios, the load averages),
+One JSON line per pair (examples/s of ours and of both TorchRec setups, the ratios, the load averages,
+the cores each process used while it trained: bench/cpu_share.py),
 then one summary line per topology. `ratio` is against TorchRec as its users run it.
 """
 
@@ -36,6 +37,7 @@ from paramserver.launch import threads as launch_threads
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from contend import busy_processes, load  # a sibling module
+from cpu_share import CpuShare  # a sibling module
 from embedding import run_ctr, write_ctr_data  # a sibling benchmark script
 
 BATCH, DIM, WARMUP = 512, 16, 5
@@ -200,10 +202,12 @@ def main() -> None:
         prepare(train, test, data)
         for pair in range(args.pairs):
             for num_ps, workers in topologies:
-                with busy_processes(args.contend):
-                    ours = run_ctr(num_ps, workers, shlex.split(args.flags), train, test)
+                with busy_processes(args.contend) as busy:
+                    with CpuShare(exclude=busy) as ours_cores:
+                        ours = run_ctr(num_ps, workers, shlex.split(args.flags), train, test)
                     ours_load = load()
-                    theirs = torchrec_run(workers, data, tmp, "own")
+                    with CpuShare(exclude=busy) as theirs_cores:
+                        theirs = torchrec_run(workers, data, tmp, "own")
                     theirs_load = load()
                     split = torchrec_run(workers, data, tmp, "launcher")
                 record = {"bench": "ctr_vs_torchrec", "case": "pair", "pair": pair, "topology": f"{num_ps}x{workers}",
@@ -213,7 +217,8 @@ def main() -> None:
                           "paramserver_test_auc": ours["test_auc"], "torchrec_processes": workers,
                           "torchrec_examples_per_s": round(theirs["examples_per_s"], 1),
                           "torchrec_test_auc": theirs["test_auc"], "torchrec_torch_threads": theirs["torch_threads"],
-                          "torchrec_load": theirs_load,
+                          "torchrec_load": theirs_load, "paramserver_cores": ours_cores.cores(),
+                          "torchrec_cores": theirs_cores.cores(),
                           "ratio": round(ours["examples_per_s"] / theirs["examples_per_s"], 3),
                           "torchrec_launcher_split_examples_per_s": round(split["examples_per_s"], 1),
                           "torchrec_launcher_split_torch_threads": split["torch_threads"],

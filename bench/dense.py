@@ -13,7 +13,8 @@ spinning Python loop each, bench/contend.py), and reports both in its line
 `--tf-python` (the python of a virtual environment with TensorFlow, bench/tf_reference.py) runs
 TensorFlow's ParameterServerStrategy on the same model and batches right after each of our runs,
 quiet and contended alike (`tensorflow_examples_per_s`, `tf_ratio` = ours / TensorFlow's, and
-`contended_*` of both under the same busy processes).
+`contended_*` of both under the same busy processes). `cores` and `tensorflow_cores`: the cores
+each process used while it trained, by role (bench/cpu_share.py).
 """
 
 import argparse
@@ -28,6 +29,7 @@ from paramserver.launch.local.supervisor import LocalCluster
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from contend import busy_processes, load  # a sibling module
+from cpu_share import CpuShare  # a sibling module
 
 WORKER = str(Path(__file__).with_name("dense_worker.py"))
 TF_REFERENCE = str(Path(__file__).with_name("tf_reference.py"))
@@ -92,12 +94,16 @@ def main() -> None:
     for topology in args.topologies.split(","):
         num_ps, num_workers = (int(n) for n in topology.split("x"))
         for overlap in modes:
-            record = run_topology(num_ps, num_workers, args.seconds, args.batch_size, overlap, args.torch_threads)
+            with CpuShare() as ours_cores:
+                record = run_topology(num_ps, num_workers, args.seconds, args.batch_size, overlap, args.torch_threads)
             record["load"] = load()  # at the end of the run: 1, 5 and 15 minute averages
+            record["cores"] = ours_cores.cores()  # per process while it trained (bench/cpu_share.py)
             if args.tf_python:
-                record["tensorflow_examples_per_s"] = tensorflow_rate(args.tf_python, num_ps, num_workers,
-                                                                      args.seconds, args.batch_size)
+                with CpuShare() as theirs_cores:
+                    record["tensorflow_examples_per_s"] = tensorflow_rate(args.tf_python, num_ps, num_workers,
+                                                                          args.seconds, args.batch_size)
                 record["tensorflow_load"] = load()
+                record["tensorflow_cores"] = theirs_cores.cores()
                 record["tf_ratio"] = round(record["examples_per_s"] / record["tensorflow_examples_per_s"], 3)
             if args.contend:
                 record["contend"] = args.contend
