@@ -1,4 +1,4 @@
-"""One training case on the emulated network: a PS host and worker hosts, each a `paramserver node` started
+"""One training case on the emulated network: PS hosts and worker hosts, each a `paramserver node` started
 from one cluster file (docs/deploy.md, "Several hosts by hand") inside its host's namespace, on its CPUs.
 
 Every node listens on port 7000 of its own address and the PS's tensor stream on 7001: each namespace has
@@ -23,7 +23,8 @@ START_ALLOWANCE_S = 120  # importing torch and joining, on two busy shared cores
 
 
 def write_cluster(path: Path, ps, workers, options: dict) -> None:
-    cluster = {"ps": [f"{ps.address}:{PORT}"], "worker": [f"{host.address}:{PORT}" for host in workers]}
+    cluster = {"ps": [f"{host.address}:{PORT}" for host in ps],
+               "worker": [f"{host.address}:{PORT}" for host in workers]}
     path.write_text(json.dumps({"cluster": cluster, "options": options}))
 
 
@@ -72,14 +73,15 @@ def case_options(case: str) -> dict:
 
 
 def run_case(net, ps, workers, script: list[str], codec: str, seconds: float, folder: Path) -> dict:
-    """Trains `script` on `workers` against one PS in `ps` (hosts of `net`) and returns the workers' figures
-    summed. `codec`: a case of `case_options`."""
+    """Trains `script` on `workers` against one PS in each host of `ps` (hosts of `net`) and returns the
+    workers' figures summed. `codec`: a case of `case_options`."""
     options = {"stream_port": STREAM_PORT, "torch_threads": 1, **case_options(codec)}
     cluster_file = folder / "cluster.json"
     write_cluster(cluster_file, ps, workers, options)
     # `paramserver node` hands a PS the options of its flags and environment, not its cluster file's.
     env = {**os.environ, "PARAMSERVER_OPTIONS": json.dumps(options)}
-    server = net.start(ps, node_argv(cluster_file, "ps", 0, []), env, folder / "ps.out")
+    servers = [net.start(host, node_argv(cluster_file, "ps", i, []), env, folder / f"ps{i}.out")
+               for i, host in enumerate(ps)]
     outs = [folder / f"worker{i}.out" for i in range(len(workers))]
     started = [
         net.start(host, node_argv(cluster_file, "worker", i, script), env, out)
@@ -96,7 +98,7 @@ def run_case(net, ps, workers, script: list[str], codec: str, seconds: float, fo
             f"the workers took over {seconds + START_ALLOWANCE_S} s:\n{outs[0].read_text()[-3000:]}"
         ) from error
     finally:
-        for proc in [*started, server]:
+        for proc in [*started, *servers]:
             net.stop(proc)  # SIGTERM: a PS drains and exits
     per_worker = [record for out in outs for record in results(out)]
     if len(per_worker) != len(workers):

@@ -1,11 +1,11 @@
 """Training throughput across an emulated network: per link rate, model and gradient codec, one JSON line.
 
-    sudo .venv/bin/python bench/net/run.py --rates 1,10,25 --models mlp,ctr [--workers 1] [--seconds 10]
+    sudo .venv/bin/python bench/net/run.py --rates 1,10,25 --models mlp,ctr [--ps 1] [--workers 1] [--seconds 10]
         [--codecs none,auto,bf16,bf16+pull,int8,topk:0.01,fp16]
 
-A PS host and worker hosts as network namespaces on a bridge (bench/net/testbed.py), every link shaped
-with tc's token bucket to the rate (`none`: unshaped), the PS host pinned to the first CPU and the worker
-hosts to the others. Per rate it first measures the link (bench/net/link_rate.py, worker0 to the PS),
+PS hosts (one PS each) and worker hosts as network namespaces on a bridge (bench/net/testbed.py), every
+link shaped with tc's token bucket to the rate (`none`: unshaped), the PS hosts pinned to the first CPU and
+the worker hosts to the others. Per rate it first measures the link (bench/net/link_rate.py, worker0 to PS 0),
 then trains each model with each codec (bench/net/cluster.py; `bf16+pull`: bf16 pushes and values pulled
 as bfloat16, `auto`: what compression auto chooses, said in `auto_chose`; `@grpc`: gRPC instead of the tensor
 stream; `@msg=N`: messages of at most N bytes: bench/net/cluster.py's case_options). Each line: the model, the codec,
@@ -73,12 +73,12 @@ def rate(text: str) -> float | None:
     return None if text == "none" else float(text)
 
 
-def place_hosts(net: Network, workers: int) -> tuple:
-    """The PS host on the first CPU this process may use, the worker hosts on the others (all on the one
+def place_hosts(net: Network, num_ps: int, workers: int) -> tuple:
+    """The PS hosts on the first CPU this process may use, the worker hosts on the others (all on the one
     CPU when there is only one)."""
     cpus = sorted(os.sched_getaffinity(0))
     rest = ",".join(str(cpu) for cpu in cpus[1:]) or str(cpus[0])
-    ps = net.add_host("ps", str(cpus[0]))
+    ps = [net.add_host(f"ps{i}", str(cpus[0])) for i in range(num_ps)]
     return ps, [net.add_host(f"worker{i}", rest) for i in range(workers)]
 
 
@@ -96,6 +96,7 @@ def main() -> int:
     parser.add_argument("--rates", default="1,10,25", help="Gbit/s per link, comma-separated; `none`: unshaped")
     parser.add_argument("--models", default="mlp,ctr", help="comma-separated: mlp (the seed MLP), ctr")
     parser.add_argument("--codecs", default=CODECS, help=f"--compression values, comma-separated (default {CODECS})")
+    parser.add_argument("--ps", type=int, default=1, help="PS hosts (each its own namespace, one PS each)")
     parser.add_argument("--workers", type=int, default=1, help="worker hosts (each its own namespace)")
     parser.add_argument("--seconds", type=float, default=10.0, help="timed seconds per case, after a warm-up")
     parser.add_argument("--check-seconds", type=float, default=3.0, help="seconds of the link rate check")
@@ -109,14 +110,14 @@ def main() -> int:
     try:
         with Network() as net, tempfile.TemporaryDirectory(prefix="psnet-run-") as folder:
             scripts = {model: worker_script(model, Path(folder), args.seconds) for model in models}
-            ps, workers = place_hosts(net, args.workers)
+            ps, workers = place_hosts(net, args.ps, args.workers)
             for text in args.rates.split(","):
                 net.shape(rate(text))
-                measured = measure(net, workers[0], ps, args.check_seconds)
+                measured = measure(net, workers[0], ps[0], args.check_seconds)
                 log.info("link %s Gbit/s: measured %.2f Gbit/s", text, measured)
                 case = {
                     "bench": "net",
-                    "ps": 1,
+                    "ps": args.ps,
                     "workers": args.workers,
                     "rate_gbit": rate(text),
                     "measured_gbit_s": measured,

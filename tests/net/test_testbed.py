@@ -72,13 +72,14 @@ def test_without_root_it_says_why(monkeypatch):
 
 @needs_root
 def test_compression_auto_compresses_both_ways_across_a_1_gbit_link(tmp_path):
-    """The seed MLP's worker on another host behind 1 Gbit/s: auto measures the link and chooses bf16
-    both ways (its step is mostly wire). (On one host it measures nothing: tests/unit/test_link_choice.py.)"""
+    """The seed MLP's worker on another host than its two PS, every link 1 Gbit/s: auto measures both
+    links and chooses bf16 both ways (the step is mostly wire). (On one host it measures nothing:
+    tests/unit/test_link_choice.py.)"""
     from bench.net.cluster import run_case
     from bench.net.run import place_hosts, worker_script
 
     with Network() as net:
-        ps, workers = place_hosts(net, 1)
+        ps, workers = place_hosts(net, 2, 1)
         net.shape(1.0)
         figures = run_case(net, ps, workers, worker_script("mlp", tmp_path, 4.0), "auto", 4.0, tmp_path)
     assert figures["auto_chose"] == ["bf16 / pull bfloat16"], figures
