@@ -83,3 +83,45 @@ def test_compression_auto_compresses_both_ways_across_a_1_gbit_link(tmp_path):
         net.shape(1.0)
         figures = run_case(net, ps, workers, worker_script("mlp", tmp_path, 4.0), "auto", 4.0, tmp_path)
     assert figures["auto_chose"] == ["bf16 / pull bfloat16"], figures
+
+
+@needs_root
+def test_compression_auto_chooses_again_when_the_link_slows_mid_run(tmp_path):
+    """Unshaped, auto measures a fast link and compresses nothing; once the link is shaped to 1 Gbit/s
+    under the running worker, its steps slow, it measures the link again and compresses both ways."""
+    import threading
+    import time
+
+    from bench.net.cluster import run_case
+    from bench.net.run import place_hosts, worker_script
+
+    out = tmp_path / "worker0.out"
+    figures: dict = {}
+    with Network() as net:
+        ps, workers = place_hosts(net, 1, 1)
+        net.shape(None)
+        script = worker_script("mlp", tmp_path, 12.0)
+        run = threading.Thread(
+            target=lambda: figures.update(run_case(net, ps, workers, script, "auto", 12.0, tmp_path)),
+            name="net-case",
+        )
+        run.start()
+        deadline = time.monotonic() + 90
+        while not choices(out) and run.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert choices(out) == ["none"], out.read_text()[-3000:] if out.exists() else "no output"
+        net.shape(1.0)
+        run.join(150)
+        assert not run.is_alive(), "the case did not end"
+    assert figures, "the case failed (its error is in the thread's output above)"
+    text = out.read_text()
+    assert "steps slowed from" in text, text[-3000:]
+    assert choices(out)[-1] == "bf16 / pull bfloat16", text[-3000:]
+
+
+def choices(out: Path) -> list[str]:
+    """What compression auto chose, in order, from a worker's log (client/link.py's INFO lines)."""
+    if not out.exists():
+        return []
+    lines = out.read_text(errors="replace").splitlines()
+    return [line.rsplit("→", 1)[1].strip() for line in lines if "compression auto:" in line and "→" in line]

@@ -183,3 +183,26 @@ def test_the_client_counts_plain_bytes_by_shard_and_applies_and_undoes_a_choice(
     assert client.pull_as == "bfloat16"
     client._apply_auto(NONE, None)
     assert client.pull_as is None  # auto's own choice is undone
+
+
+def test_a_link_that_slows_right_after_a_choice_of_none_is_measured_again():
+    """Nothing changed at the choice, so the window that chose is the baseline: a link shaped right after
+    it shows in the next window (it is not taken as the new normal)."""
+    now, step_s = [0.0], [0.03]
+    links = [Link(15 * GBIT, 15 * GBIT, 1e-4), Link(0.1 * GBIT, 0.1 * GBIT, 1e-4)]  # then the link got slow
+    measured, applied = [], []
+
+    def clock():
+        now[0] += step_s[0]
+        return now[0]
+
+    auto = AutoCompression([0], lambda s: measured.append(s) or links[len(measured) - 1],
+                           lambda c, p: applied.append((c.kind, p)), clock)
+    steps = link.WARMUP_STEPS + max(link.WINDOW_STEPS, int(link.WINDOW_MIN_S / 0.03) + 1)
+    for _ in range(steps):  # the choice: none (nothing applied: the steps already run uncompressed)
+        auto.on_step({0: 10**6}, {0: 10**6}, None)
+    assert auto.choice is not None and auto.choice.codec == "none" and applied == [] and len(measured) == 1
+    step_s[0] = 0.2  # the link slowed under the running job
+    for _ in range(link.WINDOW_STEPS):
+        auto.on_step({0: 10**6}, {0: 10**6}, None)
+    assert len(measured) == 2 and applied == [("bf16", "bfloat16")]

@@ -193,7 +193,7 @@ class AutoCompression:
         per_step = {s: b / timed for s, b in self._pushed.items()}, {s: b / timed for s, b in self._pulled.items()}
         self._next_window()
         if self.choice is None:
-            self._decide(choose(self.links, *per_step, step_s, bf16_cost_s_per_byte(self._sample)))
+            self._decide(choose(self.links, *per_step, step_s, bf16_cost_s_per_byte(self._sample)), step_s)
         elif self._baseline_s is None:
             self._baseline_s = step_s
         elif step_s > SLOWER * self._baseline_s:
@@ -204,7 +204,7 @@ class AutoCompression:
             )
             if self._measure_links():
                 current = (self.choice.codec, self.choice.pull_as)
-                self._decide(choose(self.links, *per_step, step_s, bf16_cost_s_per_byte(self._sample), current))
+                self._decide(choose(self.links, *per_step, step_s, bf16_cost_s_per_byte(self._sample), current), step_s)
 
     def _measure_links(self) -> bool:
         started = time.monotonic()
@@ -221,9 +221,13 @@ class AutoCompression:
         self._steps, self._started = WARMUP_STEPS, self._clock()
         self._pushed, self._pulled = {}, {}
 
-    def _decide(self, choice: Choice) -> None:
+    def _decide(self, choice: Choice, window_s: float | None = None) -> None:
+        """Take `choice`. Its baseline is the next window's step time, or, when it keeps what the steps
+        already ran with, `window_s`: the window that chose (a link that slows right after the choice
+        then shows against it, not inside the baseline)."""
         before = (self.choice.codec, self.choice.pull_as) if self.choice is not None else NONE_CHOICE
-        self.choice, self._baseline_s = choice, None
+        kept = (choice.codec, choice.pull_as) == before
+        self.choice, self._baseline_s = choice, (window_s if kept else None)
         self.choices += 1
         log.info(
             "compression auto: %s → %s%s",
@@ -231,5 +235,5 @@ class AutoCompression:
             choice.codec,
             f" / pull {choice.pull_as}" if choice.pull_as else "",
         )
-        if (choice.codec, choice.pull_as) != before:
+        if not kept:
             self._apply(parse(choice.codec), choice.pull_as)
