@@ -73,10 +73,10 @@ def test_auto_measures_once_times_a_window_then_applies_its_choice_once():
     assert len(applied) == 1 and auto.choices == 1  # steps as fast as before: nothing measured again
 
 
-def test_steps_that_slow_down_have_the_links_measured_and_the_choice_made_again():
-    now, step_s = [0.0], [0.2]
-    links = [Link(0.1 * GBIT, 0.1 * GBIT, 1e-4), Link(10 * GBIT, 10 * GBIT, 1e-4)]  # then the link got fast
-    measured, applied = [], []
+def scripted_auto(links: list[Link], step_s: list[float]) -> tuple[AutoCompression, list, list]:
+    """Auto on one remote shard whose successive measurements are `links`, each step taking `step_s[0]`
+    (change it to slow the steps); with the shards it measured and the choices it applied."""
+    now, measured, applied = [0.0], [], []
 
     def clock():
         now[0] += step_s[0]
@@ -84,14 +84,23 @@ def test_steps_that_slow_down_have_the_links_measured_and_the_choice_made_again(
 
     auto = AutoCompression([0], lambda s: measured.append(s) or links[len(measured) - 1],
                            lambda c, p: applied.append((c.kind, p)), clock)
-    for _ in range(link.WARMUP_STEPS + link.WINDOW_STEPS):  # the choice: bf16 both ways
+    return auto, measured, applied
+
+
+def steps(auto: AutoCompression, count: int) -> None:
+    for _ in range(count):
         auto.on_step({0: 10**6}, {0: 10**6}, None)
-    for _ in range(link.WINDOW_STEPS):  # the first window under it: its step time is the baseline
-        auto.on_step({0: 10**6}, {0: 10**6}, None)
+
+
+def test_steps_that_slow_down_have_the_links_measured_and_the_choice_made_again():
+    step_s = [0.2]
+    links = [Link(0.1 * GBIT, 0.1 * GBIT, 1e-4), Link(10 * GBIT, 10 * GBIT, 1e-4)]  # then the link got fast
+    auto, measured, applied = scripted_auto(links, step_s)
+    steps(auto, link.WARMUP_STEPS + link.WINDOW_STEPS)  # the choice: bf16 both ways
+    steps(auto, link.WINDOW_STEPS)  # the first window under it: its step time is the baseline
     assert applied == [("bf16", "bfloat16")] and len(measured) == 1
     step_s[0] = 0.2 * link.SLOWER * 1.5  # e.g. the compute slowed: the link, measured again, is fast now
-    for _ in range(link.WINDOW_STEPS):
-        auto.on_step({0: 10**6}, {0: 10**6}, None)
+    steps(auto, link.WINDOW_STEPS)
     assert len(measured) == 2 and auto.choices == 2
     assert applied == [("bf16", "bfloat16"), ("none", None)]  # back to sending as is
 
@@ -188,21 +197,12 @@ def test_the_client_counts_plain_bytes_by_shard_and_applies_and_undoes_a_choice(
 def test_a_link_that_slows_right_after_a_choice_of_none_is_measured_again():
     """Nothing changed at the choice, so the window that chose is the baseline: a link shaped right after
     it shows in the next window (it is not taken as the new normal)."""
-    now, step_s = [0.0], [0.03]
+    step_s = [0.03]
     links = [Link(15 * GBIT, 15 * GBIT, 1e-4), Link(0.1 * GBIT, 0.1 * GBIT, 1e-4)]  # then the link got slow
-    measured, applied = [], []
-
-    def clock():
-        now[0] += step_s[0]
-        return now[0]
-
-    auto = AutoCompression([0], lambda s: measured.append(s) or links[len(measured) - 1],
-                           lambda c, p: applied.append((c.kind, p)), clock)
-    steps = link.WARMUP_STEPS + max(link.WINDOW_STEPS, int(link.WINDOW_MIN_S / 0.03) + 1)
-    for _ in range(steps):  # the choice: none (nothing applied: the steps already run uncompressed)
-        auto.on_step({0: 10**6}, {0: 10**6}, None)
+    auto, measured, applied = scripted_auto(links, step_s)
+    # the choice: none (nothing applied: the steps already run uncompressed)
+    steps(auto, link.WARMUP_STEPS + max(link.WINDOW_STEPS, int(link.WINDOW_MIN_S / 0.03) + 1))
     assert auto.choice is not None and auto.choice.codec == "none" and applied == [] and len(measured) == 1
     step_s[0] = 0.2  # the link slowed under the running job
-    for _ in range(link.WINDOW_STEPS):
-        auto.on_step({0: 10**6}, {0: 10**6}, None)
+    steps(auto, link.WINDOW_STEPS)
     assert len(measured) == 2 and applied == [("bf16", "bfloat16")]
