@@ -122,6 +122,7 @@ class StreamServer(Lifecycle):
         self._quiet = threading.Condition(self._lock)  # notified whenever a request in flight ends
         self._in_flight = 0  # requests whose prefix was read and whose reply is not sent yet
         self._stopping = threading.Event()  # draining or stopped: nothing new is taken
+        self._listener_shut = threading.Event()  # the drain closed the listener: no connection is made
         self._stopped = False
         self._acceptor = threading.Thread(target=self._accept, name="ps-stream-accept", daemon=True)
         # every connection thread started (pruned as they end): one that left its slot lives on a moment
@@ -146,8 +147,9 @@ class StreamServer(Lifecycle):
 
     @property
     def draining(self) -> bool:
-        """Whether the drain (or stop) began: nothing new is taken."""
-        return self._stopping.is_set()
+        """Whether the drain (or stop) began and closed the listener: nothing new is taken, and a new
+        connection is refused (not left in the listener's backlog until its close resets it)."""
+        return self._listener_shut.is_set()
 
     def drain(self) -> None:
         """Take no new connection or request from now on; the requests in flight go on (`stop`
@@ -160,6 +162,7 @@ class StreamServer(Lifecycle):
             in_flight = self._in_flight
         self.slots.close()  # no connection is taken from now on
         shut(self._listener)  # wakes the accepting thread (a plain close does not, on Linux)
+        self._listener_shut.set()
         log.info("tensor stream on port %d draining: %d requests in flight", self.port, in_flight)
 
     def stop(self, grace: float = 2.0) -> None:
